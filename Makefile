@@ -1,0 +1,30 @@
+# Two commands work on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test install lint bench-all clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+	# torch first, pinned: the local CPU wheel; nothing may pull a CUDA build later.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev,dali,image,plot]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fastload bench
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fastload formats cuda_ops bench tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

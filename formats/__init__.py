@@ -1,0 +1,50 @@
+"""fastload's on-disk formats: the sharded fastload format (spec: FORMAT.md), and LMDB/HDF5 readers.
+
+Installed as `fastload.formats`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .columns import Block
+from .errors import ChecksumError, FormatError, SchemaError
+from .manifest import Manifest
+from .ragged import Ragged
+from .reader import FastloadDataset
+from .schema import Field, Schema
+from .storage import LocalStorage, Storage
+from .units import parse_size
+from .writer import BlockSource, write
+
+__all__ = [
+    "Block",
+    "BlockSource",
+    "ChecksumError",
+    "FastloadDataset",
+    "Field",
+    "FormatError",
+    "HDF5Dataset",
+    "LMDBDataset",
+    "LocalStorage",
+    "Manifest",
+    "Ragged",
+    "Schema",
+    "SchemaError",
+    "Storage",
+    "parse_size",
+    "write",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # LMDB and HDF5 readers import their libraries only when asked for.
+    if name == "LMDBDataset":
+        from .lmdb_dataset import LMDBDataset
+
+        return LMDBDataset
+    if name == "HDF5Dataset":
+        from .hdf5_dataset import HDF5Dataset
+
+        return HDF5Dataset
+    raise AttributeError(f"module 'fastload.formats' has no attribute {name!r}")

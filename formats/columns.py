@@ -1,0 +1,172 @@
+"""`Block`: a run of samples in columnar form, and the validation that builds it from sample dicts.
+
+The writer moves blocks, not samples: a columnar source (npy, HDF5) produces blocks with no
+per-sample Python at all; a dict source pays one validation pass per sample, here.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import SchemaError
+from .ragged import Ragged
+from .schema import Field, Schema
+
+__all__ = ["Block", "encode_samples", "image_size", "concat_blocks"]
+
+
+@dataclass
+class Block:
+    """`columns[name]` is an array of shape (n, *shape) for fixed fields, a `Ragged` for variable ones.
+
+    `image_hw[name]` holds (n, 2) uint32 (height, width) for image fields.
+    """
+
+    num_samples: int
+    columns: dict[str, np.ndarray | Ragged]
+    image_hw: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def slice(self, start: int, stop: int) -> Block:
+        cols: dict[str, np.ndarray | Ragged] = {}
+        for name, col in self.columns.items():
+            if isinstance(col, Ragged):
+                lo, hi = int(col.offsets[start]), int(col.offsets[stop])
+                cols[name] = Ragged(col.values[lo:hi], col.offsets[start : stop + 1] - lo, col.kind)
+            else:
+                cols[name] = col[start:stop]
+        hw = {name: arr[start:stop] for name, arr in self.image_hw.items()}
+        return Block(stop - start, cols, hw)
+
+    def sample_bytes(self, schema: Schema) -> np.ndarray:
+        """Stored bytes per sample (fixed columns + variable payloads), used to cut shards."""
+        sizes = np.zeros(self.num_samples, dtype=np.int64)
+        for f in schema:
+            if f.is_fixed or f.kind == "image":
+                sizes += f.item_bytes
+            col = self.columns[f.name]
+            if isinstance(col, Ragged):
+                sizes += col.lengths * f.dtype.itemsize + 8  # payload + one u8 offset
+        return sizes
+
+
+def concat_blocks(blocks: list[Block], schema: Schema) -> Block:
+    if len(blocks) == 1:
+        return blocks[0]
+    cols: dict[str, np.ndarray | Ragged] = {}
+    for f in schema:
+        parts = [b.columns[f.name] for b in blocks]
+        if f.is_fixed:
+            cols[f.name] = np.concatenate(parts)
+        else:
+            values = np.concatenate([p.values for p in parts])
+            lengths = np.concatenate([p.lengths for p in parts])
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            cols[f.name] = Ragged(values, offsets, parts[0].kind)
+    hw = {name: np.concatenate([b.image_hw[name] for b in blocks]) for name in blocks[0].image_hw}
+    return Block(sum(b.num_samples for b in blocks), cols, hw)
+
+
+def image_size(data: bytes | memoryview, where: str) -> tuple[int, int]:
+    """(height, width) read from an encoded image's header (Pillow reads only the header)."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:  # pragma: no cover - pillow is a core dependency
+        raise ImportError("image fields need Pillow to read image headers: pip install pillow") from exc
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise SchemaError(f"{where}: not a readable image ({exc})") from exc
+    return height, width
+
+
+def _where(first_index: int, i: int, name: str) -> str:
+    return f"sample {first_index + i}, field {name!r}"
+
+
+def _cast(arr: np.ndarray, f: Field, first_index: int, values: list[Any]) -> np.ndarray:
+    """Cast to the field dtype, refusing lossy casts (float->int, overflow)."""
+    src = arr.dtype
+    if src.kind not in "biuf" or (src.kind == "f" and f.dtype.kind in "biu") or (src.kind in "iu" and f.dtype.kind == "b"):
+        for i, v in enumerate(values):
+            a = np.asarray(v)
+            if a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and f.dtype.kind in "biu"):
+                raise SchemaError(
+                    f"{_where(first_index, i, f.name)}: expected {f.kind} of {f.dtype}, got {type(v).__name__} {a.dtype}"
+                )
+        raise SchemaError(f"field {f.name!r}: values of dtype {src} cannot be stored as {f.dtype}")
+    out = arr.astype(f.dtype, copy=False)
+    if src != f.dtype and src.kind in "iu" and f.dtype.kind in "iu" and not np.array_equal(out, arr):
+        bad = int(np.flatnonzero(out.reshape(len(out), -1) != arr.reshape(len(arr), -1))[0] // max(1, out[0].size))
+        raise SchemaError(f"{_where(first_index, bad, f.name)}: value out of range for {f.dtype}")
+    return out
+
+
+def _fixed_column(f: Field, values: list[Any], first_index: int) -> np.ndarray:
+    if f.kind == "ndarray":
+        for i, v in enumerate(values):
+            shape = np.shape(v)
+            if shape != f.shape:
+                raise SchemaError(f"{_where(first_index, i, f.name)}: shape {shape} != schema shape {f.shape}")
+    else:
+        for i, v in enumerate(values):
+            if not isinstance(v, (int, float, bool, np.generic)) and np.ndim(v) != 0:
+                raise SchemaError(f"{_where(first_index, i, f.name)}: expected a scalar, got {type(v).__name__}")
+    arr = np.asarray(values) if values else np.zeros((0, *f.shape), f.dtype)
+    return _cast(arr, f, first_index, values)
+
+
+def _variable_column(f: Field, values: list[Any], first_index: int) -> Ragged:
+    if f.kind in ("bytes", "image"):
+        for i, v in enumerate(values):
+            if not isinstance(v, (bytes, bytearray, memoryview, np.ndarray)) or (
+                isinstance(v, np.ndarray) and (v.dtype != np.uint8 or v.ndim != 1)
+            ):
+                raise SchemaError(f"{_where(first_index, i, f.name)}: expected bytes, got {type(v).__name__}")
+        return Ragged.from_list([bytes(v) if isinstance(v, np.ndarray) else v for v in values], kind=f.kind)
+    if f.kind == "string":
+        for i, v in enumerate(values):
+            if not isinstance(v, str):
+                raise SchemaError(f"{_where(first_index, i, f.name)}: expected str, got {type(v).__name__}")
+        return Ragged.from_list(values, kind="string")
+    parts = []
+    for i, v in enumerate(values):
+        a = np.asarray(v)
+        if a.ndim != 1:
+            raise SchemaError(f"{_where(first_index, i, f.name)}: expected a 1-D array, got shape {a.shape}")
+        if a.size and (a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and f.dtype.kind in "biu")):
+            raise SchemaError(f"{_where(first_index, i, f.name)}: expected numbers of {f.dtype}, got {a.dtype}")
+        cast = a.astype(f.dtype)
+        if a.size and a.dtype.kind in "iu" and not np.array_equal(cast, a):
+            raise SchemaError(f"{_where(first_index, i, f.name)}: value out of range for {f.dtype}")
+        parts.append(cast)
+    return Ragged.from_list(parts, kind="varray", dtype=f.dtype)
+
+
+def encode_samples(samples: list[dict[str, Any]], schema: Schema, *, first_index: int = 0) -> Block:
+    """Validate sample dicts against the schema and build a Block. Errors name sample and field."""
+    names = set(schema.names)
+    for i, s in enumerate(samples):
+        if not isinstance(s, dict):
+            raise SchemaError(f"sample {first_index + i}: expected a dict of fields, got {type(s).__name__}")
+        if s.keys() != names:
+            missing, extra = sorted(names - s.keys()), sorted(set(s) - names)
+            raise SchemaError(f"sample {first_index + i}: fields differ from the schema (missing {missing}, extra {extra})")
+    cols: dict[str, np.ndarray | Ragged] = {}
+    hw: dict[str, np.ndarray] = {}
+    for f in schema:
+        values = [s[f.name] for s in samples]
+        if f.is_fixed:
+            cols[f.name] = _fixed_column(f, values, first_index)
+        else:
+            cols[f.name] = _variable_column(f, values, first_index)
+        if f.kind == "image":
+            hw[f.name] = np.array(
+                [image_size(v, _where(first_index, i, f.name)) for i, v in enumerate(values)], dtype=np.uint32
+            ).reshape(-1, 2)
+    return Block(len(samples), cols, hw)

@@ -1,0 +1,70 @@
+"""`Ragged`: a batch of variable-length values as one flat buffer plus offsets.
+
+Variable-size fields (bytes, strings, encoded images, token arrays) travel through the
+batch path in this form, so a batch of them costs one gather and no per-sample Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Ragged"]
+
+KINDS = ("bytes", "string", "image", "varray")
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """`values[offsets[i]:offsets[i + 1]]` is sample i.
+
+    `kind` says how `to_list` materialises a sample: `bytes`/`image` -> bytes,
+    `string` -> str (UTF-8), `varray` -> a 1-D numpy array of `values.dtype`.
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray
+    kind: str = "varray"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Ragged kind must be one of {KINDS}, got {self.kind!r}")
+        if self.offsets.ndim != 1 or len(self.offsets) == 0:
+            raise ValueError("Ragged offsets must be a non-empty 1-D array")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __getitem__(self, i: int) -> Any:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a Ragged batch of {len(self)}")
+        i %= len(self)
+        part = self.values[self.offsets[i] : self.offsets[i + 1]]
+        if self.kind in ("bytes", "image"):
+            return part.tobytes()
+        if self.kind == "string":
+            return part.tobytes().decode("utf-8")
+        return part
+
+    def to_list(self) -> list[Any]:
+        return [self[i] for i in range(len(self))]
+
+    @classmethod
+    def from_list(cls, items: list[Any], *, kind: str, dtype: Any = np.uint8) -> Ragged:
+        """Build from per-sample values (bytes / str / 1-D arrays)."""
+        if kind == "string":
+            parts = [np.frombuffer(s.encode("utf-8"), np.uint8) for s in items]
+        elif kind in ("bytes", "image"):
+            parts = [np.frombuffer(bytes(b), np.uint8) for b in items]
+        else:
+            parts = [np.asarray(a, dtype=dtype).reshape(-1) for a in items]
+        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in parts], out=offsets[1:])
+        values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8 if kind != "varray" else dtype)
+        return cls(values=values, offsets=offsets, kind=kind)

@@ -1,0 +1,261 @@
+"""`FastloadDataset`: a map-style dataset over a fastload directory, with one vectorized gather per batch."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from .columns import Block
+from .errors import FormatError
+from .manifest import MANIFEST_NAME, Manifest
+from .ragged import Ragged
+from .schema import Schema
+from .shard import ShardReader, file_xxh3
+from .storage import LocalStorage, Storage
+
+__all__ = ["FastloadDataset", "gather_ragged", "sample_from_columns"]
+
+# Above this mean sample size (bytes), a ragged gather copies slice by slice (memcpy-bound);
+# below it, one vectorized index gather beats per-sample Python.
+_SLICE_COPY_MIN_BYTES = 256
+
+
+def gather_ragged(
+    sources: list[np.ndarray], source_of: np.ndarray, starts: np.ndarray, lengths: np.ndarray, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate `sources[source_of[i]][starts[i] : starts[i] + lengths[i]]` for every i -> (values, offsets)."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=dtype)
+    if len(lengths) == 0 or offsets[-1] == 0:
+        return values, offsets
+    if offsets[-1] * dtype.itemsize >= _SLICE_COPY_MIN_BYTES * len(lengths):
+        for i, (src, s, o0, o1) in enumerate(zip(source_of.tolist(), starts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist())):
+            values[o0:o1] = sources[src][s : s + o1 - o0]
+        return values, offsets
+    for src in np.unique(source_of).tolist():
+        rows = np.flatnonzero(source_of == src)
+        lens = lengths[rows]
+        dst = np.repeat(offsets[rows], lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
+        srci = np.repeat(starts[rows], lens) + (dst - np.repeat(offsets[rows], lens))
+        values[dst] = sources[src][srci]
+    return values, offsets
+
+
+def sample_from_columns(schema: Schema, batch: dict[str, Any], i: int) -> dict[str, Any]:
+    """Sample i of a columnar batch as the values `ds[i]` returns."""
+    out: dict[str, Any] = {}
+    for f in schema:
+        col = batch[f.name]
+        if f.kind == "scalar":
+            out[f.name] = col[i].item()
+        elif f.kind == "ndarray":
+            out[f.name] = col[i]
+        else:
+            out[f.name] = col[i]
+    return out
+
+
+class FastloadDataset:
+    """Map-style dataset over a fastload directory (see FORMAT.md).
+
+    `ds[i]` returns a dict (numpy arrays, Python scalars, bytes, str); `get_batch(indices)` returns
+    columns (arrays for fixed fields, `Ragged` for variable ones) read with one gather per field
+    and shard. Shards are mapped lazily; at most `max_open_shards` stay mapped (and pinned in the
+    storage's cache) at once.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        storage: Storage | None = None,
+        verify_checksums: bool = False,
+        max_open_shards: int = 64,
+    ) -> None:
+        if storage is None:
+            if root is None:
+                raise TypeError("FastloadDataset needs a root directory or a storage object")
+            storage = LocalStorage(root)
+        self.storage = storage
+        self.root = str(getattr(storage, "root", root))
+        self.verify_checksums = verify_checksums
+        self.max_open_shards = max(1, int(max_open_shards))
+        where = f"{self.root}/{MANIFEST_NAME}"
+        try:
+            raw = storage.read_small(MANIFEST_NAME)
+        except FormatError as exc:
+            raise FormatError(f"{where}: no manifest (not a fastload dataset, or an incomplete conversion: "
+                              f"re-run `fastload convert --resume`)") from exc
+        self.manifest = Manifest.loads(raw, where=where)
+        self.schema: Schema = self.manifest.schema
+        counts = np.array([s.num_samples for s in self.manifest.shards], dtype=np.int64)
+        self._starts = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self._starts[1:])
+        self._meta = self.manifest.meta_arrays(
+            storage.read_small(self.manifest.meta_file), where=f"{self.root}/{self.manifest.meta_file}"
+        )
+        for f in self.schema:
+            if not f.is_fixed and self._meta.get(f"{f.name}.length", np.zeros(0)).shape != (len(self),):
+                raise FormatError(f"{where}: meta has no per-sample lengths for field {f.name!r}")
+        self._open: OrderedDict[int, ShardReader] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- pickling: workers re-open their own mappings ------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"FastloadDataset({self.root!r}, samples={len(self)}, shards={self.num_shards}, fields={self.schema.names})"
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest.shards)
+
+    @property
+    def shard_boundaries(self) -> np.ndarray:
+        """Global index where each shard starts, plus the total (length num_shards + 1)."""
+        return self._starts.copy()
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return self.manifest.attrs
+
+    def lengths(self, field: str) -> np.ndarray:
+        """Per-sample lengths of a variable field (items for varray, bytes otherwise), from the index."""
+        f = self.schema[field]
+        if f.is_fixed:
+            raise ValueError(f"field {field!r} is fixed-size ({f.kind}); lengths exist for variable fields")
+        return self._meta[f"{field}.length"]
+
+    def image_sizes(self, field: str) -> np.ndarray:
+        """(N, 2) uint32 (height, width) of an image field, from the index."""
+        if self.schema[field].kind != "image":
+            raise ValueError(f"field {field!r} is not an image field")
+        return self._meta[f"{field}.hw"]
+
+    # -- shards ---------------------------------------------------------------------------------
+    def shard(self, k: int) -> ShardReader:
+        """The mapped shard k (opened on first use, least recently used one closed past the limit)."""
+        with self._lock:
+            reader = self._open.get(k)
+            if reader is not None:
+                self._open.move_to_end(k)
+                return reader
+            info = self.manifest.shards[k]
+            path = self.storage.acquire(info.file, size=info.bytes, xxh3=info.xxh3)
+            where = f"{self.root}/{info.file}"
+            try:
+                if self.verify_checksums and file_xxh3(path) != info.xxh3:
+                    raise FormatError(f"{where}: checksum mismatch (corrupted shard)")
+                reader = ShardReader(path, self.schema, num_samples=info.num_samples, nbytes=info.bytes, where=where)
+            except BaseException:
+                self.storage.release(info.file)
+                raise
+            self._open[k] = reader
+            while len(self._open) > self.max_open_shards:
+                old_k, old = self._open.popitem(last=False)
+                old.close()
+                self.storage.release(self.manifest.shards[old_k].file)
+            return reader
+
+    def close(self) -> None:
+        with self._lock:
+            while self._open:
+                k, reader = self._open.popitem()
+                reader.close()
+                self.storage.release(self.manifest.shards[k].file)
+
+    def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(shard ids, local indices) for global indices; negative indices count from the end."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            bad = idx[(idx < -n) | (idx >= n)][0]
+            raise IndexError(f"sample index {int(bad)} out of range for a dataset of {n} samples ({self.root})")
+        idx = np.where(idx < 0, idx + n, idx)
+        shard_ids = np.searchsorted(self._starts, idx, side="right") - 1
+        return shard_ids, idx - self._starts[shard_ids]
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get_batch(self, indices: Any, *, fields: list[str] | None = None) -> dict[str, Any]:
+        """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable ones."""
+        shard_ids, local = self.locate(indices)
+        wanted = [self.schema[name] for name in fields] if fields is not None else list(self.schema)
+        groups = [(int(k), None) for k in np.unique(shard_ids)]
+        if len(groups) == 1:
+            groups = [(groups[0][0], slice(None))]
+        else:
+            groups = [(k, np.flatnonzero(shard_ids == k)) for k, _ in groups]
+        readers = {k: self.shard(k) for k, _ in groups}
+        out: dict[str, Any] = {}
+        for f in wanted:
+            if f.is_fixed:
+                if len(groups) == 1:
+                    out[f.name] = readers[groups[0][0]].fixed[f.name].take(local, axis=0)
+                    continue
+                col = np.empty((len(local), *f.shape), dtype=f.dtype)
+                for k, rows in groups:
+                    col[rows] = readers[k].fixed[f.name].take(local[rows], axis=0)
+                out[f.name] = col
+                continue
+            shard_list = sorted(readers)
+            src_of = np.searchsorted(shard_list, shard_ids)
+            starts = np.empty(len(local), dtype=np.int64)
+            lengths = np.empty(len(local), dtype=np.int64)
+            for k, rows in groups:
+                offs = readers[k].ragged[f.name][0]
+                lo = offs[local[rows]]
+                starts[rows] = lo
+                lengths[rows] = offs[local[rows] + 1] - lo
+            values, offsets = gather_ragged(
+                [readers[k].ragged[f.name][1] for k in shard_list], src_of, starts, lengths, f.dtype
+            )
+            out[f.name] = Ragged(values, offsets, f.kind)
+        return out
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        batch = self.get_batch(indices)
+        return [sample_from_columns(self.schema, batch, i) for i in range(len(indices))]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"dataset indices must be integers, got {type(index).__name__}")
+        shard_ids, local = self.locate([index])
+        reader, i = self.shard(int(shard_ids[0])), int(local[0])
+        out: dict[str, Any] = {}
+        for f in self.schema:
+            if f.kind == "scalar":
+                out[f.name] = reader.fixed[f.name][i].item()
+            elif f.kind == "ndarray":
+                out[f.name] = reader.fixed[f.name][i].copy()
+            else:
+                offs, values = reader.ragged[f.name]
+                part = values[offs[i] : offs[i + 1]]
+                if f.kind in ("bytes", "image"):
+                    out[f.name] = part.tobytes()
+                elif f.kind == "string":
+                    out[f.name] = part.tobytes().decode("utf-8")
+                else:
+                    out[f.name] = part.copy()
+        return out
+
+    def read_block(self, start: int, stop: int) -> Block:
+        """Samples [start, stop) as a writer `Block` (used by conversion and verification)."""
+        batch = self.get_batch(np.arange(start, stop))
+        hw = {f.name: self.image_sizes(f.name)[start:stop] for f in self.schema if f.kind == "image"}
+        return Block(stop - start, batch, hw)

@@ -1,0 +1,156 @@
+"""Typed schema of a fastload dataset: one `Field` per column, no pickle anywhere.
+
+Kinds:
+- ``scalar``: one int/float/bool per sample (stored as a fixed-size column).
+- ``ndarray``: a fixed-shape array of any numeric numpy dtype (fixed-size column).
+- ``bytes``: variable-length bytes (offsets table + blob).
+- ``string``: variable-length UTF-8 text (offsets table + blob).
+- ``image``: encoded image bytes (JPEG/PNG/...) plus a stored (height, width) column.
+- ``varray``: a variable-length 1-D numeric array, e.g. token ids (offsets table + blob).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import SchemaError
+
+__all__ = ["Field", "Schema", "FIXED_KINDS", "VARIABLE_KINDS", "KIND_CODES", "infer_field"]
+
+FIXED_KINDS = ("scalar", "ndarray")
+VARIABLE_KINDS = ("bytes", "string", "image", "varray")
+KIND_CODES = {"scalar": 1, "ndarray": 2, "bytes": 3, "string": 4, "image": 5, "varray": 6}
+
+
+def _check_dtype(dtype: np.dtype, where: str) -> np.dtype:
+    if dtype.kind not in "biuf" or dtype.hasobject or dtype.fields is not None:
+        raise SchemaError(f"{where}: dtype {dtype} is not supported (numeric bool/int/uint/float only)")
+    return dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+
+
+@dataclass(frozen=True)
+class Field:
+    """One column. `dtype` is the element dtype (uint8 for bytes/string/image)."""
+
+    name: str
+    kind: str
+    dtype: np.dtype = field(default_factory=lambda: np.dtype(np.uint8))
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            raise SchemaError(f"field name must be a non-empty string without '/', got {self.name!r}")
+        if self.kind not in KIND_CODES:
+            raise SchemaError(f"field {self.name!r}: unknown kind {self.kind!r}; expected one of {list(KIND_CODES)}")
+        dtype = _check_dtype(np.dtype(self.dtype), f"field {self.name!r}")
+        if self.kind in ("bytes", "string", "image"):
+            dtype = np.dtype(np.uint8)
+        object.__setattr__(self, "dtype", dtype)
+        shape = tuple(int(s) for s in self.shape)
+        if self.kind != "ndarray" and shape:
+            raise SchemaError(f"field {self.name!r}: only ndarray fields have a shape")
+        if any(s < 0 for s in shape):
+            raise SchemaError(f"field {self.name!r}: negative dimension in shape {shape}")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def is_fixed(self) -> bool:
+        return self.kind in FIXED_KINDS
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes per sample in the fixed-size column (image: the stored height/width pair)."""
+        if self.kind == "image":
+            return 8
+        return self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "dtype": self.dtype.str, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Field:
+        if not isinstance(obj, dict) or not {"name", "kind", "dtype"} <= set(obj):
+            raise SchemaError(f"malformed field entry {obj!r}")
+        shape = obj.get("shape", [])
+        if not isinstance(shape, list) or not all(isinstance(s, int) for s in shape):
+            raise SchemaError(f"field {obj.get('name')!r}: malformed shape {shape!r}")
+        try:
+            dtype = np.dtype(str(obj["dtype"]))
+        except TypeError as exc:
+            raise SchemaError(f"field {obj.get('name')!r}: bad dtype {obj['dtype']!r}") from exc
+        return cls(name=obj["name"], kind=obj["kind"], dtype=dtype, shape=tuple(shape))
+
+
+@dataclass(frozen=True)
+class Schema:
+    """An ordered list of fields with unique names."""
+
+    fields: tuple[Field, ...]
+
+    def __post_init__(self) -> None:
+        if not self.fields:
+            raise SchemaError("a schema needs at least one field")
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise SchemaError(f"duplicate field names in schema: {names}")
+
+    def __iter__(self):
+        return iter(self.fields)
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    def __getitem__(self, name: str) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"no field {name!r} in schema (fields: {self.names})")
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.fields]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [f.to_json() for f in self.fields]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Schema:
+        if not isinstance(obj, list):
+            raise SchemaError(f"schema must be a list of fields, got {type(obj).__name__}")
+        return cls(tuple(Field.from_json(f) for f in obj))
+
+    @classmethod
+    def infer(cls, sample: dict[str, Any]) -> Schema:
+        """Infer a schema from one sample. Pass an explicit schema for images (bytes are inferred as ``bytes``)."""
+        if not isinstance(sample, dict) or not sample:
+            raise SchemaError(f"a sample must be a non-empty dict of fields, got {type(sample).__name__}")
+        return cls(tuple(infer_field(name, value) for name, value in sample.items()))
+
+
+def infer_field(name: str, value: Any) -> Field:
+    """The field kind a Python value maps to."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return Field(name, "bytes")
+    if isinstance(value, str):
+        return Field(name, "string")
+    if isinstance(value, (bool, np.bool_)):
+        return Field(name, "scalar", np.dtype(np.bool_))
+    if isinstance(value, (int, np.integer)):
+        return Field(name, "scalar", np.dtype(np.int64) if isinstance(value, int) else value.dtype)
+    if isinstance(value, (float, np.floating)):
+        return Field(name, "scalar", np.dtype(np.float64) if isinstance(value, float) else value.dtype)
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            return Field(name, "scalar", value.dtype)
+        return Field(name, "ndarray", value.dtype, value.shape)
+    if isinstance(value, (list, tuple)):
+        arr = np.asarray(value)
+        if arr.ndim != 1 or arr.dtype.kind not in "biuf":
+            raise SchemaError(f"field {name!r}: a list must be a flat list of numbers, got {value!r:.80}")
+        if arr.dtype.kind in "iu":
+            arr = arr.astype(np.int64)
+        return Field(name, "varray", arr.dtype)
+    raise SchemaError(f"field {name!r}: cannot store a value of type {type(value).__name__} (no pickle)")

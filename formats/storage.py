@@ -1,0 +1,65 @@
+"""Where a dataset's files come from. `LocalStorage` is a directory; remote storage lives in `fastload.remote`.
+
+The reader asks a storage object for small files (manifest, meta) as bytes and for shards as
+local paths it can mmap; `acquire` pins a shard (a cache must not evict it) until `release`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, runtime_checkable
+
+from .errors import FormatError
+from .manifest import check_relative_path
+
+__all__ = ["Storage", "LocalStorage"]
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What `FastloadDataset` needs from a place that holds a dataset."""
+
+    def read_small(self, name: str) -> bytes: ...
+
+    def acquire(self, name: str, *, size: int, xxh3: str) -> str: ...
+
+    def release(self, name: str) -> None: ...
+
+    def prefetch(self, names: list[str]) -> None: ...
+
+
+class LocalStorage:
+    """A dataset directory on a local file system: zero-copy, no cache."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.realpath(os.fspath(root))
+        if not os.path.isdir(self.root):
+            raise FileNotFoundError(f"dataset directory {self.root!r} does not exist")
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.root!r})"
+
+    def path(self, name: str) -> str:
+        """The local path of a relative name; refuses names (or symlinks) that leave the root."""
+        rel = check_relative_path(name, self.root)
+        full = os.path.realpath(os.path.join(self.root, rel))
+        if os.path.commonpath([full, self.root]) != self.root:
+            raise FormatError(f"{self.root}: {name!r} resolves outside the dataset root")
+        return full
+
+    def read_small(self, name: str) -> bytes:
+        path = self.path(name)
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except FileNotFoundError as exc:
+            raise FormatError(f"{path}: file is missing") from exc
+
+    def acquire(self, name: str, *, size: int, xxh3: str) -> str:
+        return self.path(name)
+
+    def release(self, name: str) -> None:
+        return None
+
+    def prefetch(self, names: list[str]) -> None:
+        return None

@@ -1,0 +1,340 @@
+"""`write`: turn samples into a fastload dataset, atomically, deterministically, resumably.
+
+- Shard boundaries depend only on the samples and `shard_size`, never on `workers` or timing,
+  so the output is byte-identical for the same input and settings.
+- Every file is written as `NAME.tmp`, fsynced and renamed; `index.json` is written last, so a
+  crashed run never leaves a directory that opens as a dataset.
+- `resume=True` keeps the consecutive run of finished shards from an interrupted run (checked
+  against their own headers and the recorded settings) and continues after them; the result is
+  identical to an uninterrupted run.
+- Map-style sources are encoded in parallel worker processes; shards are written by a thread pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .columns import Block, concat_blocks, encode_samples
+from .errors import FormatError, SchemaError
+from .manifest import MANIFEST_NAME, META_NAME, Manifest, MetaColumn
+from .schema import Schema
+from .shard import ShardInfo, ShardReader, file_xxh3, write_shard
+from .units import parse_size
+
+__all__ = ["write", "BlockSource", "DEFAULT_SHARD_SIZE"]
+
+DEFAULT_SHARD_SIZE = 64 << 20
+PROGRESS_NAME = ".fastload-progress.json"
+_ENCODE_CHUNK = 512
+
+
+@dataclass
+class BlockSource:
+    """A columnar source: `schema`, `num_samples`, and `blocks(start)` yielding Blocks from sample `start` on."""
+
+    schema: Schema
+    num_samples: int
+    blocks: Any  # Callable[[int], Iterator[Block]]
+    attrs: dict[str, Any] | None = None
+
+
+def _shard_name(k: int) -> str:
+    return f"shards/shard-{k:05d}.fls"
+
+
+_WORKER_SOURCE: tuple[Any, Schema] | None = None
+
+
+def _set_worker_source(dataset: Any, schema: Schema) -> None:
+    global _WORKER_SOURCE
+    _WORKER_SOURCE = (dataset, schema)
+
+
+def _encode_range(bounds: tuple[int, int]) -> Block:
+    assert _WORKER_SOURCE is not None
+    dataset, schema = _WORKER_SOURCE
+    start, stop = bounds
+    return encode_samples([dataset[i] for i in range(start, stop)], schema, first_index=start)
+
+
+def _iter_dict_blocks(samples: Iterable[dict[str, Any]], schema: Schema, start: int) -> Iterator[Block]:
+    """Blocks from an iterable of dicts, skipping the first `start` samples (resume)."""
+    it = iter(samples)
+    for _ in range(start):
+        if next(it, None) is None:
+            return
+    chunk: list[dict[str, Any]] = []
+    index = start
+    for sample in it:
+        chunk.append(sample)
+        if len(chunk) == _ENCODE_CHUNK:
+            yield encode_samples(chunk, schema, first_index=index)
+            index += len(chunk)
+            chunk = []
+    if chunk:
+        yield encode_samples(chunk, schema, first_index=index)
+
+
+def _iter_dataset_blocks(dataset: Any, schema: Schema, start: int, workers: int) -> Iterator[Block]:
+    """Blocks from a map-style dataset, encoded in worker processes, in order."""
+    n = len(dataset)
+    ranges = [(s, min(s + _ENCODE_CHUNK, n)) for s in range(start, n, _ENCODE_CHUNK)]
+    if workers <= 1 or len(ranges) <= 1:
+        for s, e in ranges:
+            yield encode_samples([dataset[i] for i in range(s, e)], schema, first_index=s)
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_set_worker_source, initargs=(dataset, schema)) as pool:
+        yield from pool.imap(_encode_range, ranges, chunksize=1)
+
+
+class _ShardCutter:
+    """Accumulates blocks and cuts them into shards of at most `shard_size` bytes at sample boundaries."""
+
+    def __init__(self, schema: Schema, shard_size: int) -> None:
+        self.schema, self.shard_size = schema, shard_size
+        self.pending: list[Block] = []
+        self.pending_bytes = 0
+
+    def add(self, block: Block, first_index: int) -> Iterator[Block]:
+        sizes = block.sample_bytes(self.schema)
+        too_big = np.flatnonzero(sizes > self.shard_size)
+        if too_big.size:
+            i = int(too_big[0])
+            raise SchemaError(
+                f"sample {first_index + i} is {int(sizes[i])} bytes, larger than the shard size {self.shard_size}: "
+                "raise --shard-size"
+            )
+        pos = 0
+        while pos < block.num_samples:
+            cum = np.cumsum(sizes[pos:]) + self.pending_bytes
+            fit = int(np.searchsorted(cum, self.shard_size, side="right"))
+            if fit == block.num_samples - pos:
+                self.pending.append(block.slice(pos, block.num_samples) if pos else block)
+                self.pending_bytes = int(cum[-1])
+                return
+            if fit:
+                self.pending.append(block.slice(pos, pos + fit))
+            pos += fit
+            yield self.flush()
+
+    def flush(self) -> Block:
+        out = concat_blocks(self.pending, self.schema)
+        self.pending, self.pending_bytes = [], 0
+        return out
+
+
+def _settings(schema: Schema, shard_size: int, num_samples: int | None) -> dict[str, Any]:
+    return {"schema": schema.to_json(), "shard_size": shard_size, "num_samples": num_samples}
+
+
+def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema) -> list[ShardInfo]:
+    """Finished shards of an interrupted run that can be kept (a consecutive prefix), or [] to start over."""
+    progress_path = os.path.join(out_dir, PROGRESS_NAME)
+    try:
+        with open(progress_path) as fh:
+            recorded = json.load(fh)
+    except (OSError, json.JSONDecodeError):
+        return []
+    if recorded != settings:
+        raise FormatError(
+            f"{out_dir}: cannot resume: the interrupted conversion used other settings "
+            f"(schema/shard size/sample count); remove the directory or use the same settings"
+        )
+    kept = []
+    for k in range(1_000_000):
+        path = os.path.join(out_dir, _shard_name(k))
+        if not os.path.exists(path):
+            break
+        size = os.path.getsize(path)
+        try:
+            with open(path, "rb") as fh:
+                header = np.frombuffer(fh.read(64), dtype=np.uint8)
+            n = int(header[16:24].view("<u8")[0]) if len(header) == 64 else -1
+            ShardReader(path, schema, num_samples=n, nbytes=size).close()
+        except (FormatError, ValueError, IndexError):
+            break
+        kept.append(ShardInfo(file=_shard_name(k), num_samples=n, bytes=size, xxh3=file_xxh3(path)))
+    return kept
+
+
+def _meta_from_shards(out_dir: str, schema: Schema, shards: list[ShardInfo]) -> tuple[bytes, list[MetaColumn]]:
+    """Per-sample lengths and image sizes for meta.bin, read back from the shards' offset tables."""
+    pieces: dict[str, list[np.ndarray]] = {}
+    for info in shards:
+        reader = ShardReader(os.path.join(out_dir, info.file), schema, num_samples=info.num_samples, nbytes=info.bytes)
+        for f in schema:
+            if not f.is_fixed:
+                pieces.setdefault(f"{f.name}.length", []).append(np.diff(reader.ragged[f.name][0]).astype("<i8"))
+            if f.kind == "image":
+                pieces.setdefault(f"{f.name}.hw", []).append(np.array(reader.image_hw[f.name], dtype="<u4"))
+        reader.close()
+    columns, chunks, offset = [], [], 0
+    for f in schema:
+        for key in ([f"{f.name}.length"] if not f.is_fixed else []) + ([f"{f.name}.hw"] if f.kind == "image" else []):
+            parts = pieces.get(key) or [np.zeros((0, 2) if key.endswith(".hw") else 0, "<u4" if key.endswith(".hw") else "<i8")]
+            arr = np.ascontiguousarray(np.concatenate(parts))
+            columns.append(MetaColumn(name=key, dtype=arr.dtype.str, shape=arr.shape, offset=offset))
+            chunks.append(arr.tobytes())
+            offset += arr.nbytes
+    return b"".join(chunks), columns
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(
+    source: Any,
+    out_dir: str | os.PathLike[str],
+    *,
+    schema: Schema | None = None,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    workers: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    attrs: dict[str, Any] | None = None,
+) -> Manifest:
+    """Write `source` as a fastload dataset in `out_dir` and return its manifest.
+
+    `source`: a `BlockSource`, a map-style dataset (``len`` + ``__getitem__`` returning dicts; encoded
+    in `workers` processes) or any iterable of dicts. `schema` is inferred from the first sample when
+    omitted (pass it for image fields: raw bytes infer as ``bytes``).
+    """
+    out_dir = os.fspath(out_dir)
+    shard_size = parse_size(shard_size)
+    if shard_size < 4096:
+        raise ValueError(f"shard_size must be at least 4096 bytes, got {shard_size}")
+    workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
+    if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
+        if resume and not overwrite:
+            # A previous run finished (possibly killed just before removing its progress file).
+            with open(os.path.join(out_dir, MANIFEST_NAME), "rb") as fh:
+                manifest = Manifest.loads(fh.read(), where=os.path.join(out_dir, MANIFEST_NAME))
+            if os.path.exists(os.path.join(out_dir, PROGRESS_NAME)):
+                os.remove(os.path.join(out_dir, PROGRESS_NAME))
+            return manifest
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} already holds a dataset; pass overwrite=True (--overwrite) to replace it")
+        shutil.rmtree(out_dir)
+    is_map = isinstance(source, BlockSource) or (hasattr(source, "__len__") and hasattr(source, "__getitem__"))
+    num_samples = source.num_samples if isinstance(source, BlockSource) else (len(source) if is_map else None)
+
+    first: dict[str, Any] | None = None
+    if isinstance(source, BlockSource):
+        schema = schema or source.schema
+        attrs = {**(source.attrs or {}), **(attrs or {})}
+    elif schema is None:
+        if is_map:
+            if num_samples == 0:
+                raise ValueError("the source is empty: nothing to convert")
+            first = source[0]
+        else:
+            source = iter(source)
+            first = next(source, None)
+            if first is None:
+                raise ValueError("the source is empty: nothing to convert")
+            source = _chain_first(first, source)
+        schema = Schema.infer(first)
+    if num_samples == 0:
+        raise ValueError("the source is empty: nothing to convert")
+
+    os.makedirs(os.path.join(out_dir, "shards"), exist_ok=True)
+    settings = _settings(schema, shard_size, num_samples)
+    kept = _resume_point(out_dir, settings, schema) if resume else []
+    if not resume:
+        for name in os.listdir(os.path.join(out_dir, "shards")):
+            os.remove(os.path.join(out_dir, "shards", name))
+    _write_atomic(os.path.join(out_dir, PROGRESS_NAME), json.dumps(settings).encode())
+    start = sum(s.num_samples for s in kept)
+
+    if isinstance(source, BlockSource):
+        blocks = source.blocks(start)
+    elif is_map:
+        blocks = _iter_dataset_blocks(source, schema, start, workers)
+    else:
+        blocks = _iter_dict_blocks(source, schema, start)
+
+    bar = _progress(progress, num_samples, start)
+    shards: list[ShardInfo | Future[ShardInfo]] = list(kept)
+    cutter = _ShardCutter(schema, shard_size)
+    index, written_bytes, t0 = start, 0, time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+
+        def submit(block: Block) -> None:
+            nonlocal written_bytes
+            k = len(shards)
+            shards.append(pool.submit(write_shard, os.path.join(out_dir, _shard_name(k)), block, schema, name=_shard_name(k)))
+            written_bytes += int(block.sample_bytes(schema).sum())
+
+        for block in blocks:
+            for full in cutter.add(block, index):
+                submit(full)
+            index += block.num_samples
+            if bar is not None:
+                bar.update(block.num_samples)
+                bar.set_postfix(MBps=f"{written_bytes / 1e6 / max(time.perf_counter() - t0, 1e-9):.0f}")
+        if cutter.pending:
+            submit(cutter.flush())
+        infos = [s.result() if isinstance(s, Future) else s for s in shards]
+    if bar is not None:
+        bar.close()
+    if not infos or sum(s.num_samples for s in infos) == 0:
+        raise ValueError("the source is empty: nothing to convert")
+    if num_samples is not None and index != num_samples:
+        raise FormatError(f"source yielded {index} samples but its length is {num_samples}")
+
+    meta, columns = _meta_from_shards(out_dir, schema, infos)
+    _write_atomic(os.path.join(out_dir, META_NAME), meta)
+    manifest = Manifest(
+        schema=schema,
+        shards=infos,
+        meta_bytes=len(meta),
+        meta_xxh3=xxhash.xxh3_64_hexdigest(meta),
+        meta_columns=columns,
+        attrs=dict(attrs or {}),
+    )
+    _fsync_dir(os.path.join(out_dir, "shards"))
+    _write_atomic(os.path.join(out_dir, MANIFEST_NAME), manifest.dumps())
+    os.remove(os.path.join(out_dir, PROGRESS_NAME))
+    _fsync_dir(out_dir)
+    return manifest
+
+
+def _chain_first(first: dict[str, Any], rest: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    yield first
+    yield from rest
+
+
+def _progress(enabled: bool, total: int | None, initial: int) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="samples", unit_scale=True, desc="convert", smoothing=0.1)

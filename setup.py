@@ -1,0 +1,43 @@
+"""fastload: keeps GPUs fed during training.
+
+`formats/` and `cuda_ops/` live at the top of the repository (the design card) but
+install as `fastload.formats` and `fastload.cuda_ops`, so no generic top-level name
+lands in site-packages.
+"""
+
+from setuptools import setup
+
+setup(
+    name="fastload",
+    version="0.1.0",
+    description="A data loader that keeps GPUs fed: sharded format, zero-pickle workers, pinned ring, side-stream H2D.",
+    python_requires=">=3.10",
+    packages=["fastload", "fastload.formats", "fastload.cuda_ops"],
+    package_dir={
+        "fastload": "fastload",
+        "fastload.formats": "formats",
+        "fastload.cuda_ops": "cuda_ops",
+    },
+    package_data={
+        "fastload.formats": ["FORMAT.md"],
+        "fastload.cuda_ops": ["kernels/*.cu"],
+    },
+    install_requires=[
+        "torch",
+        "numpy",
+        "h5py",
+        "fsspec",
+        "lmdb",
+        "xxhash",
+        "tqdm",
+        "psutil",
+    ],
+    extras_require={
+        "s3": ["s3fs"],
+        "dali": ["nvidia-dali-cuda130"],
+        "image": ["simplejpeg", "pillow"],
+        "plot": ["matplotlib"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "moto[server]", "s3fs", "ruff", "pillow", "simplejpeg"],
+    },
+    entry_points={"console_scripts": ["fastload=fastload.cli:main"]},
+)
