@@ -16,7 +16,7 @@ from .errors import SchemaError
 from .ragged import Ragged
 from .schema import Field, Schema
 
-__all__ = ["Block", "encode_samples", "image_size", "concat_blocks"]
+__all__ = ["Block", "concat_blocks", "encode_samples", "image_size"]
 
 
 @dataclass
@@ -92,12 +92,17 @@ def _where(first_index: int, i: int, name: str) -> str:
 def _cast(arr: np.ndarray, f: Field, first_index: int, values: list[Any]) -> np.ndarray:
     """Cast to the field dtype, refusing lossy casts (float->int, overflow)."""
     src = arr.dtype
-    if src.kind not in "biuf" or (src.kind == "f" and f.dtype.kind in "biu") or (src.kind in "iu" and f.dtype.kind == "b"):
+    if (
+        src.kind not in "biuf"
+        or (src.kind == "f" and f.dtype.kind in "biu")
+        or (src.kind in "iu" and f.dtype.kind == "b")
+    ):
         for i, v in enumerate(values):
             a = np.asarray(v)
             if a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and f.dtype.kind in "biu"):
                 raise SchemaError(
-                    f"{_where(first_index, i, f.name)}: expected {f.kind} of {f.dtype}, got {type(v).__name__} {a.dtype}"
+                    f"{_where(first_index, i, f.name)}: expected {f.kind} of {f.dtype}, "
+                    f"got {type(v).__name__} {a.dtype}"
                 )
         raise SchemaError(f"field {f.name!r}: values of dtype {src} cannot be stored as {f.dtype}")
     out = arr.astype(f.dtype, copy=False)
@@ -156,7 +161,9 @@ def encode_samples(samples: list[dict[str, Any]], schema: Schema, *, first_index
             raise SchemaError(f"sample {first_index + i}: expected a dict of fields, got {type(s).__name__}")
         if s.keys() != names:
             missing, extra = sorted(names - s.keys()), sorted(set(s) - names)
-            raise SchemaError(f"sample {first_index + i}: fields differ from the schema (missing {missing}, extra {extra})")
+            raise SchemaError(
+                f"sample {first_index + i}: fields differ from the schema (missing {missing}, extra {extra})"
+            )
     cols: dict[str, np.ndarray | Ragged] = {}
     hw: dict[str, np.ndarray] = {}
     for f in schema:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["FormatError", "SchemaError", "ChecksumError"]
+__all__ = ["ChecksumError", "FormatError", "SchemaError"]
 
 
 class FormatError(ValueError):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
-    "SHARD_MAGIC",
-    "FORMAT_VERSION",
     "ALIGN",
-    "HEADER_DTYPE",
     "ENTRY_DTYPE",
+    "FORMAT_VERSION",
+    "HEADER_DTYPE",
+    "SHARD_MAGIC",
     "align_up",
 ]
 

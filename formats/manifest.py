@@ -20,7 +20,7 @@ from .layout import FORMAT_VERSION
 from .schema import Schema
 from .shard import ShardInfo
 
-__all__ = ["Manifest", "MetaColumn", "MANIFEST_NAME", "META_NAME", "FORMAT_NAME", "check_relative_path"]
+__all__ = ["FORMAT_NAME", "MANIFEST_NAME", "META_NAME", "Manifest", "MetaColumn", "check_relative_path"]
 
 MANIFEST_NAME = "index.json"
 META_NAME = "meta.bin"
@@ -33,7 +33,13 @@ def check_relative_path(name: Any, where: str) -> str:
     if not isinstance(name, str) or not name or "\\" in name or "\x00" in name:
         raise FormatError(f"{where}: invalid file name {name!r}")
     norm = posixpath.normpath(name)
-    if name.startswith("/") or norm.startswith("/") or norm == ".." or norm.startswith("../") or ".." in name.split("/"):
+    if (
+        name.startswith("/")
+        or norm.startswith("/")
+        or norm == ".."
+        or norm.startswith("../")
+        or ".." in name.split("/")
+    ):
         raise FormatError(f"{where}: file name {name!r} leaves the dataset root")
     return norm
 
@@ -70,13 +76,16 @@ class Manifest:
             "version": FORMAT_VERSION,
             "num_samples": self.num_samples,
             "schema": self.schema.to_json(),
-            "shards": [{"file": s.file, "num_samples": s.num_samples, "bytes": s.bytes, "xxh3": s.xxh3} for s in self.shards],
+            "shards": [
+                {"file": s.file, "num_samples": s.num_samples, "bytes": s.bytes, "xxh3": s.xxh3} for s in self.shards
+            ],
             "meta": {
                 "file": self.meta_file,
                 "bytes": self.meta_bytes,
                 "xxh3": self.meta_xxh3,
                 "columns": [
-                    {"name": c.name, "dtype": c.dtype, "shape": list(c.shape), "offset": c.offset} for c in self.meta_columns
+                    {"name": c.name, "dtype": c.dtype, "shape": list(c.shape), "offset": c.offset}
+                    for c in self.meta_columns
                 ],
             },
             "attrs": self.attrs,
@@ -123,7 +132,9 @@ class Manifest:
                 raise
             raise FormatError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
         if manifest.num_samples != body.get("num_samples"):
-            raise FormatError(f"{where}: num_samples {body.get('num_samples')} != sum over shards {manifest.num_samples}")
+            raise FormatError(
+                f"{where}: num_samples {body.get('num_samples')} != sum over shards {manifest.num_samples}"
+            )
         for c in columns:
             if c.offset + c.nbytes > manifest.meta_bytes:
                 raise FormatError(f"{where}: meta column {c.name!r} lies outside {manifest.meta_file}")

@@ -34,7 +34,9 @@ def gather_ragged(
     if len(lengths) == 0 or offsets[-1] == 0:
         return values, offsets
     if offsets[-1] * dtype.itemsize >= _SLICE_COPY_MIN_BYTES * len(lengths):
-        for i, (src, s, o0, o1) in enumerate(zip(source_of.tolist(), starts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist())):
+        for src, s, o0, o1 in (
+            zip(source_of.tolist(), starts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist())
+        ):
             values[o0:o1] = sources[src][s : s + o1 - o0]
         return values, offsets
     for src in np.unique(source_of).tolist():
@@ -89,8 +91,10 @@ class FastloadDataset:
         try:
             raw = storage.read_small(MANIFEST_NAME)
         except FormatError as exc:
-            raise FormatError(f"{where}: no manifest (not a fastload dataset, or an incomplete conversion: "
-                              f"re-run `fastload convert --resume`)") from exc
+            raise FormatError(
+                f"{where}: no manifest (not a fastload dataset, or an incomplete conversion: "
+                f"re-run `fastload convert --resume`)"
+            ) from exc
         self.manifest = Manifest.loads(raw, where=where)
         self.schema: Schema = self.manifest.schema
         counts = np.array([s.num_samples for s in self.manifest.shards], dtype=np.int64)
@@ -103,21 +107,26 @@ class FastloadDataset:
             if not f.is_fixed and self._meta.get(f"{f.name}.length", np.zeros(0)).shape != (len(self),):
                 raise FormatError(f"{where}: meta has no per-sample lengths for field {f.name!r}")
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
+        self._fields = list(self.schema)
         self._lock = threading.Lock()
+        self._local = threading.local()
 
     # -- pickling: workers re-open their own mappings ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
-        del state["_lock"]
+        del state["_lock"], state["_local"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._local = threading.local()
 
     def __repr__(self) -> str:
-        return f"FastloadDataset({self.root!r}, samples={len(self)}, shards={self.num_shards}, fields={self.schema.names})"
+        return (
+            f"FastloadDataset({self.root!r}, samples={len(self)}, shards={self.num_shards}, fields={self.schema.names})"
+        )
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -150,11 +159,13 @@ class FastloadDataset:
 
     # -- shards ---------------------------------------------------------------------------------
     def shard(self, k: int) -> ShardReader:
-        """The mapped shard k (opened on first use, least recently used one closed past the limit)."""
+        """The mapped shard k (opened on first use; past `max_open_shards`, the longest-open one is closed)."""
+        reader = self._open.get(k)
+        if reader is not None:
+            return reader
         with self._lock:
             reader = self._open.get(k)
             if reader is not None:
-                self._open.move_to_end(k)
                 return reader
             info = self.manifest.shards[k]
             path = self.storage.acquire(info.file, size=info.bytes, xxh3=info.xxh3)
@@ -180,48 +191,77 @@ class FastloadDataset:
                 reader.close()
                 self.storage.release(self.manifest.shards[k].file)
 
-    def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
-        """(shard ids, local indices) for global indices; negative indices count from the end."""
+    def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(indices, shard ids, local indices) for global indices; negative indices count from the end."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(self)
-        if idx.size and (idx.min() < -n or idx.max() >= n):
-            bad = idx[(idx < -n) | (idx >= n)][0]
-            raise IndexError(f"sample index {int(bad)} out of range for a dataset of {n} samples ({self.root})")
-        idx = np.where(idx < 0, idx + n, idx)
+        if idx.size:
+            lo, hi = idx.min(), idx.max()
+            if lo < -n or hi >= n:
+                bad = idx[(idx < -n) | (idx >= n)][0]
+                raise IndexError(f"sample index {int(bad)} out of range for a dataset of {n} samples ({self.root})")
+            if lo < 0:
+                idx = np.where(idx < 0, idx + n, idx)
         shard_ids = np.searchsorted(self._starts, idx, side="right") - 1
-        return shard_ids, idx - self._starts[shard_ids]
+        return idx, shard_ids, idx - self._starts[shard_ids]
 
     # -- reads ----------------------------------------------------------------------------------
+    @staticmethod
+    def _groups(idx: np.ndarray, shard_ids: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int, int]]]:
+        """Group batch rows by shard: (order or None when already grouped, [(shard, start, stop)] in that order).
+
+        An unsorted batch is read in ascending index order (grouped by shard, ascending rows within
+        each mapping), then put back in the caller's order with one more pass.
+        """
+        order = None
+        if len(shard_ids) > 1 and np.any(shard_ids[1:] < shard_ids[:-1]):
+            order = np.argsort(idx)
+            shard_ids = shard_ids[order]
+        cuts = np.flatnonzero(shard_ids[1:] != shard_ids[:-1]) + 1
+        bounds = [0, *cuts.tolist(), len(shard_ids)]
+        return order, [(int(shard_ids[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+    def _scratch(self, f: Any, shape: tuple[int, ...]) -> np.ndarray:
+        """A per-thread buffer reused across batches: a fresh large buffer per batch costs a page fault per 4 KiB."""
+        pool = self._local.__dict__.setdefault("scratch", {})
+        buf = pool.get(f.name)
+        if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:] or buf.dtype != f.dtype:
+            buf = pool[f.name] = np.empty(shape, dtype=f.dtype)
+        return buf[: shape[0]]
+
     def get_batch(self, indices: Any, *, fields: list[str] | None = None) -> dict[str, Any]:
-        """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable ones."""
-        shard_ids, local = self.locate(indices)
-        wanted = [self.schema[name] for name in fields] if fields is not None else list(self.schema)
-        groups = [(int(k), None) for k in np.unique(shard_ids)]
-        if len(groups) == 1:
-            groups = [(groups[0][0], slice(None))]
-        else:
-            groups = [(k, np.flatnonzero(shard_ids == k)) for k, _ in groups]
-        readers = {k: self.shard(k) for k, _ in groups}
+        """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable ones.
+
+        Rows are gathered shard by shard with one `np.take` each; when `indices` are not grouped by
+        shard (a shuffled batch), rows are gathered in shard order and put back in one more pass.
+        """
+        idx, shard_ids, local = self.locate(indices)
+        wanted = self._fields if fields is None else [self.schema[name] for name in fields]
+        order, groups = self._groups(idx, shard_ids)
+        if order is not None:
+            local = local[order]
+        readers = {k: self.shard(k) for k, _, _ in groups}
+        inverse = None if order is None else np.argsort(order)
         out: dict[str, Any] = {}
         for f in wanted:
             if f.is_fixed:
-                if len(groups) == 1:
-                    out[f.name] = readers[groups[0][0]].fixed[f.name].take(local, axis=0)
-                    continue
-                col = np.empty((len(local), *f.shape), dtype=f.dtype)
-                for k, rows in groups:
-                    col[rows] = readers[k].fixed[f.name].take(local[rows], axis=0)
-                out[f.name] = col
+                shape = (len(local), *f.shape)
+                col = np.empty(shape, dtype=f.dtype) if inverse is None else self._scratch(f, shape)
+                for k, a, b in groups:
+                    np.take(readers[k].fixed[f.name], local[a:b], axis=0, out=col[a:b], mode="clip")
+                out[f.name] = col if inverse is None else np.take(col, inverse, axis=0)
                 continue
             shard_list = sorted(readers)
-            src_of = np.searchsorted(shard_list, shard_ids)
+            src_of = np.empty(len(local), dtype=np.int64)
             starts = np.empty(len(local), dtype=np.int64)
             lengths = np.empty(len(local), dtype=np.int64)
-            for k, rows in groups:
+            for k, a, b in groups:
                 offs = readers[k].ragged[f.name][0]
-                lo = offs[local[rows]]
-                starts[rows] = lo
-                lengths[rows] = offs[local[rows] + 1] - lo
+                lo = offs[local[a:b]]
+                starts[a:b], lengths[a:b] = lo, offs[local[a:b] + 1] - lo
+                src_of[a:b] = shard_list.index(k)
+            if inverse is not None:
+                src_of, starts, lengths = src_of[inverse], starts[inverse], lengths[inverse]
             values, offsets = gather_ragged(
                 [readers[k].ragged[f.name][1] for k in shard_list], src_of, starts, lengths, f.dtype
             )
@@ -235,7 +275,7 @@ class FastloadDataset:
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not isinstance(index, (int, np.integer)):
             raise TypeError(f"dataset indices must be integers, got {type(index).__name__}")
-        shard_ids, local = self.locate([index])
+        _, shard_ids, local = self.locate([index])
         reader, i = self.shard(int(shard_ids[0])), int(local[0])
         out: dict[str, Any] = {}
         for f in self.schema:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import SchemaError
 
-__all__ = ["Field", "Schema", "FIXED_KINDS", "VARIABLE_KINDS", "KIND_CODES", "infer_field"]
+__all__ = ["FIXED_KINDS", "KIND_CODES", "VARIABLE_KINDS", "Field", "Schema", "infer_field"]
 
 FIXED_KINDS = ("scalar", "ndarray")
 VARIABLE_KINDS = ("bytes", "string", "image", "varray")

@@ -20,7 +20,7 @@ from .layout import ALIGN, ENTRY_DTYPE, FORMAT_VERSION, HEADER_DTYPE, SHARD_MAGI
 from .ragged import Ragged
 from .schema import KIND_CODES, Schema
 
-__all__ = ["ShardInfo", "write_shard", "ShardReader", "file_xxh3"]
+__all__ = ["ShardInfo", "ShardReader", "file_xxh3", "write_shard"]
 
 _PAD = bytes(ALIGN)
 
@@ -116,7 +116,9 @@ def write_shard(path: str, block: Block, schema: Schema, *, name: str) -> ShardI
 
 def _section(buf: np.ndarray, offset: int, size: int, what: str, where: str) -> np.ndarray:
     if offset < 0 or size < 0 or offset + size > len(buf) or (size and offset < HEADER_DTYPE.itemsize):
-        raise FormatError(f"{where}: {what} section [{offset}, {offset + size}) lies outside the file ({len(buf)} bytes)")
+        raise FormatError(
+            f"{where}: {what} section [{offset}, {offset + size}) lies outside the file ({len(buf)} bytes)"
+        )
     return buf[offset : offset + size]
 
 
@@ -145,7 +147,9 @@ class ShardReader:
         if bytes(header["magic"]) != SHARD_MAGIC:
             raise FormatError(f"{where}: bad magic {bytes(header['magic'])!r}, not a fastload shard")
         if int(header["version"]) != FORMAT_VERSION:
-            raise FormatError(f"{where}: format version {int(header['version'])}, this reader supports {FORMAT_VERSION}")
+            raise FormatError(
+                f"{where}: format version {int(header['version'])}, this reader supports {FORMAT_VERSION}"
+            )
         if int(header["num_fields"]) != len(schema):
             raise FormatError(f"{where}: {int(header['num_fields'])} fields in shard, schema has {len(schema)}")
         n = int(header["num_samples"])

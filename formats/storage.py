@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 from .errors import FormatError
 from .manifest import check_relative_path
 
-__all__ = ["Storage", "LocalStorage"]
+__all__ = ["LocalStorage", "Storage"]
 
 
 @runtime_checkable

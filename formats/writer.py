@@ -31,7 +31,7 @@ from .schema import Schema
 from .shard import ShardInfo, ShardReader, file_xxh3, write_shard
 from .units import parse_size
 
-__all__ = ["write", "BlockSource", "DEFAULT_SHARD_SIZE"]
+__all__ = ["DEFAULT_SHARD_SIZE", "BlockSource", "write"]
 
 DEFAULT_SHARD_SIZE = 64 << 20
 PROGRESS_NAME = ".fastload-progress.json"
@@ -184,7 +184,9 @@ def _meta_from_shards(out_dir: str, schema: Schema, shards: list[ShardInfo]) -> 
     columns, chunks, offset = [], [], 0
     for f in schema:
         for key in ([f"{f.name}.length"] if not f.is_fixed else []) + ([f"{f.name}.hw"] if f.kind == "image" else []):
-            parts = pieces.get(key) or [np.zeros((0, 2) if key.endswith(".hw") else 0, "<u4" if key.endswith(".hw") else "<i8")]
+            parts = pieces.get(key) or [
+                np.zeros((0, 2) if key.endswith(".hw") else 0, "<u4" if key.endswith(".hw") else "<i8")
+            ]
             arr = np.ascontiguousarray(np.concatenate(parts))
             columns.append(MetaColumn(name=key, dtype=arr.dtype.str, shape=arr.shape, offset=offset))
             chunks.append(arr.tobytes())
@@ -290,7 +292,9 @@ def write(
         def submit(block: Block) -> None:
             nonlocal written_bytes
             k = len(shards)
-            shards.append(pool.submit(write_shard, os.path.join(out_dir, _shard_name(k)), block, schema, name=_shard_name(k)))
+            shards.append(
+                pool.submit(write_shard, os.path.join(out_dir, _shard_name(k)), block, schema, name=_shard_name(k))
+            )
             written_bytes += int(block.sample_bytes(schema).sum())
 
         for block in blocks:

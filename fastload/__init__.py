@@ -1,0 +1,42 @@
+"""fastload: keeps GPUs fed during training.
+
+Public API (imported lazily, so `import fastload` is cheap and never fails for a missing
+optional dependency such as DALI):
+
+- `fastload.Loader`: drop-in replacement for `torch.utils.data.DataLoader`.
+- `fastload.open_dataset(path_or_url, ...)`: a fastload dataset, local (mmap) or remote (cached).
+- `fastload.formats`: the on-disk format (`write`, readers for fastload/LMDB/HDF5).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "open_dataset": "fastload.dataset",
+    "FastloadDataset": "fastload.formats",
+    "LMDBDataset": "fastload.formats",
+    "HDF5Dataset": "fastload.formats",
+    "Ragged": "fastload.formats",
+    "Schema": "fastload.formats",
+    "Field": "fastload.formats",
+    "write": "fastload.formats",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

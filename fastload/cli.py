@@ -1,0 +1,152 @@
+"""The `fastload` command: convert, inspect, verify, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["main"]
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from fastload.formats import write
+    from fastload.formats.sources import open_source
+    from fastload.formats.units import format_size
+
+    source, schema, attrs = open_source(args.src, args.kind)
+    manifest = write(
+        source,
+        args.out,
+        schema=schema,
+        shard_size=args.shard_size,
+        workers=args.workers,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        attrs=attrs,
+    )
+    total = sum(s.bytes for s in manifest.shards)
+    print(f"wrote {manifest.num_samples} samples in {len(manifest.shards)} shards ({format_size(total)}) to {args.out}")
+    return 0
+
+
+def _histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
+    if len(lengths) == 0:
+        return ["    (no samples)"]
+    top = int(lengths.max())
+    edges = [0] + [2**k for k in range(0, max(1, top).bit_length() + 1)]
+    counts, _ = np.histogram(lengths, bins=np.array(edges + [edges[-1] * 2]))
+    peak = max(1, counts.max())
+    lines = []
+    for lo, hi, c in zip(edges, edges[1:] + [edges[-1] * 2], counts):
+        if c:
+            lines.append(f"    [{lo:>8}, {hi:>8})  {c:>9}  {'#' * max(1, int(width * c / peak))}")
+    return lines
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from fastload.dataset import open_dataset
+    from fastload.formats.units import format_size
+
+    ds = open_dataset(args.dataset)
+    m = ds.manifest
+    sizes = [s.bytes for s in m.shards]
+    print(f"dataset   {ds.root}")
+    print(f"samples   {len(ds)}")
+    print(f"shards    {len(m.shards)}  (total {format_size(sum(sizes))}, "
+          f"min {format_size(min(sizes))}, max {format_size(max(sizes))})")
+    if m.attrs:
+        print(f"attrs     {', '.join(f'{k}={v!r:.60}' for k, v in m.attrs.items())}")
+    print("fields")
+    for f in ds.schema:
+        shape = f" shape={list(f.shape)}" if f.shape else ""
+        print(f"  {f.name:<20} {f.kind:<8} dtype={f.dtype.str}{shape}")
+        if not f.is_fixed:
+            lengths = ds.lengths(f.name)
+            if len(lengths):
+                print(
+                    f"    length: min {lengths.min()}, mean {lengths.mean():.1f}, "
+                    f"p50 {int(np.median(lengths))}, p99 {int(np.percentile(lengths, 99))}, max {lengths.max()}"
+                )
+            print("\n".join(_histogram(lengths)))
+        if f.kind == "image":
+            hw = ds.image_sizes(f.name)
+            if len(hw):
+                print(f"    height {hw[:, 0].min()}..{hw[:, 0].max()}, width {hw[:, 1].min()}..{hw[:, 1].max()}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from fastload.formats.verify import verify_dataset
+
+    problems = verify_dataset(args.dataset)
+    if problems:
+        for p in problems:
+            print(f"BAD  {p}", file=sys.stderr)
+        print(f"{len(problems)} problem(s) found in {args.dataset}", file=sys.stderr)
+        return 1
+    print(f"OK   {args.dataset}: every checksum and offsets table is intact")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from fastload.benchmark import run_cli
+
+    return run_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastload.formats.sources import SOURCE_KINDS
+
+    parser = argparse.ArgumentParser(prog="fastload", description="fastload: keep GPUs fed.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
+    p.add_argument("src", help="source path (image folder, .npy file/dir, .jsonl, LMDB dir, HDF5 file)")
+    p.add_argument("out", help="output dataset directory")
+    p.add_argument("--kind", choices=SOURCE_KINDS, help="source kind (detected when omitted)")
+    p.add_argument("--shard-size", default="64MiB", help="target shard size, e.g. 64MiB (default)")
+    p.add_argument("--workers", type=int, default=None, help="encoder processes / writer threads")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("inspect", help="print schema, counts, sizes and length histograms")
+    p.add_argument("dataset")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad shard")
+    p.add_argument("dataset")
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("bench", help="I/O throughput benchmark vs the PyTorch DataLoader and the raw limits")
+    try:
+        from fastload.benchmark import add_arguments
+    except ImportError:  # the benchmark module is optional while it is being built
+        add_arguments = None
+    if add_arguments is not None:
+        add_arguments(p)
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from fastload.formats.errors import FormatError, SchemaError
+
+    try:
+        return int(args.func(args) or 0)
+    except (FormatError, SchemaError, FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"fastload {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fastload {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""`HDF5Dataset`: a map-style dataset over the datasets of an HDF5 file that share a first dimension.
+
+Contiguous, unfiltered datasets are mapped directly with numpy at their file offset (no HDF5 call
+per read). Chunked or compressed datasets are read through h5py in sorted batches with a chunk
+cache sized to hold the chunks a batch touches. Variable-length datasets (vlen numbers, strings,
+bytes) become `varray`/`string`/`bytes` fields.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError
+from .ragged import Ragged
+from .schema import Field, Schema
+
+__all__ = ["HDF5Dataset"]
+
+DEFAULT_CHUNK_CACHE = 128 << 20
+
+
+def _field_for(name: str, ds: Any) -> Field:
+    import h5py
+
+    vlen = h5py.check_vlen_dtype(ds.dtype)
+    string = h5py.check_string_dtype(ds.dtype)
+    if ds.ndim == 0:
+        raise FormatError(f"{ds.file.filename}:{ds.name}: scalar dataset has no samples")
+    if string is not None:
+        if ds.ndim != 1:
+            raise FormatError(f"{ds.file.filename}:{ds.name}: string datasets must be 1-D")
+        return Field(name, "string" if string.encoding == "utf-8" else "bytes")
+    if vlen is not None:
+        if ds.ndim != 1:
+            raise FormatError(f"{ds.file.filename}:{ds.name}: variable-length datasets must be 1-D")
+        return Field(name, "varray", np.dtype(vlen))
+    if ds.dtype.kind not in "biuf":
+        raise FormatError(f"{ds.file.filename}:{ds.name}: dtype {ds.dtype} is not supported")
+    if ds.ndim == 1:
+        return Field(name, "scalar", ds.dtype)
+    return Field(name, "ndarray", ds.dtype, ds.shape[1:])
+
+
+class HDF5Dataset:
+    """Read-only HDF5 source with the batched dataset protocol (`get_batch`, `__getitems__`)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fields: list[str] | None = None,
+        chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE,
+    ) -> None:
+        import h5py
+
+        self.path = os.fspath(path)
+        self.chunk_cache_bytes = chunk_cache_bytes
+        self._file: Any = None
+        self._pid = -1
+        h5 = self._h5()
+        if fields is None:
+            fields = []
+            h5.visititems(lambda name, obj: fields.append(name) if isinstance(obj, h5py.Dataset) else None)
+        if not fields:
+            raise FormatError(f"{self.path}: no datasets in the HDF5 file")
+        lengths = {}
+        for name in fields:
+            if name not in h5 or not isinstance(h5[name], h5py.Dataset):
+                raise FormatError(f"{self.path}: no dataset {name!r}")
+            lengths[name] = h5[name].shape[0] if h5[name].ndim else 0
+        if len(set(lengths.values())) != 1:
+            raise FormatError(f"{self.path}: datasets differ in length (first dimension): {lengths}")
+        self._n = next(iter(lengths.values()))
+        self.schema = Schema(tuple(_field_for(name, h5[name]) for name in fields))
+        self._direct: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
+        size = os.path.getsize(self.path)
+        for f in self.schema:
+            ds = h5[f.name]
+            offset = ds.id.get_offset() if f.is_fixed and ds.chunks is None and ds.compression is None else None
+            if offset is not None:
+                if offset + ds.size * ds.dtype.itemsize > size:
+                    raise FormatError(f"{self.path}:{f.name}: data offset {offset} + size lies outside the file")
+                self._direct[f.name] = (offset, ds.shape, ds.dtype)
+        self._maps: dict[str, np.ndarray] = {}
+
+    def _h5(self) -> Any:
+        import h5py
+
+        if self._file is None or self._pid != os.getpid():
+            try:
+                self._file = h5py.File(self.path, "r", rdcc_nbytes=self.chunk_cache_bytes, rdcc_nslots=1_000_003)
+            except OSError as exc:
+                raise FormatError(f"{self.path}: cannot open as HDF5 ({exc})") from exc
+            self._pid = os.getpid()
+            self._maps = {}
+        return self._file
+
+    def _map(self, name: str) -> np.ndarray:
+        arr = self._maps.get(name)
+        if arr is None or self._pid != os.getpid():
+            self._h5()
+            offset, shape, dtype = self._direct[name]
+            arr = self._maps[name] = np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=shape)
+        return arr
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_file"], state["_pid"], state["_maps"] = None, -1, {}
+        return state
+
+    def __repr__(self) -> str:
+        return f"HDF5Dataset({self.path!r}, samples={len(self)}, fields={self.schema.names})"
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def direct_fields(self) -> list[str]:
+        """Fields read through a direct numpy mapping (contiguous, unfiltered)."""
+        return list(self._direct)
+
+    def _check(self, idx: np.ndarray) -> np.ndarray:
+        if idx.size and (idx.min() < -self._n or idx.max() >= self._n):
+            bad = idx[(idx < -self._n) | (idx >= self._n)][0]
+            raise IndexError(f"sample index {int(bad)} out of range for {self._n} samples in {self.path}")
+        return np.where(idx < 0, idx + self._n, idx)
+
+    def _read_h5(self, name: str, idx: np.ndarray) -> Any:
+        """Rows `idx` through h5py: one sorted, de-duplicated selection, then back in caller order."""
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        data = self._h5()[name][uniq] if len(uniq) else self._h5()[name][:0]
+        return data[inverse]
+
+    def get_batch(self, indices: Any) -> dict[str, Any]:
+        idx = self._check(np.asarray(indices, dtype=np.int64).reshape(-1))
+        out: dict[str, Any] = {}
+        for f in self.schema:
+            if f.name in self._direct:
+                out[f.name] = self._map(f.name)[idx]
+            elif f.is_fixed:
+                out[f.name] = np.asarray(self._read_h5(f.name, idx))
+            else:
+                rows = self._read_h5(f.name, idx)
+                if f.kind == "string":
+                    rows = [r.decode("utf-8") if isinstance(r, bytes) else str(r) for r in rows]
+                elif f.kind == "bytes":
+                    rows = [bytes(r) for r in rows]
+                out[f.name] = Ragged.from_list(list(rows), kind=f.kind, dtype=f.dtype)
+        return out
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        batch = self.get_batch(indices)
+        return [self._sample(batch, i) for i in range(len(indices))]
+
+    def _sample(self, batch: dict[str, Any], i: int) -> dict[str, Any]:
+        out = {}
+        for f in self.schema:
+            col = batch[f.name]
+            out[f.name] = col[i].item() if f.kind == "scalar" else col[i]
+        return out
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._sample(self.get_batch([index]), 0)
+
+    def lengths(self, field: str) -> np.ndarray:
+        f = self.schema[field]
+        if f.is_fixed:
+            raise ValueError(f"field {field!r} is fixed-size")
+        return np.fromiter((len(r) for r in self._h5()[field]), dtype=np.int64, count=self._n)

@@ -1,0 +1,115 @@
+"""`LMDBDataset`: a map-style dataset over an LMDB environment, read lock-free with one transaction per batch.
+
+Sample i is the i-th key in key order: ``{"key": bytes, "value": bytes}``. Values are returned as raw
+bytes and never unpickled. Keys are listed once at open (a cursor walk, no values read).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError
+from .ragged import Ragged
+from .reader import gather_ragged
+from .schema import Field, Schema
+
+__all__ = ["LMDBDataset"]
+
+
+class LMDBDataset:
+    """Read-only LMDB source: `readonly=True, lock=False, readahead=False`, zero-copy buffers within a batch."""
+
+    schema = Schema((Field("key", "bytes"), Field("value", "bytes")))
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, subdir: bool | None = None, map_size: int | None = None
+    ) -> None:
+        self.path = os.fspath(path)
+        self.subdir = os.path.isdir(self.path) if subdir is None else subdir
+        self._env: Any = None
+        self._pid = -1
+        env = self._environment()
+        with env.begin(buffers=False) as txn:
+            keys = list(txn.cursor().iternext(keys=True, values=False))
+        self._keys = keys
+
+    def _environment(self) -> Any:
+        import lmdb
+
+        if self._env is None or self._pid != os.getpid():
+            try:
+                self._env = lmdb.open(
+                    self.path,
+                    subdir=self.subdir,
+                    readonly=True,
+                    lock=False,
+                    readahead=False,
+                    meminit=False,
+                    max_readers=512,
+                )
+            except lmdb.Error as exc:
+                raise FormatError(f"{self.path}: cannot open as LMDB ({exc})") from exc
+            self._pid = os.getpid()
+        return self._env
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_env"], state["_pid"] = None, -1
+        return state
+
+    def __repr__(self) -> str:
+        return f"LMDBDataset({self.path!r}, samples={len(self)})"
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def keys(self) -> list[bytes]:
+        return list(self._keys)
+
+    def _key(self, i: int) -> bytes:
+        n = len(self._keys)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} out of range for {n} records in {self.path}")
+        return self._keys[i]
+
+    def lengths(self, field: str = "value") -> np.ndarray:
+        """Value sizes in bytes (reads every value once; LMDB keeps no separate index of sizes)."""
+        if field != "value":
+            raise ValueError("LMDBDataset has lengths for the 'value' field only")
+        env = self._environment()
+        with env.begin(buffers=True) as txn:
+            return np.fromiter((len(txn.get(k)) for k in self._keys), dtype=np.int64, count=len(self._keys))
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        key = self._key(int(index))
+        with self._environment().begin(buffers=False) as txn:
+            value = txn.get(key)
+        if value is None:
+            raise FormatError(f"{self.path}: key {key!r} (sample {index}) disappeared")
+        return {"key": key, "value": value}
+
+    def get_batch(self, indices: Any) -> dict[str, Ragged]:
+        """Keys and values of a batch, read in key order within one read transaction."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        keys = [self._key(i) for i in idx.tolist()]
+        order = np.argsort(idx, kind="stable")
+        views: list[Any] = [None] * len(keys)
+        with self._environment().begin(buffers=True) as txn:
+            for j in order.tolist():
+                views[j] = txn.get(keys[j])
+                if views[j] is None:
+                    raise FormatError(f"{self.path}: key {keys[j]!r} (sample {int(idx[j])}) disappeared")
+            sources = [np.frombuffer(v, dtype=np.uint8) for v in views]
+            lengths = np.fromiter((len(v) for v in views), dtype=np.int64, count=len(views))
+            values, offsets = gather_ragged(
+                sources, np.arange(len(views)), np.zeros(len(views), np.int64), lengths, np.dtype(np.uint8)
+            )
+            del sources, views
+        return {"key": Ragged.from_list(keys, kind="bytes"), "value": Ragged(values, offsets, "bytes")}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        batch = self.get_batch(indices)
+        return [{"key": batch["key"][i], "value": batch["value"][i]} for i in range(len(indices))]

@@ -1,0 +1,204 @@
+"""Source kinds that `fastload convert` reads: image folders, numpy arrays, JSON lines, LMDB, HDF5.
+
+Each `open_source` result is something `write()` accepts: a `BlockSource` for columnar sources
+(npy, HDF5 — no per-sample Python), or a map-style dataset of sample dicts (image folders, JSON
+lines, LMDB) that `write()` encodes in worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .columns import Block
+from .errors import FormatError, SchemaError
+from .schema import Field, Schema, infer_field
+from .writer import BlockSource
+
+__all__ = ["SOURCE_KINDS", "ImageFolder", "JsonLines", "detect_kind", "open_source"]
+
+SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+_BLOCK_ROWS = 8192
+
+
+def detect_kind(src: str) -> str:
+    """Guess the source kind from the path; raise naming the path when it cannot."""
+    if os.path.isfile(src):
+        lower = src.lower()
+        if lower.endswith(".npy"):
+            return "npy"
+        if lower.endswith((".jsonl", ".json", ".ndjson")):
+            return "jsonl"
+        if lower.endswith((".h5", ".hdf5", ".hdf")):
+            return "hdf5"
+        if lower.endswith(".mdb"):
+            return "lmdb"
+        with open(src, "rb") as fh:
+            magic = fh.read(8)
+        if magic == b"\x89HDF\r\n\x1a\n":
+            return "hdf5"
+        raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
+    if os.path.isdir(src):
+        entries = os.listdir(src)
+        if "data.mdb" in entries:
+            return "lmdb"
+        if entries and all(e.endswith(".npy") for e in entries if not e.startswith(".")):
+            return "npy"
+        if any(os.path.isdir(os.path.join(src, e)) for e in entries):
+            return "imagefolder"
+        raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
+    raise FileNotFoundError(f"source {src!r} does not exist")
+
+
+class ImageFolder:
+    """`root/<class>/<image>` → ``{"image": encoded bytes, "label": class index}``, classes and files sorted."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.classes = sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)))
+        self.files: list[tuple[str, int]] = []
+        for label, cls in enumerate(self.classes):
+            for dirpath, dirnames, filenames in os.walk(os.path.join(root, cls)):
+                dirnames.sort()
+                self.files += [
+                    (os.path.join(dirpath, f), label) for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS)
+                ]
+        if not self.files:
+            raise FormatError(f"{root}: no images found (expected {root}/<class>/<image>.jpg)")
+        self.schema = Schema((Field("image", "image"), Field("label", "scalar", np.dtype(np.int64))))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        path, label = self.files[i]
+        with open(path, "rb") as fh:
+            return {"image": fh.read(), "label": label}
+
+
+class JsonLines:
+    """One JSON object per line; lists of numbers become `varray` fields (e.g. pre-tokenized `input_ids`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._offsets: list[int] = []
+        with open(path, "rb") as fh:
+            pos = 0
+            for line in fh:
+                if line.strip():
+                    self._offsets.append(pos)
+                pos += len(line)
+        if not self._offsets:
+            raise FormatError(f"{path}: no JSON lines")
+        self._fh: Any = None
+        first = self[0]
+        self.schema = Schema(tuple(_json_field(k, v, path) for k, v in first.items()))
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fh": None}
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self._fh is None:
+            self._fh = open(self.path, "rb")  # noqa: SIM115 - kept open for the source's lifetime
+        self._fh.seek(self._offsets[i])
+        line = self._fh.readline()
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SchemaError(f"{self.path}: sample {i} is not valid JSON ({exc})") from exc
+        if not isinstance(obj, dict):
+            raise SchemaError(f"{self.path}: sample {i} is not a JSON object")
+        return obj
+
+
+def _json_field(name: str, value: Any, path: str) -> Field:
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        top = max((abs(v) for v in value), default=0)
+        return Field(name, "varray", np.dtype(np.int32 if top < 2**31 else np.int64))
+    if isinstance(value, list):
+        return Field(name, "varray", np.dtype(np.float32))
+    if isinstance(value, (dict, type(None))):
+        raise SchemaError(
+            f"{path}: field {name!r} of sample 0 is {type(value).__name__}; only numbers, strings and lists"
+        )
+    return infer_field(name, value)
+
+
+def _npy_source(src: str) -> BlockSource:
+    paths = (
+        [src] if os.path.isfile(src) else sorted(os.path.join(src, e) for e in os.listdir(src) if e.endswith(".npy"))
+    )
+    arrays = {}
+    for p in paths:
+        try:
+            arrays[os.path.splitext(os.path.basename(p))[0] if len(paths) > 1 else "data"] = np.load(
+                p, mmap_mode="r", allow_pickle=False
+            )
+        except ValueError as exc:
+            raise FormatError(f"{p}: cannot read as a numeric .npy array ({exc})") from exc
+    lengths = {k: len(a) if a.ndim else 0 for k, a in arrays.items()}
+    if len(set(lengths.values())) != 1:
+        raise FormatError(f"{src}: arrays differ in length (first dimension): {lengths}")
+    n = next(iter(lengths.values()))
+    schema = Schema(
+        tuple(
+            Field(k, "scalar", a.dtype) if a.ndim == 1 else Field(k, "ndarray", a.dtype, a.shape[1:])
+            for k, a in arrays.items()
+        )
+    )
+
+    def blocks(start: int) -> Iterator[Block]:
+        for s in range(start, n, _BLOCK_ROWS):
+            e = min(s + _BLOCK_ROWS, n)
+            yield Block(e - s, {k: np.ascontiguousarray(a[s:e]) for k, a in arrays.items()})
+
+    return BlockSource(schema=schema, num_samples=n, blocks=blocks)
+
+
+def _hdf5_source(src: str) -> BlockSource | Any:
+    from .hdf5_dataset import HDF5Dataset
+
+    ds = HDF5Dataset(src)
+    n = len(ds)
+
+    def blocks(start: int) -> Iterator[Block]:
+        for s in range(start, n, _BLOCK_ROWS):
+            e = min(s + _BLOCK_ROWS, n)
+            yield Block(e - s, ds.get_batch(np.arange(s, e)))
+
+    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks)
+
+
+def open_source(src: str, kind: str | None = None) -> tuple[Any, Schema | None, dict[str, Any]]:
+    """(source for `write`, schema or None, attrs to store in the manifest)."""
+    kind = kind or detect_kind(src)
+    if kind not in SOURCE_KINDS:
+        raise ValueError(f"unknown source kind {kind!r}; expected one of {SOURCE_KINDS}")
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"source {src!r} does not exist")
+    if kind == "imagefolder":
+        folder = ImageFolder(src)
+        return folder, folder.schema, {"classes": folder.classes, "source": "imagefolder"}
+    if kind == "jsonl":
+        lines = JsonLines(src)
+        return lines, lines.schema, {"source": "jsonl"}
+    if kind == "lmdb":
+        from .lmdb_dataset import LMDBDataset
+
+        db = LMDBDataset(src)
+        if len(db) == 0:
+            raise ValueError(f"{src}: the LMDB database is empty: nothing to convert")
+        return db, db.schema, {"source": "lmdb"}
+    if kind == "npy":
+        source = _npy_source(src)
+        return source, source.schema, {"source": "npy"}
+    source = _hdf5_source(src)
+    return source, source.schema, {"source": "hdf5"}

@@ -1,0 +1,398 @@
+"""The fastload format: byte-for-byte round trips, batched reads, and every bad-input case."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from fastload.formats import FastloadDataset, Field, FormatError, Ragged, Schema, SchemaError, write
+from fastload.formats.layout import HEADER_DTYPE
+from fastload.formats.verify import verify_dataset
+
+NUMERIC = st.sampled_from([np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_])
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, float) and isinstance(b, float) and np.isnan(a) and np.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+@st.composite
+def datasets(draw):
+    """A schema covering a random subset of kinds and 1-40 samples of it."""
+    fields, gens = [], []
+    if draw(st.booleans()):
+        dt = np.dtype(draw(NUMERIC))
+        fields.append(Field("scalar", "scalar", dt))
+        gens.append(hnp.from_dtype(dt).map(lambda v: v.item()))
+    if draw(st.booleans()):
+        dt = np.dtype(draw(NUMERIC))
+        shape = draw(hnp.array_shapes(min_dims=1, max_dims=3, max_side=4))
+        fields.append(Field("array", "ndarray", dt, shape))
+        gens.append(hnp.arrays(dt, shape))
+    if draw(st.booleans()):
+        fields.append(Field("blob", "bytes"))
+        gens.append(st.binary(max_size=300))
+    if draw(st.booleans()):
+        fields.append(Field("text", "string"))
+        gens.append(st.text(max_size=50))
+    if draw(st.booleans()) or not fields:
+        dt = np.dtype(draw(st.sampled_from([np.int32, np.int64, np.uint16, np.float32])))
+        fields.append(Field("tokens", "varray", dt))
+        gens.append(hnp.arrays(dt, st.integers(0, 70)))
+    n = draw(st.integers(1, 40))
+    rows = draw(st.lists(st.tuples(*gens), min_size=n, max_size=n))
+    samples = [{f.name: v for f, v in zip(fields, row)} for row in rows]
+    return Schema(tuple(fields)), samples
+
+
+def _expected(schema: Schema, sample: dict) -> dict:
+    out = {}
+    for f in schema:
+        v = sample[f.name]
+        if f.kind == "scalar":
+            out[f.name] = np.asarray(v, dtype=f.dtype).item()
+        elif f.kind in ("ndarray", "varray"):
+            out[f.name] = np.asarray(v, dtype=f.dtype)
+        else:
+            out[f.name] = v
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=datasets(), shard_size=st.sampled_from([4096, 8192, 1 << 20]), seed=st.integers(0, 2**16))
+def test_round_trip_every_kind(tmp_path_factory, data, shard_size, seed):
+    schema, samples = data
+    out = tmp_path_factory.mktemp("ds")
+    write(samples, out / "ds", schema=schema, shard_size=shard_size, progress=False, workers=1)
+    ds = FastloadDataset(out / "ds")
+    assert len(ds) == len(samples)
+    expected = [_expected(schema, s) for s in samples]
+    for i, exp in enumerate(expected):
+        got = ds[i]
+        assert got.keys() == exp.keys()
+        for k in exp:
+            assert _equal(got[k], exp[k]), (i, k, got[k], exp[k])
+    order = np.random.default_rng(seed).integers(0, len(samples), size=min(64, 3 * len(samples)))
+    for got, i in zip(ds.__getitems__(order.tolist()), order):
+        for k in expected[i]:
+            assert _equal(got[k], expected[i][k])
+    batch = ds.get_batch(order)
+    for f in schema:
+        if f.is_fixed:
+            assert batch[f.name].shape == (len(order), *f.shape)
+        else:
+            assert isinstance(batch[f.name], Ragged)
+            np.testing.assert_array_equal(batch[f.name].lengths, ds.lengths(f.name)[order])
+    assert verify_dataset(out / "ds") == []
+
+
+def test_images_store_height_and_width(tmp_path):
+    from io import BytesIO
+
+    from PIL import Image
+
+    samples = []
+    for i, (h, w) in enumerate([(10, 20), (33, 7), (64, 64)]):
+        buf = BytesIO()
+        Image.new("RGB", (w, h), (i, 2 * i, 3 * i)).save(buf, format="PNG" if i % 2 else "JPEG")
+        samples.append({"image": buf.getvalue(), "label": i})
+    schema = Schema((Field("image", "image"), Field("label", "scalar", np.int64)))
+    write(samples, tmp_path / "ds", schema=schema, progress=False)
+    ds = FastloadDataset(tmp_path / "ds")
+    np.testing.assert_array_equal(ds.image_sizes("image"), [[10, 20], [33, 7], [64, 64]])
+    assert ds[1]["image"] == samples[1]["image"]
+    with pytest.raises(SchemaError, match=r"sample 1, field 'image'.*not a readable image"):
+        write(
+            [samples[0], {"image": b"not an image", "label": 1}],
+            tmp_path / "bad",
+            schema=schema,
+            progress=False,
+        )
+
+
+def _fixed_dataset(path, n=3000, shard_size=64 << 10, **kw):
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 255, (n, 48), dtype=np.uint8)
+    samples = [{"x": data[i], "label": i, "tokens": np.arange(i % 17, dtype=np.int32)} for i in range(n)]
+    schema = Schema(
+        (Field("x", "ndarray", np.uint8, (48,)), Field("label", "scalar", np.int64), Field("tokens", "varray", np.int32))
+    )
+    write(samples, path, schema=schema, shard_size=shard_size, progress=False, **kw)
+    return data, samples
+
+
+def test_batched_read_matches_per_sample_in_any_order(tmp_path):
+    data, _ = _fixed_dataset(tmp_path / "ds")
+    ds = FastloadDataset(tmp_path / "ds")
+    assert ds.num_shards > 3
+    rng = np.random.default_rng(1)
+    for idx in (rng.permutation(3000)[:256], np.sort(rng.permutation(3000)[:256]), [5, 5, 5, -1], []):
+        batch = ds.get_batch(idx)
+        np.testing.assert_array_equal(batch["x"], data[np.asarray(idx, dtype=np.int64)])
+        np.testing.assert_array_equal(batch["label"], np.arange(3000)[np.asarray(idx, dtype=np.int64)])
+        assert [len(t) for t in batch["tokens"].to_list()] == [int(i) % 3000 % 17 for i in np.asarray(idx) % 3000]
+    with pytest.raises(IndexError, match="3000 out of range"):
+        ds.get_batch([0, 3000])
+
+
+def test_output_is_deterministic_and_independent_of_workers(tmp_path):
+    _fixed_dataset(tmp_path / "a", workers=1)
+    _fixed_dataset(tmp_path / "b", workers=3)
+    files = sorted(os.listdir(tmp_path / "a" / "shards"))
+    assert files == sorted(os.listdir(tmp_path / "b" / "shards"))
+    for name in [*(f"shards/{f}" for f in files), "index.json", "meta.bin"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+class MapSource:
+    """A map-style source (encoded in worker processes by `write`)."""
+
+    def __len__(self):
+        return 2500
+
+    def __getitem__(self, i):
+        return {"v": np.full(10, i, dtype=np.int32), "s": f"sample-{i}"}
+
+
+def test_map_style_source_in_worker_processes(tmp_path):
+    write(MapSource(), tmp_path / "ds", shard_size=8192, workers=2, progress=False)
+    ds = FastloadDataset(tmp_path / "ds")
+    assert len(ds) == 2500
+    assert ds[2499]["s"] == "sample-2499" and (ds[1234]["v"] == 1234).all()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def small_ds(tmp_path):
+    _fixed_dataset(tmp_path / "ds", n=600, shard_size=16 << 10)
+    return tmp_path / "ds"
+
+
+def _manifest(path):
+    return json.loads((path / "index.json").read_text())
+
+
+def _rewrite_manifest(path, body):
+    """Write a manifest with a valid self-checksum (so the reader must catch the real problem)."""
+    import xxhash
+
+    body.pop("checksum", None)
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["checksum"] = xxhash.xxh3_64_hexdigest(canonical)
+    (path / "index.json").write_text(json.dumps(body))
+
+
+def _first_shard(path):
+    return path / _manifest(path)["shards"][0]["file"]
+
+
+def _read_all(path):
+    ds = FastloadDataset(path)
+    return ds.get_batch(np.arange(len(ds)))
+
+
+def test_truncated_shard_is_named(small_ds):
+    shard = _first_shard(small_ds)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(FormatError, match=rf"{shard.name}.*truncated"):
+        _read_all(small_ds)
+    assert any(shard.name in p for p in verify_dataset(small_ds))
+
+
+def test_flipped_bytes_fail_verification_and_checksummed_open(small_ds):
+    shard = _first_shard(small_ds)
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    problems = verify_dataset(small_ds)
+    assert len(problems) == 1 and shard.name in problems[0] and "checksum" in problems[0]
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        ds = FastloadDataset(small_ds, verify_checksums=True)
+        ds.get_batch(np.arange(len(ds)))
+
+
+@pytest.mark.parametrize(
+    ("offset", "value", "message"),
+    [
+        (0, b"XXXXXXXX", "bad magic"),
+        (8, (99).to_bytes(4, "little"), "format version 99"),
+        (16, (7).to_bytes(8, "little"), "7 samples in shard header"),
+    ],
+)
+def test_bad_header_fields(small_ds, offset, value, message):
+    shard = _first_shard(small_ds)
+    raw = bytearray(shard.read_bytes())
+    raw[offset : offset + len(value)] = value
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match=rf"{shard.name}.*{message}"):
+        _read_all(small_ds)
+
+
+def _field_entry_offset(field_index: int) -> int:
+    return HEADER_DTYPE.itemsize + 64 * field_index
+
+
+@pytest.mark.parametrize(
+    ("entry_byte", "value", "message"),
+    [
+        (24, (1 << 62).to_bytes(8, "little"), "outside the file"),  # offsets_offset far out of range
+        (40, (10**9).to_bytes(8, "little"), "outside the file"),  # blob_bytes larger than the file
+        (8, (1 << 63).to_bytes(8, "little"), "outside the file"),  # fixed_offset huge ("negative")
+    ],
+)
+def test_out_of_range_section_offsets(small_ds, entry_byte, value, message):
+    shard = _first_shard(small_ds)
+    raw = bytearray(shard.read_bytes())
+    field = 2 if entry_byte in (24, 40) else 0  # tokens (variable) / x (fixed)
+    pos = _field_entry_offset(field) + entry_byte
+    raw[pos : pos + 8] = value
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match=rf"{shard.name}.*{message}"):
+        _read_all(small_ds)
+
+
+def test_corrupt_offsets_table_is_caught_on_open(small_ds):
+    shard = _first_shard(small_ds)
+    raw = bytearray(shard.read_bytes())
+    entry = np.frombuffer(bytes(raw[_field_entry_offset(2) : _field_entry_offset(3)]), dtype="<u8")
+    offsets_offset = int(entry[3])
+    pos = offsets_offset + 8 * 5
+    raw[pos : pos + 8] = (10**6).to_bytes(8, "little")
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match=rf"{shard.name}.*field 'tokens'.*offsets decrease"):
+        _read_all(small_ds)
+
+
+def test_manifest_listing_a_missing_shard(small_ds):
+    _first_shard(small_ds).unlink()
+    with pytest.raises(FormatError, match="shard-00000.fls: shard file is missing"):
+        _read_all(small_ds)
+
+
+@pytest.mark.parametrize("bad", ["../outside.fls", "/etc/passwd", "shards/../../x.fls", "a\\b"])
+def test_manifest_paths_must_stay_inside_the_root(small_ds, bad):
+    body = _manifest(small_ds)
+    body["shards"][0]["file"] = bad
+    _rewrite_manifest(small_ds, body)
+    with pytest.raises(FormatError, match="leaves the dataset root|invalid file name"):
+        FastloadDataset(small_ds)
+
+
+def test_symlinked_shard_outside_root_is_refused(small_ds, tmp_path):
+    shard = _first_shard(small_ds)
+    target = tmp_path / "elsewhere.fls"
+    shutil.move(shard, target)
+    shard.symlink_to(target)
+    with pytest.raises(FormatError, match="outside the dataset root"):
+        _read_all(small_ds)
+
+
+def test_edited_manifest_fails_its_checksum(small_ds):
+    body = _manifest(small_ds)
+    body["shards"][0]["num_samples"] += 1
+    (small_ds / "index.json").write_text(json.dumps(body))
+    with pytest.raises(FormatError, match="manifest checksum mismatch"):
+        FastloadDataset(small_ds)
+
+
+def test_manifest_sample_count_mismatch(small_ds):
+    body = _manifest(small_ds)
+    body["shards"][0]["num_samples"] += 1
+    body["num_samples"] += 1
+    _rewrite_manifest(small_ds, body)
+    with pytest.raises(FormatError, match="index.json: meta has no per-sample lengths for field 'tokens'"):
+        _read_all(small_ds)
+    # Without variable fields the shard header catches it.
+    write([{"x": i} for i in range(50)], small_ds.parent / "fixed", shard_size=4096, progress=False)
+    body = _manifest(small_ds.parent / "fixed")
+    body["shards"][0]["num_samples"] += 1
+    body["num_samples"] += 1
+    _rewrite_manifest(small_ds.parent / "fixed", body)
+    with pytest.raises(FormatError, match="shard-00000.fls.*samples in shard header, manifest says"):
+        _read_all(small_ds.parent / "fixed")
+
+
+def test_garbage_manifest(small_ds):
+    (small_ds / "index.json").write_bytes(b"\x00\xff not json")
+    with pytest.raises(FormatError, match="index.json: not valid JSON"):
+        FastloadDataset(small_ds)
+
+
+def test_sample_larger_than_shard_size(tmp_path):
+    samples = [{"b": b"x" * 100}, {"b": b"y" * 10_000}]
+    with pytest.raises(SchemaError, match="sample 1 is .* bytes, larger than the shard size 4096"):
+        write(samples, tmp_path / "ds", shard_size=4096, progress=False)
+    assert not (tmp_path / "ds" / "index.json").exists()
+
+
+def test_empty_source(tmp_path):
+    with pytest.raises(ValueError, match="source is empty"):
+        write([], tmp_path / "ds", progress=False)
+    assert not (tmp_path / "ds" / "index.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("bad_value", "message"),
+    [
+        ("a string", "sample 2, field 'label': expected scalar of int64, got str"),
+        (1.5, "sample 2, field 'label': expected scalar of int64"),
+        (np.zeros(3), "sample 2, field 'label': expected a scalar"),
+    ],
+)
+def test_mismatched_field_types_name_sample_and_field(tmp_path, bad_value, message):
+    samples = [{"label": 0}, {"label": 1}, {"label": bad_value}]
+    with pytest.raises(SchemaError, match=message):
+        write(samples, tmp_path / "ds", progress=False)
+
+
+def test_mismatched_shapes_and_missing_fields(tmp_path):
+    with pytest.raises(SchemaError, match=r"sample 1, field 'x': shape \(4,\) != schema shape \(3,\)"):
+        write([{"x": np.zeros(3)}, {"x": np.zeros(4)}], tmp_path / "a", progress=False)
+    with pytest.raises(SchemaError, match=r"sample 1: fields differ from the schema \(missing \['y'\]"):
+        write([{"x": 1, "y": 2}, {"x": 1}], tmp_path / "b", progress=False)
+    with pytest.raises(SchemaError, match="cannot store a value of type dict"):
+        write([{"x": {"nested": 1}}], tmp_path / "c", progress=False)
+
+
+def test_refuses_to_overwrite_a_dataset(small_ds):
+    with pytest.raises(FileExistsError, match="already holds a dataset"):
+        write([{"x": 1}], small_ds, progress=False)
+
+
+def test_incomplete_conversion_does_not_open(tmp_path):
+    _fixed_dataset(tmp_path / "ds")
+    (tmp_path / "ds" / "index.json").unlink()
+    with pytest.raises(FormatError, match="no manifest .*--resume"):
+        FastloadDataset(tmp_path / "ds")
+
+
+def test_dataset_pickles_for_spawned_workers(small_ds):
+    import pickle
+
+    ds = FastloadDataset(small_ds)
+    ds.get_batch([0, 599])
+    clone = pickle.loads(pickle.dumps(ds))
+    np.testing.assert_array_equal(clone.get_batch([3, 500])["x"], ds.get_batch([3, 500])["x"])
+
+
+def test_max_open_shards_bounds_the_mappings(small_ds):
+    ds = FastloadDataset(small_ds, max_open_shards=2)
+    ref = FastloadDataset(small_ds)
+    for start in range(0, 600, 50):
+        idx = np.arange(start, min(600, start + 50))
+        np.testing.assert_array_equal(ds.get_batch(idx[::-1])["x"], ref.get_batch(idx[::-1])["x"])
+        assert len(ds._open) <= 2
