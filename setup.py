@@ -5,14 +5,19 @@ install as `fastload.formats` and `fastload.cuda_ops`, so no generic top-level n
 lands in site-packages.
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="fastload",
     version="0.1.0",
     description="A data loader that keeps GPUs fed: sharded format, zero-pickle workers, pinned ring, side-stream H2D.",
     python_requires=">=3.10",
-    packages=["fastload", "fastload.formats", "fastload.cuda_ops"],
+    packages=[
+        "fastload",
+        *(f"fastload.{p}" for p in find_packages("fastload")),
+        "fastload.formats",
+        "fastload.cuda_ops",
+    ],
     package_dir={
         "fastload": "fastload",
         "fastload.formats": "formats",
@@ -31,13 +36,26 @@ setup(
         "xxhash",
         "tqdm",
         "psutil",
+        "pillow",
     ],
     extras_require={
         "s3": ["s3fs"],
         "dali": ["nvidia-dali-cuda130"],
+        # NVRTC + driver API for cuda_ops kernels, compiled at first use (never at install time).
+        "cuda": ["cuda-bindings>=13,<14", "cuda-toolkit[nvrtc,cudart]==13.*"],
         "image": ["simplejpeg", "pillow"],
         "plot": ["matplotlib"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "moto[server]", "s3fs", "ruff", "pillow", "simplejpeg"],
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "hypothesis",
+            "moto[server]",
+            "s3fs",
+            "ruff",
+            "simplejpeg",
+            "cuda-bindings>=13,<14",
+            "nvidia-cuda-nvrtc>=13,<14",
+        ],
     },
     entry_points={"console_scripts": ["fastload=fastload.cli:main"]},
 )

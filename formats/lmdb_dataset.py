@@ -18,6 +18,9 @@ from .schema import Field, Schema
 
 __all__ = ["LMDBDataset"]
 
+# py-lmdb refuses to open one environment twice in a process: readers of the same path share it.
+_ENVIRONMENTS: dict[tuple[str, bool, int], Any] = {}
+
 
 class LMDBDataset:
     """Read-only LMDB source: `readonly=True, lock=False, readahead=False`, zero-copy buffers within a batch."""
@@ -40,19 +43,20 @@ class LMDBDataset:
         import lmdb
 
         if self._env is None or self._pid != os.getpid():
-            try:
-                self._env = lmdb.open(
-                    self.path,
-                    subdir=self.subdir,
-                    readonly=True,
-                    lock=False,
-                    readahead=False,
-                    meminit=False,
-                    max_readers=512,
-                )
-            except lmdb.Error as exc:
-                raise FormatError(f"{self.path}: cannot open as LMDB ({exc})") from exc
-            self._pid = os.getpid()
+            key = (os.path.realpath(self.path), self.subdir, os.getpid())
+            env = _ENVIRONMENTS.get(key)
+            if env is None:
+                # A forked child inherits the parent's handle, and py-lmdb refuses a second open of the same
+                # files in that child; a read-only, lock-free handle stays valid across fork: reuse it.
+                inherited = [e for k, e in _ENVIRONMENTS.items() if k[:2] == key[:2]]
+                env = inherited[0] if inherited else None
+            if env is None:
+                try:
+                    env = lmdb.open(self.path, subdir=self.subdir, readonly=True, lock=False, readahead=False)
+                except lmdb.Error as exc:
+                    raise FormatError(f"{self.path}: cannot open as LMDB ({exc})") from exc
+            _ENVIRONMENTS[key] = env
+            self._env, self._pid = env, os.getpid()
         return self._env
 
     def __getstate__(self) -> dict[str, Any]:

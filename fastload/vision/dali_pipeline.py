@@ -1,0 +1,163 @@
+"""The DALI side: one pipeline per preset, fed a batch at a time through `external_source`.
+
+Inputs per sample: the encoded bytes (uint8 1-D), the crop window as `roi_start`/`roi_end`
+(float32 (y, x), absolute pixels) and the flip flag (int32 scalar): all computed on the host
+by `fastload.vision.params`, so DALI applies the same crop and flip as the CPU backend and
+nothing depends on DALI's per-pipeline RNG. Graph: `decoders.image` ('cpu' with
+`device_id=None`, or 'mixed' = nvJPEG on a GPU) -> `resize` of the ROI to the output size
+(antialiased linear) -> `crop_mirror_normalize` (mean/std, mirror, layout, fp16/fp32; bf16 is
+a cast of the fp32 output) or, for uint8 output, `flip`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["DALI_MISSING", "DaliRunner", "dali_available"]
+
+DALI_MISSING = (
+    "NVIDIA DALI is not installed (pip install 'fastload[dali]', i.e. nvidia-dali-cuda130); "
+    "the image preset runs with the CPU decoder instead (backend='cpu')."
+)
+
+
+def dali_available() -> bool:
+    """True when `nvidia.dali` can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class DaliRunner:
+    """Builds the pipeline lazily (and again after an error, or for a larger batch)."""
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        out_hw: tuple[int, int],
+        mean: Sequence[float],
+        std: Sequence[float],
+        layout: str,
+        dtype: torch.dtype,
+        normalize: bool,
+        threads: int,
+        device_id: int | None,
+    ) -> None:
+        if mode not in ("cpu", "mixed"):
+            raise ValueError(f"DALI decode mode must be 'cpu' or 'mixed', got {mode!r}")
+        if mode == "mixed" and device_id is None:
+            raise ValueError("the mixed (nvJPEG) DALI pipeline needs a CUDA device")
+        self.mode = mode
+        self.out_hw = out_hw
+        self.mean = [float(v) for v in mean]
+        self.std = [float(v) for v in std]
+        self.layout = layout
+        self.dtype = dtype
+        self.normalize = normalize
+        self.threads = threads
+        self.device_id = device_id
+        self._pipe = None
+        self._capacity = 0
+
+    def _build(self, capacity: int) -> None:
+        from nvidia.dali import fn, types
+        from nvidia.dali.pipeline import Pipeline
+
+        pipe = Pipeline(
+            batch_size=capacity,
+            num_threads=self.threads,
+            device_id=self.device_id if self.mode == "mixed" else None,
+            prefetch_queue_depth=1,
+            exec_async=False,
+            exec_pipelined=False,
+        )
+        with pipe:
+            enc = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+            roi_start = fn.external_source(name="roi_start", dtype=types.FLOAT, ndim=1)
+            roi_end = fn.external_source(name="roi_end", dtype=types.FLOAT, ndim=1)
+            flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+            extra = {"jpeg_fancy_upsampling": True} if self.mode == "mixed" else {}
+            img = fn.decoders.image(
+                enc,
+                device=self.mode,
+                output_type=types.RGB,
+                adjust_orientation=False,
+                **extra,
+            )
+            img = fn.resize(
+                img,
+                size=list(self.out_hw),
+                roi_start=roi_start,
+                roi_end=roi_end,
+                roi_relative=False,
+                antialias=True,
+            )
+            if self.normalize:
+                out = fn.crop_mirror_normalize(
+                    img,
+                    mirror=flip,
+                    mean=self.mean,
+                    std=self.std,
+                    dtype=types.FLOAT16 if self.dtype == torch.float16 else types.FLOAT,
+                    output_layout="CHW" if self.layout == "NCHW" else "HWC",
+                )
+            else:
+                out = fn.flip(img, horizontal=flip)
+            pipe.set_outputs(out)
+        pipe.build()
+        self._pipe = pipe
+        self._capacity = capacity
+
+    def run(self, encoded: list[np.ndarray], windows: np.ndarray, flips: np.ndarray) -> torch.Tensor:
+        """Decode + crop/resize (+ normalise) one batch; returns a torch tensor (CPU or CUDA)."""
+        n = len(encoded)
+        if self._pipe is None or n > self._capacity:
+            self._build(max(n, self._capacity))
+        w = windows.astype(np.float32)
+        try:
+            self._pipe.feed_input("encoded", encoded)
+            self._pipe.feed_input("roi_start", [np.ascontiguousarray(r) for r in w[:, 0:2]])
+            self._pipe.feed_input("roi_end", [np.ascontiguousarray(r) for r in w[:, 0:2] + w[:, 2:4]])
+            self._pipe.feed_input("flip", [np.array(int(f), dtype=np.int32) for f in flips])
+            (out,) = self._pipe.run()
+        except RuntimeError:
+            self._pipe = None  # a failed DALI pipeline is no longer valid
+            raise
+        return self._to_torch(out, n)
+
+    def _to_torch(self, out, n: int) -> torch.Tensor:
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        oh, ow = self.out_hw
+        shape = (n, 3, oh, ow) if self.normalize and self.layout == "NCHW" else (n, oh, ow, 3)
+        if not self.normalize:
+            dali_dtype = torch.uint8
+        elif self.dtype == torch.float16:
+            dali_dtype = torch.float16
+        else:
+            dali_dtype = torch.float32
+        if self.mode == "mixed":
+            t = torch.empty(shape, dtype=dali_dtype, device=torch.device("cuda", self.device_id))
+            feed_ndarray(
+                out.as_tensor(),
+                t,
+                cuda_stream=torch.cuda.current_stream(self.device_id),
+            )
+        else:
+            t = torch.empty(shape, dtype=dali_dtype)
+            feed_ndarray(out.as_tensor(), t)
+        if self.normalize and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_pipe"] = None
+        state["_capacity"] = 0
+        return state

@@ -1,0 +1,51 @@
+"""`with_indices(ds)`: a dataset view whose batches carry their dataset indices.
+
+The image preset keys random crops/flips by dataset index (exact resume) and names bad samples
+by it; a plain `get_batch` dict does not say which indices it holds. The view adds them:
+`get_batch(indices)` gets an `__indices__` int64 column, `ds[i]` / `__getitems__` an
+`__index__` entry per sample. Everything else is forwarded to the wrapped dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["INDEX_KEY", "IndexedDataset", "with_indices"]
+
+INDEX_KEY = "__index__"
+
+
+class IndexedDataset:
+    """Forwards to `dataset`, adding the indices to every sample / batch it returns."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.dataset[index], INDEX_KEY: int(index)}
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        items = getitems(list(indices)) if getitems is not None else [self.dataset[i] for i in indices]
+        return [{**s, INDEX_KEY: int(i)} for s, i in zip(items, indices, strict=True)]
+
+    def get_batch(self, indices: Any, **kwargs: Any) -> dict[str, Any]:
+        batch = dict(self.dataset.get_batch(indices, **kwargs))
+        batch["__indices__"] = np.asarray(indices, dtype=np.int64).reshape(-1)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def with_indices(dataset: Any) -> IndexedDataset:
+    """Wrap `dataset` so the image preset sees the dataset indices of each batch."""
+    return dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)

@@ -1,0 +1,470 @@
+"""`ImagePreset`: encoded images in a fastload batch -> normalised image tensors.
+
+A preset is a batch-level collate stage: `Loader(ds, batch_size=64, collate_fn=preset)`. The
+Loader picks the indices (order, sharding and resume stay the Loader's) and calls
+`ds.get_batch(indices)`; the preset turns the `Ragged` of encoded images into one tensor and
+the fixed-size fields (labels) into tensors. It also works directly: `preset(batch)`.
+
+Reproducibility: crop windows and flips are computed on the host from (seed, epoch, dataset
+index) — see `fastload.vision.params` — and handed to whichever backend runs, so a sample's
+augmentation parameters are identical across backends, batch compositions, workers and
+resumes. Pixels are bit-identical for a given backend and machine; across backends they
+differ only by decoder/resampler rounding (eval parity is tested).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from fastload.vision import params
+from fastload.vision.cpu_decode import (
+    CorruptImageError,
+    crop_resize,
+    decode_rgb,
+    probe_size,
+)
+from fastload.vision.dali_pipeline import DALI_MISSING, DaliRunner, dali_available
+from fastload.vision.indexed import INDEX_KEY
+from fastload.vision.normalize import ChannelLUT, normalize_on_device
+
+__all__ = ["EPOCH_KEY", "IMAGENET_MEAN", "IMAGENET_STD", "INDICES_KEY", "ImagePreset"]
+
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+INDICES_KEY = "__indices__"
+EPOCH_KEY = "__epoch__"
+
+_BACKENDS = ("auto", "cpu", "dali")
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class ImagePreset:
+    """Decode, crop/resize, flip and normalise the `image_field` of a batch.
+
+    Use: `Loader(with_indices(ds), batch_size=64, transform=preset)` (columnar fast path),
+    `Loader(with_indices(ds), batch_size=64, collate_fn=preset)`, or `preset(ds.get_batch(idx))`.
+
+    kind='train': RandomResizedCrop(size, scale, ratio) + horizontal flip with `flip_p`.
+    kind='eval': centre crop of `crop_fraction` of the largest output-shaped window (for a
+    square output: resize shorter side to size / 0.875, centre-crop size), resized to size.
+    backend: 'cpu' (simplejpeg/Pillow in a thread pool), 'dali' (DALI: nvJPEG 'mixed' decode
+    on a CUDA `device`, DALI CPU operators otherwise) or 'auto' (DALI on a CUDA device when
+    DALI is installed, else the CPU decoder). DALI missing -> a warning and the CPU decoder.
+    mean/std are in 0..255 units. With normalize=False the output is uint8 NHWC (flip applied)
+    and `preset.normalize(x)` finishes the job later, e.g. on the GPU after the H2D copy.
+    dct_downscale=True (CPU backend) decodes a JPEG at 1/2, 1/4 or 1/8 scale in libjpeg-turbo
+    when its crop window is at least twice the output: much faster for large photos, but the
+    crop shifts by up to half a decoded pixel and the filter differs from DALI's (off by
+    default so that the backends match).
+    on_error='raise' names the dataset sample that is not a decodable image; 'skip' drops it
+    from the batch (all fields) and counts it in `stats()['vision_skipped']`.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str = "train",
+        size: int | tuple[int, int] = 224,
+        backend: str = "auto",
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        layout: str = "NCHW",
+        dtype: torch.dtype = torch.float16,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+        image_field: str = "image",
+        threads: int | None = None,
+        normalize: bool = True,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip_p: float | None = None,
+        crop_fraction: float = 0.875,
+        on_error: str = "raise",
+        dct_downscale: bool = False,
+    ) -> None:
+        if kind not in ("train", "eval"):
+            raise ValueError(f"kind must be 'train' or 'eval', got {kind!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if len(mean) != 3 or len(std) != 3:
+            raise ValueError("mean and std need 3 values (RGB, 0..255 units)")
+        self.kind = kind
+        self.out_hw = params.output_hw(size)
+        self.mean = tuple(float(v) for v in mean)
+        self.std = tuple(float(v) for v in std)
+        self.layout = layout
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.seed = int(seed)
+        self.epoch = 0
+        self.image_field = image_field
+        self.threads = int(threads) if threads else _default_threads()
+        self.normalize_output = normalize
+        self.scale = scale
+        self.ratio = ratio
+        self.flip_p = (0.5 if kind == "train" else 0.0) if flip_p is None else float(flip_p)
+        self.crop_fraction = crop_fraction
+        self.on_error = on_error
+        self.dct_downscale = dct_downscale
+        self.backend = self._resolve_backend(backend)
+        self._lut = ChannelLUT(mean=self.mean, std=self.std, dtype=dtype) if normalize else None
+        self._dali: DaliRunner | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._stats = {"images": 0, "skipped": 0, "batches": 0, "seconds": 0.0}
+
+    # -- configuration -------------------------------------------------------------------
+
+    def _resolve_backend(self, requested: str) -> str:
+        on_gpu = self.device.type == "cuda"
+        if requested == "cpu":
+            return "cpu"
+        if not dali_available():
+            if requested == "dali" or on_gpu:
+                warnings.warn(DALI_MISSING, RuntimeWarning, stacklevel=3)
+            return "cpu"
+        if requested == "dali":
+            return "dali-mixed" if on_gpu else "dali-cpu"
+        return "dali-mixed" if on_gpu else "cpu"
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch that keys random crops/flips (a batch's `__epoch__` entry overrides it)."""
+        self.epoch = int(epoch)
+
+    def __repr__(self) -> str:
+        return (
+            f"ImagePreset(kind={self.kind!r}, size={self.out_hw}, backend={self.backend!r}, "
+            f"layout={self.layout!r}, dtype={self.dtype}, device={str(self.device)!r})"
+        )
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_pool"] = None
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- the collate stage ---------------------------------------------------------------
+
+    def __call__(self, batch: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+        """A `ds.get_batch` dict (the Loader's `transform=` stage) or a list of sample dicts
+        (its `collate_fn=` stage) -> a dict whose image field is one tensor.
+
+        Dict input: the other fields are returned as they came (the Loader converts them);
+        list input: they are collated with torch's `default_collate`. Dataset indices come from
+        an `__indices__` column / `__index__` entries (see `with_indices`), the epoch from
+        `__epoch__` or `set_epoch`.
+        """
+        if isinstance(batch, list):
+            return self._collate_samples(batch)
+        if self.image_field not in batch:
+            raise KeyError(f"batch has no image field {self.image_field!r} (fields: {sorted(batch)})")
+        encoded = _encoded_list(batch[self.image_field])
+        indices = batch.get(INDICES_KEY)
+        epoch = int(batch.get(EPOCH_KEY, self.epoch))
+        images, keep = self.transform(encoded, indices=indices, epoch=epoch)
+        out: dict[str, Any] = {}
+        for key, value in batch.items():
+            if key == self.image_field:
+                out[key] = images
+            elif keep is not None and key != EPOCH_KEY:
+                out[key] = _select(value, keep)
+            else:
+                out[key] = value
+        return out
+
+    def _collate_samples(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        if not samples:
+            raise ValueError("empty batch")
+        if self.image_field not in samples[0]:
+            raise KeyError(f"samples have no image field {self.image_field!r} (fields: {sorted(samples[0])})")
+        encoded = [s[self.image_field] for s in samples]
+        has_idx = all(INDEX_KEY in s for s in samples)
+        indices = [s[INDEX_KEY] for s in samples] if has_idx else None
+        epoch = int(samples[0].get(EPOCH_KEY, self.epoch))
+        images, keep = self.transform(encoded, indices=indices, epoch=epoch)
+        if keep is not None:
+            samples = [samples[int(i)] for i in keep]
+        rest = [{k: v for k, v in s.items() if k != self.image_field} for s in samples]
+        out = default_collate(rest) if rest and rest[0] else {}
+        out[self.image_field] = images
+        return out
+
+    def transform(
+        self,
+        encoded: Sequence[np.ndarray | bytes],
+        *,
+        indices: Sequence[int] | np.ndarray | None = None,
+        epoch: int | None = None,
+    ) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Encoded images -> (image tensor, kept-positions array or None when none dropped).
+
+        `indices` are the dataset indices (they key the random parameters and name bad
+        samples); without them, positions in the batch are named and random draws are keyed
+        by a per-preset call counter (random, but not reproducible across resumes).
+        """
+        t0 = time.perf_counter()
+        n = len(encoded)
+        arrays = [np.frombuffer(e, dtype=np.uint8) if not isinstance(e, np.ndarray) else e for e in encoded]
+        if indices is None:
+            with self._lock:
+                call = self._calls
+                self._calls += 1
+            keys = np.arange(n, dtype=np.int64) + (call << 32)
+            names = [f"position {i} in the batch (the loader passed no {INDICES_KEY})" for i in range(n)]
+        else:
+            keys = np.asarray(indices, dtype=np.int64).reshape(-1)
+            if len(keys) != n:
+                raise ValueError(f"{INDICES_KEY} has {len(keys)} entries for a batch of {n} images")
+            names = [f"sample {int(k)}" for k in keys]
+        epoch = self.epoch if epoch is None else int(epoch)
+
+        sizes = np.ones((n, 2), dtype=np.int64)
+        errors: dict[int, str] = {}
+        for i, a in enumerate(arrays):
+            try:
+                sizes[i] = probe_size(a)
+            except (ValueError, OSError) as e:
+                errors[i] = f"{type(e).__name__}: {e}"
+        windows, flips = self._parameters(sizes, keys, epoch)
+        self._check_errors(errors, names, keys if indices is not None else None)
+
+        if self.backend == "cpu":
+            images, failed = self._run_cpu(arrays, sizes, windows, flips, skip=set(errors))
+        else:
+            images, failed = self._run_dali(arrays, windows, flips, skip=set(errors))
+        errors.update(failed)
+        self._check_errors(errors, names, keys if indices is not None else None)
+        keep = None
+        if errors:
+            keep = np.array([i for i in range(n) if i not in errors], dtype=np.int64)
+            if self.backend == "cpu":
+                images = images[torch.from_numpy(keep).to(images.device)]
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._stats["images"] += n - len(errors)
+            self._stats["skipped"] += len(errors)
+            self._stats["batches"] += 1
+            self._stats["seconds"] += dt
+        return images, keep
+
+    def _parameters(self, sizes: np.ndarray, keys: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.kind == "train":
+            windows = params.random_resized_crop(
+                sizes,
+                seed=self.seed,
+                epoch=epoch,
+                indices=keys,
+                scale=self.scale,
+                ratio=self.ratio,
+            )
+        else:
+            windows = params.center_crop(sizes, size=self.out_hw, crop_fraction=self.crop_fraction)
+        if self.flip_p > 0:
+            flips = params.random_flips(seed=self.seed, epoch=epoch, indices=keys, p=self.flip_p)
+        else:
+            flips = np.zeros(len(sizes), dtype=bool)
+        return windows, flips
+
+    def _check_errors(self, errors: dict[int, str], names: list[str], keys: np.ndarray | None) -> None:
+        if errors and self.on_error == "raise":
+            i = min(errors)
+            more = f" (and {len(errors) - 1} more in this batch)" if len(errors) > 1 else ""
+            raise CorruptImageError(
+                f"{names[i]} (field {self.image_field!r}) is not a decodable image: {errors[i]}{more}; "
+                "pass on_error='skip' to drop and count such samples",
+                index=int(keys[i]) if keys is not None else None,
+            )
+
+    # -- CPU backend ---------------------------------------------------------------------
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastload-vision")
+        return self._pool
+
+    def _run_cpu(
+        self,
+        arrays: list[np.ndarray],
+        sizes: np.ndarray,
+        windows: np.ndarray,
+        flips: np.ndarray,
+        *,
+        skip: set[int],
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        n = len(arrays)
+        oh, ow = self.out_hw
+        on_host = self.device.type == "cpu"
+        lut = self._lut if on_host else None
+        if lut is not None:
+            shape = (n, 3, oh, ow) if self.layout == "NCHW" else (n, oh, ow, 3)
+            out = lut.empty(shape)
+        else:
+            pin = not on_host and torch.cuda.is_available()
+            staging = torch.empty((n, oh, ow, 3), dtype=torch.uint8, pin_memory=pin)
+            out = staging.numpy()
+        failed: dict[int, str] = {}
+
+        def work(i: int) -> None:
+            if i in skip:
+                return
+            try:
+                hw = (int(sizes[i, 0]), int(sizes[i, 1]))
+                img, s = decode_rgb(
+                    arrays[i],
+                    hw=hw,
+                    window=windows[i] if self.dct_downscale else None,
+                    out_hw=self.out_hw,
+                )
+                res = crop_resize(img, windows[i], self.out_hw, scale=s)
+            except (ValueError, OSError, RuntimeError) as e:
+                failed[i] = f"{type(e).__name__}: {e}"
+                return
+            if flips[i]:
+                res = res[:, ::-1]
+            if lut is not None:
+                lut.apply(res, out[i], layout=self.layout)
+            else:
+                out[i] = res
+
+        if n <= 1 or self.threads <= 1:
+            for i in range(n):
+                work(i)
+        else:
+            list(self._executor().map(work, range(n)))
+        if lut is not None:
+            return lut.to_tensor(out), failed
+        images = staging if on_host else staging.to(self.device, non_blocking=True)
+        if self.normalize_output:
+            images = normalize_on_device(
+                images,
+                mean=self.mean,
+                std=self.std,
+                layout=self.layout,
+                dtype=self.dtype,
+            )
+        return images, failed
+
+    # -- DALI backend --------------------------------------------------------------------
+
+    def _runner(self) -> DaliRunner:
+        if self._dali is None:
+            mixed = self.backend == "dali-mixed"
+            self._dali = DaliRunner(
+                mode="mixed" if mixed else "cpu",
+                out_hw=self.out_hw,
+                mean=self.mean,
+                std=self.std,
+                layout=self.layout,
+                dtype=self.dtype,
+                normalize=self.normalize_output,
+                threads=self.threads,
+                device_id=(self.device.index or 0) if mixed else None,
+            )
+        return self._dali
+
+    def _run_dali(
+        self,
+        arrays: list[np.ndarray],
+        windows: np.ndarray,
+        flips: np.ndarray,
+        *,
+        skip: set[int],
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        good = [i for i in range(len(arrays)) if i not in skip]
+        failed: dict[int, str] = {}
+        if not good:
+            return self._empty(), failed
+        try:
+            return self._runner().run([arrays[i] for i in good], windows[good], flips[good]), failed
+        except RuntimeError as e:
+            dali_error = e
+        # Find the culprit(s) with the CPU decoder, then retry without them.
+        for i in good:
+            try:
+                decode_rgb(arrays[i])
+            except (ValueError, OSError) as e:
+                failed[i] = f"{type(e).__name__}: {e}"
+        if not failed:
+            raise RuntimeError(
+                f"DALI failed on a batch whose images all decode on the CPU: {dali_error}"
+            ) from dali_error
+        if self.on_error == "raise":
+            return self._empty(), failed
+        good = [i for i in good if i not in failed]
+        if not good:
+            return self._empty(), failed
+        return self._runner().run([arrays[i] for i in good], windows[good], flips[good]), failed
+
+    def _empty(self) -> torch.Tensor:
+        oh, ow = self.out_hw
+        if not self.normalize_output:
+            return torch.empty((0, oh, ow, 3), dtype=torch.uint8, device=self.device)
+        shape = (0, 3, oh, ow) if self.layout == "NCHW" else (0, oh, ow, 3)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    # -- after the H2D copy, and stats -----------------------------------------------------
+
+    def normalize(self, images_u8: torch.Tensor) -> torch.Tensor:
+        """Finish a normalize=False batch (uint8 NHWC, flipped) on `self.device`."""
+        x = images_u8.to(self.device, non_blocking=True)
+        return normalize_on_device(x, mean=self.mean, std=self.std, layout=self.layout, dtype=self.dtype)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for `loader.stats()`: images, skipped, batches, seconds, images/s, backend."""
+        with self._lock:
+            s = dict(self._stats)
+        return {
+            "vision_backend": self.backend,
+            "vision_images": s["images"],
+            "vision_skipped": s["skipped"],
+            "vision_batches": s["batches"],
+            "vision_seconds": s["seconds"],
+            "vision_images_per_s": s["images"] / s["seconds"] if s["seconds"] > 0 else 0.0,
+        }
+
+
+def _encoded_list(value: Any) -> list[np.ndarray]:
+    """A Ragged (flat values + offsets) or a list of bytes/arrays -> list of uint8 views."""
+    if hasattr(value, "offsets") and hasattr(value, "values"):
+        v = np.asarray(value.values).view(np.uint8)
+        o = np.asarray(value.offsets)
+        return [v[o[i] : o[i + 1]] for i in range(len(o) - 1)]
+    return [np.frombuffer(x, dtype=np.uint8) if not isinstance(x, np.ndarray) else x for x in value]
+
+
+def _select(value: Any, keep: np.ndarray) -> Any:
+    if isinstance(value, np.ndarray) and value.ndim >= 1:
+        return value[keep]
+    if isinstance(value, torch.Tensor) and value.ndim >= 1:
+        return value[torch.from_numpy(keep)]
+    if hasattr(value, "offsets") and hasattr(value, "values"):
+        items = [value[int(i)] for i in keep]
+        return type(value).from_list(items, kind=value.kind, dtype=value.values.dtype)
+    if isinstance(value, list):
+        return [value[int(i)] for i in keep]
+    return value

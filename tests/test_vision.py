@@ -1,0 +1,349 @@
+"""fastload.vision: crop/flip parameters, CPU and DALI presets, parity, bad input."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from fastload.formats.ragged import Ragged
+
+from fastload.vision import (
+    CorruptImageError,
+    ImagePreset,
+    center_crop,
+    dali_available,
+    eval_preset,
+    random_flips,
+    random_resized_crop,
+    train_preset,
+)
+
+Image = pytest.importorskip("PIL.Image")
+
+needs_dali = pytest.mark.skipif(not dali_available(), reason="NVIDIA DALI not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Parity tolerance, DALI vs the CPU decoder (0..255 units): both decode with libjpeg-turbo
+# and resize with an antialiased linear filter; rounding differs.
+MEAN_ABS_TOL = 1.5
+MIXED_MEAN_ABS_TOL = 3.0  # nvJPEG's IDCT/upsampling differs a little more from libjpeg-turbo
+
+
+def encode(h: int, w: int, *, mode: str = "RGB", fmt: str = "JPEG", seed: int = 0) -> bytes:
+    """A smooth random image (JPEG q90 / PNG) in `mode`."""
+    rng = np.random.default_rng(seed)
+    low = (rng.random((h // 16 + 2, w // 16 + 2, 3)) * 255).astype(np.uint8)
+    im = Image.fromarray(low).resize((w, h), Image.BICUBIC).convert(mode)
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def solid(h: int, w: int, rgb: tuple[int, int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    shapes = [
+        (120, 90),
+        (64, 64),
+        (200, 150),
+        (75, 130),
+        (96, 128),
+        (150, 100),
+        (90, 160),
+        (130, 120),
+    ]
+    out = [encode(h, w, seed=i) for i, (h, w) in enumerate(shapes)]
+    out += [
+        encode(80, 60, mode="L", seed=20),  # grayscale JPEG
+        encode(70, 90, mode="CMYK", seed=21),  # CMYK JPEG
+        encode(66, 88, mode="RGBA", fmt="PNG", seed=22),  # PNG with alpha
+        encode(40, 30, seed=23),  # smaller than the crop
+    ]
+    return out
+
+
+def make_batch(items: list[bytes], indices: list[int] | None = None) -> dict:
+    batch = {
+        "image": Ragged.from_list(items, kind="image"),
+        "label": np.arange(len(items), dtype=np.int64) * 10,
+    }
+    if indices is not None:
+        batch["__indices__"] = np.asarray(indices, dtype=np.int64)
+    return batch
+
+
+# -- parameters ------------------------------------------------------------------------------
+
+
+def test_random_crop_params_depend_only_on_seed_epoch_index() -> None:
+    sizes = np.array([[375, 500]] * 6 + [[100, 30]] * 2)
+    idx = np.arange(100, 108)
+    a = random_resized_crop(sizes, seed=3, epoch=1, indices=idx)
+    b = random_resized_crop(sizes[::-1], seed=3, epoch=1, indices=idx[::-1])[::-1]
+    np.testing.assert_array_equal(a, b)  # batch order / composition does not matter
+    assert not np.array_equal(a, random_resized_crop(sizes, seed=3, epoch=2, indices=idx))
+    assert not np.array_equal(a, random_resized_crop(sizes, seed=4, epoch=1, indices=idx))
+    y0, x0, h, w = a.T
+    assert (y0 >= 0).all() and (x0 >= 0).all() and (h >= 1).all() and (w >= 1).all()
+    assert (y0 + h <= sizes[:, 0]).all() and (x0 + w <= sizes[:, 1]).all()
+
+
+def test_random_crop_scale_and_ratio_ranges() -> None:
+    sizes = np.array([[375, 500]] * 2000)
+    win = random_resized_crop(sizes, seed=0, epoch=0, indices=np.arange(2000), scale=(0.2, 0.9))
+    frac = win[:, 2] * win[:, 3] / (375 * 500)
+    assert frac.min() > 0.18 and frac.max() < 0.92
+    assert 0.45 < np.median(frac) < 0.65
+    aspect = win[:, 3] / win[:, 2]
+    assert aspect.min() > 0.7 and aspect.max() < 1.4
+    flips = random_flips(seed=0, epoch=0, indices=np.arange(2000))
+    assert 0.45 < flips.mean() < 0.55
+
+
+def test_eval_window_is_resize_then_center_crop() -> None:
+    # Shorter side 375 -> 256 (224 / 0.875): the 224 centre crop covers 328 source pixels.
+    win = center_crop(np.array([[375, 500], [500, 375], [224, 224]]), size=224)
+    np.testing.assert_array_equal(win[0], [24, 86, 328, 328])
+    np.testing.assert_array_equal(win[1], [86, 24, 328, 328])
+    np.testing.assert_array_equal(win[2], [14, 14, 196, 196])
+
+
+# -- CPU preset --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cpu_preset_shapes_dtypes(images: list[bytes], layout: str, dtype: torch.dtype) -> None:
+    preset = ImagePreset(
+        kind="train",
+        size=(48, 40),
+        backend="cpu",
+        layout=layout,
+        dtype=dtype,
+        threads=2,
+    )
+    out = preset(make_batch(images, list(range(len(images)))))
+    shape = (len(images), 3, 48, 40) if layout == "NCHW" else (len(images), 48, 40, 3)
+    assert out["image"].shape == shape and out["image"].dtype == dtype
+    assert torch.isfinite(out["image"].float()).all()
+    assert out["label"].tolist() == [10 * i for i in range(len(images))]  # untouched
+
+
+def test_normalisation_values() -> None:
+    mean, std = (100.0, 110.0, 120.0), (50.0, 55.0, 60.0)
+    preset = eval_preset(size=16, backend="cpu", mean=mean, std=std, dtype=torch.float32)
+    out = preset(make_batch([solid(40, 30, (200, 10, 120))]))["image"][0]
+    expected = (torch.tensor([200.0, 10.0, 120.0]) - torch.tensor(mean)) / torch.tensor(std)
+    torch.testing.assert_close(out, expected.view(3, 1, 1).expand(3, 16, 16))
+
+
+def test_uint8_output_and_deferred_normalize(images: list[bytes]) -> None:
+    raw = eval_preset(size=32, backend="cpu", normalize=False)
+    full = eval_preset(size=32, backend="cpu", dtype=torch.float32)
+    batch = make_batch(images)
+    u8 = raw(batch)["image"]
+    assert u8.shape == (len(images), 32, 32, 3) and u8.dtype == torch.uint8
+    torch.testing.assert_close(raw.normalize(u8).float(), full(batch)["image"], atol=1e-2, rtol=0)
+
+
+def test_flip_mirrors_the_same_crop(images: list[bytes]) -> None:
+    batch = make_batch(images, list(range(len(images))))
+    plain = train_preset(size=32, backend="cpu", normalize=False, flip_p=0.0, seed=7)(batch)["image"]
+    flipped = train_preset(size=32, backend="cpu", normalize=False, flip_p=1.0, seed=7)(batch)["image"]
+    torch.testing.assert_close(flipped, plain.flip(2))
+
+
+def test_odd_images_come_out_rgb(images: list[bytes]) -> None:
+    preset = eval_preset(size=32, backend="cpu", normalize=False)
+    out = preset(make_batch(images[-4:]))["image"]
+    assert out.shape == (4, 32, 32, 3)
+    gray = out[0].int()
+    assert (gray[..., 0] == gray[..., 1]).all() and (gray[..., 1] == gray[..., 2]).all()
+    assert out[3].float().std() > 1  # a 40x30 image upscaled to 32x32 is not blank
+
+
+def test_resume_is_exact_whatever_the_batch(images: list[bytes]) -> None:
+    preset = train_preset(size=32, backend="cpu", seed=5)
+    preset.set_epoch(3)
+    whole = preset(make_batch(images, list(range(len(images)))))["image"]
+    fresh = pickle.loads(pickle.dumps(preset))  # e.g. a restarted worker
+    part = fresh(make_batch(images[4:7], [4, 5, 6]))["image"]
+    torch.testing.assert_close(part, whole[4:7], atol=0, rtol=0)
+    moved = fresh(dict(make_batch(images[4:7], [4, 5, 6]), __epoch__=4))["image"]
+    assert not torch.equal(moved, part)
+
+
+def test_dct_downscale_is_close_to_full_decode() -> None:
+    big = [encode(480, 640, seed=30), encode(400, 300, seed=31)]
+    batch = make_batch(big, [0, 1])
+    kw = {"kind": "eval", "size": 64, "backend": "cpu", "std": (58.0,) * 3}
+    fast = ImagePreset(dct_downscale=True, **kw)(batch)["image"]
+    full = ImagePreset(**kw)(batch)["image"]
+    assert fast.shape == full.shape
+    assert _mean_abs_255(fast, full).max() < 10.0  # busy test images; sub-pixel shift + DCT filter
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("dali", marks=needs_dali)])
+@pytest.mark.parametrize("bad", [b"not an image at all", b"", "truncated"])
+def test_corrupt_sample_is_named(images: list[bytes], backend: str, bad: bytes | str) -> None:
+    if bad == "truncated":
+        bad = images[0][: len(images[0]) // 3]
+    items = [images[0], bad, images[1]]
+    preset = eval_preset(size=32, backend=backend)
+    with pytest.raises(CorruptImageError, match=r"sample 17\b") as err:
+        preset(make_batch(items, [16, 17, 18]))
+    assert err.value.index == 17
+    with pytest.raises(CorruptImageError, match="position 1 in the batch"):
+        preset(make_batch(items))
+    assert preset(make_batch(images[:2], [0, 1]))["image"].shape[0] == 2  # recovers
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("dali", marks=needs_dali)])
+def test_skip_drops_and_counts(images: list[bytes], backend: str) -> None:
+    preset = eval_preset(size=32, backend=backend, on_error="skip")
+    items = [images[0], b"garbage", images[1], images[2][:200]]
+    out = preset(make_batch(items, [5, 6, 7, 8]))
+    assert out["image"].shape[0] == 2
+    assert out["label"].tolist() == [0, 20]
+    assert out["__indices__"].tolist() == [5, 7]
+    stats = preset.stats()
+    assert stats["vision_skipped"] == 2 and stats["vision_images"] == 2
+    assert stats["vision_backend"] == ("cpu" if backend == "cpu" else "dali-cpu")
+
+
+def test_dali_missing_falls_back_with_a_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fastload.vision.preset as preset_mod
+
+    monkeypatch.setattr(preset_mod, "dali_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="DALI is not installed"):
+        preset = ImagePreset(backend="dali")
+    assert preset.backend == "cpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ImagePreset(backend="auto").backend == "cpu"  # CPU-only: no warning needed
+
+
+def test_import_does_not_import_dali() -> None:
+    code = "import sys, fastload, fastload.vision; print('nvidia.dali' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
+
+
+# -- DALI parity -------------------------------------------------------------------------------
+
+
+def _mean_abs_255(a: torch.Tensor, b: torch.Tensor, std: float = 58.0) -> torch.Tensor:
+    return (a.float() - b.float()).abs().mul(std).mean(dim=(1, 2, 3))
+
+
+@needs_dali
+@pytest.mark.parametrize("kind", ["eval", "train"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_dali_cpu_matches_cpu_decoder(images: list[bytes], kind: str, layout: str) -> None:
+    batch = make_batch(images, list(range(100, 100 + len(images))))
+    kw = {"kind": kind, "size": 48, "layout": layout, "std": (58.0,) * 3, "seed": 1}
+    cpu = ImagePreset(backend="cpu", **kw)(batch)["image"]
+    dali_preset = ImagePreset(backend="dali", threads=2, **kw)
+    assert dali_preset.backend == "dali-cpu"
+    dali = dali_preset(batch)["image"]
+    assert dali.shape == cpu.shape and dali.dtype == cpu.dtype == torch.float16
+    diff = _mean_abs_255(cpu, dali)
+    assert diff.max() <= MEAN_ABS_TOL, diff
+
+
+@needs_dali
+def test_dali_uint8_and_bf16(images: list[bytes]) -> None:
+    batch = make_batch(images[:4], [0, 1, 2, 3])
+    u8 = eval_preset(size=24, backend="dali", normalize=False)(batch)["image"]
+    assert u8.shape == (4, 24, 24, 3) and u8.dtype == torch.uint8
+    bf = eval_preset(size=24, backend="dali", dtype=torch.bfloat16)(batch)["image"]
+    assert bf.shape == (4, 3, 24, 24) and bf.dtype == torch.bfloat16
+
+
+@needs_dali
+@needs_cuda
+@pytest.mark.parametrize("kind", ["eval", "train"])
+def test_mixed_decode_matches_cpu(images: list[bytes], kind: str) -> None:
+    batch = make_batch(images, list(range(len(images))))
+    kw = {"kind": kind, "size": 48, "std": (58.0,) * 3}
+    gpu = ImagePreset(backend="dali", device="cuda", **kw)
+    assert gpu.backend == "dali-mixed"
+    out = gpu(batch)["image"]
+    assert out.is_cuda and out.dtype == torch.float16
+    cpu = ImagePreset(backend="cpu", **kw)(batch)["image"]
+    assert _mean_abs_255(out.cpu(), cpu).max() <= MIXED_MEAN_ABS_TOL
+
+
+# -- collate path, and the real format + Loader -----------------------------------------------------
+
+
+def test_collate_fn_path_with_sample_dicts(images: list[bytes]) -> None:
+    samples = [{"image": img, "label": i, "__index__": 40 + i} for i, img in enumerate(images[:5])]
+    preset = train_preset(size=32, backend="cpu", seed=2)
+    out = preset(samples)
+    assert out["image"].shape == (5, 3, 32, 32)
+    assert out["label"].tolist() == [0, 1, 2, 3, 4] and out["__index__"].tolist() == [
+        40,
+        41,
+        42,
+        43,
+        44,
+    ]
+    columnar = preset(make_batch(images[:5], [40, 41, 42, 43, 44]))["image"]
+    torch.testing.assert_close(out["image"], columnar, atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def image_dataset(tmp_path_factory: pytest.TempPathFactory, images: list[bytes]):
+    from fastload.formats import FastloadDataset, Field, Schema, write
+
+    root = tmp_path_factory.mktemp("imgds")
+    schema = Schema([Field("image", "image"), Field("label", "scalar", np.int64)])
+    samples = [{"image": images[i % len(images)], "label": i} for i in range(24)]
+    write(samples, root, schema=schema, progress=False, workers=1)
+    return FastloadDataset(root)
+
+
+def test_loader_order_resume_and_stats(image_dataset) -> None:
+    Loader = pytest.importorskip("fastload.loader").Loader
+    from fastload.vision import with_indices
+
+    ds = with_indices(image_dataset)
+
+    def loader() -> Loader:
+        preset = train_preset(size=32, backend="cpu", seed=9)
+        return Loader(ds, batch_size=5, shuffle=True, seed=3, transform=preset, num_workers=2)
+
+    ref = loader()
+    batches = list(ref)
+    assert [b["image"].shape for b in batches] == [(5, 3, 32, 32)] * 4 + [(4, 3, 32, 32)]
+    assert sorted(torch.cat([b["label"] for b in batches]).tolist()) == list(range(24))
+    torch.testing.assert_close(batches[0]["label"], batches[0]["__indices__"])
+    assert ref.stats()["vision_images"] == 24
+
+    first = loader()
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    again = loader()
+    again.load_state_dict(state)
+    rest = list(again)
+    for a, b in zip(rest, batches[2:], strict=True):
+        torch.testing.assert_close(a["image"], b["image"], atol=0, rtol=0)
+        torch.testing.assert_close(a["label"], b["label"])
