@@ -16,7 +16,7 @@ from .errors import SchemaError
 from .ragged import Ragged
 from .schema import Field, Schema
 
-__all__ = ["Block", "concat_blocks", "encode_samples", "image_size"]
+__all__ = ["Block", "encode_samples", "image_size"]
 
 
 @dataclass
@@ -51,24 +51,6 @@ class Block:
             if isinstance(col, Ragged):
                 sizes += col.lengths * f.dtype.itemsize + 8  # payload + one u8 offset
         return sizes
-
-
-def concat_blocks(blocks: list[Block], schema: Schema) -> Block:
-    if len(blocks) == 1:
-        return blocks[0]
-    cols: dict[str, np.ndarray | Ragged] = {}
-    for f in schema:
-        parts = [b.columns[f.name] for b in blocks]
-        if f.is_fixed:
-            cols[f.name] = np.concatenate(parts)
-        else:
-            values = np.concatenate([p.values for p in parts])
-            lengths = np.concatenate([p.lengths for p in parts])
-            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            cols[f.name] = Ragged(values, offsets, parts[0].kind)
-    hw = {name: np.concatenate([b.image_hw[name] for b in blocks]) for name in blocks[0].image_hw}
-    return Block(sum(b.num_samples for b in blocks), cols, hw)
 
 
 def image_size(data: bytes | memoryview, where: str) -> tuple[int, int]:

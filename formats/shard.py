@@ -62,9 +62,9 @@ class _HashingWriter:
             self.write(_PAD[: min(ALIGN, offset - self.pos)])
 
 
-def _plan(block: Block, schema: Schema) -> tuple[np.ndarray, int]:
+def _plan(blocks: list[Block], schema: Schema) -> tuple[np.ndarray, int]:
     """Field table with absolute offsets, and the total file size."""
-    n = block.num_samples
+    n = sum(b.num_samples for b in blocks)
     table = np.zeros(len(schema), dtype=ENTRY_DTYPE)
     pos = align_up(HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema))
     for k, f in enumerate(schema):
@@ -75,21 +75,35 @@ def _plan(block: Block, schema: Schema) -> tuple[np.ndarray, int]:
             entry["fixed_offset"], entry["fixed_bytes"] = pos, n * f.item_bytes
             pos = align_up(pos + n * f.item_bytes)
         if not f.is_fixed:
-            col = block.columns[f.name]
-            assert isinstance(col, Ragged)
+            blob = sum(b.columns[f.name].values.nbytes for b in blocks)
             entry["offsets_offset"] = pos
             pos = align_up(pos + 8 * (n + 1))
-            entry["blob_offset"], entry["blob_bytes"] = pos, col.values.nbytes
-            pos = align_up(pos + col.values.nbytes)
+            entry["blob_offset"], entry["blob_bytes"] = pos, blob
+            pos = align_up(pos + blob)
     return table, pos
 
 
-def write_shard(path: str, block: Block, schema: Schema, *, name: str) -> ShardInfo:
-    """Write `block` as one shard: to `path + '.tmp'`, fsync, then rename. Returns its manifest entry."""
-    table, total = _plan(block, schema)
+def _joined_offsets(cols: list[Ragged]) -> np.ndarray:
+    """The offsets table of several Ragged parts written one after another."""
+    out = [np.zeros(1, dtype="<u8")]
+    base = 0
+    for col in cols:
+        out.append((col.offsets[1:] - col.offsets[0] + base).astype("<u8"))
+        base += len(col.values)
+    return np.concatenate(out)
+
+
+def write_shard(path: str, blocks: list[Block], schema: Schema, *, name: str) -> ShardInfo:
+    """Write `blocks` (consecutive samples) as one shard: to `path + '.tmp'`, fsync, then rename.
+
+    Each field's parts are streamed straight from the blocks (no concatenated copy); returns the
+    shard's manifest entry.
+    """
+    table, total = _plan(blocks, schema)
+    n = sum(b.num_samples for b in blocks)
     header = np.zeros(1, dtype=HEADER_DTYPE)
     header["magic"], header["version"] = SHARD_MAGIC, FORMAT_VERSION
-    header["num_fields"], header["num_samples"], header["file_bytes"] = len(schema), block.num_samples, total
+    header["num_fields"], header["num_samples"], header["file_bytes"] = len(schema), n, total
     tmp = path + ".tmp"
     with open(tmp, "wb") as fh:
         out = _HashingWriter(fh)
@@ -99,19 +113,21 @@ def write_shard(path: str, block: Block, schema: Schema, *, name: str) -> ShardI
             entry = table[k]
             if f.is_fixed or f.kind == "image":
                 out.pad_to(int(entry["fixed_offset"]))
-                data = block.image_hw[f.name] if f.kind == "image" else block.columns[f.name]
-                out.write(np.ascontiguousarray(data, dtype=np.uint32 if f.kind == "image" else f.dtype))
+                for b in blocks:
+                    data = b.image_hw[f.name] if f.kind == "image" else b.columns[f.name]
+                    out.write(np.ascontiguousarray(data, dtype=np.uint32 if f.kind == "image" else f.dtype))
             if not f.is_fixed:
-                col = block.columns[f.name]
+                cols = [b.columns[f.name] for b in blocks]
                 out.pad_to(int(entry["offsets_offset"]))
-                out.write(np.ascontiguousarray(col.offsets, dtype="<u8"))
+                out.write(_joined_offsets(cols))
                 out.pad_to(int(entry["blob_offset"]))
-                out.write(np.ascontiguousarray(col.values, dtype=f.dtype))
+                for col in cols:
+                    out.write(np.ascontiguousarray(col.values, dtype=f.dtype))
         out.pad_to(total)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    return ShardInfo(file=name, num_samples=block.num_samples, bytes=total, xxh3=out.hash.hexdigest())
+    return ShardInfo(file=name, num_samples=n, bytes=total, xxh3=out.hash.hexdigest())
 
 
 def _section(buf: np.ndarray, offset: int, size: int, what: str, where: str) -> np.ndarray:

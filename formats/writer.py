@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .columns import Block, concat_blocks, encode_samples
+from .columns import Block, encode_samples
 from .errors import FormatError, SchemaError
 from .manifest import MANIFEST_NAME, META_NAME, Manifest, MetaColumn
 from .schema import Schema
@@ -108,7 +108,7 @@ class _ShardCutter:
         self.pending: list[Block] = []
         self.pending_bytes = 0
 
-    def add(self, block: Block, first_index: int) -> Iterator[Block]:
+    def add(self, block: Block, first_index: int) -> Iterator[list[Block]]:
         sizes = block.sample_bytes(self.schema)
         too_big = np.flatnonzero(sizes > self.shard_size)
         if too_big.size:
@@ -130,9 +130,8 @@ class _ShardCutter:
             pos += fit
             yield self.flush()
 
-    def flush(self) -> Block:
-        out = concat_blocks(self.pending, self.schema)
-        self.pending, self.pending_bytes = [], 0
+    def flush(self) -> list[Block]:
+        out, self.pending, self.pending_bytes = self.pending, [], 0
         return out
 
 
@@ -289,13 +288,13 @@ def write(
     index, written_bytes, t0 = start, 0, time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
 
-        def submit(block: Block) -> None:
+        def submit(parts: list[Block]) -> None:
             nonlocal written_bytes
             k = len(shards)
             shards.append(
-                pool.submit(write_shard, os.path.join(out_dir, _shard_name(k)), block, schema, name=_shard_name(k))
+                pool.submit(write_shard, os.path.join(out_dir, _shard_name(k)), parts, schema, name=_shard_name(k))
             )
-            written_bytes += int(block.sample_bytes(schema).sum())
+            written_bytes += sum(int(b.sample_bytes(schema).sum()) for b in parts)
 
         for block in blocks:
             for full in cutter.add(block, index):

@@ -1,0 +1,162 @@
+"""Format benchmark: conversion and batched reads, each against its raw limit measured in the same run.
+
+    python -m bench.formats            # 200k x 3 KiB records, ~1-2 minutes
+    python -m bench.formats --quick    # 20k records, seconds
+
+Rows:
+- conversion MB/s vs raw sequential write bandwidth (the same bytes written and fsynced to one file);
+- fastload batched random read (batch 256, shuffled, warm page cache) vs a raw `np.memmap`
+  fancy-index gather of the same bytes in one flat file; both in the caller's order and with the
+  batch's indices sorted (what a loader that may reorder within a batch issues);
+- LMDB: batched `get_batch` vs per-record `txn.get`; HDF5 contiguous and chunked: `get_batch`
+  vs per-record `ds[i]`.
+Throughputs are best-of-N passes (CPU time of this process, robust to other load on the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from fastload.formats import Block, BlockSource, FastloadDataset, Field, HDF5Dataset, LMDBDataset, Schema, write
+
+__all__ = ["main"]
+
+RECORD = 3072
+BATCH = 256
+
+
+def _rate(fn: Callable[[np.ndarray], object], batches: list[np.ndarray], repeats: int) -> float:
+    """Best records/s over `repeats` passes (process CPU time: the work itself, not the neighbours')."""
+    best = 0.0
+    n = sum(len(b) for b in batches)
+    for _ in range(repeats):
+        t0 = time.process_time()
+        for b in batches:
+            fn(b)
+        best = max(best, n / max(time.process_time() - t0, 1e-9))
+    return best
+
+
+def _raw_write_mbps(path: str, data: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        for s in range(0, len(data), 8192):
+            fh.write(memoryview(data[s : s + 8192]).cast("B"))
+        fh.flush()
+        os.fsync(fh.fileno())
+    return data.nbytes / 1e6 / (time.perf_counter() - t0)
+
+
+def _blocks(data: np.ndarray) -> Callable[[int], Iterator[Block]]:
+    def blocks(start: int) -> Iterator[Block]:
+        for s in range(start, len(data), 8192):
+            yield Block(min(s + 8192, len(data)) - s, {"x": data[s : s + 8192]})
+
+    return blocks
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=200_000)
+    parser.add_argument("--kv-records", type=int, default=50_000, help="records for the LMDB/HDF5 rows")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.records, args.kv_records, args.repeats = 20_000, 10_000, 2
+
+    root = tempfile.mkdtemp(prefix="fastload-bench-formats-", dir=args.dir)
+    rows: list[tuple[str, str, str]] = []
+    try:
+        rng = np.random.default_rng(0)
+        data = rng.integers(0, 255, (args.records, RECORD), dtype=np.uint8)
+        schema = Schema((Field("x", "ndarray", np.uint8, (RECORD,)),))
+
+        raw_mbps = _raw_write_mbps(os.path.join(root, "raw.bin"), data)
+        t0 = time.perf_counter()
+        write(BlockSource(schema, len(data), _blocks(data)), os.path.join(root, "ds"), progress=False)
+        conv_mbps = data.nbytes / 1e6 / (time.perf_counter() - t0)
+        rows.append(("convert (write + xxh3 + fsync)", f"{conv_mbps:,.0f} MB/s", f"{conv_mbps / raw_mbps:.0%} of raw write {raw_mbps:,.0f} MB/s"))
+
+        raw = np.memmap(os.path.join(root, "raw.bin"), dtype=np.uint8, mode="r", shape=data.shape)
+        ds = FastloadDataset(os.path.join(root, "ds"))
+        perm = rng.permutation(args.records)
+        batches = [perm[s : s + BATCH] for s in range(0, args.records, BATCH)]
+        sorted_batches = [np.sort(b) for b in batches]
+        for b in batches[:50]:
+            assert np.array_equal(ds.get_batch(b)["x"], raw[b])
+        _rate(lambda b: raw[b], batches, 1)  # warm the page cache and mappings
+        _rate(ds.get_batch, batches, 1)
+        raw_rate = _rate(lambda b: raw[b], batches, args.repeats)
+        fl_rate = _rate(ds.get_batch, batches, args.repeats)
+        raw_sorted = _rate(lambda b: raw[b], sorted_batches, args.repeats)
+        fl_sorted = _rate(ds.get_batch, sorted_batches, args.repeats)
+        rows.append(("raw np.memmap gather, shuffled", f"{raw_rate / 1e6:.2f} M rec/s", "limit"))
+        rows.append(("fastload get_batch, shuffled", f"{fl_rate / 1e6:.2f} M rec/s", f"{fl_rate / raw_rate:.0%} of raw"))
+        rows.append(("raw np.memmap gather, sorted batch", f"{raw_sorted / 1e6:.2f} M rec/s", "limit"))
+        rows.append(("fastload get_batch, sorted batch", f"{fl_sorted / 1e6:.2f} M rec/s", f"{fl_sorted / raw_sorted:.0%} of raw"))
+
+        n = args.kv_records
+        kv_batches = [b[b < n] for b in batches if (b < n).any()][: max(1, n // BATCH)]
+        _lmdb_rows(root, data[:n], kv_batches, args.repeats, rows)
+        _hdf5_rows(root, data[:n], kv_batches, args.repeats, rows)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    width = max(len(r[0]) for r in rows)
+    print(f"\nfastload format benchmark: {args.records:,} records of {RECORD} B, batch {BATCH}, warm page cache\n")
+    print(f"{'path':<{width}}  {'throughput':>16}  vs baseline")
+    for name, rate, ratio in rows:
+        print(f"{name:<{width}}  {rate:>16}  {ratio}")
+
+
+def _lmdb_rows(root: str, data: np.ndarray, batches: list[np.ndarray], repeats: int, rows: list) -> None:
+    import lmdb
+
+    path = os.path.join(root, "db")
+    env = lmdb.open(path, map_size=data.nbytes * 2 + (64 << 20), writemap=True, sync=False)
+    with env.begin(write=True) as txn:
+        for i in range(len(data)):
+            txn.put(f"{i:09d}".encode(), data[i].tobytes())
+    env.sync()
+    env.close()
+    db = LMDBDataset(path)
+    keys = db.keys()
+    env = db._environment()
+
+    def naive(b: np.ndarray) -> list[bytes]:
+        with env.begin() as txn:
+            return [txn.get(keys[i]) for i in b.tolist()]
+
+    naive_rate = _rate(naive, batches, repeats)
+    batched = _rate(db.get_batch, batches, repeats)
+    rows.append(("LMDB per-record txn.get", f"{naive_rate / 1e6:.2f} M rec/s", "baseline"))
+    rows.append(("LMDB get_batch", f"{batched / 1e6:.2f} M rec/s", f"{batched / naive_rate:.1f}x per-record"))
+
+
+def _hdf5_rows(root: str, data: np.ndarray, batches: list[np.ndarray], repeats: int, rows: list) -> None:
+    import h5py
+
+    for layout, chunks in (("contiguous", None), ("chunked 256 rows", (256, RECORD))):
+        path = os.path.join(root, f"{layout.split()[0]}.h5")
+        with h5py.File(path, "w") as f:
+            f.create_dataset("x", data=data, chunks=chunks)
+        ds = HDF5Dataset(path)
+        h5 = h5py.File(path, "r")["x"]
+        few = batches[: max(1, len(batches) // 10)]  # per-record h5py reads are slow: time a tenth
+        naive_rate = _rate(lambda b, h5=h5: [h5[i] for i in b.tolist()], few, 1)
+        batched = _rate(ds.get_batch, batches, repeats)
+        rows.append((f"HDF5 {layout}, per-record ds[i]", f"{naive_rate / 1e6:.3f} M rec/s", "baseline"))
+        rows.append((f"HDF5 {layout}, get_batch", f"{batched / 1e6:.2f} M rec/s", f"{batched / naive_rate:.1f}x per-record"))
+
+
+if __name__ == "__main__":
+    main()
