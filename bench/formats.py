@@ -84,7 +84,13 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         write(BlockSource(schema, len(data), _blocks(data)), os.path.join(root, "ds"), progress=False)
         conv_mbps = data.nbytes / 1e6 / (time.perf_counter() - t0)
-        rows.append(("convert (write + xxh3 + fsync)", f"{conv_mbps:,.0f} MB/s", f"{conv_mbps / raw_mbps:.0%} of raw write {raw_mbps:,.0f} MB/s"))
+        rows.append(
+            (
+                "convert (write + xxh3 + fsync)",
+                f"{conv_mbps:,.0f} MB/s",
+                f"{conv_mbps / raw_mbps:.0%} of raw write {raw_mbps:,.0f} MB/s",
+            )
+        )
 
         raw = np.memmap(os.path.join(root, "raw.bin"), dtype=np.uint8, mode="r", shape=data.shape)
         ds = FastloadDataset(os.path.join(root, "ds"))
@@ -100,9 +106,17 @@ def main(argv: list[str] | None = None) -> None:
         raw_sorted = _rate(lambda b: raw[b], sorted_batches, args.repeats)
         fl_sorted = _rate(ds.get_batch, sorted_batches, args.repeats)
         rows.append(("raw np.memmap gather, shuffled", f"{raw_rate / 1e6:.2f} M rec/s", "limit"))
-        rows.append(("fastload get_batch, shuffled", f"{fl_rate / 1e6:.2f} M rec/s", f"{fl_rate / raw_rate:.0%} of raw"))
+        rows.append(
+            ("fastload get_batch, shuffled", f"{fl_rate / 1e6:.2f} M rec/s", f"{fl_rate / raw_rate:.0%} of raw")
+        )
         rows.append(("raw np.memmap gather, sorted batch", f"{raw_sorted / 1e6:.2f} M rec/s", "limit"))
-        rows.append(("fastload get_batch, sorted batch", f"{fl_sorted / 1e6:.2f} M rec/s", f"{fl_sorted / raw_sorted:.0%} of raw"))
+        rows.append(
+            (
+                "fastload get_batch, sorted batch",
+                f"{fl_sorted / 1e6:.2f} M rec/s",
+                f"{fl_sorted / raw_sorted:.0%} of raw",
+            )
+        )
 
         n = args.kv_records
         kv_batches = [b[b < n] for b in batches if (b < n).any()][: max(1, n // BATCH)]
@@ -155,7 +169,9 @@ def _hdf5_rows(root: str, data: np.ndarray, batches: list[np.ndarray], repeats: 
         naive_rate = _rate(lambda b, h5=h5: [h5[i] for i in b.tolist()], few, 1)
         batched = _rate(ds.get_batch, batches, repeats)
         rows.append((f"HDF5 {layout}, per-record ds[i]", f"{naive_rate / 1e6:.3f} M rec/s", "baseline"))
-        rows.append((f"HDF5 {layout}, get_batch", f"{batched / 1e6:.2f} M rec/s", f"{batched / naive_rate:.1f}x per-record"))
+        rows.append(
+            (f"HDF5 {layout}, get_batch", f"{batched / 1e6:.2f} M rec/s", f"{batched / naive_rate:.1f}x per-record")
+        )
 
 
 if __name__ == "__main__":

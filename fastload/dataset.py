@@ -23,15 +23,22 @@ def open_dataset(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit: int | str | None = None,
     verify_checksums: bool = False,
-    max_open_shards: int = 64,
+    max_open_shards: int | None = None,
 ) -> FastloadDataset:
     """Open a fastload dataset from a local directory (zero-copy mmap) or any fsspec URL (through a shard cache)."""
     text = os.fspath(path)
     if text.startswith("file://"):
         text = text[len("file://") :]
     if not is_url(text):
-        return FastloadDataset(text, verify_checksums=verify_checksums, max_open_shards=max_open_shards)
+        return FastloadDataset(text, verify_checksums=verify_checksums, max_open_shards=max_open_shards or 64)
     from fastload.remote import RemoteStorage
 
-    storage = RemoteStorage(text, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
-    return FastloadDataset(storage=storage, verify_checksums=verify_checksums, max_open_shards=max_open_shards)
+    # The remote storage sizes the number of pinned shards from the cache budget when not given.
+    storage = RemoteStorage(
+        text,
+        storage_options=storage_options,
+        cache_dir=cache_dir,
+        cache_limit=cache_limit,
+        max_open_shards=max_open_shards,
+    )
+    return FastloadDataset(storage=storage, verify_checksums=verify_checksums, max_open_shards=storage.max_open_shards)

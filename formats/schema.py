@@ -123,11 +123,25 @@ class Schema:
         return cls(tuple(Field.from_json(f) for f in obj))
 
     @classmethod
-    def infer(cls, sample: dict[str, Any]) -> Schema:
-        """Infer a schema from one sample. Pass an explicit schema for images (bytes are inferred as ``bytes``)."""
-        if not isinstance(sample, dict) or not sample:
-            raise SchemaError(f"a sample must be a non-empty dict of fields, got {type(sample).__name__}")
-        return cls(tuple(infer_field(name, value) for name, value in sample.items()))
+    def infer(cls, samples: list[dict[str, Any]]) -> Schema:
+        """Infer a schema from the first samples of a source.
+
+        A 1-D array whose length differs between these samples becomes a ``varray`` (variable-length)
+        field, otherwise a fixed ``ndarray``. Pass an explicit schema for images (bytes infer as
+        ``bytes``) and for arrays whose length varies only later in the source.
+        """
+        if not samples or not isinstance(samples[0], dict) or not samples[0]:
+            got = type(samples[0]).__name__ if samples else "nothing"
+            raise SchemaError(f"a sample must be a non-empty dict of fields, got {got}")
+        fields = []
+        for name, value in samples[0].items():
+            f = infer_field(name, value)
+            if f.kind == "ndarray" and len(f.shape) == 1:
+                shapes = {np.shape(s.get(name)) for s in samples if isinstance(s, dict)}
+                if len(shapes) > 1:
+                    f = Field(name, "varray", f.dtype)
+            fields.append(f)
+        return cls(tuple(fields))
 
 
 def infer_field(name: str, value: Any) -> Field:

@@ -205,7 +205,9 @@ class ShardReader:
                 self.ragged[f.name] = (offsets.view(np.int64), values)
 
     def close(self) -> None:
-        """Drop the views; the mapping closes when no array still refers to it."""
-        self.fixed.clear()
-        self.ragged.clear()
-        self.image_hw.clear()
+        """Forget the mapping; it is unmapped once no reader or returned array refers to it.
+
+        Views stay valid for anyone still holding this reader (e.g. a batch that spans more shards
+        than the reader keeps open), and on POSIX a mapped file stays readable after a cache evicts it.
+        """
+        self._mmap = None

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ __all__ = ["DEFAULT_SHARD_SIZE", "BlockSource", "write"]
 DEFAULT_SHARD_SIZE = 64 << 20
 PROGRESS_NAME = ".fastload-progress.json"
 _ENCODE_CHUNK = 512
+_INFER_SAMPLES = 64  # samples looked at when inferring a schema
 
 
 @dataclass
@@ -247,22 +249,19 @@ def write(
     is_map = isinstance(source, BlockSource) or (hasattr(source, "__len__") and hasattr(source, "__getitem__"))
     num_samples = source.num_samples if isinstance(source, BlockSource) else (len(source) if is_map else None)
 
-    first: dict[str, Any] | None = None
     if isinstance(source, BlockSource):
         schema = schema or source.schema
         attrs = {**(source.attrs or {}), **(attrs or {})}
     elif schema is None:
         if is_map:
-            if num_samples == 0:
-                raise ValueError("the source is empty: nothing to convert")
-            first = source[0]
+            head = [source[i] for i in range(min(_INFER_SAMPLES, num_samples or 0))]
         else:
             source = iter(source)
-            first = next(source, None)
-            if first is None:
-                raise ValueError("the source is empty: nothing to convert")
-            source = _chain_first(first, source)
-        schema = Schema.infer(first)
+            head = list(itertools.islice(source, _INFER_SAMPLES))
+            source = itertools.chain(head, source)
+        if not head:
+            raise ValueError("the source is empty: nothing to convert")
+        schema = Schema.infer(head)
     if num_samples == 0:
         raise ValueError("the source is empty: nothing to convert")
 
@@ -328,11 +327,6 @@ def write(
     os.remove(os.path.join(out_dir, PROGRESS_NAME))
     _fsync_dir(out_dir)
     return manifest
-
-
-def _chain_first(first: dict[str, Any], rest: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    yield first
-    yield from rest
 
 
 def _progress(enabled: bool, total: int | None, initial: int) -> Any:

@@ -127,7 +127,11 @@ def _fixed_dataset(path, n=3000, shard_size=64 << 10, **kw):
     data = rng.integers(0, 255, (n, 48), dtype=np.uint8)
     samples = [{"x": data[i], "label": i, "tokens": np.arange(i % 17, dtype=np.int32)} for i in range(n)]
     schema = Schema(
-        (Field("x", "ndarray", np.uint8, (48,)), Field("label", "scalar", np.int64), Field("tokens", "varray", np.int32))
+        (
+            Field("x", "ndarray", np.uint8, (48,)),
+            Field("label", "scalar", np.int64),
+            Field("tokens", "varray", np.int32),
+        )
     )
     write(samples, path, schema=schema, shard_size=shard_size, progress=False, **kw)
     return data, samples
@@ -164,6 +168,15 @@ class MapSource:
 
     def __getitem__(self, i):
         return {"v": np.full(10, i, dtype=np.int32), "s": f"sample-{i}"}
+
+
+def test_inferred_schema_tells_variable_from_fixed_arrays(tmp_path):
+    samples = [{"fixed": np.zeros(3, np.float32), "var": np.arange(i % 4, dtype=np.int16)} for i in range(10)]
+    write(samples, tmp_path / "ds", progress=False)
+    ds = FastloadDataset(tmp_path / "ds")
+    assert ds.schema["fixed"].kind == "ndarray" and ds.schema["fixed"].shape == (3,)
+    assert ds.schema["var"].kind == "varray" and ds.schema["var"].dtype == np.int16
+    assert ds[3]["var"].tolist() == [0, 1, 2]
 
 
 def test_map_style_source_in_worker_processes(tmp_path):
@@ -360,8 +373,9 @@ def test_mismatched_field_types_name_sample_and_field(tmp_path, bad_value, messa
 
 
 def test_mismatched_shapes_and_missing_fields(tmp_path):
+    fixed = Schema((Field("x", "ndarray", np.float64, (3,)),))
     with pytest.raises(SchemaError, match=r"sample 1, field 'x': shape \(4,\) != schema shape \(3,\)"):
-        write([{"x": np.zeros(3)}, {"x": np.zeros(4)}], tmp_path / "a", progress=False)
+        write([{"x": np.zeros(3)}, {"x": np.zeros(4)}], tmp_path / "a", schema=fixed, progress=False)
     with pytest.raises(SchemaError, match=r"sample 1: fields differ from the schema \(missing \['y'\]"):
         write([{"x": 1, "y": 2}, {"x": 1}], tmp_path / "b", progress=False)
     with pytest.raises(SchemaError, match="cannot store a value of type dict"):
@@ -396,3 +410,48 @@ def test_max_open_shards_bounds_the_mappings(small_ds):
         idx = np.arange(start, min(600, start + 50))
         np.testing.assert_array_equal(ds.get_batch(idx[::-1])["x"], ref.get_batch(idx[::-1])["x"])
         assert len(ds._open) <= 2
+
+
+# -- fuzzing: any corruption gives FormatError (or, without checksums, data from inside the file) ------
+
+
+@pytest.fixture(scope="module")
+def fuzz_source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz") / "ds"
+    samples = [
+        {"x": np.full(3, i, np.int32), "t": np.arange(i % 5, dtype=np.int16), "s": "ab" * (i % 3), "b": bytes(i % 4)}
+        for i in range(40)
+    ]
+    write(samples, path, shard_size=4096, progress=False)
+    return path
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    target=st.sampled_from(["shard", "manifest", "meta"]),
+    edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=4),
+    truncate=st.one_of(st.none(), st.floats(0, 1, exclude_max=True)),
+    checked=st.booleans(),
+)
+def test_fuzzed_files_never_crash_the_reader(tmp_path_factory, fuzz_source, target, edits, truncate, checked):
+    path = tmp_path_factory.mktemp("case") / "ds"
+    shutil.copytree(fuzz_source, path)
+    victim = {"shard": _first_shard(path), "manifest": path / "index.json", "meta": path / "meta.bin"}[target]
+    raw = bytearray(victim.read_bytes())
+    original = bytes(raw)
+    for pos, value in edits:
+        raw[int(pos * len(raw))] = value
+    if truncate is not None:
+        raw = raw[: int(truncate * len(raw))]
+    victim.write_bytes(bytes(raw))
+    changed = bytes(raw) != original
+    try:
+        ds = FastloadDataset(path, verify_checksums=checked)
+        batch = ds.get_batch(np.arange(len(ds)))
+        items = [ds[i] for i in range(len(ds))]
+    except FormatError:
+        return
+    # It opened: only possible when the change left every structure intact; with checksums, not at all.
+    assert not (checked and changed and target == "shard"), "a modified shard passed checksum verification"
+    assert target == "shard" or not changed, "a modified manifest/meta passed its checksum"
+    assert len(items) == len(batch["x"]) == 40

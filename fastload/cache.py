@@ -1,0 +1,664 @@
+"""`ShardCache`: an on-disk, byte-budgeted LRU cache of whole shard files shared by processes.
+
+Every process (loader workers, ranks, several loaders) that points at the same directory shares
+one budget. Layout of `root`:
+
+- `data/<key>`: complete, verified files (written to `tmp/` first, renamed in).
+- `tmp/<key>.<pid>.<n>`: downloads in flight; their bytes are reserved in the budget up front.
+- `state.json`: entries (size, last use, verification stamp), pins, soft pins, reservations and
+  waiters, each keyed by an owner id `"<pid>-<start time>"`. Owners that no longer run are
+  dropped on every update, so a crashed process leaves no pins, reservations or temp files behind.
+- `.lock`: `fcntl.flock` lock taken around every read-modify-write of `state.json`.
+
+Downloads are renamed into `data/` only after their size and xxh3 match the manifest; a process
+crash cannot leave a partial file there. Without `fsync` (the default: it costs ~20% of fetch
+bandwidth) a power loss could, so verification stamps carry the boot id and every file is hashed
+again on first use after a reboot. Pinned entries (`acquire` .. `release`) are never evicted.
+Soft pins protect prefetched files from other prefetches until they are used; a demand fetch may
+still evict them. A demand fetch that cannot make room waits for other processes to release pins;
+when every pin holder is itself waiting (the budget cannot hold the shards in use at once) it
+raises `CacheBudgetError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import xxhash
+
+from .formats.errors import ChecksumError
+from .formats.units import format_size, parse_size
+
+__all__ = ["CacheBudgetError", "Download", "ShardCache", "default_cache_dir", "owner_alive", "owner_id"]
+
+_STATE = "state.json"
+_LOCK = ".lock"
+_POLL_S = 0.02
+_VERIFY_MODES = ("stat", "once", "always")
+
+
+class CacheBudgetError(ValueError):
+    """The cache budget cannot hold the shards that must be on disk at the same time."""
+
+
+def default_cache_dir() -> str:
+    """`$FASTLOAD_CACHE_DIR`, else `~/.cache/fastload/shards`."""
+    return os.environ.get("FASTLOAD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastload", "shards")
+
+
+def _start_time(pid: int) -> float | None:
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+_OWNER: tuple[int, str] | None = None
+
+
+def owner_id() -> str:
+    """This process as a cache owner: pid plus start time, so a reused pid is not mistaken for it."""
+    global _OWNER
+    pid = os.getpid()
+    if _OWNER is None or _OWNER[0] != pid:
+        _OWNER = (pid, f"{pid}-{_start_time(pid) or 0.0:.2f}")
+    return _OWNER[1]
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the process named by an owner id still runs (`os.kill(pid, 0)` plus start time)."""
+    try:
+        pid_s, start_s = owner.split("-", 1)
+        pid = int(pid_s)
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    start = _start_time(pid)
+    return start is not None and abs(start - float(start_s)) < 0.05
+
+
+class Download:
+    """Sink for one download: writes to the temp file and hashes the same bytes.
+
+    A fetch callback writes the whole object with `write` (possibly after `reset` on a retry);
+    `check` raises `ChecksumError` on a size or checksum mismatch.
+    """
+
+    def __init__(self, path: str, *, size: int, xxh3: str, where: str) -> None:
+        self.path, self.size, self.xxh3, self.where = path, size, xxh3.lower(), where
+        self._fh = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._hash = xxhash.xxh3_64()
+        self.written = 0
+
+    def reset(self) -> None:
+        """Discard what was written (before a retry)."""
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._hash.reset()
+        self.written = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if self.written + view.nbytes > self.size:
+            raise ChecksumError(f"{self.where}: more than the {self.size} bytes the manifest records")
+        self._fh.write(view)
+        self._hash.update(view)
+        self.written += view.nbytes
+
+    def check(self) -> None:
+        if self.written != self.size:
+            raise ChecksumError(f"{self.where}: got {self.written} bytes, the manifest records {self.size}")
+        got = self._hash.hexdigest()
+        if got != self.xxh3:
+            raise ChecksumError(f"{self.where}: xxh3 {got} != {self.xxh3} recorded in the manifest")
+
+    def finish(self, *, fsync: bool) -> None:
+        self._fh.flush()
+        if fsync:
+            os.fsync(self._fh.fileno())
+        self._fh.close()
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+@dataclass
+class _Room:
+    ok: bool
+    waiting_on: str = ""
+
+
+def _file_xxh3(path: str) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as fh:
+        while buf := fh.read(8 << 20):
+            h.update(buf)
+    return h.hexdigest()
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+_BOOT = _boot_id()
+
+
+def _stamp(st: os.stat_result) -> list[int | str]:
+    """What a verified file looked like. The boot id makes every file be re-hashed once after a
+    reboot, so files written without fsync that a power loss damaged are caught."""
+    return [st.st_size, st.st_mtime_ns, st.st_ino, _BOOT]
+
+
+class ShardCache:
+    """Whole-file cache in `root` holding at most `limit` bytes of shard data (plus a few KB of state).
+
+    `acquire(key, size=, xxh3=, fetch=)` returns the local path of a verified file and pins it
+    until `release(key)`; `fetch(download)` is called to fill a missing file. Keys are file names
+    chosen by the caller (they must be unique per content). Pins are reference counts per process.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        limit: int | str | None = None,
+        verify: str = "stat",
+        fsync: bool = False,
+        wait_timeout: float = 600.0,
+        deadlock_grace: float = 2.0,
+    ) -> None:
+        if verify not in _VERIFY_MODES:
+            raise ValueError(f"verify must be one of {_VERIFY_MODES}, got {verify!r}")
+        self.root = os.path.abspath(os.fspath(root if root is not None else default_cache_dir()))
+        self.data_dir = os.path.join(self.root, "data")
+        self.tmp_dir = os.path.join(self.root, "tmp")
+        os.makedirs(self.data_dir, exist_ok=True)
+        os.makedirs(self.tmp_dir, exist_ok=True)
+        self.verify, self.fsync = verify, fsync
+        self.wait_timeout, self.deadlock_grace = float(wait_timeout), float(deadlock_grace)
+        self._pid = -1
+        self._reset_process_state()
+        with self._locked() as state:
+            self._sweep_tmp(state)
+            used = self._used(state)
+        if limit is None:
+            free = _free_bytes(self.root)
+            self.limit = int(0.8 * (free + used))
+        else:
+            self.limit = parse_size(limit)
+        if self.limit <= 0:
+            raise CacheBudgetError(f"cache_limit must be > 0 bytes, got {limit!r}")
+
+    def __repr__(self) -> str:
+        return f"ShardCache({self.root!r}, limit={format_size(self.limit)})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("root", "data_dir", "tmp_dir", "verify", "fsync", "wait_timeout", "deadlock_grace", "limit")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = -1
+        self._reset_process_state()
+
+    # -- per-process state (rebuilt after fork) -------------------------------------------------
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._mutex = threading.RLock()
+        self._lock_fd: int | None = None
+        self._local: dict[str, int] = {}  # key -> pins held by this process
+        self._verified: dict[str, list[int | str]] = {}  # key -> stat stamp hashed in this process
+        self._inflight: dict[str, threading.Event] = {}  # key -> download running in this process
+        self._tmp_seq = 0
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            self._reset_process_state()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        """Hold the cross-process lock; yield the state, written back on normal exit."""
+        self._check_pid()
+        with self._mutex:
+            if self._lock_fd is None:
+                self._lock_fd = os.open(os.path.join(self.root, _LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                state = self._load()
+                before = json.dumps(state, sort_keys=True)
+                self._prune(state)
+                yield state
+                if json.dumps(state, sort_keys=True) != before:
+                    self._save(state)
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            with open(os.path.join(self.root, _STATE), "rb") as fh:
+                state = json.load(fh)
+            if isinstance(state, dict) and state.get("version") == 1:
+                for part in ("entries", "pins", "soft", "reserved", "waiting"):
+                    state.setdefault(part, {})
+                return state
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError):
+            pass  # unreadable state: rebuilt from the directory below
+        return self._rebuild()
+
+    def _rebuild(self) -> dict[str, Any]:
+        """State from the directory listing: complete files are entries, nobody holds pins."""
+        state: dict[str, Any] = {"version": 1, "entries": {}, "pins": {}, "soft": {}, "reserved": {}, "waiting": {}}
+        with os.scandir(self.data_dir) as it:
+            for de in it:
+                if de.is_file():
+                    st = de.stat()
+                    state["entries"][de.name] = {"size": st.st_size, "used": st.st_mtime, "stamp": None}
+        return state
+
+    def _save(self, state: dict[str, Any]) -> None:
+        tmp = os.path.join(self.root, f"{_STATE}.{os.getpid()}.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(state, fh, separators=(",", ":"))
+        os.replace(tmp, os.path.join(self.root, _STATE))
+
+    def _prune(self, state: dict[str, Any]) -> None:
+        """Drop pins, soft pins, reservations and waiters of processes that are gone."""
+        owners = set(state["soft"].values()) | set(state["waiting"])
+        owners |= {o for pins in state["pins"].values() for o in pins}
+        owners |= {r["owner"] for r in state["reserved"].values()}
+        dead = {o for o in owners if o != owner_id() and not owner_alive(o)}
+        if not dead:
+            return
+        for key in list(state["pins"]):
+            pins = {o: n for o, n in state["pins"][key].items() if o not in dead}
+            if pins:
+                state["pins"][key] = pins
+            else:
+                del state["pins"][key]
+        state["soft"] = {k: o for k, o in state["soft"].items() if o not in dead}
+        state["waiting"] = {o: w for o, w in state["waiting"].items() if o not in dead}
+        for key, res in list(state["reserved"].items()):
+            if res["owner"] in dead:
+                _unlink(os.path.join(self.tmp_dir, res["tmp"]))
+                del state["reserved"][key]
+
+    def _sweep_tmp(self, state: dict[str, Any]) -> None:
+        """Remove temp files no live reservation accounts for (left by a crash); add stray data files."""
+        live_tmp = {r["tmp"] for r in state["reserved"].values()}
+        with os.scandir(self.tmp_dir) as it:
+            for de in it:
+                if de.name not in live_tmp:
+                    pid = de.name.rsplit(".", 2)[-2] if de.name.count(".") >= 2 else ""
+                    if not (pid.isdigit() and int(pid) == os.getpid()):
+                        _unlink(de.path)
+        with os.scandir(self.data_dir) as it:
+            names = {de.name for de in it if de.is_file()}
+        for key in list(state["entries"]):
+            if key not in names:
+                del state["entries"][key]
+                state["pins"].pop(key, None)
+        for key in names - set(state["entries"]):
+            st = os.stat(os.path.join(self.data_dir, key))
+            state["entries"][key] = {"size": st.st_size, "used": st.st_mtime, "stamp": None}
+
+    @staticmethod
+    def _used(state: dict[str, Any]) -> int:
+        return sum(e["size"] for e in state["entries"].values()) + sum(r["size"] for r in state["reserved"].values())
+
+    # -- public ---------------------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        return os.path.join(self.data_dir, _check_key(key))
+
+    def usage(self) -> dict[str, int]:
+        """Bytes and files held now: `bytes` (complete + reserved), `files`, `pinned`, `reserved`."""
+        with self._locked() as state:
+            return {
+                "bytes": self._used(state),
+                "files": len(state["entries"]),
+                "pinned": sum(1 for p in state["pins"].values() if p),
+                "reserved": sum(r["size"] for r in state["reserved"].values()),
+                "limit": self.limit,
+            }
+
+    def disk_bytes(self) -> int:
+        """Bytes of the files under `data/` and `tmp/` right now, measured on disk (for tests)."""
+        total = 0
+        for d in (self.data_dir, self.tmp_dir):
+            with os.scandir(d) as it:
+                for de in it:
+                    with contextlib.suppress(FileNotFoundError):
+                        total += de.stat().st_size
+        return total
+
+    def contains(self, key: str) -> bool:
+        with self._locked() as state:
+            return _check_key(key) in state["entries"]
+
+    def acquire(self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str = "") -> str:
+        """Pin `key` and return its local path, calling `fetch` to download it when missing or corrupt."""
+        _check_key(key)
+        self._check_pid()
+        with self._mutex:
+            if self._local.get(key, 0) > 0:
+                self._local[key] += 1
+                return self.path(key)
+        path = self._obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=False)
+        assert path is not None
+        return path
+
+    def prefetch(self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str = "") -> bool:
+        """Download `key` into the cache under a soft pin if it fits without evicting pinned or soft-pinned files.
+
+        Returns False (nothing done) when there is no room now; never waits for room.
+        """
+        _check_key(key)
+        return self._obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=True) is not None
+
+    def release(self, key: str) -> None:
+        """Drop one pin taken by `acquire` in this process."""
+        self._check_pid()
+        with self._mutex:
+            n = self._local.get(key, 0)
+            if n <= 0:
+                return  # e.g. a pin taken before a fork: the parent still holds it
+            if n > 1:
+                self._local[key] = n - 1
+                return
+            del self._local[key]
+            with self._locked() as state:
+                self._unpin(state, key)
+                if key in state["entries"]:
+                    state["entries"][key]["used"] = time.time()
+
+    def unsoft(self, keys: list[str] | None = None) -> None:
+        """Drop this process's soft pins on `keys` (all of them when None)."""
+        me = owner_id()
+        with self._locked() as state:
+            for k, o in list(state["soft"].items()):
+                if o == me and (keys is None or k in keys):
+                    del state["soft"][k]
+
+    def soft_keys(self) -> set[str]:
+        """Keys this process prefetched that nobody has acquired (nor evicted) since."""
+        me = owner_id()
+        with self._locked() as state:
+            return {k for k, o in state["soft"].items() if o == me}
+
+    def pinned_keys(self) -> dict[str, int]:
+        """This process's pins (key -> count)."""
+        self._check_pid()
+        with self._mutex:
+            return dict(self._local)
+
+    def clear(self) -> None:
+        """Delete every unpinned, unreserved file."""
+        with self._locked() as state:
+            for key in list(state["entries"]):
+                if not state["pins"].get(key):
+                    _unlink(os.path.join(self.data_dir, key))
+                    del state["entries"][key]
+                    state["soft"].pop(key, None)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _obtain(
+        self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str, soft: bool
+    ) -> str | None:
+        if size > self.limit:
+            raise CacheBudgetError(
+                f"{where}: a {format_size(size)} shard does not fit in cache_limit={format_size(self.limit)} "
+                f"({self.root}); raise cache_limit to at least a few shards"
+            )
+        while True:
+            event = self._wait_inflight(key)
+            if event is not None:
+                event.wait()
+                continue
+            me = owner_id()
+            wait_since: float | None = None
+            stuck_since: float | None = None
+            while True:
+                with self._locked() as state:
+                    entry = state["entries"].get(key)
+                    if entry is not None:
+                        if soft:
+                            state["soft"].setdefault(key, me)
+                            state["waiting"].pop(me, None)
+                            return self.path(key)
+                        self._pin(state, key)
+                        state["soft"].pop(key, None)
+                        state["waiting"].pop(me, None)
+                        entry["used"] = time.time()
+                        stamp = entry.get("stamp")
+                        break
+                    res = state["reserved"].get(key)
+                    if res is not None:
+                        if soft:
+                            return None
+                        room = _Room(False, waiting_on=f"download of {key} by process {res['owner']}")
+                    else:
+                        room = self._make_room(state, size, soft=soft)
+                        if room.ok:
+                            tmp = self._tmp_name(key)
+                            state["reserved"][key] = {"owner": me, "size": size, "tmp": tmp}
+                            state["waiting"].pop(me, None)
+                            if not soft:
+                                self._pin(state, key)
+                            stamp = None
+                            entry = None
+                            break
+                        if soft:
+                            return None
+                        state["waiting"][me] = {"key": key, "size": size}
+                    deadlocked = res is None and self._deadlocked(state, me)
+                now = time.monotonic()
+                wait_since = wait_since or now
+                stuck_since = (stuck_since or now) if deadlocked else None
+                if stuck_since is not None and now - stuck_since >= self.deadlock_grace:
+                    self._give_up_wait(me)
+                    raise CacheBudgetError(self._deadlock_message(key, size, where))
+                if now - wait_since > self.wait_timeout:
+                    self._give_up_wait(me)
+                    raise CacheBudgetError(
+                        f"{where}: waited {self.wait_timeout:.0f}s for room in cache {self.root} "
+                        f"(limit {format_size(self.limit)}; {room.waiting_on or 'pinned by other processes'})"
+                    )
+                time.sleep(_POLL_S)
+            if entry is not None:
+                path = self.path(key)
+                if self._verify_cached(key, path, size=size, xxh3=xxh3, stamp=stamp):
+                    if not soft:
+                        with self._mutex:
+                            self._local[key] = self._local.get(key, 0) + 1
+                    return path
+                self._drop_corrupt(key, pinned=not soft)
+                continue
+            return self._download(key, tmp, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
+
+    def _wait_inflight(self, key: str) -> threading.Event | None:
+        with self._mutex:
+            return self._inflight.get(key)
+
+    def _tmp_name(self, key: str) -> str:
+        with self._mutex:
+            self._tmp_seq += 1
+            return f"{key}.{os.getpid()}.{self._tmp_seq}"
+
+    def _download(
+        self, key: str, tmp: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str, soft: bool
+    ) -> str:
+        event = threading.Event()
+        with self._mutex:
+            self._inflight[key] = event
+        tmp_path = os.path.join(self.tmp_dir, tmp)
+        final = self.path(key)
+        ok = False
+        try:
+            sink = Download(tmp_path, size=size, xxh3=xxh3, where=where)
+            try:
+                fetch(sink)
+                sink.check()
+                sink.finish(fsync=self.fsync)
+            finally:
+                sink.close()
+            os.replace(tmp_path, final)
+            stamp = _stamp(os.stat(final))
+            with self._locked() as state:
+                state["reserved"].pop(key, None)
+                state["entries"][key] = {"size": size, "used": time.time(), "stamp": stamp}
+                if soft:
+                    state["soft"][key] = owner_id()
+            with self._mutex:
+                self._verified[key] = stamp
+                if not soft:
+                    self._local[key] = self._local.get(key, 0) + 1
+            ok = True
+            return final
+        finally:
+            if not ok:
+                _unlink(tmp_path)
+                with self._locked() as state:
+                    state["reserved"].pop(key, None)
+                    if not soft:
+                        self._unpin(state, key)
+            with self._mutex:
+                self._inflight.pop(key, None)
+            event.set()
+
+    def _verify_cached(self, key: str, path: str, *, size: int, xxh3: str, stamp: list[int | str] | None) -> bool:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        now = _stamp(st)
+        if st.st_size != size:
+            return False
+        with self._mutex:
+            seen = None if self.verify == "always" else self._verified.get(key)
+        if seen == now:
+            return True
+        if self.verify == "stat" and stamp == now:
+            with self._mutex:
+                self._verified[key] = now
+            return True
+        if _file_xxh3(path) != xxh3.lower():
+            return False
+        with self._mutex:
+            self._verified[key] = now
+        with self._locked() as state:
+            if key in state["entries"]:
+                state["entries"][key]["stamp"] = now
+        return True
+
+    def _drop_corrupt(self, key: str, *, pinned: bool) -> None:
+        """Remove a cached file that failed verification (it is fetched again)."""
+        with self._mutex:
+            self._verified.pop(key, None)
+        with self._locked() as state:
+            if pinned:
+                self._unpin(state, key)
+            # Readers in other processes keep their mapping of the old inode; new opens get the re-fetch.
+            _unlink(self.path(key))
+            state["entries"].pop(key, None)
+            state["soft"].pop(key, None)
+
+    def _pin(self, state: dict[str, Any], key: str) -> None:
+        pins = state["pins"].setdefault(key, {})
+        me = owner_id()
+        pins[me] = pins.get(me, 0) + 1
+
+    def _unpin(self, state: dict[str, Any], key: str) -> None:
+        pins = state["pins"].get(key, {})
+        me = owner_id()
+        if pins.get(me, 0) > 1:
+            pins[me] -= 1
+        else:
+            pins.pop(me, None)
+        if not pins:
+            state["pins"].pop(key, None)
+
+    def _make_room(self, state: dict[str, Any], size: int, *, soft: bool) -> _Room:
+        """Evict least recently used unpinned files until `size` more bytes fit; False if they cannot."""
+        free = self.limit - self._used(state)
+        if free >= size:
+            return _Room(True)
+        unpinned = [(e["used"], k) for k, e in state["entries"].items() if not state["pins"].get(k)]
+        cold = sorted((u, k) for u, k in unpinned if k not in state["soft"])
+        warm = sorted((u, k) for u, k in unpinned if k in state["soft"])
+        victims = cold if soft else cold + warm
+        chosen = []
+        for _, k in victims:
+            if free >= size:
+                break
+            chosen.append(k)
+            free += state["entries"][k]["size"]
+        if free < size:
+            return _Room(False, waiting_on="room held by pinned shards")
+        for k in chosen:
+            _unlink(os.path.join(self.data_dir, k))
+            del state["entries"][k]
+            state["soft"].pop(k, None)
+        return _Room(True)
+
+    def _deadlocked(self, state: dict[str, Any], me: str) -> bool:
+        """Every process that pins or downloads something is itself waiting for room."""
+        holders = {o for pins in state["pins"].values() for o, n in pins.items() if n > 0}
+        holders |= {r["owner"] for r in state["reserved"].values()}
+        return bool(holders) and holders <= set(state["waiting"]) and me in state["waiting"]
+
+    def _give_up_wait(self, me: str) -> None:
+        with self._locked() as state:
+            state["waiting"].pop(me, None)
+
+    def _deadlock_message(self, key: str, size: int, where: str) -> str:
+        with self._locked() as state:
+            pinned = sum(state["entries"].get(k, {}).get("size", 0) for k, p in state["pins"].items() if p)
+            holders = sorted({o.split("-")[0] for p in state["pins"].values() for o in p})
+        return (
+            f"{where}: cache_limit={format_size(self.limit)} ({self.root}) cannot hold the shards in use at once: "
+            f"{format_size(pinned)} are pinned by process(es) {', '.join(holders) or '-'} and every one of them "
+            f"waits for room for another shard ({format_size(size)}). Raise cache_limit to at least "
+            f"(processes sharing the cache) x (max_open_shards + 1) x (largest shard), or open fewer shards at once."
+        )
+
+
+def _check_key(key: str) -> str:
+    if not key or "/" in key or "\x00" in key or key in (".", "..") or key.startswith("."):
+        raise ValueError(f"invalid cache key {key!r}")
+    return key
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.EISDIR):
+            raise
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

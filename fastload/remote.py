@@ -1,0 +1,449 @@
+"""`RemoteStorage`: a fastload dataset at any fsspec URL, read through a local `ShardCache`.
+
+Shards are fetched whole (one large GET each, several in parallel by prefetch threads), verified
+against the manifest's xxh3 while they are written, renamed into the cache and mmapped from there
+by the reader. Transient errors (HTTP 5xx, resets, timeouts, truncated bodies) are retried with
+exponential backoff and full jitter; when retries run out the error names the URL.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Self, TypeVar
+
+import fsspec
+import xxhash
+
+from .cache import CacheBudgetError, Download, ShardCache
+from .formats.errors import ChecksumError, FormatError
+from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
+from .formats.units import format_size
+
+__all__ = ["RemoteFetchError", "RemoteStorage", "RetryPolicy", "is_remote_url", "is_transient"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_TRANSIENT_ERRNOS = {
+    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
+    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EBUSY, errno.EAGAIN, getattr(errno, "EREMOTEIO", errno.EIO),
+}
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FormatError)
+_TRANSIENT_NAMES = {
+    # aiohttp / urllib3 / botocore / requests class names, matched by name to avoid importing them
+    "ServerDisconnectedError", "ClientConnectionError", "ClientPayloadError", "ClientOSError",
+    "ServerTimeoutError", "ProtocolError", "IncompleteRead", "IncompleteReadError", "ReadTimeoutError",
+    "ConnectTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "ResponseStreamingError",
+    "ReadTimeout", "ConnectTimeout", "ChunkedEncodingError", "NewConnectionError", "RemoteDisconnected",
+    "HTTPClientError", "FSTimeoutError",
+}
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504"}
+
+
+class RemoteFetchError(OSError):
+    """A remote read failed for good (permanent error, or transient errors past the retry limit)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retry `attempts` times in all, sleeping uniform(0, min(cap, base * 2**k)) before retry k."""
+
+    attempts: int = 10
+    base: float = 0.1
+    cap: float = 5.0
+
+    def delay(self, k: int) -> float:
+        return random.uniform(0.0, min(self.cap, self.base * (2**k)))
+
+
+def _status(exc: BaseException) -> int | None:
+    for attr in ("status", "status_code", "code"):
+        v = getattr(exc, attr, None)
+        if isinstance(v, int) and 100 <= v < 600:
+            return v
+    resp = getattr(exc, "response", None)
+    if isinstance(resp, dict):
+        meta = resp.get("ResponseMetadata") or {}
+        v = meta.get("HTTPStatusCode")
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def _one_transient(exc: BaseException) -> bool | None:
+    """True/False when this exception alone decides; None to look at its causes."""
+    if isinstance(exc, ChecksumError):
+        return True  # a truncated or damaged transfer: fetch again
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    name = type(exc).__name__
+    if name in _TRANSIENT_NAMES:
+        return True
+    status = _status(exc)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    resp = getattr(exc, "response", None)
+    if isinstance(resp, dict) and (resp.get("Error") or {}).get("Code") in _TRANSIENT_CODES:
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    text = str(exc).lower()
+    if any(s in text for s in ("retries exceeded", "timed out", "connection reset", "slowdown", "service unavailable",
+                                "connection aborted", "broken pipe", "503", "500 internal")):
+        return True
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an error is worth retrying: connection resets, timeouts, HTTP 5xx/429, short reads."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        verdict = _one_transient(cur)
+        if verdict is not None:
+            return verdict
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def is_remote_url(path: Any) -> bool:
+    """True for "proto://..." strings other than plain local paths."""
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def _retry(fn: Callable[[], T], *, url: str, policy: RetryPolicy, stop: threading.Event | None = None) -> T:
+    last: BaseException | None = None
+    for k in range(max(1, policy.attempts)):
+        if k:
+            time.sleep(policy.delay(k - 1))
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                if isinstance(exc, (FileNotFoundError, PermissionError)):
+                    raise type(exc)(f"{url}: {exc}") from exc
+                raise RemoteFetchError(f"{url}: {type(exc).__name__}: {exc}") from exc
+            last = exc
+            log.debug("transient error on %s (attempt %d/%d): %r", url, k + 1, policy.attempts, exc)
+            if stop is not None and stop.is_set():
+                break
+    raise RemoteFetchError(
+        f"{url}: giving up after {policy.attempts} attempts; last error {type(last).__name__}: {last}"
+    ) from last
+
+
+class RemoteStorage:
+    """The storage protocol of `fastload.formats.FastloadDataset` for fsspec URLs, through a `ShardCache`.
+
+    `max_open_shards` is how many shards the reader keeps mapped; the reader pins one more while it
+    swaps, so `cache_limit` must hold `max_open_shards + 1` of the largest shard (checked here,
+    `CacheBudgetError` otherwise). When None it is chosen from the budget (at most 64).
+    `prefetch(names)` hands over the upcoming shard order; `prefetch_depth` shards are kept
+    fetched ahead of the last acquired one by `fetch_threads` threads.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        max_open_shards: int | None = None,
+        prefetch_depth: int = 8,
+        fetch_threads: int = 4,
+        retry: RetryPolicy | None = None,
+        verify: str = "stat",
+        fsync: bool = False,
+        wait_timeout: float = 600.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.root = self.url
+        self.storage_options = dict(storage_options or {})
+        self.retry = retry or RetryPolicy()
+        self.prefetch_depth = max(0, int(prefetch_depth))
+        self.fetch_threads = max(1, int(fetch_threads))
+        self.cache = ShardCache(cache_dir, limit=cache_limit, verify=verify, fsync=fsync, wait_timeout=wait_timeout)
+        self._id = xxhash.xxh3_64_hexdigest(self.url.encode())
+        self._small: dict[str, bytes] = {}
+        self._pid = -1
+        self._reset_process_state()
+        manifest = Manifest.loads(self.read_small(MANIFEST_NAME), where=f"{self.url}/{MANIFEST_NAME}")
+        self.max_open_shards = self._check_budget(manifest, max_open_shards)
+
+    def _check_budget(self, manifest: Manifest, max_open_shards: int | None) -> int:
+        biggest = max((s.bytes for s in manifest.shards), default=0)
+        if biggest == 0:
+            return max_open_shards or 1
+        limit = self.cache.limit
+        if max_open_shards is None:
+            fits = limit // biggest - 1
+            if fits < 1:
+                raise CacheBudgetError(
+                    f"{self.url}: cache_limit={format_size(limit)} is below 2 shards of {format_size(biggest)} "
+                    f"(the reader maps one shard and pins the next while it swaps); "
+                    f"use cache_limit >= {format_size(2 * biggest)}"
+                )
+            return int(min(64, fits, len(manifest.shards)))
+        need = (int(max_open_shards) + 1) * biggest
+        if need > limit:
+            raise CacheBudgetError(
+                f"{self.url}: cache_limit={format_size(limit)} cannot hold max_open_shards + 1 = "
+                f"{max_open_shards + 1} shards of up to {format_size(biggest)} that a reader pins at once; "
+                f"use cache_limit >= {format_size(need)} or a smaller max_open_shards"
+            )
+        return int(max_open_shards)
+
+    def __repr__(self) -> str:
+        return f"RemoteStorage({self.url!r}, cache={self.cache!r})"
+
+    # -- pickling / fork: file system clients, threads and plans are per process -----------------
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("url", "root", "storage_options", "retry", "prefetch_depth", "fetch_threads", "cache", "_id",
+                "_small", "max_open_shards")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = -1
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._fs: Any = None
+        self._fs_root = ""
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._keys: dict[str, str] = {}
+        self._plan: deque[str] = deque()
+        self._plan_pos: dict[str, int] = {}
+        self._ready: set[str] = set()  # prefetched, not acquired yet (soft pinned)
+        self._inflight: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._sizes: dict[str, tuple[int, str]] = {}
+        self._cursor = -1  # plan position of the last acquired shard
+        self._manifest_cache: dict[str, tuple[int, str]] | None = None
+        self.stats = {"fetched": 0, "fetched_bytes": 0, "prefetched": 0, "retries": 0}
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            self._reset_process_state()
+
+    @property
+    def fs(self) -> Any:
+        self._check_pid()
+        if self._fs is None:
+            fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            self._fs, self._fs_root = fs, path.rstrip("/")
+        return self._fs
+
+    def remote_path(self, name: str) -> str:
+        """The fsspec path of a dataset-relative name (absolute paths and '..' are refused)."""
+        rel = check_relative_path(name, self.url)
+        if "://" in name:
+            raise FormatError(f"{self.url}: file name {name!r} is not relative")
+        fs = self.fs  # sets _fs_root
+        del fs
+        return f"{self._fs_root}/{rel}" if self._fs_root else rel
+
+    def _key(self, name: str, size: int, xxh3: str) -> str:
+        base = "".join(c if c.isalnum() or c in "-_." else "_" for c in name.rsplit("/", 1)[-1])[-80:]
+        tag = xxhash.xxh3_64_hexdigest(f"{self._id}\0{name}\0{size}\0{xxh3}".encode())
+        return f"{tag}-{base.lstrip('.')}"
+
+    # -- storage protocol -------------------------------------------------------------------------
+    def read_small(self, name: str) -> bytes:
+        """A whole small file (manifest, meta), fetched once per storage object."""
+        self._check_pid()
+        if name not in self._small:
+            rpath = self.remote_path(name)
+            url = f"{self.url}/{name}"
+            try:
+                data = _retry(lambda: self.fs.cat_file(rpath), url=url, policy=self.retry)
+            except FileNotFoundError as exc:
+                raise FormatError(f"{url}: file is missing") from exc
+            self._small[name] = bytes(data)
+        return self._small[name]
+
+    def acquire(self, name: str, *, size: int, xxh3: str) -> str:
+        """Local path of shard `name` (fetched and verified if needed), pinned until `release`."""
+        self._check_pid()
+        self.remote_path(name)
+        key = self._key(name, size, xxh3)
+        with self._lock:
+            self._keys[name] = key
+            self._sizes[name] = (size, xxh3)
+            self._advance(name)
+            self._cond.notify_all()
+        return self.cache.acquire(key, size=size, xxh3=xxh3, fetch=lambda dl: self._fetch(name, dl),
+                                  where=f"{self.url}/{name}")
+
+    def release(self, name: str) -> None:
+        """Unpin a shard returned by `acquire`."""
+        self._check_pid()
+        with self._lock:
+            key = self._keys.get(name)
+            self._cond.notify_all()
+        if key is not None:
+            self.cache.release(key)
+
+    def prefetch(self, names: list[str], *, sizes: dict[str, tuple[int, str]] | None = None) -> None:
+        """Upcoming shards in the order they will be acquired; replaces any earlier plan.
+
+        Sizes and checksums come from the manifest read at construction (or `sizes`).
+        """
+        self._check_pid()
+        if self.prefetch_depth == 0:
+            return
+        known = self._manifest_sizes()
+        if sizes:
+            known = {**known, **sizes}
+        for n in names:
+            self.remote_path(n)
+        with self._lock:
+            order: list[str] = []
+            seen: set[str] = set()
+            for n in names:
+                if n not in seen and n in known:
+                    seen.add(n)
+                    order.append(n)
+            self._sizes.update({n: known[n] for n in order})
+            stale = [n for n in self._ready if n not in seen]
+            self._ready -= set(stale)
+            self._plan = deque(order)
+            self._plan_pos = {n: i for i, n in enumerate(order)}
+            self._cursor = -1
+            self._start_threads()
+            self._cond.notify_all()
+        if stale:
+            self.cache.unsoft([self._keys[n] for n in stale if n in self._keys])
+
+    def close(self) -> None:
+        """Stop prefetch threads and drop soft pins (pins taken by `acquire` stay until `release`)."""
+        if self._pid != os.getpid():
+            return
+        self._stop.set()
+        with self._lock:
+            self._plan.clear()
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout=10)
+        self.cache.unsoft()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _manifest_sizes(self) -> dict[str, tuple[int, str]]:
+        if self._manifest_cache is None:
+            m = Manifest.loads(self.read_small(MANIFEST_NAME), where=f"{self.url}/{MANIFEST_NAME}")
+            self._manifest_cache = {s.file: (s.bytes, s.xxh3) for s in m.shards}
+        return self._manifest_cache
+
+    def _fetch(self, name: str, sink: Download) -> None:
+        """Whole-object GET of `name` into `sink`, retried on transient errors (bad checksums too)."""
+        rpath = self.remote_path(name)
+        url = f"{self.url}/{name}"
+        attempts = [0]
+
+        def once() -> None:
+            if attempts[0]:
+                with self._lock:
+                    self.stats["retries"] += 1
+            attempts[0] += 1
+            sink.reset()
+            data = self.fs.cat_file(rpath)
+            sink.write(data)
+            sink.check()
+
+        _retry(once, url=url, policy=self.retry)
+        with self._lock:
+            self.stats["fetched"] += 1
+            self.stats["fetched_bytes"] += sink.written
+
+    def _advance(self, name: str) -> None:
+        """`name` is being acquired: it is no longer ahead; earlier plan entries were skipped or done."""
+        pos = self._plan_pos.get(name)
+        self._ready.discard(name)
+        if pos is None:
+            return
+        self._cursor = max(self._cursor, pos)
+        while self._plan and self._plan_pos.get(self._plan[0], -1) <= pos:
+            self._plan.popleft()
+        passed = [n for n in self._ready if self._plan_pos.get(n, -1) < pos]
+        if passed:
+            self._ready -= set(passed)
+            keys = [self._keys[n] for n in passed if n in self._keys]
+            threading.Thread(target=self.cache.unsoft, args=(keys,), daemon=True).start()
+
+    def _start_threads(self) -> None:
+        self._threads = [t for t in self._threads if t.is_alive()]
+        while len(self._threads) < self.fetch_threads:
+            t = threading.Thread(target=self._prefetch_loop, name="fastload-prefetch", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _next_job(self) -> str | None:
+        while not self._stop.is_set():
+            with self._lock:
+                if self._plan and len(self._ready) + len(self._inflight) < self.prefetch_depth:
+                    name = self._plan.popleft()
+                    if name in self._ready or name in self._inflight or self._plan_pos.get(name, -1) <= self._cursor:
+                        continue
+                    self._inflight.add(name)
+                    return name
+                self._cond.wait(timeout=0.1)
+                full = bool(self._plan) and bool(self._ready)
+            if full:
+                self._forget_consumed()
+        return None
+
+    def _forget_consumed(self) -> None:
+        """Prefetched shards another process (a loader worker) acquired, or that were evicted, are not ahead now."""
+        soft = self.cache.soft_keys()
+        with self._lock:
+            gone = {n for n in self._ready if self._keys.get(n) not in soft}
+            if gone:
+                self._ready -= gone
+                self._cond.notify_all()
+
+    def _prefetch_loop(self) -> None:
+        while (name := self._next_job()) is not None:
+            size, xxh3 = self._sizes[name]
+            key = self._key(name, size, xxh3)
+            ok = False
+            try:
+                with self._lock:
+                    self._keys.setdefault(name, key)
+                ok = self.cache.prefetch(key, size=size, xxh3=xxh3, fetch=lambda dl, n=name: self._fetch(n, dl),
+                                         where=f"{self.url}/{name}")
+            except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
+                log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)
+                ok = True  # do not retry it in a loop; acquire will fetch and raise
+            finally:
+                with self._lock:
+                    self._inflight.discard(name)
+                    if ok and name in self._plan_pos:
+                        self._ready.add(name)
+                        self.stats["prefetched"] += 1
+                    elif not ok and name in self._plan_pos:
+                        self._plan.appendleft(name)  # no room now: try again after a release
+                        self._cond.wait(timeout=0.2)
+                    self._cond.notify_all()

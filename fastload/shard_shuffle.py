@@ -1,0 +1,208 @@
+"""`ShardWindowSampler`: a random order that reads a few shards at a time.
+
+Each epoch the shards are permuted, cut into windows of `window` consecutive shards, and the
+samples of each window are shuffled together. A batch therefore touches at most `window` shards
+(2 x `window` where it straddles two windows), so a shuffled epoch over remote data fetches every
+shard once instead of every shard for every batch. Ranks get equal contiguous slices of the epoch
+order (padded by wrapping like `DistributedSampler`, or trimmed with `drop_last`), so each rank
+reads its own windows. The order depends only on (seed, epoch): resume is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ShardWindowSampler", "randomness_report", "shards_in_order"]
+
+
+def shards_in_order(indices: np.ndarray | Sequence[int], shard_starts: np.ndarray | Sequence[int]) -> list[int]:
+    """Shard ids in the order `indices` first touch them (`shard_starts`: N_shards + 1 boundaries)."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size == 0:
+        return []
+    shard = np.searchsorted(np.asarray(shard_starts, dtype=np.int64), idx, side="right") - 1
+    uniq, first = np.unique(shard, return_index=True)
+    return [int(s) for s in uniq[np.argsort(first)]]
+
+
+class ShardWindowSampler:
+    """Sampler (iterable of global sample indices) over a sharded dataset.
+
+    `shard_sizes` are the sample counts per shard, in dataset order. `window` is the number of
+    shards whose samples are shuffled together. `state_dict()` records the epoch and how many
+    indices this rank's iterator has yielded; a Loader that reads ahead should store the number it
+    actually delivered as `consumed` instead.
+    """
+
+    def __init__(
+        self,
+        shard_sizes: Sequence[int] | np.ndarray,
+        *,
+        window: int = 4,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ) -> None:
+        sizes = np.asarray(shard_sizes, dtype=np.int64).reshape(-1)
+        if sizes.size == 0 or (sizes < 0).any():
+            raise ValueError("shard_sizes must be a non-empty list of non-negative sample counts")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 shard, got {window}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        self.shard_sizes = sizes
+        self.starts = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=self.starts[1:])
+        self.num_samples = int(self.starts[-1])
+        self.window, self.shuffle, self.seed = int(window), bool(shuffle), int(seed)
+        self.rank, self.world_size, self.drop_last = int(rank), int(world_size), bool(drop_last)
+        if self.drop_last:
+            self.per_rank = self.num_samples // self.world_size
+        else:
+            self.per_rank = -(-self.num_samples // self.world_size)
+        if self.num_samples == 0 or self.per_rank == 0:
+            raise ValueError(f"{self.num_samples} samples cannot be split over {self.world_size} ranks")
+        self.epoch = 0
+        self._consumed = 0
+        self._resume = 0
+        self._prefetch: tuple[Any, list[str]] | None = None
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, *, prefetch: bool = True, **kwargs: Any) -> ShardWindowSampler:
+        """Build from a dataset with `shard_boundaries` (e.g. `FastloadDataset`).
+
+        With `prefetch`, each `__iter__` hands this rank's shard order to `dataset.storage.prefetch`
+        (remote datasets fetch ahead into the node's cache; local storage ignores it).
+        """
+        sampler = cls(np.diff(np.asarray(dataset.shard_boundaries, dtype=np.int64)), **kwargs)
+        storage = getattr(dataset, "storage", None)
+        manifest = getattr(dataset, "manifest", None)
+        if prefetch and storage is not None and manifest is not None and callable(getattr(storage, "prefetch", None)):
+            sampler.prefetch_to(storage, [s.file for s in manifest.shards])
+        return sampler
+
+    def prefetch_to(self, storage: Any, shard_names: Sequence[str]) -> None:
+        """Call `storage.prefetch(names in this rank's read order)` at the start of every `__iter__`."""
+        if len(shard_names) != self.shard_sizes.size:
+            raise ValueError(f"{len(shard_names)} shard names for {self.shard_sizes.size} shards")
+        self._prefetch = (storage, list(shard_names))
+
+    def __repr__(self) -> str:
+        return (f"ShardWindowSampler(samples={self.num_samples}, shards={self.shard_sizes.size}, window={self.window}, "
+                f"rank={self.rank}/{self.world_size}, epoch={self.epoch})")
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next `__iter__` yields (a resume point of another epoch is dropped)."""
+        if int(epoch) != self.epoch:
+            self._resume = 0
+        self.epoch = int(epoch)
+
+    # -- orders ---------------------------------------------------------------------------------
+    def global_order(self, epoch: int | None = None) -> np.ndarray:
+        """The whole epoch's order over all ranks (before padding)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = rng.permutation(self.shard_sizes.size)
+        out = np.empty(self.num_samples, dtype=np.int64)
+        pos = 0
+        for w in range(0, perm.size, self.window):
+            part = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in perm[w : w + self.window]])
+            rng.shuffle(part)
+            out[pos : pos + part.size] = part
+            pos += part.size
+        return out
+
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's indices for an epoch, in order (length `len(self)`)."""
+        order = self.global_order(epoch)
+        total = self.per_rank * self.world_size
+        if total > order.size:
+            order = np.resize(order, total)  # wraps around like DistributedSampler's padding
+        lo = self.rank * self.per_rank
+        return order[lo : lo + self.per_rank]
+
+    def shard_order(self, epoch: int | None = None) -> list[int]:
+        """Shard ids this rank reads in an epoch, in first-use order (feed `storage.prefetch`)."""
+        return shards_in_order(self.indices(epoch), self.starts)
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.indices()
+        start, self._resume = self._resume, 0
+        self._consumed = start
+        if self._prefetch is not None:
+            storage, names = self._prefetch
+            storage.prefetch([names[k] for k in shards_in_order(order[start:], self.starts)])
+        for i in order[start:].tolist():
+            self._consumed += 1
+            yield i
+
+    # -- resume ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "consumed": self._consumed,
+            "seed": self.seed,
+            "window": self.window,
+            "shuffle": self.shuffle,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "num_samples": self.num_samples,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next `__iter__` continues `state["epoch"]` after `state["consumed"]` indices."""
+        for k in ("seed", "window", "shuffle", "world_size", "num_samples", "drop_last"):
+            if k in state and state[k] != getattr(self, k):
+                raise ValueError(f"cannot resume: sampler {k}={getattr(self, k)!r}, saved state has {state[k]!r}")
+        consumed = int(state.get("consumed", 0))
+        if not 0 <= consumed <= self.per_rank:
+            raise ValueError(f"cannot resume at {consumed} of {self.per_rank} indices")
+        self.epoch = int(state.get("epoch", 0))
+        self._resume = self._consumed = consumed
+
+
+def randomness_report(order: np.ndarray | Sequence[int], labels: np.ndarray | Sequence[int], *,
+                      batch_size: int) -> dict[str, float]:
+    """How random an order looks, to compare a windowed shuffle with a full permutation.
+
+    - `position_index_corr`: Spearman correlation between position in the epoch and sample index
+      (about 0 for any shuffled order, 1 for sequential);
+    - `labels_per_batch`: mean number of distinct labels in a batch;
+    - `batch_label_tv`: mean total-variation distance between a batch's label histogram and the
+      whole dataset's (0 = every batch looks like the dataset, 1 = disjoint);
+    - `same_label_neighbors`: fraction of consecutive pairs with the same label.
+    """
+    idx = np.asarray(order, dtype=np.int64)
+    lab = np.asarray(labels)[idx]
+    n = idx.size
+    ranks = np.empty(n, dtype=np.float64)
+    ranks[np.argsort(idx, kind="stable")] = np.arange(n, dtype=np.float64)
+    pos = np.arange(n, dtype=np.float64)
+    corr = float(np.corrcoef(pos, ranks)[0, 1]) if n > 1 else 0.0
+    classes, lab_codes = np.unique(lab, return_inverse=True)
+    k = classes.size
+    global_p = np.bincount(lab_codes, minlength=k) / max(n, 1)
+    nb = n // batch_size
+    codes = lab_codes[: nb * batch_size].reshape(nb, batch_size) if nb else lab_codes[None, :]
+    hist = np.zeros((codes.shape[0], k))
+    np.add.at(hist, (np.repeat(np.arange(codes.shape[0]), codes.shape[1]), codes.reshape(-1)), 1.0)
+    per_batch = (hist > 0).sum(axis=1)
+    tv = 0.5 * np.abs(hist / codes.shape[1] - global_p).sum(axis=1)
+    same = float(np.mean(lab_codes[1:] == lab_codes[:-1])) if n > 1 else 0.0
+    return {
+        "position_index_corr": corr,
+        "labels_per_batch": float(per_batch.mean()),
+        "batch_label_tv": float(tv.mean()),
+        "same_label_neighbors": same,
+    }

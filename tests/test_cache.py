@@ -1,0 +1,264 @@
+"""ShardCache: budget, LRU, pins, verification, crash recovery and sharing between processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import xxhash
+
+from fastload.cache import CacheBudgetError, Download, ShardCache
+from fastload.formats.errors import ChecksumError
+
+KB = 1000
+
+
+def blob(i: int, size: int = 100 * KB) -> bytes:
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+def meta(i: int, size: int = 100 * KB) -> dict:
+    data = blob(i, size)
+    return {"size": len(data), "xxh3": xxhash.xxh3_64_hexdigest(data)}
+
+
+class Source:
+    """A fake remote: counts fetches per key, can serve wrong bytes."""
+
+    def __init__(self, size: int = 100 * KB) -> None:
+        self.size, self.fetches, self.bad = size, [], set()
+
+    def fetcher(self, i: int):
+        def fetch(dl: Download) -> None:
+            self.fetches.append(i)
+            data = blob(i, self.size)
+            dl.write(b"\0" + data[1:] if i in self.bad else data)
+
+        return fetch
+
+    def acquire(self, cache: ShardCache, i: int) -> str:
+        return cache.acquire(f"k{i}", **meta(i, self.size), fetch=self.fetcher(i))
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def test_fetch_once_then_hit(tmp_path):
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    p = src.acquire(cache, 1)
+    assert read(p) == blob(1)
+    cache.release("k1")
+    assert read(src.acquire(cache, 1)) == blob(1)
+    cache.release("k1")
+    assert src.fetches == [1]
+    assert cache.usage()["bytes"] == 100 * KB
+    # a second cache object on the same directory (another process/loader) sees the file
+    other = ShardCache(tmp_path, limit="1MB")
+    assert read(Source().acquire(other, 1)) == blob(1)
+
+
+def test_lru_eviction_stays_under_budget_and_spares_pins(tmp_path):
+    cache, src = ShardCache(tmp_path, limit=350 * KB), Source()
+    src.acquire(cache, 0)  # stays pinned throughout
+    for i in range(1, 10):
+        src.acquire(cache, i)
+        assert cache.disk_bytes() <= 350 * KB
+        cache.release(f"k{i}")
+    assert cache.contains("k0"), "a pinned shard was evicted"
+    assert cache.contains("k9") and cache.contains("k8") and not cache.contains("k1")
+    # LRU, not FIFO: touching k8 makes k9 the next victim
+    src.acquire(cache, 8)
+    cache.release("k8")
+    src.acquire(cache, 10)
+    cache.release("k10")
+    assert cache.contains("k8") and not cache.contains("k9")
+
+
+def test_limit_strings_and_shard_larger_than_budget(tmp_path):
+    assert ShardCache(tmp_path, limit="20GB").limit == 20 * 10**9
+    assert ShardCache(tmp_path, limit="1.5GiB").limit == int(1.5 * 2**30)
+    cache = ShardCache(tmp_path, limit=50 * KB)
+    with pytest.raises(CacheBudgetError, match="does not fit in cache_limit"):
+        Source().acquire(cache, 1)
+
+
+def test_budget_below_pins_fails_fast_instead_of_deadlocking(tmp_path):
+    cache, src = ShardCache(tmp_path, limit=250 * KB, deadlock_grace=0.3), Source()
+    src.acquire(cache, 1)
+    src.acquire(cache, 2)
+    t0 = time.monotonic()
+    with pytest.raises(CacheBudgetError, match="cannot hold the shards in use at once"):
+        src.acquire(cache, 3)
+    assert time.monotonic() - t0 < 5
+    assert cache.usage()["reserved"] == 0
+    cache.release("k1")
+    assert read(src.acquire(cache, 3)) == blob(3)
+
+
+def test_checksum_mismatch_on_download_leaves_nothing(tmp_path):
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    src.bad.add(4)
+    with pytest.raises(ChecksumError, match="xxh3"):
+        src.acquire(cache, 4)
+    assert cache.usage() == {"bytes": 0, "files": 0, "pinned": 0, "reserved": 0, "limit": 10**6}
+    assert os.listdir(cache.tmp_dir) == [] and os.listdir(cache.data_dir) == []
+
+    def too_long(dl: Download) -> None:
+        dl.write(blob(5) + b"x")
+
+    with pytest.raises(ChecksumError, match="more than"):
+        cache.acquire("k5", **meta(5), fetch=too_long)
+
+
+@pytest.mark.parametrize("verify", ["stat", "once"])
+def test_corrupted_cached_file_is_refetched(tmp_path, verify):
+    src = Source()
+    cache = ShardCache(tmp_path, limit="1MB", verify=verify)
+    path = src.acquire(cache, 1)
+    cache.release("k1")
+    st = os.stat(path)
+    with open(path, "r+b") as fh:  # bit rot
+        fh.seek(1000)
+        fh.write(b"\xff\xfe")
+    if verify == "once":
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # corruption that keeps the mtime
+    fresh = ShardCache(tmp_path, limit="1MB", verify=verify)  # e.g. the next run
+    assert read(src.acquire(fresh, 1)) == blob(1)
+    assert src.fetches == [1, 1]
+
+
+def test_truncated_cached_file_is_refetched(tmp_path):
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    path = src.acquire(cache, 2)
+    cache.release("k2")
+    os.truncate(path, 10)
+    assert read(src.acquire(cache, 2)) == blob(2)
+    assert src.fetches == [2, 2]
+
+
+def test_state_file_damage_is_rebuilt(tmp_path):
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    src.acquire(cache, 1)
+    cache.release("k1")
+    with open(os.path.join(tmp_path, "state.json"), "w") as fh:
+        fh.write("{not json")
+    again = ShardCache(tmp_path, limit="1MB")
+    assert again.contains("k1")
+    assert read(src.acquire(again, 1)) == blob(1)
+    assert src.fetches == [1]
+
+
+def test_prefetch_is_soft(tmp_path):
+    cache, src = ShardCache(tmp_path, limit=250 * KB), Source()
+    src.acquire(cache, 1)
+    assert cache.prefetch("k2", **meta(2), fetch=src.fetcher(2))
+    # no room for another prefetch: the pinned and the soft-pinned file are both protected
+    assert not cache.prefetch("k3", **meta(3), fetch=src.fetcher(3))
+    assert cache.contains("k1") and cache.contains("k2") and not cache.contains("k3")
+    # a demand fetch may take the prefetched file's room
+    cache.release("k1")
+    src.acquire(cache, 3)
+    src.acquire(cache, 4)
+    assert not cache.contains("k2") or not cache.contains("k1")
+    assert cache.disk_bytes() <= 250 * KB
+
+
+# -- several processes ------------------------------------------------------------------------------
+def _hold_and_crash(root: str, ready) -> None:
+    cache = ShardCache(root, limit=250 * KB)
+    Source().acquire(cache, 1)  # pinned, never released
+
+    def hang(dl: Download) -> None:
+        dl.write(blob(2)[:1000])
+        ready.set()
+        time.sleep(60)
+
+    cache.acquire("k2", **meta(2), fetch=hang)
+
+
+def test_crashed_process_leaves_no_pins_or_temp_files(tmp_path):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_hold_and_crash, args=(str(tmp_path), ready))
+    proc.start()
+    assert ready.wait(30)
+    proc.kill()
+    proc.join()
+    assert os.listdir(os.path.join(tmp_path, "tmp")), "the crashed download's temp file should exist"
+    cache, src = ShardCache(tmp_path, limit=250 * KB), Source()
+    assert os.listdir(cache.tmp_dir) == []
+    # k1 was pinned by the dead process: it may now be evicted to make room
+    for i in (3, 4):
+        src.acquire(cache, i)
+    assert not cache.contains("k1")
+    with open(os.path.join(tmp_path, "state.json")) as fh:
+        state = json.load(fh)
+    assert state["reserved"] == {} and set(state["pins"]) == {"k3", "k4"}
+
+
+def _worker(root: str, keys: list[int], log_dir: str, barrier, hold: float) -> None:
+    cache = ShardCache(root, limit=450 * KB)
+    barrier.wait()
+    for i in keys:
+        def fetch(dl: Download, i: int = i) -> None:
+            with open(os.path.join(log_dir, f"{i}.{os.getpid()}"), "w"):
+                pass
+            time.sleep(0.05)
+            dl.write(blob(i))
+
+        path = cache.acquire(f"k{i}", **meta(i), fetch=fetch)
+        assert read(path) == blob(i)
+        time.sleep(hold)
+        assert read(path) == blob(i), "file changed under a pin"
+        cache.release(f"k{i}")
+
+
+def test_processes_share_one_cache(tmp_path):
+    root, logs = tmp_path / "c", tmp_path / "log"
+    logs.mkdir()
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(3)
+    keys = [0, 1, 2, 3, 0, 1, 2, 3]
+    procs = [ctx.Process(target=_worker, args=(str(root), keys, str(logs), barrier, 0.02)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    fetched = sorted(int(n.split(".")[0]) for n in os.listdir(logs))
+    # budget of 4 shards for 3 readers x 1 pin + LRU: each shard downloaded once, never twice at once
+    assert fetched == [0, 1, 2, 3]
+    assert ShardCache(root, limit=450 * KB).disk_bytes() <= 450 * KB
+
+
+def _pin_two_then_release(root: str, pinned, release) -> None:
+    cache, src = ShardCache(root, limit=250 * KB), Source()
+    src.acquire(cache, 1)
+    src.acquire(cache, 2)
+    pinned.set()
+    release.wait(30)
+    time.sleep(0.3)
+    assert read(cache.path("k1")) == blob(1), "evicted under a reader"
+    cache.release("k1")
+    time.sleep(0.5)
+
+
+def test_other_process_pins_block_eviction_until_released(tmp_path):
+    ctx = mp.get_context("spawn")
+    pinned, release = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_pin_two_then_release, args=(str(tmp_path), pinned, release))
+    proc.start()
+    assert pinned.wait(30)
+    cache, src = ShardCache(tmp_path, limit=250 * KB, deadlock_grace=0.2), Source()
+    release.set()
+    t0 = time.monotonic()
+    assert read(src.acquire(cache, 3)) == blob(3)  # waits for the other reader, no error
+    assert time.monotonic() - t0 >= 0.25
+    assert not cache.contains("k1") and cache.contains("k2")
+    proc.join(30)
+    assert proc.exitcode == 0

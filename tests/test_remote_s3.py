@@ -1,0 +1,328 @@
+"""Remote datasets against a real S3 endpoint (moto server) through a fault-injecting proxy."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from s3_fixtures import (  # noqa: F401
+    FaultProxy,
+    MotoServer,
+    moto,
+    s3_bucket,
+    storage_options,
+    upload_dir,
+)
+
+from fastload.cache import CacheBudgetError
+from fastload.formats import FastloadDataset, FormatError, Ragged, write
+from fastload.remote import RemoteFetchError, RemoteStorage, RetryPolicy
+from fastload.shard_shuffle import ShardWindowSampler
+
+NUM_SAMPLES = 1200
+SHARD = "150KB"
+FAST_RETRY = RetryPolicy(attempts=12, base=0.02, cap=0.5)
+
+
+def _samples():
+    rng = np.random.default_rng(0)
+    for i in range(NUM_SAMPLES):
+        yield {"x": rng.integers(0, 255, size=(400,), dtype=np.uint8), "label": i % 10,
+               "blob": rng.bytes(int(rng.integers(10, 1500)))}
+
+
+@pytest.fixture(scope="module")
+def local_ds(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("ds") / "ds"
+    write(_samples(), out, shard_size=SHARD, progress=False)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def remote(moto: MotoServer, local_ds: str) -> str:  # noqa: F811 - pytest fixture
+    client = moto.client()
+    client.create_bucket(Bucket="data")
+    upload_dir(client, local_ds, "data", "ds")
+    return "s3://data/ds"
+
+
+@pytest.fixture
+def proxy(moto: MotoServer):  # noqa: F811 - pytest fixture
+    p = FaultProxy(moto.port).start()
+    yield p
+    p.stop()
+
+
+def open_remote(url: str, endpoint: str, **kw: Any) -> FastloadDataset:
+    """Through `fastload.open_dataset` when it exists, else the same objects built directly."""
+    opts = storage_options(endpoint)
+    import fastload
+
+    if hasattr(fastload, "open_dataset") and not set(kw) - {"cache_dir", "cache_limit"}:
+        return fastload.open_dataset(url, storage_options=opts, cache_dir=kw["cache_dir"],
+                                     cache_limit=kw.get("cache_limit"))
+    kw.setdefault("retry", FAST_RETRY)
+    storage = RemoteStorage(url, storage_options=opts, **kw)
+    return FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
+
+
+def shard_names(ds: FastloadDataset, order: list[int]) -> list[str]:
+    return [ds.manifest.shards[k].file for k in order]
+
+
+def assert_same(batch: dict, ref: dict) -> None:
+    assert batch.keys() == ref.keys()
+    for k, v in ref.items():
+        if isinstance(v, Ragged):
+            assert np.array_equal(batch[k].offsets, v.offsets) and batch[k].values.tobytes() == v.values.tobytes(), k
+        else:
+            assert np.array_equal(batch[k], v), k
+
+
+def run_epoch(ds: FastloadDataset, local: FastloadDataset, sampler: ShardWindowSampler, *, batch: int = 48,
+              on_batch=None) -> dict[str, Any]:
+    """Read one epoch in `sampler` order, compare every batch with the local dataset byte for byte."""
+    order = list(sampler)
+    seen = np.zeros(len(ds), dtype=np.int64)
+    peak = 0
+    for b, lo in enumerate(range(0, len(order), batch)):
+        idx = order[lo : lo + batch]
+        assert_same(ds.get_batch(idx), local.get_batch(idx))
+        np.add.at(seen, idx, 1)
+        peak = max(peak, ds.storage.cache.disk_bytes())
+        if on_batch is not None:
+            on_batch(b)
+    ds.close()
+    return {"seen": seen, "peak": peak}
+
+
+def shard_gets(proxy: FaultProxy) -> int:
+    return proxy.gets("/data/ds/shards/")
+
+
+def test_epochs_from_s3_equal_local_and_second_epoch_makes_no_gets(remote, local_ds, proxy, tmp_path):
+    local = FastloadDataset(local_ds)
+    limit = 4_000_000
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=limit)
+    sampler = ShardWindowSampler.from_dataset(ds, window=3, seed=1)
+    out = run_epoch(ds, local, sampler)
+    assert (out["seen"] == 1).all()
+    assert out["peak"] <= limit
+    assert shard_gets(proxy) == local.num_shards  # each shard fetched once, whole
+    proxy.reset_counts()
+    sampler.set_epoch(1)
+    out = run_epoch(ds, local, sampler)
+    assert (out["seen"] == 1).all()
+    assert shard_gets(proxy) == 0
+    # a new loader on the same cache directory (the next job) reads no shard either
+    again = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=limit)
+    assert (run_epoch(again, local, sampler)["seen"] == 1).all()
+    assert shard_gets(proxy) == 0
+
+
+def test_budget_of_three_shards_evicts_and_completes(remote, local_ds, proxy, tmp_path):
+    local = FastloadDataset(local_ds)
+    biggest = max(s.bytes for s in local.manifest.shards)
+    limit = 3 * biggest
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=limit, prefetch_depth=1)
+    assert ds.storage.max_open_shards == 2
+    sampler = ShardWindowSampler.from_dataset(ds, window=1, seed=2)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        out = run_epoch(ds, local, sampler, batch=32)
+        assert (out["seen"] == 1).all()
+        assert out["peak"] <= limit
+    assert shard_gets(proxy) >= 2 * local.num_shards - 3  # evicted shards were fetched again
+
+
+def test_too_small_budget_fails_at_construction(remote, local_ds, proxy, tmp_path):
+    biggest = max(s.bytes for s in FastloadDataset(local_ds).manifest.shards)
+    with pytest.raises(CacheBudgetError, match=r"cache_limit=.*below 2 shards"):
+        open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=int(1.5 * biggest))
+    with pytest.raises(CacheBudgetError, match=r"max_open_shards \+ 1 = 9 shards"):
+        RemoteStorage(remote, storage_options=storage_options(proxy.endpoint), cache_dir=tmp_path,
+                      cache_limit=4 * biggest, max_open_shards=8)
+    assert shard_gets(proxy) == 0
+
+
+def _loader_process(ds_bytes: bytes, local_dir: str, seed: int, barrier) -> None:
+    ds = pickle.loads(ds_bytes)
+    local = FastloadDataset(local_dir)
+    barrier.wait()
+    out = run_epoch(ds, local, ShardWindowSampler.from_dataset(ds, window=2, seed=seed))
+    assert (out["seen"] == 1).all()
+
+
+def test_two_loaders_share_one_cache_dir(remote, local_ds, proxy, tmp_path):
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB")
+    blob = pickle.dumps(ds)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_loader_process, args=(blob, local_ds, seed, barrier)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert shard_gets(proxy) == ds.num_shards  # the second loader waited for, then reused, the first's downloads
+
+
+def test_injected_503s_resets_and_short_bodies(remote, local_ds, proxy, tmp_path):
+    proxy.fail_rate = 0.1
+    local = FastloadDataset(local_ds)
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB")
+    sampler = ShardWindowSampler.from_dataset(ds, window=2, seed=3)
+    for epoch in range(10):  # until enough faults of each kind were injected (about 4 per epoch)
+        sampler.set_epoch(epoch)
+        ds.storage.cache.clear()  # fetch everything again through the faults
+        assert (run_epoch(ds, local, sampler)["seen"] == 1).all()
+        if sum(proxy.fault_counts.values()) >= 8 and set(proxy.fault_counts) >= {"503", "drop", "truncate"}:
+            break
+    assert sum(proxy.fault_counts.values()) >= 8, proxy.fault_counts
+    assert set(proxy.fault_counts) >= {"503", "drop", "truncate"}
+
+
+def test_server_killed_and_restarted_mid_epoch(local_ds, tmp_path):
+    server = MotoServer().start()
+    client = server.client()
+    client.create_bucket(Bucket="data")
+    upload_dir(client, local_ds, "data", "ds")
+    proxy = FaultProxy(server.port).start()
+    local = FastloadDataset(local_ds)
+    ds = open_remote("s3://data/ds", proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", prefetch_depth=1,
+                     retry=RetryPolicy(attempts=30, base=0.05, cap=0.5))
+    outage = threading.Event()
+
+    def crash_and_recover() -> None:
+        server.kill()  # connections refused: the proxy resets them
+        time.sleep(0.5)
+        proxy.down = True  # S3 answers 503 while the restarted node gets its data back
+        server.start()
+        c = server.client()
+        c.create_bucket(Bucket="data")
+        upload_dir(c, local_ds, "data", "ds")
+        proxy.down = False
+        outage.set()
+
+    helper = threading.Thread(target=crash_and_recover)
+
+    def on_batch(b: int) -> None:
+        if b == 3:
+            helper.start()
+            time.sleep(0.2)
+
+    try:
+        out = run_epoch(ds, local, ShardWindowSampler.from_dataset(ds, window=1, seed=4), batch=32, on_batch=on_batch)
+        helper.join()
+        assert outage.is_set()
+        assert (out["seen"] == 1).all()
+        assert ds.storage.stats["retries"] >= 1
+    finally:
+        proxy.stop()
+        server.kill()
+
+
+def test_exhausted_retries_name_the_url(remote, local_ds, proxy, tmp_path):
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", prefetch_depth=0,
+                     retry=RetryPolicy(attempts=3, base=0.01, cap=0.02))
+    proxy.down = True
+    name = ds.manifest.shards[0].file
+    with pytest.raises(RemoteFetchError, match=rf"s3://data/ds/{name}: giving up after 3 attempts"):
+        ds[0]
+    assert ds.storage.cache.usage()["bytes"] == 0
+    proxy.down = False
+    assert ds[0]["label"] == 0
+
+
+def test_missing_object_and_bad_names_are_not_retried(remote, proxy, tmp_path):
+    st = RemoteStorage(remote, storage_options=storage_options(proxy.endpoint), cache_dir=tmp_path, cache_limit="10MB")
+    for bad in ("../ds2/index.json", "/etc/passwd", "shards/../../x", "s3://other/x"):
+        with pytest.raises(FormatError):
+            st.acquire(bad, size=1, xxh3="0")
+    proxy.reset_counts()
+    with pytest.raises(FileNotFoundError, match="s3://data/ds/shards/nope"):
+        st.acquire("shards/nope", size=10, xxh3="0")
+    assert sum(proxy.counts.values()) <= 3  # no retry loop on a 404
+
+
+def test_prefetch_fetches_ahead_within_depth(remote, local_ds, proxy, tmp_path):
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", prefetch_depth=3)
+    st: RemoteStorage = ds.storage
+    names = shard_names(ds, list(range(ds.num_shards)))
+    st.prefetch(names)
+    deadline = time.monotonic() + 20
+    while st.stats["prefetched"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    assert st.stats["prefetched"] == 3 and shard_gets(proxy) == 3  # depth 3, no further
+    before = shard_gets(proxy)
+    st.acquire(names[0], size=ds.manifest.shards[0].bytes, xxh3=ds.manifest.shards[0].xxh3)
+    assert shard_gets(proxy) == before  # already there
+    deadline = time.monotonic() + 20
+    while shard_gets(proxy) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert shard_gets(proxy) == 4  # the window slid by one
+    st.release(names[0])
+    st.close()
+
+
+def test_memory_filesystem(local_ds, tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for dirpath, _, files in os.walk(local_ds):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                fs.pipe_file(f"/mem-ds/{os.path.relpath(os.path.join(dirpath, f), local_ds)}", fh.read())
+    storage = RemoteStorage("memory://mem-ds", cache_dir=tmp_path, cache_limit="10MB")
+    ds = FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
+    local = FastloadDataset(local_ds)
+    idx = np.random.default_rng(0).permutation(len(ds))[:300]
+    assert_same(ds.get_batch(idx), local.get_batch(idx))
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_loader_epochs_and_resume_over_s3(remote, local_ds, proxy, tmp_path, worker_type):
+    from fastload.loader import Loader
+
+    local = FastloadDataset(local_ds)
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB")
+    sampler = ShardWindowSampler.from_dataset(ds, window=2, seed=7)
+
+    def check(loader: Loader, epoch: int, skip: int = 0, stop: int | None = None) -> int:
+        order = sampler.indices(epoch)
+        n = 0
+        for b, batch in enumerate(loader, start=skip):
+            ref = local.get_batch(order[b * 40 : (b + 1) * 40])
+            assert np.array_equal(batch["x"].numpy(), ref["x"]) and batch["blob"] == ref["blob"].to_list()
+            n += len(batch["blob"])
+            if stop is not None and b + 1 == stop:
+                break
+        return n
+
+    for epoch in range(2):
+        proxy.reset_counts()
+        loader = Loader(ds, batch_size=40, sampler=sampler, num_workers=2, worker_type=worker_type)
+        loader.set_epoch(epoch)
+        assert check(loader, epoch) == len(ds)
+        if epoch == 1:
+            assert shard_gets(proxy) == 0
+    # exact resume in the middle of epoch 1
+    loader = Loader(ds, batch_size=40, sampler=sampler, num_workers=2, worker_type=worker_type)
+    loader.set_epoch(1)
+    it = iter(loader)
+    for _ in range(7):
+        next(it)
+    state = loader.state_dict()
+    del it
+    fresh = ShardWindowSampler.from_dataset(ds, window=2, seed=7)
+    resumed = Loader(ds, batch_size=40, sampler=fresh, num_workers=2, worker_type=worker_type)
+    resumed.load_state_dict(state)
+    sampler = fresh
+    assert check(resumed, 1, skip=7) == len(ds) - 7 * 40
