@@ -21,6 +21,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
 from fastload.formats import (
     Block,
     BlockSource,
@@ -30,9 +33,6 @@ from fastload.formats import (
     Schema,
     write,
 )
-from torch.nn.utils.rnn import pad_sequence
-
-from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
 from fastload.text_collate import TextCollate
 
 __all__ = ["main", "make_lengths", "write_dataset"]

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from fastload.formats.ragged import Ragged
 
+from fastload.formats.ragged import Ragged
 from fastload.vision import ImagePreset, dali_available
 
 __all__ = ["main", "make_jpegs"]

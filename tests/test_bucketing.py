@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fastload.formats.ragged import Ragged
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
+from fastload.formats.ragged import Ragged
 from fastload.text_collate import TextCollate
 
 

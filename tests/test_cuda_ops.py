@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from fastload.cuda_ops import _nvrtc, normalize, ragged
-from fastload.cuda_ops._registry import ENTRY_POINTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastload import cuda_ops
+from fastload.cuda_ops import _nvrtc, normalize, ragged
+from fastload.cuda_ops._registry import ENTRY_POINTS
 
 KERNELS = sorted(_nvrtc.KERNEL_DIR.glob("*.cu"))
 CUDA = torch.cuda.is_available()

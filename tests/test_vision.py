@@ -11,8 +11,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from fastload.formats.ragged import Ragged
 
+from fastload.formats.ragged import Ragged
 from fastload.vision import (
     CorruptImageError,
     ImagePreset,
