@@ -1,0 +1,67 @@
+"""The engine behind `fastload bench`: how fast is the storage, each way of reading it, and each loader.
+
+One run measures, on the same data (a dataset you name, or the embedded synthetic default):
+
+1. raw limits: sequential read of the dataset files, cold (pages dropped with
+   ``posix_fadvise(DONTNEED)``; `mincore` reports how much stayed resident) and warm; memcpy
+   bandwidth; single-core JPEG decode rate x cores;
+2. backends: one thread reading shuffled batches with `get_batch` (fastload, LMDB, HDF5; an fsspec
+   URL: epoch 1 through an empty shard cache, epoch 2 from it), cold and warm;
+3. loaders: `fastload.Loader` vs `torch.utils.data.DataLoader` (per-sample `__getitem__`, and
+   ``torch-batched`` with `__getitems__`) for each worker count, best count marked;
+4. with ``--step-ms``: a simulated training step per batch and the resulting data stall.
+
+Every figure is repeated ``--repeats`` times and reported as ``{"min", "median", "max", "values"}``
+(a *stat* below). Rates are per second; bytes are payload bytes (arrays, bytes/str, Ragged values).
+
+JSON schema (``schema_version`` 1)::
+
+    schema_version: 1
+    created: ISO-8601 local time
+    wall_s: total seconds
+    machine: {cores, platform, python, torch, numpy, cuda: device name | null}
+    config: {dataset: path | URL | null, embedded: bool, backends: [str], loaders: [str],
+             batch_size, workers: [int], seconds, repeats, step_ms: float | null, device, size, seed}
+    dataset: {description, kind: fastload|lmdb|hdf5|remote, samples, bytes (files on disk),
+              files, mean_sample_bytes}
+    limits:
+      files, bytes
+      read_cold: {bytes_per_s: stat, method, resident_after_evict: fraction | null, warning?: str}
+      read_warm: {bytes_per_s: stat}
+      memcpy: {bytes_per_s: stat}
+      jpeg_decode: {images_per_s_per_core: stat, cores, images_per_s (ceiling), decoder, mean_jpeg_bytes}
+      download?: {bytes_per_s: stat}                       # URL datasets only
+    backends: [{backend: fastload|lmdb|hdf5|remote, cache: cold|warm, samples_per_s: stat,
+                bytes_per_s: stat, pct_of_limit: fraction | null, limit: read_cold|read_warm|download,
+                resident_after_evict: fraction | null, samples_read}]
+    loaders: [{loader: fastload|torch|torch-batched, num_workers, pin_memory, samples_per_s: stat,
+               bytes_per_s: stat, pct_of_limit (of read_warm), vs_torch (samples/s / best torch),
+               first_batch_ms: stat, p50_ms: stat, p99_ms: stat (consumer wait per batch),
+               cpu_percent: stat (process tree CPU / wall, 100 = one core), peak_rss_bytes (process tree),
+               batches, best: bool, stats: loader.stats() | null}]
+    step: null | {step_ms, kind: sleep|matmul, device, threshold, rows: [{loader, num_workers,
+               data_stall: stat, input_bound: bool, bottleneck: stage | "compute" | null,
+               stage_s: {read_s, ...} | null, step_wall_ms: stat, samples_per_s: stat,
+               best: bool (lowest stall of its loader)}]}         # one row per loader x worker count
+    summary: {best: {loader: {num_workers, samples_per_s}}, fastload_vs_torch?, fastload_pct_of_read_warm?,
+              lines: [str]}
+
+Samples/s and MB/s of loaders are steady-state (first batch received to last); the time to the
+first batch is reported separately. The data stall is the consumer's wait after the first batch
+over the wall time after it; input-bound means a stall above `INPUT_BOUND_STALL` (10%).
+"""
+
+from __future__ import annotations
+
+from fastload.benchmark.cli import add_arguments, config_from_args, run_cli
+from fastload.benchmark.runner import INPUT_BOUND_STALL, SCHEMA_VERSION, BenchConfig, run_benchmark
+
+__all__ = [
+    "INPUT_BOUND_STALL",
+    "SCHEMA_VERSION",
+    "BenchConfig",
+    "add_arguments",
+    "config_from_args",
+    "run_benchmark",
+    "run_cli",
+]

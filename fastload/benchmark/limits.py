@@ -1,0 +1,139 @@
+"""The machine's raw limits: sequential file reads (cold and warm page cache), memcpy, JPEG decode."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+__all__ = [
+    "dataset_files",
+    "evict",
+    "jpeg_decode_rate",
+    "memcpy_bandwidth",
+    "resident_fraction",
+    "sequential_read",
+]
+
+_READ_CHUNK = 8 << 20
+_libc: ctypes.CDLL | None = None
+
+
+def dataset_files(path: str) -> list[str]:
+    """Every regular file under `path` (or `path` itself), sorted."""
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        out += [os.path.join(dirpath, f) for f in sorted(filenames)]
+    return [p for p in out if os.path.isfile(p) and not os.path.islink(p)]
+
+
+def evict(paths: Iterable[str]) -> bool:
+    """Drop the files' clean pages from the page cache (``posix_fadvise(DONTNEED)``); False if unsupported.
+
+    Pages mapped by a live process stay resident: close datasets (their mmaps) first.
+    """
+    fadvise = getattr(os, "posix_fadvise", None)
+    if fadvise is None:  # pragma: no cover - macOS / Windows
+        return False
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def resident_fraction(paths: Iterable[str]) -> float | None:
+    """Fraction of the files' pages in the page cache (``mincore``), or None where unavailable."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        if name is None:  # pragma: no cover
+            return None
+        _libc = ctypes.CDLL(name, use_errno=True)
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for p in paths:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+            view = np.frombuffer(mm, dtype=np.uint8)
+            pages = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * pages)()
+            rc = _libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+            del view
+            if rc != 0:
+                return None
+            resident += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
+            total += pages
+    return resident / total if total else None
+
+
+def sequential_read(paths: list[str], *, chunk: int = _READ_CHUNK) -> tuple[int, float]:
+    """Read every file front to back with `readinto` of `chunk` bytes -> (bytes, seconds)."""
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as fh:
+            while True:
+                n = fh.readinto(view)
+                if not n:
+                    break
+                total += n
+    return total, time.perf_counter() - t0
+
+
+def memcpy_bandwidth(*, nbytes: int = 64 << 20, seconds: float = 0.3) -> float:
+    """Bytes copied per second by `np.copyto` between two buffers larger than the CPU caches."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    copied, t0 = 0, time.perf_counter()
+    while True:
+        np.copyto(dst, src)
+        copied += nbytes
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return copied / elapsed
+
+
+def jpeg_decode_rate(jpegs: list[bytes], *, seconds: float = 0.3) -> tuple[float, str]:
+    """Single-thread JPEG decodes per second over `jpegs` (cycled) -> (images/s, decoder name)."""
+    try:
+        import simplejpeg
+
+        def decode(b: bytes) -> object:
+            return simplejpeg.decode_jpeg(b, colorspace="RGB")
+
+        name = "simplejpeg"
+    except ImportError:
+        import io
+
+        from PIL import Image
+
+        def decode(b: bytes) -> object:
+            with Image.open(io.BytesIO(b)) as im:
+                return np.asarray(im.convert("RGB"))
+
+        name = "pillow"
+    decode(jpegs[0])
+    count, t0 = 0, time.perf_counter()
+    while True:
+        for b in jpegs:
+            decode(b)
+        count += len(jpegs)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return count / elapsed, name

@@ -1,0 +1,187 @@
+"""`fastload bench`: end to end on the tiny default, the JSON fields, the raw limits against dd, the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from fastload.benchmark import limits as lim
+from fastload.benchmark.loaders import PerSample, Step, collate_samples
+from fastload.benchmark.measure import payload_bytes, summarize
+from fastload.cli import main
+
+STAT = {"min", "median", "max", "values"}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]:
+    out = tmp_path_factory.mktemp("bench")
+    js, png = str(out / "bench.json"), str(out / "bench.png")
+    rc = main(["bench", "--tiny", "--no-progress", "--step-ms", "2", "--json", js, "--plot", png,
+               "--workdir", str(out)])
+    assert rc == 0
+    with open(js) as fh:
+        return json.load(fh), png, str(out)
+
+
+def test_end_to_end_json_has_documented_fields(bench_run: tuple[dict, str, str]) -> None:
+    res, _, _ = bench_run
+    assert res["schema_version"] == 1
+    assert {"machine", "config", "dataset", "limits", "backends", "loaders", "step", "summary", "wall_s"} <= set(res)
+    assert res["config"]["embedded"] and res["dataset"]["samples"] > 0
+    limits = res["limits"]
+    for key in ("read_cold", "read_warm", "memcpy"):
+        assert set(limits[key]["bytes_per_s"]) == STAT and limits[key]["bytes_per_s"]["median"] > 0
+    assert limits["jpeg_decode"]["images_per_s"] == pytest.approx(
+        limits["jpeg_decode"]["images_per_s_per_core"]["median"] * limits["jpeg_decode"]["cores"])
+    got = {(b["backend"], b["cache"]) for b in res["backends"]}
+    assert got == {(b, c) for b in ("fastload", "lmdb", "hdf5") for c in ("cold", "warm")}
+    for b in res["backends"]:
+        assert b["samples_per_s"]["median"] > 0 and b["pct_of_limit"] > 0
+    kinds = {r["loader"] for r in res["loaders"]}
+    assert kinds == {"fastload", "torch", "torch-batched"}
+    for r in res["loaders"]:
+        assert {"samples_per_s", "bytes_per_s", "pct_of_limit", "vs_torch", "first_batch_ms", "p50_ms", "p99_ms",
+                "cpu_percent", "peak_rss_bytes", "best", "num_workers"} <= set(r)
+        assert r["samples_per_s"]["min"] <= r["samples_per_s"]["median"] <= r["samples_per_s"]["max"]
+        assert len(r["samples_per_s"]["values"]) == res["config"]["repeats"]
+        assert r["p50_ms"]["median"] <= r["p99_ms"]["median"] + 1e-9 and r["peak_rss_bytes"] > 0
+    assert sum(r["best"] for r in res["loaders"]) == 3
+    torch_best = max(r["samples_per_s"]["median"] for r in res["loaders"] if r["loader"] == "torch")
+    fl = next(r for r in res["loaders"] if r["loader"] == "fastload" and r["best"])
+    assert fl["vs_torch"] == pytest.approx(fl["samples_per_s"]["median"] / torch_best)
+    assert fl["stats"]["batches"] > 0  # loader.stats() is carried through
+    step = res["step"]
+    assert step["step_ms"] == 2 and step["kind"] == "sleep"
+    for r in step["rows"]:
+        assert 0.0 <= r["data_stall"]["median"] <= 1.0
+        assert r["input_bound"] == (r["data_stall"]["median"] > step["threshold"])
+        assert r["step_wall_ms"]["median"] >= 2.0
+    assert {(r["loader"], r["num_workers"]) for r in step["rows"]} == {
+        (r["loader"], r["num_workers"]) for r in res["loaders"]}
+    for kind in kinds:
+        mine = [r for r in step["rows"] if r["loader"] == kind]
+        best = [r for r in mine if r["best"]]
+        assert len(best) == 1 and best[0]["data_stall"]["median"] == min(r["data_stall"]["median"] for r in mine)
+    assert res["summary"]["lines"] and "fastload_vs_torch" in res["summary"]
+
+
+def test_plot_is_a_png_and_temp_data_is_removed(bench_run: tuple[dict, str, str]) -> None:
+    _, png, workdir = bench_run
+    with open(png, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not [e for e in os.listdir(workdir) if e.startswith("fastload-bench-")]
+
+
+def test_table_printed(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    rc = main(["bench", "--tiny", "--no-progress", "--backends", "fastload", "--loaders", "fastload,torch",
+               "--workers", "0", "--repeats", "1", "--workdir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for head in ("RAW LIMITS", "BACKENDS", "LOADERS", "SUMMARY", "vs torch", "% raw"):
+        assert head in out
+    assert "lmdb" not in out.split("BACKENDS")[1].split("LOADERS")[0]
+
+
+def test_bench_on_a_named_dataset_and_a_url(tmp_path) -> None:
+    import fsspec
+
+    from fastload.benchmark import BenchConfig, run_benchmark
+    from fastload.benchmark.synthetic import build
+
+    syn = build(str(tmp_path / "data"), size=1 << 20, backends=())
+    fs = fsspec.filesystem("memory")
+    fs.put(syn.fastload, "/benchtest", recursive=True)
+    common = {"loaders": ("fastload",), "workers": (0,), "seconds": 0.1, "repeats": 1, "batch_size": 16,
+              "progress": False, "workdir": str(tmp_path)}
+    res = run_benchmark(BenchConfig(dataset=syn.fastload, **common))
+    assert res["dataset"]["kind"] == "fastload" and [b["backend"] for b in res["backends"]] == ["fastload"] * 2
+    res = run_benchmark(BenchConfig(dataset="memory://benchtest", **common))
+    assert res["dataset"]["kind"] == "remote" and res["dataset"]["samples"] == syn.num_samples
+    assert [(b["backend"], b["cache"]) for b in res["backends"]] == [("remote", "cold"), ("remote", "warm")]
+    assert res["limits"]["download"]["bytes_per_s"]["median"] > 0
+    fs.rm("/benchtest", recursive=True)
+
+
+def _dd_bytes_per_s(path: str) -> float:
+    out = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M"], capture_output=True, text=True, check=True)
+    m = re.search(r"(\d+) bytes .* copied, ([\d.e-]+) s", out.stderr)
+    assert m, out.stderr
+    return int(m.group(1)) / float(m.group(2))
+
+
+@pytest.mark.skipif(shutil.which("dd") is None, reason="needs dd")
+def test_sequential_read_within_2x_of_dd(tmp_path) -> None:
+    path = str(tmp_path / "blob")
+    with open(path, "wb") as fh:
+        fh.write(np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes())
+    lim.sequential_read([path])  # warm
+    ours = max((lambda b, s: b / s)(*lim.sequential_read([path])) for _ in range(5))
+    dd = max(_dd_bytes_per_s(path) for _ in range(5))
+    assert 0.5 <= ours / dd <= 2.0, (ours, dd)
+
+
+def test_evict_drops_pages(tmp_path) -> None:
+    path = str(tmp_path / "blob")
+    with open(path, "wb") as fh:
+        fh.write(b"x" * (8 << 20))
+        fh.flush()
+        os.fsync(fh.fileno())
+    lim.sequential_read([path])
+    before = lim.resident_fraction([path])
+    if before is None:
+        pytest.skip("mincore unavailable")
+    assert before > 0.9
+    assert lim.evict([path])
+    assert lim.resident_fraction([path]) < 0.1
+
+
+def test_collate_payload_and_helpers() -> None:
+    samples = [{"x": np.full((2, 3), i, np.uint8), "t": np.arange(i + 1, dtype=np.int32), "b": b"ab" * i, "y": i}
+               for i in range(4)]
+    batch = collate_samples(samples)
+    assert batch["x"].shape == (4, 2, 3) and batch["y"].tolist() == [0, 1, 2, 3]
+    values, offsets = batch["t"]
+    assert offsets.tolist() == [0, 1, 3, 6, 10] and values.dtype == torch.int32
+    assert batch["b"] == [b"ab" * i for i in range(4)]
+    assert payload_bytes(batch) == 24 + 40 + 40 + 12 + 32
+    assert summarize([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "values": [3.0, 1.0, 2.0]}
+    ds = PerSample(samples)
+    assert len(ds) == 4 and not hasattr(ds, "__getitems__") and ds[2]["y"] == 2
+    for kind in ("sleep", "matmul"):
+        Step(1.0, kind=kind)()
+    with pytest.raises(ValueError):
+        Step(1.0, kind="nap")
+
+
+def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--workers", "a,b"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "--loaders", "fastload,dali"])
+    assert main(["bench", "--tiny", "--repeats", "0", "--no-progress"]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_train_step_example_runs_both_loaders() -> None:
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.train_step", "--steps", "3", "--warmup", "1", "--size", "1MiB",
+         "--workers", "0", "--batch-size", "16", "--device", "cpu"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith(("torch", "fastload"))}
+    assert set(rows) == {"torch", "fastload"}
+    assert rows["fastload"][-1] in ("read", "transform", "collate", "pin", "h2d")
+    assert 0.0 <= float(rows["torch"][4].rstrip("%")) <= 100.0
