@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install lint bench-all clean
+.PHONY: demo test install lint clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,10 +21,11 @@ demo: $(STAMP)
 	$(VENV)/bin/fastload bench
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests --timeout=900 -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fastload formats cuda_ops bench tests
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

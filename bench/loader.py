@@ -1,0 +1,278 @@
+"""Loader benchmark: fastload.Loader vs torch DataLoader vs the raw memmap gather limit.
+
+    python -m bench.loader [--path DIR] [--samples N] [--trials T] [--quick]
+
+Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload format plus a raw
+.npy copy of the same bytes, then measures in ONE run, trials interleaved, best of each:
+
+* raw: `np.memmap` fancy-index gather of shuffled batches of 256 (the limit);
+* fastload.Loader on the format (seeded shuffle; num_workers 0/1/2, thread workers), and in
+  drop-in torch-order mode (shuffle=True + generator, no seed);
+* torch DataLoader at its best num_workers (0/1/2) with a per-sample `__getitem__` dataset over
+  the memmap, and with a batched `__getitems__` one;
+* a generic Python `__getitem__` dataset: Loader vs DataLoader at the same num_workers;
+* peak RSS of each process tree (fastload vs torch on the same workload) and fastload's RSS
+  over 20 epochs (measured in child processes).
+
+Throughput is timed from the first batch received (worker start-up excluded for everyone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+from torch.utils.data import DataLoader
+
+import fastload.formats as formats
+from fastload.loader import Loader
+
+__all__ = ["main"]
+
+RECORD = 3072  # bytes per sample: x (3064 uint8) + label (int64)
+BATCH = 256
+
+
+# ---------------------------------------------------------------- data
+
+
+def build(path: str, n: int) -> tuple[str, str]:
+    """The format directory and the raw .npy of the same records (created once)."""
+    ds_dir, raw = os.path.join(path, f"ds-{n}"), os.path.join(path, f"raw-{n}.npy")
+    if not os.path.exists(os.path.join(ds_dir, "manifest.json")) or not os.path.exists(raw):
+        os.makedirs(path, exist_ok=True)
+        rng = np.random.default_rng(0)
+        mm = np.lib.format.open_memmap(raw, mode="w+", dtype=np.uint8, shape=(n, RECORD))
+        step = 16384
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            mm[s:e, : RECORD - 8] = rng.integers(0, 256, (e - s, RECORD - 8), dtype=np.uint8)
+            mm[s:e, RECORD - 8 :] = np.arange(s, e, dtype=np.int64).view(np.uint8).reshape(e - s, 8)
+        mm.flush()
+        schema = formats.Schema((formats.Field("x", "ndarray", np.uint8, (RECORD - 8,)), formats.Field("y", "scalar",
+                                                                                                       np.int64)))
+
+        def blocks(start: int) -> Iterable[Any]:
+            for s in range(start, n, step):
+                e = min(n, s + step)
+                cols = {"x": np.ascontiguousarray(mm[s:e, : RECORD - 8]), "y": np.arange(s, e, dtype=np.int64)}
+                yield formats.Block(e - s, cols)
+
+        src = formats.BlockSource(schema=schema, num_samples=n, blocks=blocks)
+        formats.write(src, ds_dir, overwrite=True, progress=False)
+    return ds_dir, raw
+
+
+class MemmapItemDS(torch.utils.data.Dataset):
+    """A good torch user's dataset: per-sample `__getitem__` over a memmap (plain ndarray views,
+    labels in memory)."""
+
+    def __init__(self, raw: str) -> None:
+        mm = np.load(raw, mmap_mode="r")
+        self.x = np.asarray(mm)[:, : RECORD - 8]  # no np.memmap subclass overhead per access
+        self.y = np.ascontiguousarray(mm[:, RECORD - 8 :]).view(np.int64)[:, 0]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": int(self.y[i])}
+
+
+class MemmapItemsDS(MemmapItemDS):
+    """The same with a batched `__getitems__` (torch calls it once per batch)."""
+
+    def __getitems__(self, idx: list[int]) -> list[dict[str, Any]]:
+        rows, ys = self.x[idx], self.y[idx].tolist()
+        return [{"x": r, "y": y} for r, y in zip(rows, ys)]
+
+
+class PythonDS(torch.utils.data.Dataset):
+    """A generic dataset with Python work per sample (decode-ish transform on 3 KiB)."""
+
+    def __init__(self, raw: str, n: int) -> None:
+        self.mm, self.n = np.load(raw, mmap_mode="r"), n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        row = self.mm[i]
+        x = torch.from_numpy(row[:768].astype(np.float32)).view(16, 48)
+        x = (x - x.mean()) / (x.std() + 1.0)
+        return x, int(i % 10)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def rate(batches: Iterable[Any], limit: int, size: Callable[[Any], int]) -> float:
+    """Samples/s from the first batch received until `limit` samples."""
+    it = iter(batches)
+    first = next(it)
+    n, t0 = 0, time.perf_counter()
+    del first
+    for b in it:
+        n += size(b)
+        if n >= limit:
+            break
+    dt = time.perf_counter() - t0
+    if hasattr(it, "close"):
+        it.close()
+    return n / dt if dt > 0 else float("nan")
+
+
+def raw_gather(raw: str, limit: int) -> Iterable[np.ndarray]:
+    mm = np.load(raw, mmap_mode="r")
+    perm = np.random.default_rng(1).permutation(len(mm))
+    for k in range(0, min(limit + 2 * BATCH, len(mm)) - BATCH + 1, BATCH):
+        yield mm[perm[k : k + BATCH]]
+
+
+def dict_size(b: Any) -> int:
+    return len(b["y"])
+
+
+# ---------------------------------------------------------------- RSS children
+
+
+def rss_child(kind: str, ds_dir: str, epochs: int, limit: int) -> dict[str, Any]:
+    """Run one loader for `epochs` (limit samples each); peak/trace of the process tree's RSS."""
+    if kind == "fastload":
+        loader: Any = Loader(formats.FastloadDataset(ds_dir), batch_size=BATCH, shuffle=True, seed=0, num_workers=2)
+    else:
+        loader = DataLoader(formats.FastloadDataset(ds_dir), batch_size=BATCH, shuffle=True, num_workers=2)
+    me = psutil.Process()
+    peak = [0]
+    stop = threading.Event()
+
+    def tree_rss() -> int:
+        total = me.memory_info().rss
+        for c in me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += c.memory_info().rss
+        return total
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], tree_rss())
+            time.sleep(0.05)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    per_epoch = []
+    for _ in range(epochs):
+        n = 0
+        for b in loader:
+            n += len(b["y"])
+            if n >= limit:
+                break
+        per_epoch.append(tree_rss())
+    stop.set()
+    th.join()
+    return {"peak_rss": max(peak[0], *per_epoch), "per_epoch": per_epoch}
+
+
+def run_child(kind: str, ds_dir: str, epochs: int, limit: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.loader", "--rss-child", kind, "--path", ds_dir, "--epochs", str(epochs),
+           "--samples", str(limit)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "fastload-bench-loader"))
+    ap.add_argument("--samples", type=int, default=200_000, help="dataset size (and samples timed per run)")
+    ap.add_argument("--trials", type=int, default=2, help="interleaved repetitions; the best counts")
+    ap.add_argument("--quick", action="store_true", help="20k samples, 1 trial, 3 epochs for RSS")
+    ap.add_argument("--rss-child", choices=["fastload", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--epochs", type=int, default=20, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rss_child:
+        print(json.dumps(rss_child(args.rss_child, args.path, args.epochs, args.samples)))
+        return 0
+    n = 20_000 if args.quick else args.samples
+    trials = 1 if args.quick else args.trials
+    t_start = time.perf_counter()
+    ds_dir, raw = build(args.path, n)
+    fds = formats.FastloadDataset(ds_dir)
+    item_ds, items_ds = MemmapItemDS(raw), MemmapItemsDS(raw)
+    py_n = min(n, 40_000)
+    py_ds = PythonDS(raw, py_n)
+    limit = n - 2 * BATCH
+    for _ in raw_gather(raw, n):  # warm the page cache and page tables once, for everyone
+        pass
+
+    def fl(nw: int, **kw: Any) -> float:
+        return rate(Loader(fds, batch_size=BATCH, shuffle=True, num_workers=nw, worker_type="thread", **kw), limit,
+                    dict_size)
+
+    def tl(ds: Any, nw: int) -> float:
+        return rate(DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=nw), limit, dict_size)
+
+    def py(cls: Any, nw: int) -> float:
+        return rate(cls(py_ds, batch_size=64, shuffle=True, num_workers=nw), py_n - 128, lambda b: len(b[1]))
+
+    configs: dict[str, Callable[[], float]] = {
+        "raw memmap gather (limit)": lambda: rate(raw_gather(raw, n), limit, len),
+        **{f"fastload.Loader nw={w} (thread, seed)": (lambda w=w: fl(w, seed=0)) for w in (0, 1, 2)},
+        "fastload.Loader nw=0 (torch order)": lambda: fl(0, generator=torch.Generator().manual_seed(0)),
+        **{f"torch DataLoader nw={w} __getitem__": (lambda w=w: tl(item_ds, w)) for w in (0, 1, 2)},
+        **{f"torch DataLoader nw={w} __getitems__": (lambda w=w: tl(items_ds, w)) for w in (0, 1, 2)},
+        **{f"python ds: torch nw={w}": (lambda w=w: py(DataLoader, w)) for w in (0, 2)},
+        **{f"python ds: fastload nw={w}": (lambda w=w: py(Loader, w)) for w in (0, 2)},
+    }
+    best: dict[str, float] = dict.fromkeys(configs, 0.0)
+    for _ in range(trials):
+        for name, fn in configs.items():
+            best[name] = max(best[name], fn())
+    raw_rate = best["raw memmap gather (limit)"]
+    fl_best = max(v for k, v in best.items() if k.startswith("fastload.Loader") and "seed" in k)
+    torch_item = max(v for k, v in best.items() if k.endswith("__getitem__"))
+    torch_items = max(v for k, v in best.items() if k.endswith("__getitems__"))
+
+    print(f"\n3 KiB records, {n} samples, batch {BATCH}, shuffled; {os.cpu_count()} cores; best of {trials}\n")
+    print(f"{'configuration':42s} {'samples/s':>12s} {'vs raw':>8s} {'vs torch best':>14s}")
+    for name, v in best.items():
+        if name.startswith("python ds"):
+            continue
+        print(f"{name:42s} {v:12,.0f} {v / raw_rate:8.2f} {v / torch_item:14.2f}")
+    print(f"\nfastload best / raw gather limit      : {fl_best / raw_rate:.2f}   (target >= 0.90)")
+    print(f"fastload best / torch best __getitem__ : {fl_best / torch_item:.2f}   (target >= 5)")
+    print(f"fastload best / torch best __getitems__: {fl_best / torch_items:.2f}")
+    print("\ngeneric Python __getitem__ dataset (batch 64), same num_workers:")
+    for w in (0, 2):
+        t, f = best[f"python ds: torch nw={w}"], best[f"python ds: fastload nw={w}"]
+        print(f"  nw={w}: torch {t:10,.0f}/s  fastload {f:10,.0f}/s  ratio {f / t:.2f}   (target >= 1)")
+    epochs = 3 if args.quick else 20
+    rss_limit = n if args.quick else min(n, 100_000)
+    fl_rss, t_rss = run_child("fastload", ds_dir, epochs, rss_limit), run_child("torch", ds_dir, 2, rss_limit)
+    mib = 2**20
+    print(f"\npeak RSS (process tree, num_workers=2): fastload {fl_rss['peak_rss'] / mib:,.0f} MiB, "
+          f"torch {t_rss['peak_rss'] / mib:,.0f} MiB  (ratio {fl_rss['peak_rss'] / t_rss['peak_rss']:.2f}, "
+          f"target <= 1)")
+    pe = fl_rss["per_epoch"]
+    print(f"fastload RSS over {epochs} epochs: after epoch 2 {pe[min(1, len(pe) - 1)] / mib:,.0f} MiB, "
+          f"after epoch {epochs} {pe[-1] / mib:,.0f} MiB (growth {(pe[-1] - pe[min(1, len(pe) - 1)]) / mib:+.1f} MiB)")
+    print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

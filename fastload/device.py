@@ -1,0 +1,90 @@
+"""`DeviceStage`: host-to-device copies on a side stream, synchronised with events.
+
+`start(batch)` issues the copies of all tensor leaves on the loader's own CUDA stream and
+records an event; `finish(...)` makes the consumer's current stream wait for that event only
+(not for the whole side stream) and `record_stream`s every result on it, so the caching
+allocator cannot hand the memory to someone else while the consumer's kernels still use it.
+The source (pinned) buffers are released by the caller with the event as their fence.
+All CUDA calls run under `torch.cuda.device(index)`, so nothing lands on GPU 0 by accident.
+For `device='cpu'` both calls return the batch unchanged (no copy, no stream).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fastload.collate import flatten, unflatten
+
+__all__ = ["DeviceStage", "resolve_device"]
+
+
+def resolve_device(device: str | int | torch.device | None) -> torch.device | None:
+    """`'cuda'` -> `cuda:<current>`; ints are CUDA indices; None stays None."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class DeviceStage:
+    """Moves batches to `device`; asynchronous on CUDA, a no-op on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream: Any = None
+        if self.cuda:
+            with torch.cuda.device(device):
+                self.stream = torch.cuda.Stream(device)
+
+    def start(self, batch: Any) -> tuple[Any, Any]:
+        """Issue the copy; returns `(device batch, event or None)`."""
+        if self.device.type == "cpu":
+            return batch, None
+        leaves, spec = flatten(batch)
+        if not self.cuda:
+            return unflatten(spec, [t.to(self.device) for t in leaves]), None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            out = [t.to(self.device, non_blocking=True) for t in leaves]
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return unflatten(spec, out), event
+
+    def finish(self, batch: Any, event: Any) -> Any:
+        """Make the consumer's stream wait for `event`; protect the memory with record_stream."""
+        if event is None:
+            return batch
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            leaves, _ = flatten_device(batch)
+            for t in leaves:
+                t.record_stream(current)
+        return batch
+
+
+def flatten_device(batch: Any) -> tuple[list[torch.Tensor], Any]:
+    """Tensor leaves of a batch already on a device."""
+    out: list[torch.Tensor] = []
+    _collect(batch, out)
+    return out, None
+
+
+def _collect(x: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _collect(v, out)
+    elif hasattr(x, "values") and hasattr(x, "offsets"):
+        _collect(x.values, out)
+        _collect(x.offsets, out)

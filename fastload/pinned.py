@@ -1,0 +1,112 @@
+"""`BufferRing`: a bounded set of reused (pinned) byte buffers that batches are packed into.
+
+torch's pin thread allocates a fresh pinned buffer per batch; here a batch's tensors are
+copied into one slot of a ring that is reused, so pinned memory is allocated once and is
+bounded by `slots` x the largest batch. A slot is reused only when (a) its fence (a CUDA
+event for an H2D copy reading it) has completed and (b) nothing outside the ring still
+references its storage — a batch the user kept is never overwritten: its slot is retired
+from the ring (freed when the user drops it) and a new slot takes its place.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+import torch
+
+from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten
+
+__all__ = ["BufferRing", "Slot", "storage_refs"]
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    """How many tensors/arrays share `t`'s storage (+1 for the temporary handle)."""
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    if fn is None:  # pragma: no cover - older torch: assume unshared
+        return 0
+    return int(fn(t.untyped_storage()._cdata))
+
+
+class Slot:
+    """One ring buffer: a flat uint8 tensor plus its reuse fence."""
+
+    __slots__ = ("baseline", "buf", "fence")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.baseline = storage_refs(buf)
+        self.fence: Any = None
+
+    def in_use(self) -> bool:
+        return storage_refs(self.buf) > self.baseline
+
+
+class BufferRing:
+    """At most `slots` live buffers; `write(batch)` packs a batch's tensors into a free one."""
+
+    def __init__(self, slots: int, *, pin: bool, device_index: int | None = None, headroom: float = 1.125) -> None:
+        if slots < 1:
+            raise ValueError("a BufferRing needs at least one slot")
+        self.capacity, self.pin, self.device_index, self.headroom = slots, pin, device_index, headroom
+        self._free: deque[Slot] = deque()
+        self._live = 0
+        self._cond = threading.Condition()
+        self.allocations = 0
+        self.retired = 0
+
+    def _alloc(self, nbytes: int) -> Slot:
+        size = max(64, int(nbytes * self.headroom))
+        if self.pin and self.device_index is not None:
+            with torch.cuda.device(self.device_index):
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        self.allocations += 1
+        return Slot(buf)
+
+    def acquire(self, nbytes: int) -> Slot:
+        """A free slot of at least `nbytes` (blocks while all `slots` are in flight)."""
+        with self._cond:
+            while True:
+                while self._free:
+                    slot = self._free.popleft()
+                    if slot.fence is not None:
+                        slot.fence.synchronize()
+                        slot.fence = None
+                    if slot.in_use():  # the user kept that batch: leave it to them
+                        self._live -= 1
+                        self.retired += 1
+                        continue
+                    if slot.buf.numel() < nbytes:  # too small: replace
+                        self._live -= 1
+                        continue
+                    return slot
+                if self._live < self.capacity:
+                    self._live += 1
+                    break
+                self._cond.wait(1.0)
+        try:
+            return self._alloc(nbytes)
+        except BaseException:
+            with self._cond:
+                self._live -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, slot: Slot, fence: Any = None) -> None:
+        """Give a slot back; `fence` (e.g. a CUDA event) must complete before it is rewritten."""
+        with self._cond:
+            slot.fence = fence
+            self._free.append(slot)
+            self._cond.notify()
+
+    def write(self, batch: Any) -> tuple[Any, Slot | None]:
+        """Copy the batch's CPU tensors into a slot: `(batch of views, slot)`."""
+        leaves, spec = flatten(batch)
+        if not leaves:
+            return batch, None
+        slot = self.acquire(leaf_nbytes(leaves))
+        views, _ = pack_into(slot.buf, leaves)
+        return unflatten(spec, views), slot

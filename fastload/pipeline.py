@@ -1,0 +1,265 @@
+"""`EpochIterator`: one epoch's pipeline — dispatch indices, fetch, pin, H2D, yield in order.
+
+Buffers are handed back two batches late: when the consumer asks for batch j+1 its loop
+variable still holds batch j, so batch j-1's buffers are the ones released then (and a buffer
+still referenced by the user is retired, never overwritten).
+
+Thread workers are A/B-tested once per epoch (`ThreadProbe`): 24 batches with the consumer
+fetching itself, 24 with the workers, timed as the consumer sees them (its own work included).
+When fetching inline is faster — small GIL-light batches, where the thread hand-off costs more
+than it overlaps — the epoch continues inline, so adding workers never loses to
+`num_workers=0`. When the consumer is busy (a training step) the workers win and stay.
+Not done with a `timeout` or a `worker_init_fn` (they only mean something in a worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fastload.device import DeviceStage
+from fastload.pinned import BufferRing
+from fastload.stats import LoaderStats
+from fastload.workers import InlineSource, ThreadSource
+
+__all__ = ["EpochIterator", "ThreadProbe"]
+
+_perf = time.perf_counter
+
+
+class EpochIterator:
+    """Iterator over one epoch of batches; created by `Loader.__iter__`."""
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        order: Iterator[tuple[Any, dict[str, Any]]],
+        source: Any,
+        owns_source: bool,
+        depth: int,
+        ring: BufferRing | None,
+        ring_in_source: bool,
+        device: DeviceStage | None,
+        prefetch: int,
+        stats: LoaderStats,
+        batched: bool,
+        adaptive: bool = True,
+    ) -> None:
+        self._loader, self._order, self._source, self._owns_source = loader, order, source, owns_source
+        self._depth, self._ring, self._ring_in_source = max(1, depth), ring, ring_in_source
+        self._device, self._prefetch, self._stats, self._batched = device, max(1, prefetch), stats, batched
+        self._inflight: deque[tuple[int, int, dict[str, Any]]] = deque()
+        self._dev: deque[tuple[Any, Any, int, dict[str, Any], list[Any]]] = deque()
+        self._held: deque[list[Any]] = deque()
+        self._j = 0
+        self._closed = False
+        self._order_done = False
+        # num_workers=0, no ring, no device: fetch straight from the order, nothing in flight
+        self._inline = isinstance(source, InlineSource) and ring is None and device is None
+        self._full_depth = self._depth
+        self.probe = ThreadProbe(self) if adaptive and isinstance(source, ThreadSource) else None
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        t0 = _perf()
+        self._stats.begin(t0)
+        try:
+            out, n, pos = self._next()
+        except StopIteration:
+            self._finish()
+            raise
+        except BaseException:
+            self.close()
+            self._loader._failed(self)
+            raise
+        self._loader._delivered(self, pos)
+        t1 = _perf()
+        self._stats.delivered(n, t1 - t0, t1)
+        if self.probe is not None and self.probe.phase != "done":
+            self.probe.tick(self, t1)
+        return out
+
+    # ---- stages
+    def _dispatch(self) -> None:
+        while not self._order_done and len(self._inflight) < self._depth:
+            nxt = next(self._order, None)
+            if nxt is None:
+                self._order_done = True
+                break
+            indices, pos = nxt
+            j = self._j
+            self._j += 1
+            self._source.put(j, indices)
+            self._inflight.append((j, len(indices) if self._batched else 1, pos))
+
+    def _next_cpu(self) -> tuple[Any, int, dict[str, Any], list[Any]] | None:
+        self._dispatch()
+        if self._inflight:
+            j, n, pos = self._inflight.popleft()
+            batch, timings, token = self._source.get(j)
+        elif self._depth == 0 and not self._order_done:  # adaptive inline mode (thread source)
+            nxt = next(self._order, None)
+            if nxt is None:
+                self._order_done = True
+                return None
+            indices, pos = nxt
+            n = len(indices) if self._batched else 1
+            batch, timings, token = self._source.run_inline(indices)
+        else:
+            return None
+        self._stats.add_many(timings)
+        tokens: list[Any] = []
+        if token is not None:
+            tokens.append((self._ring if self._ring_in_source else self._source, token))
+        if self._ring is not None and not self._ring_in_source:
+            t = _perf()
+            batch, slot = self._ring.write(batch)
+            self._stats.add("pin", _perf() - t)
+            if slot is not None:
+                tokens.append((self._ring, slot))
+        self._dispatch()  # keep workers busy while the consumer works
+        return batch, n, pos, tokens
+
+    def _next(self) -> tuple[Any, int, dict[str, Any]]:
+        if self._inline:
+            nxt = next(self._order, None)
+            if nxt is None:
+                raise StopIteration
+            indices, pos = nxt
+            batch, timings = self._source.fetch(indices)
+            self._stats.add_many(timings)
+            return batch, len(indices) if self._batched else 1, pos
+        while len(self._held) > 1:
+            self._release(self._held.popleft())
+        if self._device is None:
+            item = self._next_cpu()
+            if item is None:
+                raise StopIteration
+            batch, n, pos, tokens = item
+            self._held.append(tokens)
+            return batch, n, pos
+        while len(self._dev) < self._prefetch:
+            item = self._next_cpu()
+            if item is None:
+                break
+            batch, n, pos, tokens = item
+            t = _perf()
+            out, event = self._device.start(batch)
+            del batch
+            self._stats.add("h2d", _perf() - t)
+            if self._device.device.type != "cpu":  # the copy no longer aliases the CPU buffers
+                self._release(tokens, event)
+                tokens = []
+            self._dev.append((out, event, n, pos, tokens))
+        if not self._dev:
+            raise StopIteration
+        out, event, n, pos, tokens = self._dev.popleft()
+        t = _perf()
+        out = self._device.finish(out, event)
+        self._stats.add("h2d", _perf() - t)
+        self._held.append(tokens)
+        return out, n, pos
+
+    def _release(self, tokens: list[Any], fence: Any = None) -> None:
+        for owner, token in tokens:
+            if isinstance(owner, BufferRing):
+                if fence is None and owner.pin and owner.device_index is not None:
+                    # pin_memory without `device`: the user may have queued non_blocking copies from
+                    # this slot on their stream; it is rewritten only after those have run
+                    fence = torch.cuda.Event()
+                    fence.record(torch.cuda.current_stream(owner.device_index))
+                owner.release(token, fence)
+            else:
+                owner.release(token)
+
+    # ---- shutdown
+    def _finish(self) -> None:
+        if not self._closed:
+            self._loader._epoch_done(self)
+        self.close()
+
+    def close(self) -> None:
+        """Stop this epoch: drop prefetched batches, shut down non-persistent workers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stats.end()
+        self._inflight.clear()
+        self._dev.clear()
+        while self._held:
+            self._release(self._held.popleft())
+        if self._owns_source:
+            self._source.close()
+        self._source = None
+        self._order = iter(())
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):  # may run during interpreter shutdown
+                self.close()
+
+
+class ThreadProbe:
+    """Once per epoch: inline vs threaded fetching, by the consumer-visible batch rate.
+
+    Inline goes first (cheap); then the workers fill their queue (a warm-up, so a backlog of
+    ready batches cannot inflate their rate) and are timed; their window stops early once they
+    can no longer win. The workers are kept only if they beat inline by `MARGIN`, and are
+    watched afterwards: a later stretch slower than inline switches the epoch to inline.
+    """
+
+    WARMUP, WINDOW, MARGIN, WATCH = 2, 24, 1.05, 64
+
+    def __init__(self, it: EpochIterator) -> None:
+        self.phase, self.count, self.t0 = "warmup", 0, 0.0
+        self.rate_threads = self.rate_inline = 0.0
+        self.choice = "inline"
+        self.switches = 0  # mode changes after the probe (diagnostics)
+        it._depth = 0  # start inline
+
+    def tick(self, it: EpochIterator, now: float) -> None:
+        self.count += 1
+        if self.phase == "warmup":
+            if self.count >= self.WARMUP:
+                self.phase, self.count, self.t0 = "inline", 0, now
+        elif self.phase == "inline":
+            if self.count >= self.WINDOW:
+                self.rate_inline = self.count / max(now - self.t0, 1e-9)
+                self.phase, self.count = "fill", 0
+                it._depth = it._full_depth
+        elif self.phase == "fill":
+            if self.count >= it._full_depth + 2:
+                self.phase, self.count, self.t0 = "threads", 0, now
+        elif self.phase == "threads":
+            elapsed = max(now - self.t0, 1e-9)
+            lost = elapsed * self.rate_inline * self.MARGIN > self.WINDOW  # cannot win any more
+            if self.count >= self.WINDOW or lost:
+                self.rate_threads = self.count / elapsed
+                if self.rate_threads > self.rate_inline * self.MARGIN:
+                    self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now
+                    self.switches += 1
+                else:
+                    self._inline(it)
+        elif self.phase == "watch" and self.count >= self.WATCH:
+            if self.count / max(now - self.t0, 1e-9) * self.MARGIN < self.rate_inline:
+                self._inline(it)
+            else:
+                self.count, self.t0 = 0, now
+
+    def _inline(self, it: EpochIterator) -> None:
+        self.switches += self.choice == "threads"
+        self.choice, self.phase = "inline", "done"
+        it._depth = 0  # what is in flight drains first

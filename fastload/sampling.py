@@ -1,0 +1,312 @@
+"""Batch orders: seeded rank-aware epochs, torch-sampler replay, exact mid-epoch resume.
+
+Two order sources feed the Loader, both yielding `(indices, snapshot)` per batch where
+`snapshot` is what `Loader.state_dict()` stores once the consumer has received that batch:
+
+* `SeededOrder` (``seed=`` given, or a distributed run without a user sampler): the epoch's
+  permutation is a pure function of (seed, epoch, dataset length); ranks are dealt
+  interleaved positions of it like `DistributedSampler` (padding by repetition when
+  ``drop_last=False``). Position state is (base, world_size, batch_size, batches) so a resume
+  with another world size re-deals exactly the unseen rest of the epoch.
+* `SamplerOrder` (torch semantics): iterates the torch / user (batch) sampler. Resume uses the
+  sampler's own `state_dict()` snapshot taken right after each batch was pulled (torchdata
+  `Stateful` convention) when it has one, else replays the epoch from the RNG states captured
+  at epoch start and fast-forwards the number of batches already yielded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+__all__ = [
+    "SamplerOrder",
+    "SeededOrder",
+    "epoch_permutation",
+    "rank_batches",
+    "resolve_rank_world",
+    "seed_for",
+]
+
+
+def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank/world size from the arguments, else `torch.distributed`, else `RANK`/`WORLD_SIZE`."""
+    if world_size is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world_size = torch.distributed.get_world_size()
+            rank = torch.distributed.get_rank() if rank is None else rank
+        else:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        else:
+            rank = int(os.environ.get("RANK", "0"))
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+    return int(rank), int(world_size)
+
+
+def seed_for(seed: int, epoch: int) -> int:
+    """A non-negative 63-bit seed derived from (seed, epoch), e.g. the workers' base seed."""
+    return int(np.random.SeedSequence([seed & (2**64 - 1), epoch]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def epoch_permutation(n: int, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The global order of one epoch: a pure function of (seed, epoch, n)."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64([seed & (2**64 - 1), epoch]))
+    return rng.permutation(n).astype(np.int64, copy=False)
+
+
+def _per_rank(remaining: int, world_size: int, drop_last: bool) -> int:
+    if drop_last:
+        return remaining // world_size
+    return math.ceil(remaining / world_size)
+
+
+def _num_batches(per_rank: int, batch_size: int, drop_last: bool) -> int:
+    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+
+
+def rank_batches(
+    order: np.ndarray,
+    *,
+    base: int,
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    drop_last: bool,
+    skip: int = 0,
+    sort: bool = False,
+) -> Iterator[np.ndarray]:
+    """Rank `rank`'s batches over `order[base:]`, dealt interleaved, skipping the first `skip`.
+
+    After every rank has taken k batches, exactly `order[base : base + k*batch_size*world_size]`
+    has been consumed (clipped to the end), which is what makes re-dealing exact. `sort` sorts
+    the indices inside each batch (one vectorized sort for the whole epoch).
+    """
+    remaining = len(order) - base
+    if remaining <= 0:
+        return
+    per_rank = _per_rank(remaining, world_size, drop_last)
+    nb = _num_batches(per_rank, batch_size, drop_last)
+    if skip >= nb:
+        return
+    lo = skip * batch_size
+    if world_size == 1:  # contiguous (no padding is ever needed)
+        mine = order[base + lo : base + per_rank]
+    else:
+        t = np.arange(lo, per_rank, dtype=np.int64)
+        mine = order[base + (rank + world_size * t) % remaining]  # wrap = DistributedSampler's padding
+    mine = mine[: (nb - skip) * batch_size]  # drop_last: no partial batch
+    full = (len(mine) // batch_size) * batch_size
+    if sort:
+        mine = mine.copy()
+        mine[:full].reshape(-1, batch_size).sort(axis=1)
+        mine[full:].sort()
+    for k in range(0, len(mine), batch_size):
+        yield mine[k : k + batch_size]
+
+
+class SeededOrder:
+    """Seeded, rank-aware, resumable epoch order over `n` samples (batches are int64 arrays).
+
+    With `shuffle`, which samples share a batch is random; inside a batch they are sorted, so
+    a reader gathers them in storage order (no un-permute pass, better locality).
+    """
+
+    def __init__(
+        self, n: int, *, batch_size: int, shuffle: bool, drop_last: bool, seed: int, rank: int, world_size: int
+    ) -> None:
+        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+
+    def __len__(self) -> int:
+        return _num_batches(_per_rank(self.n, self.world_size, self.drop_last), self.batch_size, self.drop_last)
+
+    def base_seed(self, epoch: int) -> int:
+        return seed_for(self.seed, epoch)
+
+    def epoch(
+        self, epoch: int, resume: dict[str, Any] | None = None
+    ) -> tuple[int, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
+        """`(base_seed, start_position, iterator of (indices, position))` for this rank."""
+        base, skip = 0, 0
+        if resume is not None:
+            base, skip = int(resume["base"]), int(resume["batches"])
+            if resume["world_size"] != self.world_size or resume["batch_size"] != self.batch_size:
+                consumed = skip * int(resume["batch_size"]) * int(resume["world_size"])
+                base, skip = min(self.n, base + consumed), 0
+        start = {"base": base, "world_size": self.world_size, "batch_size": self.batch_size, "batches": skip}
+        return seed_for(self.seed, epoch), start, self._iter(epoch, base, skip)
+
+    def _iter(self, epoch: int, base: int, skip: int) -> Iterator[tuple[Any, dict[str, Any]]]:
+        order = epoch_permutation(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        batches = rank_batches(
+            order,
+            base=base,
+            world_size=self.world_size,
+            rank=self.rank,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            skip=skip,
+            sort=self.shuffle,  # storage order inside a batch: readers gather sequentially
+        )
+        for k, idx in enumerate(batches, start=skip + 1):
+            yield idx, {"base": base, "world_size": self.world_size, "batch_size": self.batch_size, "batches": k}
+
+
+def torch_batches(batch_sampler: Any) -> Callable[[], Iterator[np.ndarray]] | None:
+    """For torch's own `BatchSampler` over `RandomSampler` / `SequentialSampler`: a function
+    producing the same batches as int64 arrays (one `randperm`, no per-index Python) with the
+    same RNG draws, including the extra `randperm` torch's sampler makes when exhausted."""
+    if type(batch_sampler) is not BatchSampler:
+        return None
+    sampler, bs, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
+    if type(sampler) is SequentialSampler:
+
+        def sequential() -> Iterator[np.ndarray]:
+            n = len(sampler.data_source)
+            yield from _slices(np.arange(n, dtype=np.int64), bs, drop_last)
+
+        return sequential
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+
+        def shuffled() -> Iterator[np.ndarray]:
+            n = len(sampler.data_source)
+            gen = sampler.generator
+            private = gen is None
+            if private:
+                seed = int(torch.empty((), dtype=torch.int64).random_().item())
+                gen = torch.Generator()
+                gen.manual_seed(seed)
+            perm = torch.randperm(n, generator=gen).numpy()
+            full = n // bs
+            for k in range(full):
+                yield perm[k * bs : (k + 1) * bs]
+            if not private:  # torch's RandomSampler draws once more at its end (visible in a shared generator)
+                torch.randperm(n, generator=gen)
+            if not drop_last and n % bs:
+                yield perm[full * bs :]
+
+        return shuffled
+    return None
+
+
+def _slices(order: np.ndarray, bs: int, drop_last: bool) -> Iterator[np.ndarray]:
+    stop = len(order) - len(order) % bs if drop_last else len(order)
+    for k in range(0, stop, bs):
+        yield order[k : k + bs]
+
+
+def _has(obj: Any, name: str) -> bool:
+    return callable(getattr(obj, name, None))
+
+
+class SamplerOrder:
+    """Iterates a torch-style index sampler (a batch sampler, or a sampler when batch_size=None).
+
+    `stateful` is the object whose `state_dict()` is snapshotted per batch: the batch sampler
+    if it has `state_dict`/`load_state_dict`, else the inner sampler under torch's
+    `BatchSampler`, else None (replay + fast-forward).
+    """
+
+    def __init__(self, index_sampler: Iterable[Any], *, sampler: Any, generator: torch.Generator | None) -> None:
+        self.index_sampler, self.sampler, self.generator = index_sampler, sampler, generator
+        self._fast = torch_batches(index_sampler)
+        self.stateful: Any = None
+        if _has(index_sampler, "state_dict") and _has(index_sampler, "load_state_dict"):
+            self.stateful = index_sampler
+        elif (
+            isinstance(index_sampler, torch.utils.data.BatchSampler)
+            and _has(sampler, "state_dict")
+            and _has(sampler, "load_state_dict")
+        ):
+            self.stateful = sampler
+
+    def __len__(self) -> int:
+        return len(self.index_sampler)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward to the (batch) sampler's `set_epoch`, each object once."""
+        seen: set[int] = set()
+        for obj in (self.index_sampler, self.sampler):
+            if obj is not None and id(obj) not in seen and _has(obj, "set_epoch"):
+                seen.add(id(obj))
+                obj.set_epoch(epoch)
+
+    def epoch(
+        self, *, draw_base_seed: bool, resume: dict[str, Any] | None = None
+    ) -> tuple[int | None, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
+        """Start an epoch: `(base_seed, start_position, iterator of (indices, position))`.
+
+        Mirrors torch: the workers' base seed is drawn from `generator` before the sampler's
+        first draw, so orders match `DataLoader` given the same generator/global RNG.
+        """
+        if resume is not None and resume.get("sampler_state") is not None and self.stateful is not None:
+            self.stateful.load_state_dict(resume["sampler_state"])
+            base_seed = resume.get("base_seed")
+            k = int(resume["batches"])
+            return base_seed, dict(resume), self._track(self._iterate(), k, resume.get("rng"), base_seed)
+        if resume is not None and resume.get("rng") is not None:
+            return self._replay(resume)
+        rng = {
+            "generator": self.generator.get_state() if self.generator is not None else None,
+            "global": torch.get_rng_state(),
+            "drew": draw_base_seed,
+        }
+        base_seed = self._draw() if draw_base_seed else None
+        start = {"batches": 0, "sampler_state": None, "rng": rng, "base_seed": base_seed}
+        return base_seed, start, self._track(self._iterate(), 0, rng, base_seed)
+
+    def _iterate(self) -> Iterator[Any]:
+        return self._fast() if self._fast is not None else iter(self.index_sampler)
+
+    def _draw(self) -> int:
+        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+
+    def _replay(
+        self, resume: dict[str, Any]
+    ) -> tuple[int | None, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
+        """Re-run the epoch start under the RNG states captured then, and skip what was yielded."""
+        rng = resume["rng"]
+        if self.generator is not None and rng["generator"] is not None:
+            self.generator.set_state(rng["generator"])
+        with torch.random.fork_rng(devices=[]):  # the user's global RNG is left untouched
+            torch.set_rng_state(rng["global"])
+            base_seed = self._draw() if rng["drew"] else None
+            it = self._iterate()
+            head = next(it, None)  # samplers seed themselves on the first pull
+        skip = int(resume["batches"])
+        start = {"batches": skip, "sampler_state": None, "rng": rng, "base_seed": base_seed}
+        if head is None:
+            return base_seed, start, iter(())
+        if skip == 0:
+            return base_seed, start, self._track(it, 0, rng, base_seed, head=[head])
+        for _ in range(skip - 1):
+            if next(it, None) is None:
+                return base_seed, start, iter(())
+        return base_seed, start, self._track(it, skip, rng, base_seed)
+
+    def _track(
+        self, it: Iterator[Any], start: int, rng: Any, base_seed: int | None, head: list[Any] | None = None
+    ) -> Iterator[tuple[Any, dict[str, Any]]]:
+        k = start
+        for idx in head or ():
+            k += 1
+            yield idx, self._pos(k, rng, base_seed)
+        for idx in it:
+            k += 1
+            yield idx, self._pos(k, rng, base_seed)
+
+    def _pos(self, k: int, rng: Any, base_seed: int | None) -> dict[str, Any]:
+        state = self.stateful.state_dict() if self.stateful is not None else None
+        return {"batches": k, "sampler_state": state, "rng": rng, "base_seed": base_seed}

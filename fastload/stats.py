@@ -1,0 +1,89 @@
+"""Per-stage loader timings: where the time goes, and whether training is input-bound."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["STAGES", "LoaderStats"]
+
+STAGES = ("read", "transform", "collate", "pin", "h2d")
+
+
+class LoaderStats:
+    """Thread-safe accumulators behind `Loader.stats()`.
+
+    Stage seconds are summed over all workers (CPU-seconds; with N workers they can exceed
+    wall time). `wait` is the time the consumer spent inside `next()` waiting for a batch,
+    `wall` the time iterators were active (first `next()` to the last batch handed out).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.stage = dict.fromkeys(STAGES, 0.0)
+            self.wait = 0.0
+            self.wall_closed = 0.0
+            self.batches = 0
+            self.samples = 0
+            self._span_start: float | None = None
+            self._span_last: float | None = None
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.stage[stage] = self.stage.get(stage, 0.0) + seconds
+
+    def add_many(self, timings: dict[str, float]) -> None:
+        with self._lock:
+            for k, v in timings.items():
+                self.stage[k] = self.stage.get(k, 0.0) + v
+
+    def begin(self, now: float) -> None:
+        """Start a wall-time span (an iterator's first `next()`); consumer thread only."""
+        if self._span_start is None:
+            self._span_start = self._span_last = now
+
+    def delivered(self, samples: int, waited: float, now: float) -> None:
+        """The consumer received one batch of `samples` after waiting `waited` seconds.
+
+        Consumer-thread only, so no lock: these counters have a single writer.
+        """
+        self.batches += 1
+        self.samples += samples
+        self.wait += waited
+        self._span_last = now
+
+    def end(self) -> None:
+        """Close the current span (iterator exhausted or closed)."""
+        with self._lock:
+            if self._span_start is not None and self._span_last is not None:
+                self.wall_closed += self._span_last - self._span_start
+            self._span_start = self._span_last = None
+
+    def snapshot(self, extra: Iterable[Any] = (), **info: Any) -> dict[str, Any]:
+        """The `Loader.stats()` dict; `extra` objects with a `stats()` method get merged in."""
+        with self._lock:
+            wall = self.wall_closed
+            if self._span_start is not None and self._span_last is not None:
+                wall += self._span_last - self._span_start
+            out: dict[str, Any] = {f"{k}_s": v for k, v in self.stage.items()}
+            out.update(
+                wait_s=self.wait,
+                wall_s=wall,
+                batches=self.batches,
+                samples=self.samples,
+                batches_per_s=self.batches / wall if wall > 0 else 0.0,
+                samples_per_s=self.samples / wall if wall > 0 else 0.0,
+                data_stall=min(1.0, self.wait / wall) if wall > 0 else 0.0,
+            )
+        out.update(info)
+        for obj in extra:
+            fn = getattr(obj, "stats", None)
+            if callable(fn):
+                for k, v in dict(fn()).items():
+                    out.setdefault(k, v)
+        return out

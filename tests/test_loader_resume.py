@@ -1,0 +1,296 @@
+"""Seeded orders, rank splits and exact mid-epoch resume of `fastload.Loader`."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from fastload.loader import Loader
+from fastload.sampling import epoch_permutation, resolve_rank_world
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class IdxDS:
+    """Sample i is i; the batched protocol, so every worker kind applies."""
+
+    def __init__(self, n: int = 103) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return int(i)
+
+    def get_batch(self, idx) -> dict:
+        return {"i": np.asarray(idx, dtype=np.int64)}
+
+
+class PyDS(IdxDS):
+    """Per-sample `__getitem__` only (generic path)."""
+
+    get_batch = None  # type: ignore[assignment]
+
+
+def ids(batch) -> list[int]:
+    return (batch["i"] if isinstance(batch, dict) else batch).tolist()
+
+
+def run(loader, epochs=1) -> list[list[int]]:
+    out = []
+    for _ in range(epochs):
+        out += [ids(b) for b in loader]
+    return out
+
+
+def interrupted(make, stop_after: int, epochs: int = 2) -> tuple[list[list[int]], list[list[int]]]:
+    """(uninterrupted batches, batches before the stop + batches after resuming in a new loader)."""
+    full = run(make(), epochs)
+    first = make()
+    seen: list[list[int]] = []
+    it = iter(first)
+    for _ in range(stop_after):
+        seen.append(ids(next(it)))
+    state = first.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)  # checkpointable
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    del it, first
+    second = make()
+    second.load_state_dict(state)
+    rest = run(second, epochs - state["epoch"])
+    return full, seen + rest
+
+
+WORKERS = [(0, "auto"), (2, "thread"), (2, "process")]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("stop_after", [0, 3, 10, 11])
+def test_seeded_resume_is_exact(workers, stop_after):
+    nw, wt = workers
+
+    def make():
+        return Loader(IdxDS(), batch_size=10, shuffle=True, seed=11, num_workers=nw, worker_type=wt)
+
+    full, resumed = interrupted(make, stop_after)
+    assert resumed == full
+
+
+@pytest.mark.parametrize("workers", [(0, "auto"), (2, "process")])
+def test_torch_order_resume_with_generator(workers):
+    nw, wt = workers
+
+    def make():
+        return Loader(PyDS(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(9),
+                      num_workers=nw, worker_type=wt)
+
+    full, resumed = interrupted(make, 5)
+    assert resumed == full
+    assert full[:13] == run(DataLoader(PyDS(), batch_size=8, shuffle=True,
+                                       generator=torch.Generator().manual_seed(9)))
+
+
+def test_torch_order_resume_with_global_rng():
+    torch.manual_seed(1)
+    loader = Loader(PyDS(), batch_size=8, shuffle=True)
+    it = iter(loader)
+    head = [ids(next(it)) for _ in range(4)]
+    rest_uninterrupted = [ids(b) for b in it]
+    # checkpoint taken after 4 batches of a fresh, identically seeded run
+    torch.manual_seed(1)
+    a = Loader(PyDS(), batch_size=8, shuffle=True)
+    it = iter(a)
+    assert [ids(next(it)) for _ in range(4)] == head
+    state = a.state_dict()
+    torch.manual_seed(12345)  # a different global RNG when resuming
+    b = Loader(PyDS(), batch_size=8, shuffle=True)
+    b.load_state_dict(state)
+    assert [ids(x) for x in b] == rest_uninterrupted
+
+
+def test_state_at_epoch_end_starts_next_epoch():
+    make = lambda: Loader(IdxDS(), batch_size=10, shuffle=True, seed=3)  # noqa: E731
+    a = make()
+    first = run(a)
+    state = a.state_dict()
+    assert state["epoch"] == 1 and state["batches_yielded"] == 0
+    b = make()
+    b.load_state_dict(state)
+    second = run(b)
+    assert second != first and sorted(i for b in second for i in b) == list(range(103))
+    assert second == run(make(), 2)[len(first):]
+
+
+class StatefulBatchSampler:
+    """A batch sampler with its own state (torchdata `Stateful` convention)."""
+
+    def __init__(self, n: int, bs: int) -> None:
+        self.n, self.bs, self.epoch, self.pos = n, bs, 0, 0
+        self.calls: list[str] = []
+
+    def set_epoch(self, e: int) -> None:
+        self.calls.append(f"set_epoch({e})")
+        self.epoch = e
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.calls.append("load")
+        self.epoch, self.pos = d["epoch"], d["pos"]
+
+    def __len__(self) -> int:
+        return -(-self.n // self.bs)
+
+    def __iter__(self):
+        order = np.random.default_rng(self.epoch).permutation(self.n)
+        while self.pos < len(self):
+            k = self.pos
+            self.pos += 1
+            yield order[k * self.bs : (k + 1) * self.bs].tolist()
+        self.pos = 0
+
+
+@pytest.mark.parametrize("workers", [(0, "auto"), (2, "thread")])
+def test_stateful_batch_sampler_resumes_exactly(workers):
+    nw, wt = workers
+
+    def make():
+        return Loader(IdxDS(50), batch_sampler=StatefulBatchSampler(50, 4), num_workers=nw, worker_type=wt)
+
+    a = make()
+    a.set_epoch(2)
+    assert a.batch_sampler.calls == ["set_epoch(2)"]
+    full = run(a)
+    b = make()
+    b.set_epoch(2)
+    it = iter(b)
+    head = [ids(next(it)) for _ in range(5)]  # the sampler has run ahead (prefetch)
+    state = b.state_dict()
+    assert state["position"]["sampler_state"] == {"epoch": 2, "pos": 5}
+    c = make()
+    c.load_state_dict(state)
+    assert c.batch_sampler.calls[-1] == "set_epoch(2)"
+    assert head + run(c) == full
+
+
+def test_plain_sampler_is_fast_forwarded():
+    order = list(np.random.default_rng(0).permutation(60))
+    make = lambda: Loader(PyDS(60), batch_size=7, sampler=order)  # noqa: E731
+    full, resumed = interrupted(make, 4, epochs=1)
+    assert resumed == full
+
+
+def test_set_epoch_reaches_distributed_sampler_like_torch():
+    ds = PyDS(40)
+    s1 = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=5)
+    s2 = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=5)
+    dl, fl = DataLoader(ds, batch_size=4, sampler=s1), Loader(ds, batch_size=4, sampler=s2)
+    for e in range(2):
+        s1.set_epoch(e)
+        fl.set_epoch(e)
+        assert run(dl) == run(fl)
+
+
+def test_seeded_order_is_pure_and_changes_per_epoch():
+    a = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    b = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    ea, eb = run(a, 2), run(b, 2)
+    assert ea == eb
+    assert ea[:11] != ea[11:]
+    perm = epoch_permutation(103, seed=5, epoch=0, shuffle=True).tolist()
+    assert ea[:11] == [sorted(perm[k : k + 10]) for k in range(0, 103, 10)]  # sorted inside a batch
+    b.set_epoch(1)
+    assert run(b) == ea[11:]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_ranks_partition_each_epoch(world, drop_last):
+    n, bs = 103, 5
+    per_rank = [run(Loader(IdxDS(n), batch_size=bs, shuffle=True, seed=2, rank=r, world_size=world,
+                           drop_last=drop_last)) for r in range(world)]
+    assert len({len(p) for p in per_rank}) == 1  # every rank gets the same number of batches
+    assert len(per_rank[0]) == len(Loader(IdxDS(n), batch_size=bs, seed=2, world_size=world, rank=0,
+                                          drop_last=drop_last))
+    assert all(len(b) == bs for p in per_rank for b in p[:-1])
+    if drop_last:
+        assert all(len(p[-1]) == bs for p in per_rank)
+    counts = Counter(i for p in per_rank for b in p for i in b)
+    if drop_last:
+        assert all(c == 1 for c in counts.values()) and len(counts) >= n - world * bs
+    else:
+        assert set(counts) == set(range(n))
+        assert sum(counts.values()) - n == (-n) % world  # padding repeats, as DistributedSampler does
+
+
+def test_rank_from_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert resolve_rank_world(None, None) == (2, 3)
+    assert resolve_rank_world(0, 2) == (0, 2)
+    loader = Loader(IdxDS(30), batch_size=5, shuffle=False)
+    assert loader.rank == 2 and loader.world_size == 3
+    assert run(loader) == [[2, 5, 8, 11, 14], [17, 20, 23, 26, 29]]
+    with pytest.raises(ValueError):
+        resolve_rank_world(3, 3)
+
+
+@pytest.mark.parametrize("new_world", [2, 3, 5])
+def test_resume_with_other_world_size_redeals_the_rest(new_world):
+    n, bs, world = 211, 4, 4
+    before: list[int] = []
+    states = []
+    for r in range(world):
+        loader = Loader(IdxDS(n), batch_size=bs, shuffle=True, seed=8, rank=r, world_size=world)
+        it = iter(loader)
+        for _ in range(6):
+            before += ids(next(it))
+        states.append(loader.state_dict())
+    assert all(s["position"] == states[0]["position"] for s in states[1:])  # ranks advance in lockstep
+    after: list[int] = []
+    lens = set()
+    for r in range(new_world):
+        loader = Loader(IdxDS(n), batch_size=bs, shuffle=True, seed=8, rank=r, world_size=new_world)
+        loader.load_state_dict(states[r % world])
+        got = run(loader)
+        lens.add(len(got))
+        after += [i for b in got for i in b]
+    assert len(lens) == 1
+    counts = Counter(before + after)
+    assert set(counts) == set(range(n))  # nothing lost
+    assert len(before) == len(set(before)) and not set(before) & set(after)  # nothing seen twice
+    assert sum(counts.values()) - n == (-(n - len(before))) % new_world  # only the final padding repeats
+
+
+@pytest.mark.parametrize(("margin", "watch", "final", "switches"),
+                         [(0.0, 10**9, "threads", 1), (0.0, 64, "inline", 2), (1e9, 64, "inline", 0)])
+def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margin, watch, final, switches):
+    from fastload.pipeline import ThreadProbe
+
+    monkeypatch.setattr(ThreadProbe, "MARGIN", margin)  # 0: threads always win, 1e9: inline does
+    monkeypatch.setattr(ThreadProbe, "WATCH", watch)  # margin 0 also makes the watch fall back to inline
+    ref = run(Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4))
+    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    it = iter(loader)
+    got = [ids(b) for b in it]
+    assert got == ref
+    assert it.probe.choice == final and it.probe.switches == switches
+    # resume in the middle of the probe's inline window
+    state = None
+    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    for k, _ in enumerate(loader):
+        if k == 60:
+            state = loader.state_dict()
+            break
+    again = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    again.load_state_dict(state)
+    assert run(again) == ref[61:]
