@@ -6,6 +6,9 @@ optional dependency such as DALI):
 - `fastload.Loader`: drop-in replacement for `torch.utils.data.DataLoader`.
 - `fastload.open_dataset(path_or_url, ...)`: a fastload dataset, local (mmap) or remote (cached).
 - `fastload.formats`: the on-disk format (`write`, readers for fastload/LMDB/HDF5).
+- `fastload.TokenBudgetBatchSampler`, `fastload.TextCollate`: variable-length text batches.
+- `fastload.ShardWindowSampler`, `fastload.RemoteStorage`: object storage through a shard cache.
+- `fastload.vision`: DALI / CPU image presets; `fastload.cuda_ops`: fused CUDA kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +19,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Loader": "fastload.loader",
     "open_dataset": "fastload.dataset",
+    "TokenBudgetBatchSampler": "fastload.bucketing",
+    "TextCollate": "fastload.text_collate",
+    "ShardWindowSampler": "fastload.shard_shuffle",
+    "RemoteStorage": "fastload.remote",
+    "RetryPolicy": "fastload.remote",
+    "RemoteFetchError": "fastload.remote",
+    "CacheBudgetError": "fastload.cache",
     "FastloadDataset": "fastload.formats",
     "LMDBDataset": "fastload.formats",
     "HDF5Dataset": "fastload.formats",
@@ -29,7 +40,12 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+_SUBMODULES = ("vision", "cuda_ops", "formats", "benchmark")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fastload.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fastload' has no attribute {name!r}")
