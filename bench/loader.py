@@ -50,7 +50,7 @@ BATCH = 256
 def build(path: str, n: int) -> tuple[str, str]:
     """The format directory and the raw .npy of the same records (created once)."""
     ds_dir, raw = os.path.join(path, f"ds-{n}"), os.path.join(path, f"raw-{n}.npy")
-    if not os.path.exists(os.path.join(ds_dir, "manifest.json")) or not os.path.exists(raw):
+    if not os.path.exists(os.path.join(ds_dir, "index.json")) or not os.path.exists(raw):
         os.makedirs(path, exist_ok=True)
         rng = np.random.default_rng(0)
         mm = np.lib.format.open_memmap(raw, mode="w+", dtype=np.uint8, shape=(n, RECORD))
@@ -60,8 +60,9 @@ def build(path: str, n: int) -> tuple[str, str]:
             mm[s:e, : RECORD - 8] = rng.integers(0, 256, (e - s, RECORD - 8), dtype=np.uint8)
             mm[s:e, RECORD - 8 :] = np.arange(s, e, dtype=np.int64).view(np.uint8).reshape(e - s, 8)
         mm.flush()
-        schema = formats.Schema((formats.Field("x", "ndarray", np.uint8, (RECORD - 8,)), formats.Field("y", "scalar",
-                                                                                                       np.int64)))
+        schema = formats.Schema(
+            (formats.Field("x", "ndarray", np.uint8, (RECORD - 8,)), formats.Field("y", "scalar", np.int64))
+        )
 
         def blocks(start: int) -> Iterable[Any]:
             for s in range(start, n, step):

@@ -17,7 +17,11 @@ from .schema import Schema
 from .shard import ShardReader, file_xxh3
 from .storage import LocalStorage, Storage
 
-__all__ = ["FastloadDataset", "gather_ragged", "sample_from_columns"]
+__all__ = ["RESIDENT_ITEM_BYTES", "RESIDENT_LIMIT", "FastloadDataset", "gather_ragged", "sample_from_columns"]
+
+RESIDENT_ITEM_BYTES = 64  # fixed fields up to this size per sample are kept in memory (local datasets)
+RESIDENT_LIMIT = 256 << 20  # at most this many bytes of them per dataset
+
 
 def gather_ragged(
     sources: list[np.ndarray], source_of: np.ndarray, starts: np.ndarray, lengths: np.ndarray, dtype: np.dtype
@@ -103,13 +107,14 @@ class FastloadDataset:
                 raise FormatError(f"{where}: meta has no per-sample lengths for field {f.name!r}")
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._fields = list(self.schema)
+        self._resident: dict[str, np.ndarray] | None = None
         self._lock = threading.Lock()
         self._local = threading.local()
 
     # -- pickling: workers re-open their own mappings ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_open"] = OrderedDict()
+        state["_open"], state["_resident"] = OrderedDict(), None
         del state["_lock"], state["_local"]
         return state
 
@@ -197,7 +202,7 @@ class FastloadDataset:
                 raise IndexError(f"sample index {int(bad)} out of range for a dataset of {n} samples ({self.root})")
             if lo < 0:
                 idx = np.where(idx < 0, idx + n, idx)
-        shard_ids = np.searchsorted(self._starts, idx, side="right") - 1
+        shard_ids = self._starts.searchsorted(idx, side="right") - 1
         return idx, shard_ids, idx - self._starts[shard_ids]
 
     # -- reads ----------------------------------------------------------------------------------
@@ -208,13 +213,34 @@ class FastloadDataset:
         An unsorted batch is read in ascending index order (grouped by shard, ascending rows within
         each mapping), then put back in the caller's order with one more pass.
         """
+        # Array methods, not numpy's wrapper functions: this runs once per batch on the hot path.
         order = None
-        if len(shard_ids) > 1 and np.any(shard_ids[1:] < shard_ids[:-1]):
-            order = np.argsort(idx)
+        if len(shard_ids) > 1 and (shard_ids[1:] < shard_ids[:-1]).any():
+            order = idx.argsort()
             shard_ids = shard_ids[order]
-        cuts = np.flatnonzero(shard_ids[1:] != shard_ids[:-1]) + 1
-        bounds = [0, *cuts.tolist(), len(shard_ids)]
-        return order, [(int(shard_ids[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        if len(shard_ids) == 0:
+            return order, []
+        bounds = [0, *((shard_ids[1:] != shard_ids[:-1]).nonzero()[0] + 1).tolist(), len(shard_ids)]
+        ids = shard_ids[bounds[:-1]].tolist()
+        return order, list(zip(ids, bounds[:-1], bounds[1:]))
+
+    def _resident_columns(self) -> dict[str, np.ndarray]:
+        """Small fixed fields (labels, ids) of a local dataset, gathered once into memory.
+
+        A batch then reads them with one `take` instead of one per shard. Built on first use, only
+        for local storage (it maps every shard) and within `RESIDENT_LIMIT` bytes in total.
+        """
+        if self._resident is None:
+            self._resident = {}
+            if isinstance(self.storage, LocalStorage):
+                budget = RESIDENT_LIMIT
+                for f in self.schema:
+                    size = len(self) * f.item_bytes
+                    if f.is_fixed and f.item_bytes <= RESIDENT_ITEM_BYTES and size <= budget:
+                        parts = [self.shard(k).fixed[f.name] for k in range(self.num_shards)]
+                        self._resident[f.name] = np.concatenate(parts) if parts else np.zeros((0, *f.shape), f.dtype)
+                        budget -= size
+        return self._resident
 
     def _scratch(self, f: Any, shape: tuple[int, ...]) -> np.ndarray:
         """A per-thread buffer reused across batches: a fresh large buffer per batch costs a page fault per 4 KiB."""
@@ -232,19 +258,28 @@ class FastloadDataset:
         """
         idx, shard_ids, local = self.locate(indices)
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
+        out: dict[str, Any] = {}
+        resident = self._resident_columns()
+        if resident:
+            for f in wanted:
+                if f.name in resident:
+                    out[f.name] = resident[f.name].take(idx, axis=0)
+            wanted = [f for f in wanted if f.name not in resident]
+            if not wanted:
+                return out
         order, groups = self._groups(idx, shard_ids)
         if order is not None:
             local = local[order]
-        readers = {k: self.shard(k) for k, _, _ in groups}
+        opened = self._open
+        readers = {k: opened.get(k) or self.shard(k) for k, _, _ in groups}
         inverse = None if order is None else np.argsort(order)
-        out: dict[str, Any] = {}
         for f in wanted:
             if f.is_fixed:
                 shape = (len(local), *f.shape)
                 col = np.empty(shape, dtype=f.dtype) if inverse is None else self._scratch(f, shape)
                 for k, a, b in groups:
-                    np.take(readers[k].fixed[f.name], local[a:b], axis=0, out=col[a:b], mode="clip")
-                out[f.name] = col if inverse is None else np.take(col, inverse, axis=0)
+                    readers[k].fixed[f.name].take(local[a:b], axis=0, out=col[a:b], mode="clip")
+                out[f.name] = col if inverse is None else col.take(inverse, axis=0)
                 continue
             shard_list = sorted(readers)
             src_of = np.empty(len(local), dtype=np.int64)
