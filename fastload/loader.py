@@ -47,7 +47,7 @@ from fastload.collate import fast_collate
 from fastload.device import DeviceStage, resolve_device
 from fastload.fetch import Fetcher
 from fastload.pinned import BufferRing
-from fastload.pipeline import EpochIterator
+from fastload.pipeline import EpochIterator, ThreadProbe
 from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
 from fastload.stats import LoaderStats
 from fastload.workers import InlineSource, ProcessSource, ThreadSource
@@ -150,6 +150,7 @@ class Loader:
         self._resume: dict[str, Any] | None = None
         self._active: EpochIterator | None = None
         self._pool: ProcessSource | None = None
+        self._probe: ThreadProbe | None = None
         if self._iterable:
             return
         batched = self.batch_sampler is not None
@@ -260,10 +261,18 @@ class Loader:
             prefetch=self.prefetch,
             stats=self._stats,
             batched=self.batch_sampler is not None,
-            adaptive=self.timeout == 0 and self.worker_init_fn is None,
+            probe=self._thread_probe(),
         )
         self._active = it
         return it
+
+    def _thread_probe(self) -> ThreadProbe | None:
+        """The Loader's inline-vs-threads probe (kept across epochs); none with a timeout or worker_init_fn."""
+        if self.timeout != 0 or self.worker_init_fn is not None:
+            return None
+        if self._probe is None:
+            self._probe = ThreadProbe()
+        return self._probe
 
     def _device_index(self) -> int | None:
         if self.device is not None and self.device.type == "cuda":
@@ -348,7 +357,7 @@ class Loader:
         `batches_per_s`, `samples_per_s`, `data_stall` (= wait_s / wall_s: the fraction of
         time the training loop waited for data), `num_workers`, `worker_type` (``"inline"``,
         ``"thread"``, ``"process"``), `epoch`, and with thread workers `thread_mode` (what this
-        epoch's A/B probe chose, see `fastload.pipeline`).
+        Loader's A/B probe has chosen, see `fastload.pipeline`).
         Counters from `collate_fn.stats()`, `transform.stats()`, `batch_sampler.stats()`,
         `sampler.stats()` (main-process objects) are merged in without overriding these.
         """

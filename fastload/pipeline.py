@@ -4,10 +4,11 @@ Buffers are handed back two batches late: when the consumer asks for batch j+1 i
 variable still holds batch j, so batch j-1's buffers are the ones released then (and a buffer
 still referenced by the user is retired, never overwritten).
 
-Thread workers are A/B-tested once per epoch (`ThreadProbe`): 24 batches with the consumer
-fetching itself, 24 with the workers, timed as the consumer sees them (its own work included).
+Thread workers are A/B-tested (`ThreadProbe`, one per Loader, continued across epochs): 24
+batches with the consumer fetching itself, 24 with the workers, timed as the consumer sees them
+(its own work included).
 When fetching inline is faster — small GIL-light batches, where the thread hand-off costs more
-than it overlaps — the epoch continues inline, so adding workers never loses to
+than it overlaps — the loader continues inline, so adding workers never loses to
 `num_workers=0`. When the consumer is busy (a training step) the workers win and stay.
 Not done with a `timeout` or a `worker_init_fn` (they only mean something in a worker).
 """
@@ -49,7 +50,7 @@ class EpochIterator:
         prefetch: int,
         stats: LoaderStats,
         batched: bool,
-        adaptive: bool = True,
+        probe: ThreadProbe | None = None,
     ) -> None:
         self._loader, self._order, self._source, self._owns_source = loader, order, source, owns_source
         self._depth, self._ring, self._ring_in_source = max(1, depth), ring, ring_in_source
@@ -63,7 +64,9 @@ class EpochIterator:
         # num_workers=0, no ring, no device: fetch straight from the order, nothing in flight
         self._inline = isinstance(source, InlineSource) and ring is None and device is None
         self._full_depth = self._depth
-        self.probe = ThreadProbe(self) if adaptive and isinstance(source, ThreadSource) else None
+        self.probe = probe if isinstance(source, ThreadSource) else None
+        if self.probe is not None:
+            self.probe.attach(self, _perf())
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -213,22 +216,30 @@ class EpochIterator:
 
 
 class ThreadProbe:
-    """Once per epoch: inline vs threaded fetching, by the consumer-visible batch rate.
+    """Inline vs threaded fetching, by the consumer-visible batch rate; one per Loader.
 
     Inline goes first (cheap); then the workers fill their queue (a warm-up, so a backlog of
     ready batches cannot inflate their rate) and are timed; their window stops early once they
     can no longer win. The workers are kept only if they beat inline by `MARGIN`, and are
-    watched afterwards: a later stretch slower than inline switches the epoch to inline.
+    watched afterwards: a later stretch slower than inline switches to inline. The probe lives
+    as long as its Loader, so short epochs continue the measurement instead of restarting it.
     """
 
     WARMUP, WINDOW, MARGIN, WATCH = 2, 24, 1.05, 64
 
-    def __init__(self, it: EpochIterator) -> None:
+    def __init__(self) -> None:
         self.phase, self.count, self.t0 = "warmup", 0, 0.0
         self.rate_threads = self.rate_inline = 0.0
         self.choice = "inline"
         self.switches = 0  # mode changes after the probe (diagnostics)
-        it._depth = 0  # start inline
+
+    def attach(self, it: EpochIterator, now: float) -> None:
+        """Start an epoch in the mode the probe has reached; its current window restarts."""
+        if self.phase == "threads":
+            self.phase = "fill"  # the epoch boundary drained the workers' queue: refill first
+        threads = self.phase in ("fill", "watch") or (self.phase == "done" and self.choice == "threads")
+        it._depth = it._full_depth if threads else 0
+        self.count, self.t0 = 0, now
 
     def tick(self, it: EpochIterator, now: float) -> None:
         self.count += 1

@@ -282,6 +282,14 @@ class ProcessSource:
     def _receive(self, deadline: float | None) -> None:
         try:
             msg = self.result_q.get(timeout=_POLL)
+        except (ConnectionError, EOFError) as exc:
+            # A worker killed while handing over a batch (its shared-memory handle can no longer be
+            # fetched from it): report the dead worker, not the broken pipe.
+            grace = time.monotonic() + 1.0
+            while all(p.is_alive() for p in self.procs) and time.monotonic() < grace:
+                time.sleep(0.01)
+            self._check_alive()
+            raise WorkerError(f"DataLoader lost a batch from a worker: {exc}") from exc
         except queue.Empty:
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:

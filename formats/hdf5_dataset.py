@@ -8,7 +8,9 @@ bytes) become `varray`/`string`/`bytes` fields.
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 from collections import OrderedDict
 from typing import Any
 
@@ -20,7 +22,7 @@ from .schema import Field, Schema
 
 __all__ = ["HDF5Dataset"]
 
-DEFAULT_CHUNK_CACHE = 128 << 20
+DEFAULT_CHUNK_CACHE = 512 << 20  # decoded chunks kept per process
 
 
 def _field_for(name: str, ds: Any) -> Field:
@@ -88,6 +90,7 @@ class HDF5Dataset:
         self._maps: dict[str, np.ndarray] = {}
         self._chunks: OrderedDict[tuple[str, int], Any] = OrderedDict()
         self._chunk_bytes = 0
+        self._rng = random.Random(0)
 
     def _h5(self) -> Any:
         import h5py
@@ -133,7 +136,7 @@ class HDF5Dataset:
         return np.where(idx < 0, idx + self._n, idx)
 
     def _chunk(self, name: str, ds: Any, c: int, step: int) -> Any:
-        """Decoded rows of chunk `c`, from an LRU cache of decoded chunks bounded by `chunk_cache_bytes`."""
+        """Decoded rows of chunk `c`, from a cache of decoded chunks bounded by `chunk_cache_bytes`."""
         key = (name, c)
         block = self._chunks.get(key)
         if block is not None:
@@ -144,7 +147,10 @@ class HDF5Dataset:
         self._chunks[key] = block
         self._chunk_bytes += nbytes
         while self._chunk_bytes > self.chunk_cache_bytes and len(self._chunks) > 1:
-            _, old = self._chunks.popitem(last=False)
+            # Random eviction, not LRU: a batch visits its chunks in sorted order, a scan that would
+            # make an LRU cache smaller than the data miss every time.
+            victim = next(itertools.islice(iter(self._chunks), self._rng.randrange(len(self._chunks) - 1), None))
+            old = self._chunks.pop(victim)
             self._chunk_bytes -= old.nbytes if isinstance(old, np.ndarray) and old.dtype != object else step * 64
         return block
 
