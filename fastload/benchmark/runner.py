@@ -307,6 +307,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     """Run everything `cfg` asks for and return the result dict (the JSON schema of `fastload.benchmark`)."""
     t_start = time.perf_counter()
     device = _device(cfg.device)
+    if cfg.workdir:
+        os.makedirs(cfg.workdir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="fastload-bench-", dir=cfg.workdir)
     url = None
     paths: dict[str, str] = {}
