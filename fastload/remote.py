@@ -313,10 +313,13 @@ class RemoteStorage:
             known = {**known, **sizes}
         for n in names:
             self.remote_path(n)
+        pinned = self.cache.pinned_keys()  # mapped by this process's reader already: nothing to fetch
         with self._lock:
             order: list[str] = []
             seen: set[str] = set()
             for n in names:
+                if self._keys.get(n) in pinned:
+                    continue
                 if n not in seen and n in known:
                     seen.add(n)
                     order.append(n)
