@@ -32,7 +32,7 @@ from .schema import Schema
 from .shard import ShardInfo, ShardReader, file_xxh3, write_shard
 from .units import parse_size
 
-__all__ = ["DEFAULT_SHARD_SIZE", "BlockSource", "write"]
+__all__ = ["DEFAULT_SHARD_SIZE", "BlockSource", "fsync_path", "write"]
 
 DEFAULT_SHARD_SIZE = 64 << 20
 PROGRESS_NAME = ".fastload-progress.json"
@@ -204,7 +204,8 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by path (a directory after renames into it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -322,10 +323,10 @@ def write(
         meta_columns=columns,
         attrs=dict(attrs or {}),
     )
-    _fsync_dir(os.path.join(out_dir, "shards"))
+    fsync_path(os.path.join(out_dir, "shards"))
     _write_atomic(os.path.join(out_dir, MANIFEST_NAME), manifest.dumps())
     os.remove(os.path.join(out_dir, PROGRESS_NAME))
-    _fsync_dir(out_dir)
+    fsync_path(out_dir)
     return manifest
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastload.formats import Block, BlockSource, Field, Ragged, Schema, write
+from fastload.formats.writer import fsync_path
 
 __all__ = ["SCHEMA", "Synthetic", "build", "make_jpegs"]
 
@@ -107,14 +108,6 @@ def _write_fastload(
           progress=False)
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_hdf5(cols: dict[str, np.ndarray | Ragged], n: int, path: str) -> None:
     import h5py
 
@@ -127,7 +120,7 @@ def _write_hdf5(cols: dict[str, np.ndarray | Ragged], n: int, path: str) -> None
             rows = np.empty(n, dtype=object)
             rows[:] = [col.values[col.offsets[i] : col.offsets[i + 1]] for i in range(n)]
             h5.create_dataset(name, (n,), dtype=h5py.vlen_dtype(dtype))[:] = rows
-    _fsync(path)
+    fsync_path(path)
 
 
 def _write_lmdb(cols: dict[str, np.ndarray | Ragged], n: int, path: str, nbytes: int) -> None:
