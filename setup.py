@@ -39,7 +39,7 @@ setup(
         "pillow",
     ],
     extras_require={
-        "s3": ["s3fs"],
+        "s3": ["s3fs>=2024.1"],  # unbounded, pip picks s3fs 0.4 (2020, pre-aiobotocore) beside moto
         "dali": ["nvidia-dali-cuda130"],
         # NVRTC + driver API for cuda_ops kernels, compiled at first use (never at install time).
         "cuda": ["cuda-bindings>=13,<14", "cuda-toolkit[nvrtc,cudart]==13.*"],
@@ -50,7 +50,7 @@ setup(
             "pytest-timeout",
             "hypothesis",
             "moto[server]",
-            "s3fs",
+            "s3fs>=2024.1",
             "ruff",
             "simplejpeg",
             "cuda-bindings>=13,<14",
