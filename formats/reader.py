@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections import OrderedDict
@@ -47,18 +48,26 @@ def gather_ragged(
     return np.frombuffer(bytearray().join(parts), dtype=dtype), offsets
 
 
-def sample_from_columns(schema: Schema, batch: dict[str, Any], i: int) -> dict[str, Any]:
+def sample_from_columns(schema: Schema, batch: dict[str, Any], i: int, *, where: str = "") -> dict[str, Any]:
     """Sample i of a columnar batch as the values `ds[i]` returns."""
     out: dict[str, Any] = {}
     for f in schema:
         col = batch[f.name]
         if f.kind == "scalar":
             out[f.name] = col[i].item()
-        elif f.kind == "ndarray":
-            out[f.name] = col[i]
+        elif f.kind == "string":
+            out[f.name] = _utf8(col.values[col.offsets[i] : col.offsets[i + 1]], f"{where}, field {f.name!r}")
         else:
             out[f.name] = col[i]
     return out
+
+
+def _utf8(part: np.ndarray, where: str) -> str:
+    """Decode a stored string; invalid UTF-8 means the shard is corrupt (checksums catch it too)."""
+    try:
+        return part.tobytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{where}: invalid UTF-8 in a string field (corrupt shard? run `fastload verify`)") from exc
 
 
 class FastloadDataset:
@@ -107,6 +116,7 @@ class FastloadDataset:
                 raise FormatError(f"{where}: meta has no per-sample lengths for field {f.name!r}")
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._fields = list(self.schema)
+        self._starts_list = self._starts.tolist()
         self._resident: dict[str, np.ndarray] | None = None
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -206,23 +216,45 @@ class FastloadDataset:
         return idx, shard_ids, idx - self._starts[shard_ids]
 
     # -- reads ----------------------------------------------------------------------------------
-    @staticmethod
-    def _groups(idx: np.ndarray, shard_ids: np.ndarray) -> tuple[np.ndarray | None, list[tuple[int, int, int]]]:
-        """Group batch rows by shard: (order or None when already grouped, [(shard, start, stop)] in that order).
-
-        An unsorted batch is read in ascending index order (grouped by shard, ascending rows within
-        each mapping), then put back in the caller's order with one more pass.
+    def _plan(self, indices: Any) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, int, int, np.ndarray]]]:
+        """(indices, order, groups) for a batch: `groups` lists (shard, start, stop, local rows) over the
+        indices in ascending order; `order` is None when the caller's indices already ascend, else the
+        permutation that sorted them. Ascending rows within each mapping gather fastest; an unsorted
+        batch is put back in the caller's order with one more pass.
         """
-        # Array methods, not numpy's wrapper functions: this runs once per batch on the hot path.
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        m, n = len(idx), len(self)
+        if m == 0:
+            return idx, None, []
         order = None
-        if len(shard_ids) > 1 and (shard_ids[1:] < shard_ids[:-1]).any():
-            order = idx.argsort()
-            shard_ids = shard_ids[order]
-        if len(shard_ids) == 0:
-            return order, []
-        bounds = [0, *((shard_ids[1:] != shard_ids[:-1]).nonzero()[0] + 1).tolist(), len(shard_ids)]
-        ids = shard_ids[bounds[:-1]].tolist()
-        return order, list(zip(ids, bounds[:-1], bounds[1:]))
+        sidx = idx
+        if m > 1 and (idx[1:] < idx[:-1]).any():
+            order = idx.argsort(kind="stable")
+            sidx = idx[order]
+        lo, hi = int(sidx[0]), int(sidx[-1])
+        if lo < -n or hi >= n:
+            bad = lo if lo < -n else hi
+            raise IndexError(f"sample index {bad} out of range for a dataset of {n} samples ({self.root})")
+        if lo < 0:  # negative indices count from the end: normalise, then plan again
+            return self._plan(np.where(idx < 0, idx + n, idx))
+        starts = self._starts
+        k0 = bisect.bisect_right(self._starts_list, lo) - 1
+        k1 = bisect.bisect_right(self._starts_list, hi) - 1
+        if k0 == k1:
+            return idx, order, [(k0, 0, m, sidx - starts[k0] if k0 else sidx)]
+        if k1 - k0 <= 2 * m:  # shard starts inside the batch's range, found in the sorted indices
+            edges = [0, *sidx.searchsorted(starts[k0 + 1 : k1 + 1]).tolist(), m]
+            ks = range(k0, k1 + 1)
+        else:  # far more shards than rows: find each row's shard instead
+            shard_ids = starts.searchsorted(sidx, side="right") - 1
+            cuts = ((shard_ids[1:] != shard_ids[:-1]).nonzero()[0] + 1).tolist()
+            edges = [0, *cuts, m]
+            ks = shard_ids[edges[:-1]].tolist()
+        groups = []
+        for k, a, b in zip(ks, edges[:-1], edges[1:]):
+            if b > a:
+                groups.append((k, a, b, sidx[a:b] - self._starts_list[k]))
+        return idx, order, groups
 
     def _resident_columns(self) -> dict[str, np.ndarray]:
         """Small fixed fields (labels, ids) of a local dataset, gathered once into memory.
@@ -256,7 +288,7 @@ class FastloadDataset:
         Rows are gathered shard by shard with one `np.take` each; when `indices` are not grouped by
         shard (a shuffled batch), rows are gathered in shard order and put back in one more pass.
         """
-        idx, shard_ids, local = self.locate(indices)
+        idx, order, groups = self._plan(indices)
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
         out: dict[str, Any] = {}
         resident = self._resident_columns()
@@ -267,28 +299,26 @@ class FastloadDataset:
             wanted = [f for f in wanted if f.name not in resident]
             if not wanted:
                 return out
-        order, groups = self._groups(idx, shard_ids)
-        if order is not None:
-            local = local[order]
         opened = self._open
-        readers = {k: opened.get(k) or self.shard(k) for k, _, _ in groups}
-        inverse = None if order is None else np.argsort(order)
+        readers = {k: opened.get(k) or self.shard(k) for k, _, _, _ in groups}
+        inverse = None if order is None else order.argsort()
+        m = len(idx)
         for f in wanted:
             if f.is_fixed:
-                shape = (len(local), *f.shape)
+                shape = (m, *f.shape)
                 col = np.empty(shape, dtype=f.dtype) if inverse is None else self._scratch(f, shape)
-                for k, a, b in groups:
-                    readers[k].fixed[f.name].take(local[a:b], axis=0, out=col[a:b], mode="clip")
+                for k, a, b, rows in groups:
+                    readers[k].fixed[f.name].take(rows, axis=0, out=col[a:b], mode="clip")
                 out[f.name] = col if inverse is None else col.take(inverse, axis=0)
                 continue
             shard_list = sorted(readers)
-            src_of = np.empty(len(local), dtype=np.int64)
-            starts = np.empty(len(local), dtype=np.int64)
-            lengths = np.empty(len(local), dtype=np.int64)
-            for k, a, b in groups:
+            src_of = np.empty(m, dtype=np.int64)
+            starts = np.empty(m, dtype=np.int64)
+            lengths = np.empty(m, dtype=np.int64)
+            for k, a, b, rows in groups:
                 offs = readers[k].ragged[f.name][0]
-                lo = offs[local[a:b]]
-                starts[a:b], lengths[a:b] = lo, offs[local[a:b] + 1] - lo
+                lo = offs[rows]
+                starts[a:b], lengths[a:b] = lo, offs[rows + 1] - lo
                 src_of[a:b] = shard_list.index(k)
             if inverse is not None:
                 src_of, starts, lengths = src_of[inverse], starts[inverse], lengths[inverse]
@@ -300,7 +330,10 @@ class FastloadDataset:
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         batch = self.get_batch(indices)
-        return [sample_from_columns(self.schema, batch, i) for i in range(len(indices))]
+        return [
+            sample_from_columns(self.schema, batch, i, where=f"{self.root}: sample {indices[i]}")
+            for i in range(len(indices))
+        ]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not isinstance(index, (int, np.integer)):
@@ -319,7 +352,7 @@ class FastloadDataset:
                 if f.kind in ("bytes", "image"):
                     out[f.name] = part.tobytes()
                 elif f.kind == "string":
-                    out[f.name] = part.tobytes().decode("utf-8")
+                    out[f.name] = _utf8(part, f"{self.root}: sample {index}, field {f.name!r}")
                 else:
                     out[f.name] = part.copy()
         return out
