@@ -114,6 +114,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             data = resp.read()
             conn.close()
         except OSError:
+            with proxy._lock:
+                proxy.fault_counts["upstream-down"] += 1
             self._drop()  # upstream down: the client sees a reset connection
             return
         self.send_response(resp.status, resp.reason)

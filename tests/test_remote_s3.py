@@ -222,7 +222,9 @@ def test_server_killed_and_restarted_mid_epoch(local_ds, tmp_path):
         helper.join()
         assert outage.is_set()
         assert (out["seen"] == 1).all()
-        assert ds.storage.stats["retries"] >= 1
+        # The outage was hit: requests failed at the proxy. Who retried them (fastload's RetryPolicy or
+        # s3fs's own inner retries, which a short outage can hide from fastload) is not fixed.
+        assert sum(proxy.fault_counts.values()) >= 1
     finally:
         proxy.stop()
         server.kill()
