@@ -15,6 +15,8 @@ import argparse
 import io
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -99,6 +101,26 @@ def _preset_pass(preset: ImagePreset, batches: list[dict]) -> Callable[[], int]:
     return one_pass
 
 
+def _loader_pass(root: str, preset: ImagePreset, batch_size: int) -> Callable[[], int]:
+    """One epoch of `fastload.Loader` over a fastload dataset of the JPEGs, decoded by `preset`."""
+    from fastload import Loader, open_dataset
+    from fastload.vision import with_indices
+
+    loader = Loader(with_indices(open_dataset(root)), batch_size=batch_size, drop_last=True, transform=preset, seed=0)
+
+    def one_pass() -> int:
+        return sum(int(b["image"].shape[0]) for b in loader)
+
+    return one_pass
+
+
+def _write_dataset(jpegs: list[bytes], root: str) -> None:
+    from fastload.formats import Field, Schema, write
+
+    schema = Schema((Field("image", "image"), Field("label", "scalar", np.int64)))
+    write(({"image": j, "label": i} for i, j in enumerate(jpegs)), root, schema=schema, progress=False)
+
+
 def _decode_pass(jpegs: list[bytes], pool: ThreadPoolExecutor | None) -> Callable[[], int]:
     import simplejpeg
 
@@ -169,11 +191,18 @@ def main(argv: list[str] | None = None) -> None:
         if dali_available():
             preset = ImagePreset(kind=kind, size=args.size, backend="dali", threads=cores)
             fns[f"dali-cpu {kind} fp16 NCHW"] = _preset_pass(preset, batches)
+    with_loader = tempfile.mkdtemp(prefix="fastload-bench-vision-")
+    _write_dataset(jpegs, os.path.join(with_loader, "ds"))
+    eval_preset = ImagePreset(kind="eval", size=args.size, backend="cpu", threads=cores)
+    fns["fastload.Loader + cpu preset eval fp16 NCHW"] = _loader_pass(os.path.join(with_loader, "ds"), eval_preset, bs)
     if torch.cuda.is_available() and dali_available():
         for kind in ("eval", "train"):
             preset = ImagePreset(kind=kind, size=args.size, backend="dali", device="cuda", threads=cores)
             fns[f"dali-mixed {kind} fp16 NCHW (GPU)"] = _preset_pass(preset, batches)
-    rates = _best_of(fns, rounds=rounds, min_time=min_time)
+    try:
+        rates = _best_of(fns, rounds=rounds, min_time=min_time)
+    finally:
+        shutil.rmtree(with_loader, ignore_errors=True)
     single = rates.pop("decode 1 thread")
     ceiling = single * cores
 
