@@ -86,30 +86,35 @@ class JsonLines:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._offsets: list[int] = []
+        self._spans: list[tuple[int, int]] = []  # (offset, length) of each non-blank line
         with open(path, "rb") as fh:
             pos = 0
             for line in fh:
                 if line.strip():
-                    self._offsets.append(pos)
+                    self._spans.append((pos, len(line)))
                 pos += len(line)
-        if not self._offsets:
+        if not self._spans:
             raise FormatError(f"{path}: no JSON lines")
-        self._fh: Any = None
+        self._fd, self._pid = -1, -1
         first = self[0]
         self.schema = Schema(tuple(_json_field(k, v, path) for k, v in first.items()))
 
     def __len__(self) -> int:
-        return len(self._offsets)
+        return len(self._spans)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fh": None}
+        return {**self.__dict__, "_fd": -1, "_pid": -1}
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0 and self._pid == os.getpid():
+            os.close(self._fd)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        if self._fh is None:
-            self._fh = open(self.path, "rb")  # noqa: SIM115 - kept open for the source's lifetime
-        self._fh.seek(self._offsets[i])
-        line = self._fh.readline()
+        # os.pread: no shared file offset, so forked encoder processes can read concurrently.
+        if self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        offset, length = self._spans[i]
+        line = os.pread(self._fd, length, offset)
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:

@@ -66,13 +66,15 @@ def test_convert_npy_file_and_directory(tmp_path):
 
 
 def test_convert_jsonl_tokens(tmp_path, capsys):
-    lines = [{"input_ids": list(range(i % 50 + 1)), "text": f"doc {i}", "score": i / 2} for i in range(300)]
+    # More lines than one encoder chunk (512), so several worker processes read the file at once.
+    lines = [{"input_ids": list(range(i % 50 + 1)), "text": f"doc {i}", "score": i / 2} for i in range(3000)]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     assert main(["convert", str(tmp_path / "d.jsonl"), str(tmp_path / "out"), "--quiet"]) == 0
     ds = FastloadDataset(tmp_path / "out")
     assert ds.schema["input_ids"].kind == "varray" and ds.schema["input_ids"].dtype == np.int32
     assert ds[123]["input_ids"].tolist() == lines[123]["input_ids"] and ds[123]["text"] == "doc 123"
-    np.testing.assert_array_equal(ds.lengths("input_ids"), [i % 50 + 1 for i in range(300)])
+    np.testing.assert_array_equal(ds.lengths("input_ids"), [i % 50 + 1 for i in range(3000)])
+    assert [ds[i]["text"] for i in range(0, 3000, 7)] == [f"doc {i}" for i in range(0, 3000, 7)]
     main(["inspect", str(tmp_path / "out")])
     assert "length: min 1" in capsys.readouterr().out
 
@@ -95,15 +97,15 @@ def _make_lmdb(path, n=200):
 
 
 def test_lmdb_reader_and_conversion(tmp_path):
-    _make_lmdb(tmp_path / "db")
+    _make_lmdb(tmp_path / "db", n=1200)  # > one encoder chunk: forked workers read the environment too
     db = LMDBDataset(tmp_path / "db")
-    assert len(db) == 200 and db[7] == {"key": b"00000007", "value": bytes([7]) * 8}
+    assert len(db) == 1200 and db[7] == {"key": b"00000007", "value": bytes([7]) * 8}
     batch = db.get_batch([150, 3, 150])
     assert batch["value"].to_list() == [bytes([150]) * 31, bytes([3]) * 4, bytes([150]) * 31]
     assert db.__getitems__([3])[0] == db[3]
     assert main(["convert", str(tmp_path / "db"), str(tmp_path / "out"), "--quiet"]) == 0
     ds = FastloadDataset(tmp_path / "out")
-    assert [ds[i] for i in range(200)] == [db[i] for i in range(200)]
+    assert [ds[i] for i in range(1200)] == [db[i] for i in range(1200)]
 
 
 def test_hdf5_reader_contiguous_chunked_vlen_and_conversion(tmp_path):
