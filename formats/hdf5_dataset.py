@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -45,6 +44,11 @@ def _field_for(name: str, ds: Any) -> Field:
     if ds.ndim == 1:
         return Field(name, "scalar", ds.dtype)
     return Field(name, "ndarray", ds.dtype, ds.shape[1:])
+
+
+def _cached_bytes(block: Any, rows: int) -> int:
+    """Memory held by a cached chunk; variable-length (object) rows are estimated at 64 bytes each."""
+    return block.nbytes if isinstance(block, np.ndarray) and block.dtype != object else rows * 64
 
 
 class HDF5Dataset:
@@ -88,7 +92,7 @@ class HDF5Dataset:
                     raise FormatError(f"{self.path}:{f.name}: data offset {offset} + size lies outside the file")
                 self._direct[f.name] = (offset, ds.shape, ds.dtype)
         self._maps: dict[str, np.ndarray] = {}
-        self._chunks: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self._chunks: dict[tuple[str, int], Any] = {}
         self._chunk_bytes = 0
         self._rng = random.Random(0)
 
@@ -115,7 +119,7 @@ class HDF5Dataset:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_file"], state["_pid"], state["_maps"] = None, -1, {}
-        state["_chunks"], state["_chunk_bytes"] = OrderedDict(), 0
+        state["_chunks"], state["_chunk_bytes"] = {}, 0
         return state
 
     def __repr__(self) -> str:
@@ -140,18 +144,16 @@ class HDF5Dataset:
         key = (name, c)
         block = self._chunks.get(key)
         if block is not None:
-            self._chunks.move_to_end(key)
             return block
         block = ds[c * step : min((c + 1) * step, self._n)]
-        nbytes = block.nbytes if isinstance(block, np.ndarray) and block.dtype != object else step * 64
         self._chunks[key] = block
-        self._chunk_bytes += nbytes
+        self._chunk_bytes += _cached_bytes(block, step)
         while self._chunk_bytes > self.chunk_cache_bytes and len(self._chunks) > 1:
             # Random eviction, not LRU: a batch visits its chunks in sorted order, a scan that would
             # make an LRU cache smaller than the data miss every time.
             victim = next(itertools.islice(iter(self._chunks), self._rng.randrange(len(self._chunks) - 1), None))
             old = self._chunks.pop(victim)
-            self._chunk_bytes -= old.nbytes if isinstance(old, np.ndarray) and old.dtype != object else step * 64
+            self._chunk_bytes -= _cached_bytes(old, step)
         return block
 
     def _read_h5(self, name: str, idx: np.ndarray) -> Any:

@@ -30,7 +30,8 @@ def gather_ragged(
     """Concatenate `sources[source_of[i]][starts[i] : starts[i] + lengths[i]]` for every i -> (values, offsets).
 
     The slices are joined by `bytearray.join` over memoryviews: one C-level copy per sample with no
-    numpy call per sample (3-9x faster than slice assignment or a vectorized index gather here).
+    numpy call per sample. Measured here for 256 slices: 446 vs 679 us (100-20,000 B each) and
+    90 vs 830 us (10-200 B) against per-slice assignment / a vectorized index gather.
     """
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -201,20 +202,6 @@ class FastloadDataset:
                 reader.close()
                 self.storage.release(self.manifest.shards[k].file)
 
-    def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(indices, shard ids, local indices) for global indices; negative indices count from the end."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self)
-        if idx.size:
-            lo, hi = idx.min(), idx.max()
-            if lo < -n or hi >= n:
-                bad = idx[(idx < -n) | (idx >= n)][0]
-                raise IndexError(f"sample index {int(bad)} out of range for a dataset of {n} samples ({self.root})")
-            if lo < 0:
-                idx = np.where(idx < 0, idx + n, idx)
-        shard_ids = self._starts.searchsorted(idx, side="right") - 1
-        return idx, shard_ids, idx - self._starts[shard_ids]
-
     # -- reads ----------------------------------------------------------------------------------
     def _plan(self, indices: Any) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, int, int, np.ndarray]]]:
         """(indices, order, groups) for a batch: `groups` lists (shard, start, stop, local rows) over the
@@ -338,8 +325,9 @@ class FastloadDataset:
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not isinstance(index, (int, np.integer)):
             raise TypeError(f"dataset indices must be integers, got {type(index).__name__}")
-        _, shard_ids, local = self.locate([index])
-        reader, i = self.shard(int(shard_ids[0])), int(local[0])
+        _, _, groups = self._plan([index])
+        k, _, _, rows = groups[0]
+        reader, i = self.shard(k), int(rows[0])
         out: dict[str, Any] = {}
         for f in self.schema:
             if f.kind == "scalar":

@@ -109,9 +109,11 @@ class _ShardCutter:
         self.schema, self.shard_size = schema, shard_size
         self.pending: list[Block] = []
         self.pending_bytes = 0
+        self.total_bytes = 0  # bytes of every sample added so far (progress MB/s)
 
     def add(self, block: Block, first_index: int) -> Iterator[list[Block]]:
         sizes = block.sample_bytes(self.schema)
+        self.total_bytes += int(sizes.sum())
         too_big = np.flatnonzero(sizes > self.shard_size)
         if too_big.size:
             i = int(too_big[0])
@@ -285,16 +287,14 @@ def write(
     bar = _progress(progress, num_samples, start)
     shards: list[ShardInfo | Future[ShardInfo]] = list(kept)
     cutter = _ShardCutter(schema, shard_size)
-    index, written_bytes, t0 = start, 0, time.perf_counter()
+    index, t0 = start, time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
 
         def submit(parts: list[Block]) -> None:
-            nonlocal written_bytes
             k = len(shards)
             shards.append(
                 pool.submit(write_shard, os.path.join(out_dir, _shard_name(k)), parts, schema, name=_shard_name(k))
             )
-            written_bytes += sum(int(b.sample_bytes(schema).sum()) for b in parts)
 
         for block in blocks:
             for full in cutter.add(block, index):
@@ -302,7 +302,7 @@ def write(
             index += block.num_samples
             if bar is not None:
                 bar.update(block.num_samples)
-                bar.set_postfix(MBps=f"{written_bytes / 1e6 / max(time.perf_counter() - t0, 1e-9):.0f}")
+                bar.set_postfix(MBps=f"{cutter.total_bytes / 1e6 / max(time.perf_counter() - t0, 1e-9):.0f}")
         if cutter.pending:
             submit(cutter.flush())
         infos = [s.result() if isinstance(s, Future) else s for s in shards]
