@@ -10,6 +10,7 @@ import numpy as np
 
 __all__ = [
     "ALIGN",
+    "COLUMN_ALIGN",
     "ENTRY_DTYPE",
     "FORMAT_VERSION",
     "HEADER_DTYPE",
@@ -20,6 +21,7 @@ __all__ = [
 SHARD_MAGIC = b"FLDSHARD"
 FORMAT_VERSION = 1
 ALIGN = 64
+COLUMN_ALIGN = 4096  # fixed ndarray columns start on a page, so readers can splice shards (FORMAT.md)
 
 HEADER_DTYPE = np.dtype(
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -16,6 +17,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .ragged import Ragged
 from .schema import Schema
 from .shard import ShardReader, file_xxh3
+from .spliced import ColumnPart, SplicedColumn, splice_available, splice_column
 from .storage import LocalStorage, Storage
 
 __all__ = ["RESIDENT_ITEM_BYTES", "RESIDENT_LIMIT", "FastloadDataset", "gather_ragged", "sample_from_columns"]
@@ -119,19 +121,22 @@ class FastloadDataset:
         self._fields = list(self.schema)
         self._starts_list = self._starts.tolist()
         self._resident: dict[str, np.ndarray] | None = None
+        self._spliced: dict[str, SplicedColumn] | None = None
         self._lock = threading.Lock()
+        self._direct_lock = threading.Lock()
         self._local = threading.local()
 
     # -- pickling: workers re-open their own mappings ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_open"], state["_resident"] = OrderedDict(), None
-        del state["_lock"], state["_local"]
+        state["_open"], state["_resident"], state["_spliced"] = OrderedDict(), None, None
+        del state["_lock"], state["_direct_lock"], state["_local"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._direct_lock = threading.Lock()
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -196,6 +201,7 @@ class FastloadDataset:
             return reader
 
     def close(self) -> None:
+        self._spliced = None  # unmapped once no reader thread still holds it
         with self._lock:
             while self._open:
                 k, reader = self._open.popitem()
@@ -209,8 +215,8 @@ class FastloadDataset:
         permutation that sorted them. Ascending rows within each mapping gather fastest; an unsorted
         batch is put back in the caller's order with one more pass.
         """
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        m, n = len(idx), len(self)
+        idx = self._checked_indices(indices)
+        m = len(idx)
         if m == 0:
             return idx, None, []
         order = None
@@ -219,11 +225,6 @@ class FastloadDataset:
             order = idx.argsort(kind="stable")
             sidx = idx[order]
         lo, hi = int(sidx[0]), int(sidx[-1])
-        if lo < -n or hi >= n:
-            bad = lo if lo < -n else hi
-            raise IndexError(f"sample index {bad} out of range for a dataset of {n} samples ({self.root})")
-        if lo < 0:  # negative indices count from the end: normalise, then plan again
-            return self._plan(np.where(idx < 0, idx + n, idx))
         starts = self._starts
         k0 = bisect.bisect_right(self._starts_list, lo) - 1
         k1 = bisect.bisect_right(self._starts_list, hi) - 1
@@ -249,17 +250,64 @@ class FastloadDataset:
         A batch then reads them with one `take` instead of one per shard. Built on first use, only
         for local storage (it maps every shard) and within `RESIDENT_LIMIT` bytes in total.
         """
-        if self._resident is None:
-            self._resident = {}
-            if isinstance(self.storage, LocalStorage):
-                budget = RESIDENT_LIMIT
-                for f in self.schema:
-                    size = len(self) * f.item_bytes
-                    if f.is_fixed and f.item_bytes <= RESIDENT_ITEM_BYTES and size <= budget:
-                        parts = [self.shard(k).fixed[f.name] for k in range(self.num_shards)]
-                        self._resident[f.name] = np.concatenate(parts) if parts else np.zeros((0, *f.shape), f.dtype)
-                        budget -= size
+        if self._resident is not None:
+            return self._resident
+        with self._direct_lock:
+            if self._resident is None:
+                resident = {}
+                if isinstance(self.storage, LocalStorage):
+                    budget = RESIDENT_LIMIT
+                    for f in self.schema:
+                        size = len(self) * f.item_bytes
+                        if f.is_fixed and f.item_bytes <= RESIDENT_ITEM_BYTES and size <= budget:
+                            parts = [self.shard(k).fixed[f.name] for k in range(self.num_shards)]
+                            resident[f.name] = np.concatenate(parts) if parts else np.zeros((0, *f.shape), f.dtype)
+                            budget -= size
+                self._resident = resident
         return self._resident
+
+    def _spliced_columns(self) -> dict[str, SplicedColumn]:
+        """The other fixed fields of a local dataset, each mapped as one array over all shards
+        (see spliced.py): a shuffled batch is then one `take` per field, in the caller's order."""
+        spliced = self._spliced
+        if spliced is not None:
+            return spliced
+        resident = self._resident_columns()
+        with self._direct_lock:
+            if self._spliced is None:
+                spliced = {}
+                if isinstance(self.storage, LocalStorage) and splice_available() and len(self):
+                    for f in self.schema:
+                        if f.is_fixed and f.name not in resident:
+                            column = self._splice(f)
+                            if column is not None:
+                                spliced[f.name] = column
+                self._spliced = spliced
+            return self._spliced
+
+    def _splice(self, f: Any) -> SplicedColumn | None:
+        parts = []
+        for k, info in enumerate(self.manifest.shards):
+            reader = self.shard(k)
+            parts.append(ColumnPart(reader.path, reader.fixed_offset[f.name], info.num_samples))
+        try:
+            return splice_column(parts, f.dtype, f.shape)
+        except OSError as exc:  # e.g. the kernel's limit on mappings: gather shard by shard instead
+            warnings.warn(f"{self.root}: field {f.name!r} read shard by shard ({exc})", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _checked_indices(self, indices: Any) -> np.ndarray:
+        """`indices` as int64, bounds-checked, negative ones counted from the end."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if len(idx):
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < -n or hi >= n:
+                bad = lo if lo < -n else hi
+                raise IndexError(f"sample index {bad} out of range for a dataset of {n} samples ({self.root})")
+            if lo < 0:
+                idx = np.where(idx < 0, idx + n, idx)
+        return idx
 
     def _scratch(self, f: Any, shape: tuple[int, ...]) -> np.ndarray:
         """A per-thread buffer reused across batches: a fresh large buffer per batch costs a page fault per 4 KiB."""
@@ -272,20 +320,32 @@ class FastloadDataset:
     def get_batch(self, indices: Any, *, fields: list[str] | None = None) -> dict[str, Any]:
         """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable ones.
 
-        Rows are gathered shard by shard with one `np.take` each; when `indices` are not grouped by
-        shard (a shuffled batch), rows are gathered in shard order and put back in one more pass.
+        Fixed fields of a local dataset are one `take` each over a resident copy or a spliced mapping
+        of all shards. Other fields are gathered shard by shard with one `np.take` each; when
+        `indices` are not grouped by shard (a shuffled batch), rows are gathered in shard order and
+        put back in one more pass.
         """
-        idx, order, groups = self._plan(indices)
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
+        resident, spliced = self._resident_columns(), self._spliced_columns()
+        rest = [f for f in wanted if f.name not in resident and f.name not in spliced]
         out: dict[str, Any] = {}
-        resident = self._resident_columns()
-        if resident:
-            for f in wanted:
-                if f.name in resident:
-                    out[f.name] = resident[f.name].take(idx, axis=0)
-            wanted = [f for f in wanted if f.name not in resident]
-            if not wanted:
-                return out
+        if len(rest) < len(wanted):
+            idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+            try:
+                for f in wanted:
+                    if f.name in resident:
+                        out[f.name] = resident[f.name].take(idx, axis=0)
+                    elif f.name in spliced:
+                        out[f.name] = spliced[f.name].take(idx)
+            except IndexError:
+                self._checked_indices(idx)  # raises the error that names the dataset
+                raise
+        if rest:
+            self._gather_by_shard(indices, rest, out)
+        return out if len(out) == 1 else {f.name: out[f.name] for f in wanted}
+
+    def _gather_by_shard(self, indices: Any, wanted: list[Any], out: dict[str, Any]) -> None:
+        idx, order, groups = self._plan(indices)
         opened = self._open
         readers = {k: opened.get(k) or self.shard(k) for k, _, _, _ in groups}
         inverse = None if order is None else order.argsort()
@@ -313,7 +373,6 @@ class FastloadDataset:
                 [readers[k].ragged[f.name][1] for k in shard_list], src_of, starts, lengths, f.dtype
             )
             out[f.name] = Ragged(values, offsets, f.kind)
-        return out
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         batch = self.get_batch(indices)

@@ -16,7 +16,7 @@ import xxhash
 
 from .columns import Block
 from .errors import FormatError
-from .layout import ALIGN, ENTRY_DTYPE, FORMAT_VERSION, HEADER_DTYPE, SHARD_MAGIC, align_up
+from .layout import ALIGN, COLUMN_ALIGN, ENTRY_DTYPE, FORMAT_VERSION, HEADER_DTYPE, SHARD_MAGIC, align_up
 from .ragged import Ragged
 from .schema import KIND_CODES, Schema
 
@@ -71,6 +71,8 @@ def _plan(blocks: list[Block], schema: Schema) -> tuple[np.ndarray, int]:
         entry = table[k]
         entry["kind"] = KIND_CODES[f.kind]
         if f.is_fixed or f.kind == "image":
+            if f.kind == "ndarray":
+                pos = align_up(pos, COLUMN_ALIGN)
             entry["item_bytes"] = f.item_bytes
             entry["fixed_offset"], entry["fixed_bytes"] = pos, n * f.item_bytes
             pos = align_up(pos + n * f.item_bytes)
@@ -177,6 +179,7 @@ class ShardReader:
         table = _section(buf, HEADER_DTYPE.itemsize, ENTRY_DTYPE.itemsize * len(schema), "field table", where)
         table = table.view(ENTRY_DTYPE)
         self.fixed: dict[str, np.ndarray] = {}
+        self.fixed_offset: dict[str, int] = {}  # file offset of each fixed column (validated above)
         self.ragged: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.image_hw: dict[str, np.ndarray] = {}
         for f, entry in zip(schema, table):
@@ -191,6 +194,7 @@ class ShardReader:
                     self.image_hw[f.name] = col.view("<u4").reshape(n, 2)
                 else:
                     self.fixed[f.name] = col.view(f.dtype).reshape(n, *f.shape)
+                    self.fixed_offset[f.name] = int(entry["fixed_offset"])
             if not f.is_fixed:
                 offsets = _section(buf, int(entry["offsets_offset"]), 8 * (n + 1), "offsets table", fw).view("<u8")
                 blob = _section(buf, int(entry["blob_offset"]), int(entry["blob_bytes"]), "blob", fw)

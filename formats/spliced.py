@@ -1,0 +1,172 @@
+"""One fixed-size column spread over many shard files, mapped as one array of rows.
+
+A shuffled batch touches every shard. Gathering it shard by shard costs one `take` per shard plus
+a pass that puts the rows back in the caller's order; a raw flat file needs one `take`. This module
+maps each shard's column into one reserved range of address space, each part placed so that its
+rows fall on one common grid: row `i` of the dataset is then row `i + shift[shard(i)]` of a single
+numpy array, and a whole batch, in any order, is one `take`.
+
+Linux only (it places mappings with `mmap(MAP_FIXED)` through libc); elsewhere, or when the parts
+cannot be placed on a common grid, `splice_column` returns None and callers gather shard by shard.
+The address range is unmapped when the last array viewing it is garbage-collected, so a reader
+thread still inside a `take` never sees its memory disappear.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["ColumnPart", "SplicedColumn", "splice_available", "splice_column"]
+
+PAGE = mmap.PAGESIZE
+TABLE_ROWS = 8 << 20  # columns up to this many rows keep a row -> virtual row table (8 bytes a row)
+MAX_PARTS = 8192  # each part is one kernel mapping (vm.max_map_count is 65530 by default)
+
+# Linux values (x86_64, aarch64, riscv64 share them).
+_PROT_READ = 1
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@dataclass(frozen=True)
+class ColumnPart:
+    """Rows `[0, num_rows)` of a column stored at byte `offset` of `path`."""
+
+    path: str
+    offset: int
+    num_rows: int
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _libc()
+
+
+def splice_available() -> bool:
+    """True where columns can be spliced (Linux, 64-bit, libc reachable through ctypes)."""
+    return _LIBC is not None
+
+
+def _layout(parts: list[ColumnPart], row_bytes: int) -> tuple[list[int], int, int] | None:
+    """Page-aligned placement of each part's mapping (relative to the reserved range), the byte
+    where virtual row 0 starts, and the range's total size; None when no common row grid exists."""
+    grid_step = row_bytes // math.gcd(PAGE, row_bytes)  # pages between two placements on the grid
+    base = parts[0].offset % PAGE
+    places, end = [], 0
+    for part in parts:
+        lead = part.offset % PAGE
+        first_page = -(-end // PAGE)
+        for j in range(first_page, first_page + grid_step):
+            if (j * PAGE + lead - base) % row_bytes == 0:
+                places.append(j * PAGE)
+                break
+        else:
+            return None
+        end = places[-1] + lead + part.num_rows * row_bytes
+    return places, base, -(-end // PAGE) * PAGE
+
+
+class SplicedColumn:
+    """`rows` views every part on one grid; row `i` of the column (over all parts, in order) is
+    `rows[i + shift[part of i]]`. Up to `TABLE_ROWS` rows, the virtual row of every row is kept in
+    a table, so a batch costs two `take`s; above, the part is found by binary search."""
+
+    def __init__(self, rows: np.ndarray, shift: np.ndarray, part_starts: np.ndarray) -> None:
+        self.rows = rows
+        self.shift = shift
+        self.part_starts = part_starts  # first row of each part, plus the total
+        n = int(part_starts[-1])
+        self.table: np.ndarray | None = None
+        if n <= TABLE_ROWS:
+            counts = np.diff(part_starts)
+            self.table = np.arange(n, dtype=np.int64) + np.repeat(shift, counts)
+
+    def __len__(self) -> int:
+        return int(self.part_starts[-1])
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        """Rows at `indices` (int64, negative ones counted from the end), in that order.
+
+        Raises IndexError for an index out of range.
+        """
+        if self.table is not None:
+            return self.rows.take(self.table.take(indices), axis=0)
+        n = len(self)
+        if len(indices):
+            lo, hi = int(indices.min()), int(indices.max())
+            if lo < -n or hi >= n:
+                raise IndexError(f"index {lo if lo < -n else hi} is out of bounds for {n} rows")
+            if lo < 0:
+                indices = np.where(indices < 0, indices + n, indices)
+        part = self.part_starts.searchsorted(indices, side="right") - 1
+        return self.rows.take(indices + self.shift[part], axis=0)
+
+
+def splice_column(parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...]) -> SplicedColumn | None:
+    """Map the parts of a fixed column as one `SplicedColumn`, or None where that is not possible.
+
+    Each part's file must hold `num_rows` rows of `dtype` x `shape` from `offset` on (callers pass
+    columns of shards they have validated). Raises OSError when the kernel refuses a mapping.
+    """
+    libc = _LIBC
+    row_bytes = int(np.dtype(dtype).itemsize * math.prod(shape))
+    if libc is None or not parts or row_bytes == 0 or len(parts) > MAX_PARTS:
+        return None
+    plan = _layout(parts, row_bytes)
+    if plan is None:
+        return None
+    places, base, total = plan
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+    start = libc.mmap(None, total, _PROT_READ, flags, -1, 0)  # gaps read as zeros
+    if start is None or start == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"reserving {total} bytes of address space: {os.strerror(err)}")
+    try:
+        for part, place in zip(parts, places):
+            lead = part.offset % PAGE
+            length = lead + part.num_rows * row_bytes
+            if length == lead:
+                continue
+            fd = os.open(part.path, os.O_RDONLY)
+            try:
+                got = libc.mmap(start + place, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, part.offset - lead)
+            finally:
+                os.close(fd)
+            if got != start + place:
+                err = ctypes.get_errno()
+                raise OSError(err, f"{part.path}: mapping its column failed: {os.strerror(err)}")
+    except BaseException:
+        libc.munmap(start, total)
+        raise
+    owner = (ctypes.c_char * total).from_address(start)
+    weakref.finalize(owner, libc.munmap, start, total)  # runs once no array views the range
+    num_virtual = (total - base) // row_bytes
+    flat = np.frombuffer(owner, dtype=np.uint8, count=num_virtual * row_bytes, offset=base)
+    rows = flat.view(dtype).reshape(num_virtual, *shape)
+    rows.flags.writeable = False
+    shift = np.array(
+        [(place + part.offset % PAGE - base) // row_bytes for part, place in zip(parts, places)], dtype=np.int64
+    )
+    starts = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([p.num_rows for p in parts], out=starts[1:])
+    return SplicedColumn(rows, shift - starts[:-1], starts)

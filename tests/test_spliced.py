@@ -1,0 +1,140 @@
+"""Spliced columns: one mapping of a fixed column over all shards, gathered with one `take`."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastload.formats import FastloadDataset, Field, Schema, write
+from fastload.formats import spliced as spliced_mod
+from fastload.formats.spliced import ColumnPart, splice_available, splice_column
+
+pytestmark = pytest.mark.skipif(not splice_available(), reason="column splicing needs Linux (mmap MAP_FIXED)")
+
+
+def _write(path, data: np.ndarray, shard_size: int, extra_field: bool = False) -> None:
+    fields = [Field("x", "ndarray", data.dtype, data.shape[1:])]
+    if extra_field:
+        fields.append(Field("tokens", "varray", np.int32))
+    samples = [
+        {"x": data[i], **({"tokens": np.arange(i % 5, dtype=np.int32)} if extra_field else {})}
+        for i in range(len(data))
+    ]
+    write(samples, str(path), schema=Schema(tuple(fields)), shard_size=shard_size, progress=False)
+
+
+def _maps_of(path) -> int:
+    with open("/proc/self/maps") as fh:
+        return sum(str(path) in line for line in fh)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    row_shape=st.sampled_from([(3072,), (3001,), (65,), (7, 13), (3, 5, 5)]),
+    dtype=st.sampled_from([np.uint8, np.float32, np.int64, np.float16]),
+    n=st.integers(1, 700),
+    shard_size=st.sampled_from([16 << 10, 100 << 10, 1 << 20]),
+    seed=st.integers(0, 2**16),
+    use_table=st.booleans(),
+)
+def test_shuffled_batches_match_numpy(tmp_path_factory, monkeypatch, row_shape, dtype, n, shard_size, seed, use_table):
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 100, (n, *row_shape)).astype(dtype)
+    if data[0].nbytes <= 64:
+        return  # small fields are kept resident, not spliced
+    path = tmp_path_factory.mktemp("ds") / "ds"
+    _write(path, data, shard_size, extra_field=bool(seed % 2))
+    monkeypatch.setattr(spliced_mod, "TABLE_ROWS", 1 << 30 if use_table else 0)
+    ds = FastloadDataset(path)
+    assert "x" in ds._spliced_columns(), "a local dataset's large fixed field is spliced"
+    for idx in (rng.permutation(n)[:256], np.arange(n), rng.integers(-n, n, 50), [n - 1, -n, 0, 0], []):
+        got = ds.get_batch(idx, fields=["x"])["x"]
+        want = data[np.asarray(idx, dtype=np.int64)]
+        assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    with pytest.raises(IndexError, match=f"sample index {n} out of range.*{path}"):
+        ds.get_batch([0, n])
+    with pytest.raises(IndexError, match=f"sample index {-n - 1} out of range"):
+        ds.get_batch([-n - 1])
+    ds.close()
+
+
+def test_mixed_fields_keep_schema_order_and_values(tmp_path):
+    data = np.random.default_rng(0).integers(0, 255, (900, 200), dtype=np.uint8)
+    _write(tmp_path / "ds", data, 32 << 10, extra_field=True)
+    ds = FastloadDataset(tmp_path / "ds")
+    assert ds.num_shards > 3
+    idx = np.random.default_rng(1).permutation(900)[:300]
+    batch = ds.get_batch(idx)
+    assert list(batch) == ["x", "tokens"]
+    np.testing.assert_array_equal(batch["x"], data[idx])
+    assert [len(t) for t in batch["tokens"].to_list()] == [i % 5 for i in idx]
+
+
+def test_unplaceable_parts_fall_back_to_per_shard_gathers(tmp_path):
+    """Parts whose offsets cannot share a row grid are refused; the reader then gathers per shard."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(3 * 8192))
+    parts = [ColumnPart(str(path), 0, 1), ColumnPart(str(path), 64, 1)]
+    assert splice_column(parts, np.dtype(np.uint8), (4096,)) is None
+    assert splice_column([], np.dtype(np.uint8), (4096,)) is None
+
+
+def test_columns_of_a_file_are_spliced_in_place(tmp_path):
+    """Two parts of one file: each row reads back the bytes at its file offset."""
+    raw = np.random.default_rng(2).integers(0, 255, 40_000, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(raw.tobytes())
+    parts = [ColumnPart(str(path), 4096, 3), ColumnPart(str(path), 20_000, 2), ColumnPart(str(path), 64, 0)]
+    col = splice_column(parts, np.dtype(np.uint8), (3000,))
+    assert col is not None and len(col) == 5
+    want = [raw[4096 + i * 3000 : 4096 + (i + 1) * 3000] for i in range(3)]
+    want += [raw[20_000 + i * 3000 : 20_000 + (i + 1) * 3000] for i in range(2)]
+    np.testing.assert_array_equal(col.take(np.array([4, 0, 3, 1, 2, -1])), np.stack(want)[[4, 0, 3, 1, 2, -1]])
+    with pytest.raises(IndexError):
+        col.take(np.array([5]))
+
+
+def test_mapping_lives_until_the_last_array_is_gone(tmp_path):
+    data = np.random.default_rng(3).integers(0, 255, (400, 1000), dtype=np.uint8)
+    _write(tmp_path / "ds", data, 64 << 10)
+    shards = tmp_path / "ds" / "shards"
+    ds = FastloadDataset(tmp_path / "ds", max_open_shards=1)
+    ds.get_batch([0, 399])
+    column = ds._spliced_columns()["x"]
+    ds.close()
+    gc.collect()
+    assert _maps_of(shards) >= 1, "the spliced column still maps its shards while referenced"
+    np.testing.assert_array_equal(column.take(np.array([5, 300])), data[[5, 300]])
+    del column
+    gc.collect()
+    assert _maps_of(shards) == 0, "every mapping is released once nothing refers to it"
+    np.testing.assert_array_equal(ds.get_batch([7])["x"], data[[7]])  # a closed dataset reopens on use
+    del ds
+    gc.collect()
+    assert _maps_of(shards) == 0
+
+
+def test_pickled_and_forked_datasets_splice_their_own(tmp_path):
+    data = np.random.default_rng(4).integers(0, 255, (500, 700), dtype=np.uint8)
+    _write(tmp_path / "ds", data, 64 << 10)
+    ds = FastloadDataset(tmp_path / "ds")
+    ds.get_batch([1])
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._spliced is None
+    np.testing.assert_array_equal(clone.get_batch([499, 2])["x"], data[[499, 2]])
+    read, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reads through the mapping it inherited
+        ok = ds.get_batch([10, 400])["x"].tobytes() == data[[10, 400]].tobytes()
+        os.write(write_end, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write_end)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    os.close(read)
