@@ -5,7 +5,8 @@
 Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload format plus a raw
 .npy copy of the same bytes, then measures in ONE run, trials interleaved, best of each:
 
-* raw: `np.memmap` fancy-index gather of shuffled batches of 256 (the limit);
+* raw: `np.take` over an `np.memmap` of shuffled batches of 256 (the limit; the fastest numpy
+  gather, faster than `mm[idx]` fancy indexing);
 * fastload.Loader on the format (seeded shuffle; num_workers 0/1/2, thread workers), and in
   drop-in torch-order mode (shuffle=True + generator, no seed);
 * torch DataLoader at its best num_workers (0/1/2) with a per-sample `__getitem__` dataset over
@@ -138,7 +139,7 @@ def raw_gather(raw: str, limit: int) -> Iterable[np.ndarray]:
     mm = np.load(raw, mmap_mode="r")
     perm = np.random.default_rng(1).permutation(len(mm))
     for k in range(0, min(limit + 2 * BATCH, len(mm)) - BATCH + 1, BATCH):
-        yield mm[perm[k : k + BATCH]]
+        yield mm.take(perm[k : k + BATCH], axis=0)  # np.take: faster than mm[idx] fancy indexing
 
 
 def dict_size(b: Any) -> int:
@@ -186,10 +187,22 @@ def rss_child(kind: str, ds_dir: str, epochs: int, limit: int) -> dict[str, Any]
 
 
 def run_child(kind: str, ds_dir: str, epochs: int, limit: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.loader", "--rss-child", kind, "--path", ds_dir, "--epochs", str(epochs),
-           "--samples", str(limit)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.loader",
+        "--rss-child",
+        kind,
+        "--path",
+        ds_dir,
+        "--epochs",
+        str(epochs),
+        "--samples",
+        str(limit),
+    ]
+    out = subprocess.run(
+        cmd, check=True, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -221,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         pass
 
     def fl(nw: int, **kw: Any) -> float:
-        return rate(Loader(fds, batch_size=BATCH, shuffle=True, num_workers=nw, worker_type="thread", **kw), limit,
-                    dict_size)
+        return rate(
+            Loader(fds, batch_size=BATCH, shuffle=True, num_workers=nw, worker_type="thread", **kw), limit, dict_size
+        )
 
     def tl(ds: Any, nw: int) -> float:
         return rate(DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=nw), limit, dict_size)
@@ -265,12 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     rss_limit = n if args.quick else min(n, 100_000)
     fl_rss, t_rss = run_child("fastload", ds_dir, epochs, rss_limit), run_child("torch", ds_dir, 2, rss_limit)
     mib = 2**20
-    print(f"\npeak RSS (process tree, num_workers=2): fastload {fl_rss['peak_rss'] / mib:,.0f} MiB, "
-          f"torch {t_rss['peak_rss'] / mib:,.0f} MiB  (ratio {fl_rss['peak_rss'] / t_rss['peak_rss']:.2f}, "
-          f"target <= 1)")
+    print(
+        f"\npeak RSS (process tree, num_workers=2): fastload {fl_rss['peak_rss'] / mib:,.0f} MiB, "
+        f"torch {t_rss['peak_rss'] / mib:,.0f} MiB  (ratio {fl_rss['peak_rss'] / t_rss['peak_rss']:.2f}, "
+        f"target <= 1)"
+    )
     pe = fl_rss["per_epoch"]
-    print(f"fastload RSS over {epochs} epochs: after epoch 2 {pe[min(1, len(pe) - 1)] / mib:,.0f} MiB, "
-          f"after epoch {epochs} {pe[-1] / mib:,.0f} MiB (growth {(pe[-1] - pe[min(1, len(pe) - 1)]) / mib:+.1f} MiB)")
+    print(
+        f"fastload RSS over {epochs} epochs: after epoch 2 {pe[min(1, len(pe) - 1)] / mib:,.0f} MiB, "
+        f"after epoch {epochs} {pe[-1] / mib:,.0f} MiB (growth {(pe[-1] - pe[min(1, len(pe) - 1)]) / mib:+.1f} MiB)"
+    )
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
     return 0
 

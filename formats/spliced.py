@@ -27,6 +27,7 @@ import numpy as np
 __all__ = ["ColumnPart", "SplicedColumn", "splice_available", "splice_column"]
 
 PAGE = mmap.PAGESIZE
+HUGE = 2 << 20  # placements congruent modulo this let the kernel map large page-cache folios whole
 TABLE_ROWS = 8 << 20  # columns up to this many rows keep a row -> virtual row table (8 bytes a row)
 MAX_PARTS = 8192  # each part is one kernel mapping (vm.max_map_count is 65530 by default)
 
@@ -67,18 +68,23 @@ def splice_available() -> bool:
     return _LIBC is not None
 
 
-def _layout(parts: list[ColumnPart], row_bytes: int) -> tuple[list[int], int, int] | None:
-    """Page-aligned placement of each part's mapping (relative to the reserved range), the byte
-    where virtual row 0 starts, and the range's total size; None when no common row grid exists."""
-    grid_step = row_bytes // math.gcd(PAGE, row_bytes)  # pages between two placements on the grid
-    base = parts[0].offset % PAGE
-    places, end = [], 0
-    for part in parts:
+def _layout(parts: list[ColumnPart], row_bytes: int, align: int) -> tuple[list[int], int, int] | None:
+    """Where each part's mapping goes, relative to a reserved range that starts on `align`: a
+    place congruent to the part's file offset modulo `align` (the kernel maps large page-cache
+    folios only where the two agree), with its rows on the common grid. Returns the places, the
+    byte where virtual row 0 starts, and the range's size; None when no common grid exists."""
+    candidates = row_bytes // math.gcd(align, row_bytes)  # placements to try before the grid repeats
+    places, base, end = [], 0, 0
+    for k, part in enumerate(parts):
         lead = part.offset % PAGE
-        first_page = -(-end // PAGE)
-        for j in range(first_page, first_page + grid_step):
-            if (j * PAGE + lead - base) % row_bytes == 0:
-                places.append(j * PAGE)
+        map_offset = part.offset - lead
+        first = end + (map_offset - end) % align  # smallest place >= end congruent to map_offset
+        if k == 0:
+            base = first + lead
+        for j in range(candidates):
+            place = first + j * align
+            if (place + lead - base) % row_bytes == 0:
+                places.append(place)
                 break
         else:
             return None
@@ -122,6 +128,30 @@ class SplicedColumn:
         return self.rows.take(indices + self.shift[part], axis=0)
 
 
+def _reserve(libc: ctypes.CDLL, parts: list[ColumnPart], row_bytes: int) -> tuple[int, tuple | None]:
+    """Reserve address space (read-only, gaps read as zeros) for the best placement that exists:
+    huge-page congruent, else page-aligned. Returns (start, plan); plan None when none exists."""
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+    for align in (HUGE, PAGE):
+        plan = _layout(parts, row_bytes, align)
+        if plan is None:
+            continue
+        total = plan[2]
+        raw = libc.mmap(None, total + align, _PROT_READ, flags, -1, 0)
+        if raw is None or raw == _MAP_FAILED:
+            err = ctypes.get_errno()
+            if align == PAGE:
+                raise OSError(err, f"reserving {total} bytes of address space: {os.strerror(err)}")
+            continue
+        start = -(-raw // align) * align  # trim the range to [start, start + total)
+        if start > raw:
+            libc.munmap(raw, start - raw)
+        if raw + align > start:
+            libc.munmap(start + total, raw + align - start)
+        return start, plan
+    return 0, None
+
+
 def splice_column(parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...]) -> SplicedColumn | None:
     """Map the parts of a fixed column as one `SplicedColumn`, or None where that is not possible.
 
@@ -132,15 +162,10 @@ def splice_column(parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ..
     row_bytes = int(np.dtype(dtype).itemsize * math.prod(shape))
     if libc is None or not parts or row_bytes == 0 or len(parts) > MAX_PARTS:
         return None
-    plan = _layout(parts, row_bytes)
+    start, plan = _reserve(libc, parts, row_bytes)
     if plan is None:
         return None
     places, base, total = plan
-    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
-    start = libc.mmap(None, total, _PROT_READ, flags, -1, 0)  # gaps read as zeros
-    if start is None or start == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"reserving {total} bytes of address space: {os.strerror(err)}")
     try:
         for part, place in zip(parts, places):
             lead = part.offset % PAGE
