@@ -49,7 +49,7 @@ def test_shuffled_batches_match_numpy(tmp_path_factory, monkeypatch, row_shape, 
     if data[0].nbytes <= 64:
         return  # small fields are kept resident, not spliced
     path = tmp_path_factory.mktemp("ds") / "ds"
-    _write(path, data, shard_size, extra_field=bool(seed % 2))
+    _write(path, data, max(shard_size, 8 * data[0].nbytes + 8192), extra_field=bool(seed % 2))
     monkeypatch.setattr(spliced_mod, "TABLE_ROWS", 1 << 30 if use_table else 0)
     ds = FastloadDataset(path)
     assert "x" in ds._spliced_columns(), "a local dataset's large fixed field is spliced"
