@@ -245,38 +245,40 @@ class FastloadDataset:
         return idx, order, groups
 
     def _resident_columns(self) -> dict[str, np.ndarray]:
-        """Small fixed fields (labels, ids) of a local dataset, gathered once into memory.
+        """Small fixed fields (labels, ids), gathered once into memory when all shards are at hand.
 
-        A batch then reads them with one `take` instead of one per shard. Built on first use, only
-        for local storage (it maps every shard) and within `RESIDENT_LIMIT` bytes in total.
+        A batch then reads them with one `take` instead of one per shard. Built on first use,
+        within `RESIDENT_LIMIT` bytes in total.
         """
         if self._resident is not None:
             return self._resident
+        if not self._all_shards_at_hand():
+            return {}
         with self._direct_lock:
             if self._resident is None:
-                resident = {}
-                if isinstance(self.storage, LocalStorage):
-                    budget = RESIDENT_LIMIT
-                    for f in self.schema:
-                        size = len(self) * f.item_bytes
-                        if f.is_fixed and f.item_bytes <= RESIDENT_ITEM_BYTES and size <= budget:
-                            parts = [self.shard(k).fixed[f.name] for k in range(self.num_shards)]
-                            resident[f.name] = np.concatenate(parts) if parts else np.zeros((0, *f.shape), f.dtype)
-                            budget -= size
+                resident, budget = {}, RESIDENT_LIMIT
+                for f in self.schema:
+                    size = len(self) * f.item_bytes
+                    if f.is_fixed and f.item_bytes <= RESIDENT_ITEM_BYTES and size <= budget:
+                        parts = [self.shard(k).fixed[f.name] for k in range(self.num_shards)]
+                        resident[f.name] = np.concatenate(parts) if parts else np.zeros((0, *f.shape), f.dtype)
+                        budget -= size
                 self._resident = resident
         return self._resident
 
     def _spliced_columns(self) -> dict[str, SplicedColumn]:
-        """The other fixed fields of a local dataset, each mapped as one array over all shards
+        """The other fixed fields, once all shards are at hand, each mapped as one array over all shards
         (see spliced.py): a shuffled batch is then one `take` per field, in the caller's order."""
         spliced = self._spliced
         if spliced is not None:
             return spliced
         resident = self._resident_columns()
+        if not self._all_shards_at_hand():
+            return {}
         with self._direct_lock:
             if self._spliced is None:
                 spliced = {}
-                if isinstance(self.storage, LocalStorage) and splice_available() and len(self):
+                if splice_available() and len(self):
                     for f in self.schema:
                         if f.is_fixed and f.name not in resident:
                             column = self._splice(f)
@@ -284,6 +286,11 @@ class FastloadDataset:
                                 spliced[f.name] = column
                 self._spliced = spliced
             return self._spliced
+
+    def _all_shards_at_hand(self) -> bool:
+        """Local shards always are; cached remote ones once every shard is open (so pinned in the
+        cache: a budget that holds the dataset, from the end of the first epoch on)."""
+        return isinstance(self.storage, LocalStorage) or len(self._open) == self.num_shards
 
     def _splice(self, f: Any) -> SplicedColumn | None:
         parts = []

@@ -138,3 +138,36 @@ def test_pickled_and_forked_datasets_splice_their_own(tmp_path):
     assert os.read(read, 1) == b"1"
     os.waitpid(pid, 0)
     os.close(read)
+
+
+def test_cached_remote_dataset_splices_once_every_shard_is_open(tmp_path):
+    """A remote dataset whose cache holds it all gathers per shard until every shard is open
+    (pinned), then switches to the spliced path; batches are identical throughout."""
+    import fsspec
+
+    from fastload.remote import RemoteStorage
+
+    data = np.random.default_rng(5).integers(0, 255, (600, 500), dtype=np.uint8)
+    _write(tmp_path / "ds", data, 64 << 10, extra_field=True)
+    fs = fsspec.filesystem("memory")
+    for dirpath, _, files in os.walk(tmp_path / "ds"):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            with open(full, "rb") as fh:
+                fs.pipe_file(f"/splice-ds/{os.path.relpath(full, tmp_path / 'ds')}", fh.read())
+    try:
+        storage = RemoteStorage("memory://splice-ds", cache_dir=tmp_path / "cache", cache_limit="20MB")
+        ds = FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
+        assert ds.num_shards > 3 and storage.max_open_shards >= ds.num_shards
+        order = np.random.default_rng(6).permutation(600)
+        for epoch in range(2):
+            for s in range(0, 600, 64):
+                idx = order[s : s + 64]
+                batch = ds.get_batch(idx)
+                np.testing.assert_array_equal(batch["x"], data[idx])
+                assert [len(t) for t in batch["tokens"].to_list()] == [i % 5 for i in idx]
+            if epoch == 0:
+                assert "x" in ds._spliced_columns(), "every shard is open after one epoch: spliced"
+        ds.close()
+    finally:
+        fs.rm("/splice-ds", recursive=True)
