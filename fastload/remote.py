@@ -21,6 +21,8 @@ from typing import Any, Self, TypeVar
 
 import fsspec
 import xxhash
+from fsspec.asyn import AbstractAsyncStreamedFile, AsyncFileSystem
+from fsspec.asyn import sync as fsspec_sync
 
 from .cache import CacheBudgetError, Download, ShardCache
 from .formats.errors import ChecksumError, FormatError
@@ -47,6 +49,41 @@ _TRANSIENT_NAMES = {
 }
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
                     "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504"}
+
+
+# Bytes a fetch thread takes from the event loop per hand-over: large enough that the hand-over cost
+# (~0.1 ms) is noise, small enough that a shard is never held in memory whole.
+STREAM_CHUNK = 4 << 20
+
+
+async def _read_at_least(f: Any, n: int) -> list[bytes]:
+    """Chunks of an async stream adding up to `n` bytes (fewer at its end; none past it)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        b = await f.read(n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return parts
+
+
+async def _close_stream(f: Any) -> None:
+    body = getattr(f, "r", None)  # s3fs / http: the response body; closing drops a half-read connection
+    close = getattr(body, "close", None)
+    if callable(close):
+        try:
+            res = close()
+            if hasattr(res, "__await__"):
+                await res
+        except Exception:  # noqa: BLE001 - best effort on a stream that may already be broken
+            pass
+
+
+def _streams(f: Any) -> bool:
+    """Whether an `open_async` file reads one response as a stream (s3fs, http), not a range GET per read."""
+    return type(f).read is not AbstractAsyncStreamedFile.read
 
 
 class RemoteFetchError(OSError):
@@ -234,8 +271,9 @@ class RemoteStorage:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._sizes: dict[str, tuple[int, str]] = {}
-        self._cursor = -1  # plan position of the last acquired shard
+        self._taken: set[str] = set()  # plan entries acquired since the plan was set
         self._manifest_cache: dict[str, tuple[int, str]] | None = None
+        self._stream_ok = True
         self.stats = {"fetched": 0, "fetched_bytes": 0, "prefetched": 0, "retries": 0}
 
     def _check_pid(self) -> None:
@@ -328,7 +366,7 @@ class RemoteStorage:
             self._ready -= set(stale)
             self._plan = deque(order)
             self._plan_pos = {n: i for i, n in enumerate(order)}
-            self._cursor = -1
+            self._taken = set()
             self._start_threads()
             self._cond.notify_all()
         if stale:
@@ -360,6 +398,35 @@ class RemoteStorage:
             self._manifest_cache = {s.file: (s.bytes, s.xxh3) for s in m.shards}
         return self._manifest_cache
 
+    def _get_into(self, rpath: str, sink: Download) -> None:
+        """One whole-object GET of `rpath` into `sink`.
+
+        On async file systems that stream a response (s3fs, http) the body goes to the file in
+        `STREAM_CHUNK` pieces as it arrives: each byte is copied once into the cache file and hashed
+        once, no whole-object buffer is built, and no HEAD request precedes the GET (`cat_file` on
+        s3fs sends one). Elsewhere `cat_file` returns the object and it is written in one piece.
+        """
+        fs = self.fs
+        if self._stream_ok and isinstance(fs, AsyncFileSystem) and getattr(fs, "loop", None) is not None:
+            try:
+                f = fsspec_sync(fs.loop, fs.open_async, rpath, "rb")
+            except NotImplementedError:
+                f = None
+            if f is not None and not _streams(f):
+                fsspec_sync(fs.loop, _close_stream, f)
+                f = None
+            if f is None:
+                self._stream_ok = False  # this file system cannot stream: cat_file from now on
+            else:
+                try:
+                    while parts := fsspec_sync(fs.loop, _read_at_least, f, STREAM_CHUNK):
+                        for b in parts:
+                            sink.write(b)
+                finally:
+                    fsspec_sync(fs.loop, _close_stream, f)
+                return
+        sink.write(fs.cat_file(rpath))
+
     def _fetch(self, name: str, sink: Download) -> None:
         """Whole-object GET of `name` into `sink`, retried on transient errors (bad checksums too)."""
         rpath = self.remote_path(name)
@@ -372,8 +439,7 @@ class RemoteStorage:
                     self.stats["retries"] += 1
             attempts[0] += 1
             sink.reset()
-            data = self.fs.cat_file(rpath)
-            sink.write(data)
+            self._get_into(rpath, sink)
             sink.check()
 
         _retry(once, url=url, policy=self.retry)
@@ -382,19 +448,18 @@ class RemoteStorage:
             self.stats["fetched_bytes"] += sink.written
 
     def _advance(self, name: str) -> None:
-        """`name` is being acquired: it is no longer ahead; earlier plan entries were skipped or done."""
-        pos = self._plan_pos.get(name)
+        """`name` is being acquired: it is no longer ahead.
+
+        Plan entries before it stay: a batch acquires the shards it touches in shard-id order, not in
+        first-use order, so acquiring the last shard of a window does not mean the window's other
+        shards were skipped (treating them as skipped left them to one demand fetch after another).
+        """
         self._ready.discard(name)
-        if pos is None:
+        if name not in self._plan_pos:
             return
-        self._cursor = max(self._cursor, pos)
-        while self._plan and self._plan_pos.get(self._plan[0], -1) <= pos:
+        self._taken.add(name)
+        while self._plan and self._plan[0] in self._taken:
             self._plan.popleft()
-        passed = [n for n in self._ready if self._plan_pos.get(n, -1) < pos]
-        if passed:
-            self._ready -= set(passed)
-            keys = [self._keys[n] for n in passed if n in self._keys]
-            threading.Thread(target=self.cache.unsoft, args=(keys,), daemon=True).start()
 
     def _start_threads(self) -> None:
         self._threads = [t for t in self._threads if t.is_alive()]
@@ -408,7 +473,7 @@ class RemoteStorage:
             with self._lock:
                 if self._plan and len(self._ready) + len(self._inflight) < self.prefetch_depth:
                     name = self._plan.popleft()
-                    if name in self._ready or name in self._inflight or self._plan_pos.get(name, -1) <= self._cursor:
+                    if name in self._ready or name in self._inflight or name in self._taken:
                         continue
                     self._inflight.add(name)
                     return name
@@ -444,9 +509,10 @@ class RemoteStorage:
                 with self._lock:
                     self._inflight.discard(name)
                     if ok and name in self._plan_pos:
-                        self._ready.add(name)
                         self.stats["prefetched"] += 1
-                    elif not ok and name in self._plan_pos:
+                        if name not in self._taken:  # else acquired while this thread fetched or waited for it
+                            self._ready.add(name)
+                    elif not ok and name in self._plan_pos and name not in self._taken:
                         self._plan.appendleft(name)  # no room now: try again after a release
                         self._cond.wait(timeout=0.2)
                     self._cond.notify_all()

@@ -145,12 +145,39 @@ def test_state_file_damage_is_rebuilt(tmp_path):
     cache, src = ShardCache(tmp_path, limit="1MB"), Source()
     src.acquire(cache, 1)
     cache.release("k1")
-    with open(os.path.join(tmp_path, "state.json"), "w") as fh:
-        fh.write("{not json")
+    for name in ("state.0.json", "state.1.json"):
+        with open(os.path.join(tmp_path, name), "r+b") as fh:
+            fh.write(b"{not json")
     again = ShardCache(tmp_path, limit="1MB")
     assert again.contains("k1")
     assert read(src.acquire(again, 1)) == blob(1)
     assert src.fetches == [1]
+
+
+def test_torn_state_update_leaves_the_previous_state(tmp_path):
+    """A process killed while writing the state leaves the other slot, still named by `.lock`, intact."""
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    src.acquire(cache, 1)  # pinned by this (live) process
+    with open(os.path.join(tmp_path, ".lock"), "rb") as fh:
+        slot = int(fh.read(64).split()[1])
+    with open(os.path.join(tmp_path, f"state.{1 - slot}.json"), "r+b") as fh:
+        fh.write(b'{"version":1,"entries":{}')  # the next update, cut short
+    state = ShardCache(tmp_path, limit="1MB").state()
+    assert set(state["entries"]) == {"k1"} and set(state["pins"]) == {"k1"}
+    cache.release("k1")
+    assert ShardCache(tmp_path, limit="1MB").state()["pins"] == {}
+
+
+def test_state_of_the_single_file_layout_is_taken_over(tmp_path):
+    """A directory whose state is in `state.json` (before the two slots) keeps its entries and stamps."""
+    os.makedirs(tmp_path / "data")
+    (tmp_path / "data" / "k1").write_bytes(blob(1))
+    st = os.stat(tmp_path / "data" / "k1")
+    entry = {"size": st.st_size, "used": 1.0, "stamp": ["old-stamp"]}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "entries": {"k1": entry}, "pins": {}, "soft": {},
+                                                     "reserved": {}, "waiting": {}}))
+    state = ShardCache(tmp_path, limit="1MB").state()
+    assert state["entries"] == {"k1": entry}
 
 
 def test_prefetch_is_soft(tmp_path):
@@ -196,8 +223,7 @@ def test_crashed_process_leaves_no_pins_or_temp_files(tmp_path):
     for i in (3, 4):
         src.acquire(cache, i)
     assert not cache.contains("k1")
-    with open(os.path.join(tmp_path, "state.json")) as fh:
-        state = json.load(fh)
+    state = cache.state()
     assert state["reserved"] == {} and set(state["pins"]) == {"k3", "k4"}
 
 
