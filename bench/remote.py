@@ -2,9 +2,12 @@
 
 Starts a local `moto` S3 server, writes a dataset, uploads it, then measures in one run:
 
-- raw: whole-object GETs of every shard through the same fsspec client, `--threads` in parallel;
+- raw: whole-object GETs of every shard through the same fsspec client, `--threads` in parallel
+  (best of two passes each of `cat_file` and of the streamed GET the cache uses, bytes dropped:
+  the first pass over an object is slower, moto warms up);
 - epoch 1: `fastload.Loader` over `RemoteStorage` with an empty cache (fetch + verify + read);
-- epoch 2: the same loader again (cache warm) vs the same loader over the local directory;
+- epoch 2: the same loader again (cache warm) vs the same loader over the local directory
+  (warm epochs are short: best of epochs 2-4 on each side, interleaved);
 - the shard-window shuffle's randomness against a full permutation.
 
 Bars: epoch 1 >= 80% of raw GET bandwidth; epoch 2 >= 90% of local disk.
@@ -59,11 +62,32 @@ def _epoch(ds: Any, sampler: ShardWindowSampler, *, epoch: int, batch_size: int,
     return time.perf_counter() - t0, n
 
 
-def _raw_gets(fs: Any, paths: list[str], threads: int) -> float:
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(len(b) for b in pool.map(fs.cat_file, paths))
-    return total / (time.perf_counter() - t0)
+class _Discard:
+    """A download sink that only counts bytes (the raw GET limit writes nothing)."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.written += len(data)
+
+
+def _raw_gets(storage: RemoteStorage, paths: list[str], threads: int) -> float:
+    """Bytes/s of parallel whole-object GETs, the faster of `cat_file` and the streamed GET that
+    the cache's fetch path uses (with the bytes dropped instead of written and hashed)."""
+
+    def streamed(path: str) -> int:
+        sink = _Discard()
+        storage._get_into(path, sink)
+        return sink.written
+
+    best = 0.0
+    for get in (lambda p: len(storage.fs.cat_file(p)), streamed) * 2:  # the first pass warms the server
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(get, paths))
+        best = max(best, total / (time.perf_counter() - t0))
+    return best
 
 
 def randomness_table(
@@ -72,11 +96,15 @@ def randomness_table(
     """Worst case for windows: labels sorted by shard (10 shards per label)."""
     sizes = [per_shard] * shards
     labels = np.repeat(np.arange(shards // 10), 10 * per_shard)
-    table = {"full permutation": randomness_report(np.random.default_rng(0).permutation(shards * per_shard),
-                                                   labels, batch_size=batch_size)}
+    table = {
+        "full permutation": randomness_report(
+            np.random.default_rng(0).permutation(shards * per_shard), labels, batch_size=batch_size
+        )
+    }
     for w in (1, 4, 16, 64):
-        table[f"window={w}"] = randomness_report(list(ShardWindowSampler(sizes, window=w, seed=0)), labels,
-                                                 batch_size=batch_size)
+        table[f"window={w}"] = randomness_report(
+            list(ShardWindowSampler(sizes, window=w, seed=0)), labels, batch_size=batch_size
+        )
     return table
 
 
@@ -108,20 +136,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rounds = []
         for r in range(args.rounds):  # paired measurements per round: this box may be shared and noisy
             cache_dir = os.path.join(work, f"cache{r}")
-            storage = RemoteStorage("s3://bench/ds", storage_options=opts, cache_dir=cache_dir,
-                                    cache_limit=2 * data_bytes, prefetch_depth=2 * args.threads,
-                                    fetch_threads=args.threads)
+            storage = RemoteStorage(
+                "s3://bench/ds",
+                storage_options=opts,
+                cache_dir=cache_dir,
+                cache_limit=2 * data_bytes,
+                prefetch_depth=2 * args.threads,
+                fetch_threads=args.threads,
+            )
             remote = FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
             paths = [storage.remote_path(s.file) for s in local.manifest.shards]
-            raw = _raw_gets(storage.fs, paths, args.threads)
+            raw = _raw_gets(storage, paths, args.threads)
             sampler = ShardWindowSampler.from_dataset(remote, window=args.window, seed=r)
             t1, n1 = _epoch(remote, sampler, epoch=0, batch_size=args.batch_size, workers=args.workers)
             assert n1 == len(local)
-            t2 = _epoch(remote, sampler, epoch=1, batch_size=args.batch_size, workers=args.workers)[0]
+            # warm epochs last ~0.1 s here: take the best of 3 for both sides, epochs interleaved
             local_sampler = ShardWindowSampler.from_dataset(local, window=args.window, seed=r)
-            tl = _epoch(local, local_sampler, epoch=1, batch_size=args.batch_size, workers=args.workers)[0]
-            rounds.append({"raw": raw, "e1": data_bytes / t1, "e2": data_bytes / t2, "local": data_bytes / tl,
-                           "stats": dict(storage.stats)})
+            t2 = tl = float("inf")
+            for e in (1, 2, 3):
+                t2 = min(t2, _epoch(remote, sampler, epoch=e, batch_size=args.batch_size, workers=args.workers)[0])
+                tl = min(tl, _epoch(local, local_sampler, epoch=e, batch_size=args.batch_size, workers=args.workers)[0])
+            rounds.append(
+                {
+                    "raw": raw,
+                    "e1": data_bytes / t1,
+                    "e2": data_bytes / t2,
+                    "local": data_bytes / tl,
+                    "stats": dict(storage.stats),
+                }
+            )
             storage.close()
             remote.close()
             shutil.rmtree(cache_dir, ignore_errors=True)
@@ -130,11 +173,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return float(np.median([f(x) for x in rounds]))
 
         res = {
-            "dataset_bytes": data_bytes, "shards": len(local.manifest.shards), "samples": len(local),
+            "dataset_bytes": data_bytes,
+            "shards": len(local.manifest.shards),
+            "samples": len(local),
             "rounds": args.rounds,
             "raw_get_MBps": med(lambda x: x["raw"]) / 1e6,
-            "epoch1_MBps": med(lambda x: x["e1"]) / 1e6, "epoch1_vs_raw": med(lambda x: x["e1"] / x["raw"]),
-            "epoch2_MBps": med(lambda x: x["e2"]) / 1e6, "local_MBps": med(lambda x: x["local"]) / 1e6,
+            "epoch1_MBps": med(lambda x: x["e1"]) / 1e6,
+            "epoch1_vs_raw": med(lambda x: x["e1"] / x["raw"]),
+            "epoch2_MBps": med(lambda x: x["e2"]) / 1e6,
+            "local_MBps": med(lambda x: x["local"]) / 1e6,
             "epoch2_vs_local": med(lambda x: x["e2"] / x["local"]),
             "per_round": [{k: (v / 1e6 if k != "stats" else v) for k, v in x.items()} for x in rounds],
             "randomness": randomness_table(),
@@ -142,22 +189,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         server.kill()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"dataset: {res['shards']} shards, {res['dataset_bytes'] / 1e6:.0f} MB, {res['samples']} samples; "
-          f"{args.threads} parallel GETs, window={args.window}, batch={args.batch_size}, {args.workers} workers")
-    print(f"medians of {res['rounds']} paired rounds (MB/s: raw, epoch1, epoch2, local): "
-          + "; ".join(f"{x['raw']:.0f}/{x['e1']:.0f}/{x['e2']:.0f}/{x['local']:.0f}" for x in res["per_round"]))
+    print(
+        f"dataset: {res['shards']} shards, {res['dataset_bytes'] / 1e6:.0f} MB, {res['samples']} samples; "
+        f"{args.threads} parallel GETs, window={args.window}, batch={args.batch_size}, {args.workers} workers"
+    )
+    print(
+        f"medians of {res['rounds']} paired rounds (MB/s: raw, epoch1, epoch2, local): "
+        + "; ".join(f"{x['raw']:.0f}/{x['e1']:.0f}/{x['e2']:.0f}/{x['local']:.0f}" for x in res["per_round"])
+    )
     print(f"raw whole-object GET (fsspec, parallel): {res['raw_get_MBps']:8.1f} MB/s")
     ok1 = "PASS" if res["epoch1_vs_raw"] >= 0.8 else "FAIL"
-    print(f"epoch 1 from S3 (cold cache):            {res['epoch1_MBps']:8.1f} MB/s = "
-          f"{100 * res['epoch1_vs_raw']:.0f}% of raw (bar 80%) {ok1}")
+    print(
+        f"epoch 1 from S3 (cold cache):            {res['epoch1_MBps']:8.1f} MB/s = "
+        f"{100 * res['epoch1_vs_raw']:.0f}% of raw (bar 80%) {ok1}"
+    )
     ok2 = "PASS" if res["epoch2_vs_local"] >= 0.9 else "FAIL"
-    print(f"epoch 2 (warm cache):                    {res['epoch2_MBps']:8.1f} MB/s = "
-          f"{100 * res['epoch2_vs_local']:.0f}% of local disk {res['local_MBps']:.1f} MB/s (bar 90%) {ok2}")
+    print(
+        f"epoch 2 (warm cache):                    {res['epoch2_MBps']:8.1f} MB/s = "
+        f"{100 * res['epoch2_vs_local']:.0f}% of local disk {res['local_MBps']:.1f} MB/s (bar 90%) {ok2}"
+    )
     print("randomness (1000 shards x 1000 samples, labels sorted by shard, batch 256):")
     print(f"  {'order':18s} {'corr(pos,idx)':>14s} {'labels/batch':>13s} {'batch TV':>9s} {'same-label nbrs':>16s}")
     for name, r in res["randomness"].items():
-        print(f"  {name:18s} {r['position_index_corr']:14.3f} {r['labels_per_batch']:13.1f} "
-              f"{r['batch_label_tv']:9.3f} {r['same_label_neighbors']:16.3f}")
+        print(
+            f"  {name:18s} {r['position_index_corr']:14.3f} {r['labels_per_batch']:13.1f} "
+            f"{r['batch_label_tv']:9.3f} {r['same_label_neighbors']:16.3f}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)
