@@ -194,6 +194,69 @@ def test_dct_downscale_is_close_to_full_decode() -> None:
     assert _mean_abs_255(fast, full).max() < 10.0  # busy test images; sub-pixel shift + DCT filter
 
 
+def _reference_resize(buf: bytes, window: np.ndarray, out_hw: tuple[int, int]) -> torch.Tensor:
+    """Full decode, crop, `F.interpolate(antialias=True)`: (H, W, 3) uint8."""
+    import simplejpeg
+
+    y0, x0, h, w = (int(v) for v in window)
+    crop = simplejpeg.decode_jpeg(buf, colorspace="RGB")[y0 : y0 + h, x0 : x0 + w]
+    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1).unsqueeze(0)
+    y = torch.nn.functional.interpolate(x, size=out_hw, mode="bilinear", antialias=True, align_corners=False)
+    return y[0].permute(1, 2, 0)
+
+
+def test_resize_into_matches_interpolate_for_any_target_strides() -> None:
+    from fastload.vision.cpu_decode import crop_resize, decode_rgb, resize_into
+
+    buf = encode(150, 200, seed=40)
+    img, _ = decode_rgb(buf)
+    window = np.array([10, 25, 120, 130])
+    ref = _reference_resize(buf, window, (48, 40))
+    hwc = torch.empty((48, 40, 3), dtype=torch.uint8)  # contiguous = channels-last
+    resize_into(img, window, hwc)
+    torch.testing.assert_close(hwc, ref, atol=0, rtol=0)
+    planar = torch.empty((3, 48, 40), dtype=torch.uint8)  # a strided (CHW-backed) target
+    resize_into(img, window, planar.permute(1, 2, 0))
+    torch.testing.assert_close(planar.permute(1, 2, 0), ref, atol=0, rtol=0)
+    batch = torch.zeros((3, 48, 40, 3), dtype=torch.uint8)  # one slot of a batch, others untouched
+    resize_into(img, window, batch[1])
+    torch.testing.assert_close(batch[1], ref, atol=0, rtol=0)
+    assert not batch[0].any() and not batch[2].any()
+    np.testing.assert_array_equal(crop_resize(img, window, (48, 40)), ref.numpy())
+    same = torch.empty((20, 30, 3), dtype=torch.uint8)  # window already the output size: a copy
+    resize_into(img, np.array([5, 6, 20, 30]), same)
+    np.testing.assert_array_equal(same.numpy(), img[5:25, 6:36])
+
+
+@pytest.mark.parametrize("kind", ["eval", "train"])
+def test_cpu_preset_pixels_match_reference(kind: str) -> None:
+    """uint8 output (resized straight into the batch, or via the scratch when flipped) and
+    fp16 output (LUT) against decode -> crop -> F.interpolate -> flip -> (x - mean) / std."""
+    items = [encode(120 + 10 * i, 160 - 7 * i, seed=50 + i) for i in range(8)]
+    idx = list(range(200, 208))
+    kw = {"kind": kind, "size": (40, 48), "backend": "cpu", "threads": 2, "seed": 11, "flip_p": 0.5}
+    u8 = ImagePreset(normalize=False, **kw)(make_batch(items, idx))["image"]
+    fp16 = ImagePreset(layout="NCHW", **kw)(make_batch(items, idx))["image"]
+    nhwc = ImagePreset(layout="NHWC", **kw)(make_batch(items, idx))["image"]
+    sizes = np.array([[120 + 10 * i, 160 - 7 * i] for i in range(8)])
+    if kind == "train":
+        windows = random_resized_crop(sizes, seed=11, epoch=0, indices=np.array(idx))
+    else:
+        windows = center_crop(sizes, size=(40, 48))
+    flips = random_flips(seed=11, epoch=0, indices=np.array(idx), p=0.5)
+    assert 0 < flips.sum() < 8  # both paths are exercised
+    mean = torch.tensor([0.485, 0.456, 0.406]) * 255
+    std = torch.tensor([0.229, 0.224, 0.225]) * 255
+    for i in range(8):
+        ref = _reference_resize(items[i], windows[i], (40, 48))
+        if flips[i]:
+            ref = ref.flip(1)
+        torch.testing.assert_close(u8[i], ref, atol=0, rtol=0)
+        norm = ((ref.float() - mean) / std).to(torch.float16)
+        torch.testing.assert_close(nhwc[i], norm, atol=0, rtol=0)
+        torch.testing.assert_close(fp16[i], norm.permute(2, 0, 1), atol=0, rtol=0)
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 
@@ -265,6 +328,45 @@ def test_dali_cpu_matches_cpu_decoder(images: list[bytes], kind: str, layout: st
     assert dali.shape == cpu.shape and dali.dtype == cpu.dtype == torch.float16
     diff = _mean_abs_255(cpu, dali)
     assert diff.max() <= MEAN_ABS_TOL, diff
+
+
+@needs_dali
+def test_dali_cpu_fp16_is_its_fp32_rounded(images: list[bytes]) -> None:
+    # On the CPU the pipeline normalises to float32 and torch rounds to fp16.
+    batch = make_batch(images, list(range(len(images))))
+    kw = {"kind": "train", "size": 40, "backend": "dali", "threads": 2, "seed": 4}
+    half = ImagePreset(**kw)(batch)["image"]
+    full = ImagePreset(dtype=torch.float32, **kw)(batch)["image"]
+    assert half.dtype == torch.float16 and full.dtype == torch.float32
+    torch.testing.assert_close(half, full.to(torch.float16), atol=0, rtol=0)
+
+
+@needs_dali
+def test_dali_cpu_roi_decode_matches_full_decode_crop() -> None:
+    # decoders.image_slice decodes only the window: the same pixels as decoding the whole
+    # image and cropping (the resize to the window's own size is the identity).
+    import simplejpeg
+
+    from fastload.vision.dali_pipeline import DaliRunner
+
+    items = [np.frombuffer(encode(150, 200, seed=60 + i), dtype=np.uint8) for i in range(2)]
+    windows = np.array([[17, 33, 96, 80], [40, 8, 96, 80]])
+    runner = DaliRunner(
+        mode="cpu",
+        out_hw=(96, 80),
+        mean=(0.0,) * 3,
+        std=(1.0,) * 3,
+        layout="NHWC",
+        dtype=torch.float16,
+        normalize=False,
+        threads=2,
+        device_id=None,
+    )
+    out = runner.run(items, windows, np.array([False, True]))
+    for i, (y0, x0, h, w) in enumerate(windows):
+        ref = simplejpeg.decode_jpeg(items[i].tobytes(), colorspace="RGB")[y0 : y0 + h, x0 : x0 + w]
+        ref = torch.from_numpy(np.ascontiguousarray(ref))
+        torch.testing.assert_close(out[i], ref.flip(1) if i == 1 else ref, atol=0, rtol=0)
 
 
 @needs_dali

@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - pillow is in the `image` extra
     Image = None
 
-__all__ = ["CorruptImageError", "crop_resize", "decode_rgb", "is_jpeg", "probe_size"]
+__all__ = ["CorruptImageError", "crop_resize", "decode_rgb", "is_jpeg", "probe_size", "resize_into"]
 
 _PNG_SIG = b"\x89PNG\r\n\x1a\n"
 
@@ -117,10 +117,8 @@ def decode_rgb(
     return img, 1.0
 
 
-def crop_resize(img: np.ndarray, window: np.ndarray, out_hw: tuple[int, int], *, scale: float = 1.0) -> np.ndarray:
-    """Crop `window` (y0, x0, h, w in original pixels; `scale` maps to decoded pixels) and
-    resize to `out_hw` with antialiased bilinear (torch's uint8 channels-last kernel).
-    Returns a (H, W, 3) uint8 array (possibly a view of a torch tensor)."""
+def _crop(img: np.ndarray, window: np.ndarray, scale: float) -> np.ndarray:
+    """The `window` (y0, x0, h, w in original pixels) of `img`; `scale` maps to decoded pixels."""
     y0, x0, h, w = (int(v) for v in window)
     if scale != 1.0:
         y1, x1 = round((y0 + h) * scale), round((x0 + w) * scale)
@@ -129,9 +127,43 @@ def crop_resize(img: np.ndarray, window: np.ndarray, out_hw: tuple[int, int], *,
         x1 = min(max(x1, x0 + 1), img.shape[1])
     else:
         y1, x1 = y0 + h, x0 + w
-    crop = img[y0:y1, x0:x1]
+    return img[y0:y1, x0:x1]
+
+
+def _resize_aa_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Antialiased bilinear resize of `x` (1, C, h, w) into `out` (1, C, H, W), in place.
+
+    Calls the `out=` overload of the op behind `F.interpolate(..., antialias=True)` (same
+    kernel, same arguments, same pixels) so the result lands in the caller's memory: with a
+    channels-last `out` torch's uint8 AVX2 kernel skips its planar repacking pass.
+    """
+    try:
+        torch.ops.aten._upsample_bilinear2d_aa.out(x, list(out.shape[2:]), False, None, None, out=out)
+    except (AttributeError, RuntimeError):  # pragma: no cover - a torch without the out= overload
+        out.copy_(F.interpolate(x, size=tuple(out.shape[2:]), mode="bilinear", antialias=True, align_corners=False))
+
+
+def resize_into(img: np.ndarray, window: np.ndarray, out: torch.Tensor, *, scale: float = 1.0) -> None:
+    """Crop `window` of `img` (H, W, 3 uint8) and resize it with antialiased bilinear (torch's
+    uint8 kernel) into `out`, a (h, w, 3) uint8 CPU tensor (any strides; a contiguous one,
+    i.e. channels-last, is the fast case). No per-image temporaries beyond the crop copy."""
+    crop = _crop(img, window, scale)
+    if crop.shape[:2] == tuple(out.shape[:2]):
+        np.copyto(out.numpy(), crop)
+        return
+    if not crop.flags.writeable or not crop.flags.c_contiguous:
+        crop = np.array(crop)  # contiguous: torch reads 3-channel pixels without unpacking
+    x = torch.from_numpy(crop).permute(2, 0, 1).unsqueeze(0)
+    _resize_aa_out(x, out.permute(2, 0, 1).unsqueeze(0))
+
+
+def crop_resize(img: np.ndarray, window: np.ndarray, out_hw: tuple[int, int], *, scale: float = 1.0) -> np.ndarray:
+    """Crop `window` (y0, x0, h, w in original pixels; `scale` maps to decoded pixels) and
+    resize to `out_hw` with antialiased bilinear (torch's uint8 channels-last kernel).
+    Returns a (H, W, 3) uint8 array (possibly a view of `img` or of a torch tensor)."""
+    crop = _crop(img, window, scale)
     if crop.shape[:2] == tuple(out_hw):
         return crop
-    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1).unsqueeze(0)
-    y = F.interpolate(x, size=out_hw, mode="bilinear", antialias=True, align_corners=False)
-    return y[0].permute(1, 2, 0).numpy()
+    out = torch.empty((*out_hw, 3), dtype=torch.uint8)
+    resize_into(img, window, out, scale=scale)
+    return out.numpy()

@@ -29,9 +29,9 @@ from torch.utils.data import default_collate
 from fastload.vision import params
 from fastload.vision.cpu_decode import (
     CorruptImageError,
-    crop_resize,
     decode_rgb,
     probe_size,
+    resize_into,
 )
 from fastload.vision.dali_pipeline import DALI_MISSING, DaliRunner, dali_available
 from fastload.vision.indexed import INDEX_KEY
@@ -320,6 +320,7 @@ class ImagePreset:
         oh, ow = self.out_hw
         on_host = self.device.type == "cpu"
         lut = self._lut if on_host else None
+        staging_t: torch.Tensor | None = None
         if lut is not None:
             shape = (n, 3, oh, ow) if self.layout == "NCHW" else (n, oh, ow, 3)
             out = lut.empty(shape)
@@ -327,11 +328,16 @@ class ImagePreset:
             pin = not on_host and torch.cuda.is_available()
             staging = torch.empty((n, oh, ow, 3), dtype=torch.uint8, pin_memory=pin)
             out = staging.numpy()
+            staging_t = staging
         failed: dict[int, str] = {}
 
         def work(i: int) -> None:
             if i in skip:
                 return
+            # Resize straight into the uint8 batch when nothing follows; else into a per-thread
+            # (oh, ow, 3) scratch that the flip / the normalising LUT then reads.
+            direct = staging_t is not None and not flips[i]
+            dst = staging_t[i] if direct else _scratch(oh, ow)
             try:
                 hw = (int(sizes[i, 0]), int(sizes[i, 1]))
                 img, s = decode_rgb(
@@ -340,10 +346,13 @@ class ImagePreset:
                     window=windows[i] if self.dct_downscale else None,
                     out_hw=self.out_hw,
                 )
-                res = crop_resize(img, windows[i], self.out_hw, scale=s)
+                resize_into(img, windows[i], dst, scale=s)
             except (ValueError, OSError, RuntimeError) as e:
                 failed[i] = f"{type(e).__name__}: {e}"
                 return
+            if direct:
+                return
+            res = dst.numpy()
             if flips[i]:
                 res = res[:, ::-1]
             if lut is not None:
@@ -446,6 +455,17 @@ class ImagePreset:
             "vision_seconds": s["seconds"],
             "vision_images_per_s": s["images"] / s["seconds"] if s["seconds"] > 0 else 0.0,
         }
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(oh: int, ow: int) -> torch.Tensor:
+    """This thread's (oh, ow, 3) uint8 resize target (reused: no per-image allocation)."""
+    t = getattr(_SCRATCH, "t", None)
+    if t is None or t.shape[0] != oh or t.shape[1] != ow:
+        t = _SCRATCH.t = torch.empty((oh, ow, 3), dtype=torch.uint8)
+    return t
 
 
 def _encoded_list(value: Any) -> list[np.ndarray]:
