@@ -35,38 +35,80 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRANSIENT_ERRNOS = {
-    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
-    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EBUSY, errno.EAGAIN, getattr(errno, "EREMOTEIO", errno.EIO),
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.EPIPE,
+    errno.ETIMEDOUT,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.EBUSY,
+    errno.EAGAIN,
+    getattr(errno, "EREMOTEIO", errno.EIO),
 }
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FormatError)
 _TRANSIENT_NAMES = {
     # aiohttp / urllib3 / botocore / requests class names, matched by name to avoid importing them
-    "ServerDisconnectedError", "ClientConnectionError", "ClientPayloadError", "ClientOSError",
-    "ServerTimeoutError", "ProtocolError", "IncompleteRead", "IncompleteReadError", "ReadTimeoutError",
-    "ConnectTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "ResponseStreamingError",
-    "ReadTimeout", "ConnectTimeout", "ChunkedEncodingError", "NewConnectionError", "RemoteDisconnected",
-    "HTTPClientError", "FSTimeoutError",
+    "ServerDisconnectedError",
+    "ClientConnectionError",
+    "ClientPayloadError",
+    "ClientOSError",
+    "ServerTimeoutError",
+    "ProtocolError",
+    "IncompleteRead",
+    "IncompleteReadError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ResponseStreamingError",
+    "ReadTimeout",
+    "ConnectTimeout",
+    "ChunkedEncodingError",
+    "NewConnectionError",
+    "RemoteDisconnected",
+    "HTTPClientError",
+    "FSTimeoutError",
 }
-_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504"}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "503",
+    "500",
+    "502",
+    "504",
+}
 
 
-# Bytes a fetch thread takes from the event loop per hand-over: large enough that the hand-over cost
-# (~0.1 ms) is noise, small enough that a shard is never held in memory whole.
-STREAM_CHUNK = 4 << 20
+# Bytes asked of the response stream per read on the event loop: about one socket read's worth
+# (asyncio receives 256 KB at a time), so a read rarely joins buffered pieces into a new object and
+# the bytes are written and hashed while they are still in the CPU cache.
+STREAM_CHUNK = 256 << 10
 
 
-async def _read_at_least(f: Any, n: int) -> list[bytes]:
-    """Chunks of an async stream adding up to `n` bytes (fewer at its end; none past it)."""
-    parts: list[bytes] = []
-    got = 0
-    while got < n:
-        b = await f.read(n - got)
-        if not b:
-            break
-        parts.append(b)
-        got += len(b)
-    return parts
+class _NoStream(Exception):
+    """`open_async` gave a file that does not read one response as a stream."""
+
+
+async def _stream_into(fs: AsyncFileSystem, rpath: str, sink: Any, chunk: int) -> None:
+    """One whole-object GET of `rpath`, each piece handed to `sink.write` on the event loop as it arrives.
+
+    Run as one coroutine per object: no thread hand-over per piece (each costs a loop round trip and
+    a GIL switch that the fetch threads, the loader and the server on the same cores all wait on).
+    """
+    f = await fs.open_async(rpath, "rb")
+    try:
+        if not _streams(f):
+            raise _NoStream
+        while b := await f.read(chunk):
+            sink.write(b)
+    finally:
+        await _close_stream(f)
 
 
 async def _close_stream(f: Any) -> None:
@@ -136,8 +178,20 @@ def _one_transient(exc: BaseException) -> bool | None:
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
     text = str(exc).lower()
-    if any(s in text for s in ("retries exceeded", "timed out", "connection reset", "slowdown", "service unavailable",
-                                "connection aborted", "broken pipe", "503", "500 internal")):
+    if any(
+        s in text
+        for s in (
+            "retries exceeded",
+            "timed out",
+            "connection reset",
+            "slowdown",
+            "service unavailable",
+            "connection aborted",
+            "broken pipe",
+            "503",
+            "500 internal",
+        )
+    ):
         return True
     return None
 
@@ -248,8 +302,18 @@ class RemoteStorage:
 
     # -- pickling / fork: file system clients, threads and plans are per process -----------------
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("url", "root", "storage_options", "retry", "prefetch_depth", "fetch_threads", "cache", "_id",
-                "_small", "max_open_shards")
+        keep = (
+            "url",
+            "root",
+            "storage_options",
+            "retry",
+            "prefetch_depth",
+            "fetch_threads",
+            "cache",
+            "_id",
+            "_small",
+            "max_open_shards",
+        )
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -326,8 +390,9 @@ class RemoteStorage:
             self._sizes[name] = (size, xxh3)
             self._advance(name)
             self._cond.notify_all()
-        return self.cache.acquire(key, size=size, xxh3=xxh3, fetch=lambda dl: self._fetch(name, dl),
-                                  where=f"{self.url}/{name}")
+        return self.cache.acquire(
+            key, size=size, xxh3=xxh3, fetch=lambda dl: self._fetch(name, dl), where=f"{self.url}/{name}"
+        )
 
     def release(self, name: str) -> None:
         """Unpin a shard returned by `acquire`."""
@@ -401,30 +466,19 @@ class RemoteStorage:
     def _get_into(self, rpath: str, sink: Download) -> None:
         """One whole-object GET of `rpath` into `sink`.
 
-        On async file systems that stream a response (s3fs, http) the body goes to the file in
-        `STREAM_CHUNK` pieces as it arrives: each byte is copied once into the cache file and hashed
-        once, no whole-object buffer is built, and no HEAD request precedes the GET (`cat_file` on
-        s3fs sends one). Elsewhere `cat_file` returns the object and it is written in one piece.
+        On async file systems that stream a response (s3fs, http) the body goes to `sink` in
+        `STREAM_CHUNK` pieces as it arrives, written and hashed by the event loop thread itself (a
+        page-cache write of 256 KB takes tens of microseconds): each byte is copied once into the
+        cache file and hashed once, no whole-object buffer is built, and no HEAD request precedes the
+        GET (`cat_file` on s3fs sends one). Elsewhere `cat_file` returns the object, written in one piece.
         """
         fs = self.fs
         if self._stream_ok and isinstance(fs, AsyncFileSystem) and getattr(fs, "loop", None) is not None:
             try:
-                f = fsspec_sync(fs.loop, fs.open_async, rpath, "rb")
-            except NotImplementedError:
-                f = None
-            if f is not None and not _streams(f):
-                fsspec_sync(fs.loop, _close_stream, f)
-                f = None
-            if f is None:
-                self._stream_ok = False  # this file system cannot stream: cat_file from now on
-            else:
-                try:
-                    while parts := fsspec_sync(fs.loop, _read_at_least, f, STREAM_CHUNK):
-                        for b in parts:
-                            sink.write(b)
-                finally:
-                    fsspec_sync(fs.loop, _close_stream, f)
+                fsspec_sync(fs.loop, _stream_into, fs, rpath, sink, STREAM_CHUNK)
                 return
+            except (NotImplementedError, _NoStream):
+                self._stream_ok = False  # this file system cannot stream (nothing was written): cat_file from now on
         sink.write(fs.cat_file(rpath))
 
     def _fetch(self, name: str, sink: Download) -> None:
@@ -500,8 +554,9 @@ class RemoteStorage:
             try:
                 with self._lock:
                     self._keys.setdefault(name, key)
-                ok = self.cache.prefetch(key, size=size, xxh3=xxh3, fetch=lambda dl, n=name: self._fetch(n, dl),
-                                         where=f"{self.url}/{name}")
+                ok = self.cache.prefetch(
+                    key, size=size, xxh3=xxh3, fetch=lambda dl, n=name: self._fetch(n, dl), where=f"{self.url}/{name}"
+                )
             except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
                 log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)
                 ok = True  # do not retry it in a loop; acquire will fetch and raise

@@ -33,8 +33,11 @@ FAST_RETRY = RetryPolicy(attempts=12, base=0.02, cap=0.5)
 def _samples():
     rng = np.random.default_rng(0)
     for i in range(NUM_SAMPLES):
-        yield {"x": rng.integers(0, 255, size=(400,), dtype=np.uint8), "label": i % 10,
-               "blob": rng.bytes(int(rng.integers(10, 1500)))}
+        yield {
+            "x": rng.integers(0, 255, size=(400,), dtype=np.uint8),
+            "label": i % 10,
+            "blob": rng.bytes(int(rng.integers(10, 1500))),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +68,9 @@ def open_remote(url: str, endpoint: str, **kw: Any) -> FastloadDataset:
     import fastload
 
     if hasattr(fastload, "open_dataset") and not set(kw) - {"cache_dir", "cache_limit"}:
-        return fastload.open_dataset(url, storage_options=opts, cache_dir=kw["cache_dir"],
-                                     cache_limit=kw.get("cache_limit"))
+        return fastload.open_dataset(
+            url, storage_options=opts, cache_dir=kw["cache_dir"], cache_limit=kw.get("cache_limit")
+        )
     kw.setdefault("retry", FAST_RETRY)
     storage = RemoteStorage(url, storage_options=opts, **kw)
     return FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
@@ -85,8 +89,9 @@ def assert_same(batch: dict, ref: dict) -> None:
             assert np.array_equal(batch[k], v), k
 
 
-def run_epoch(ds: FastloadDataset, local: FastloadDataset, sampler: ShardWindowSampler, *, batch: int = 48,
-              on_batch=None) -> dict[str, Any]:
+def run_epoch(
+    ds: FastloadDataset, local: FastloadDataset, sampler: ShardWindowSampler, *, batch: int = 48, on_batch=None
+) -> dict[str, Any]:
     """Read one epoch in `sampler` order, compare every batch with the local dataset byte for byte."""
     order = list(sampler)
     seen = np.zeros(len(ds), dtype=np.int64)
@@ -146,8 +151,13 @@ def test_too_small_budget_fails_at_construction(remote, local_ds, proxy, tmp_pat
     with pytest.raises(CacheBudgetError, match=r"cache_limit=.*below 2 shards"):
         open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=int(1.5 * biggest))
     with pytest.raises(CacheBudgetError, match=r"max_open_shards \+ 1 = 9 shards"):
-        RemoteStorage(remote, storage_options=storage_options(proxy.endpoint), cache_dir=tmp_path,
-                      cache_limit=4 * biggest, max_open_shards=8)
+        RemoteStorage(
+            remote,
+            storage_options=storage_options(proxy.endpoint),
+            cache_dir=tmp_path,
+            cache_limit=4 * biggest,
+            max_open_shards=8,
+        )
     assert shard_gets(proxy) == 0
 
 
@@ -195,8 +205,14 @@ def test_server_killed_and_restarted_mid_epoch(local_ds, tmp_path):
     upload_dir(client, local_ds, "data", "ds")
     proxy = FaultProxy(server.port).start()
     local = FastloadDataset(local_ds)
-    ds = open_remote("s3://data/ds", proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", prefetch_depth=1,
-                     retry=RetryPolicy(attempts=30, base=0.05, cap=0.5))
+    ds = open_remote(
+        "s3://data/ds",
+        proxy.endpoint,
+        cache_dir=tmp_path,
+        cache_limit="10MB",
+        prefetch_depth=1,
+        retry=RetryPolicy(attempts=30, base=0.05, cap=0.5),
+    )
     outage = threading.Event()
 
     def crash_and_recover() -> None:
@@ -231,8 +247,14 @@ def test_server_killed_and_restarted_mid_epoch(local_ds, tmp_path):
 
 
 def test_exhausted_retries_name_the_url(remote, local_ds, proxy, tmp_path):
-    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", prefetch_depth=0,
-                     retry=RetryPolicy(attempts=3, base=0.01, cap=0.02))
+    ds = open_remote(
+        remote,
+        proxy.endpoint,
+        cache_dir=tmp_path,
+        cache_limit="10MB",
+        prefetch_depth=0,
+        retry=RetryPolicy(attempts=3, base=0.01, cap=0.02),
+    )
     proxy.down = True
     name = ds.manifest.shards[0].file
     with pytest.raises(RemoteFetchError, match=rf"s3://data/ds/{name}: giving up after 3 attempts"):
@@ -328,3 +350,45 @@ def test_loader_epochs_and_resume_over_s3(remote, local_ds, proxy, tmp_path, wor
     resumed.load_state_dict(state)
     sampler = fresh
     assert check(resumed, 1, skip=7) == len(ds) - 7 * 40
+
+
+def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the_get(
+    remote, local_ds, proxy, tmp_path, monkeypatch
+):
+    import fastload.remote as remote_mod
+    from fastload.formats import ChecksumError
+
+    monkeypatch.setattr(remote_mod, "STREAM_CHUNK", 16 << 10)
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB")
+    st: RemoteStorage = ds.storage
+    info = ds.manifest.shards[0]
+    loop_thread = getattr(st.fs.loop, "_thread_id", None)  # asyncio sets it while the loop runs
+
+    class Sink:
+        def __init__(self, fail_after: int | None = None) -> None:
+            self.parts: list[bytes] = []
+            self.threads: set[int | None] = set()
+            self.fail_after = fail_after
+
+        def write(self, b: bytes) -> None:
+            self.threads.add(threading.get_ident())
+            self.parts.append(bytes(b))
+            if self.fail_after is not None and len(self.parts) >= self.fail_after:
+                raise ChecksumError("more bytes than the manifest records")
+
+    sink = Sink()
+    st._get_into(st.remote_path(info.file), sink)
+    with open(os.path.join(local_ds, info.file), "rb") as fh:
+        assert b"".join(sink.parts) == fh.read()
+    assert len(sink.parts) >= info.bytes // (16 << 10)  # streamed in pieces, not one buffer
+    assert len(sink.threads) == 1 and threading.get_ident() not in sink.threads  # written by the loop thread
+    if loop_thread is not None:
+        assert sink.threads == {loop_thread}
+    assert st._stream_ok and shard_gets(proxy) == 1
+    # an error raised by a write reaches the caller and the half-read response is dropped
+    with pytest.raises(ChecksumError):
+        st._get_into(st.remote_path(info.file), Sink(fail_after=2))
+    full = Sink()
+    st._get_into(st.remote_path(info.file), full)  # the connection pool still works
+    assert sum(map(len, full.parts)) == info.bytes
+    ds.close()
