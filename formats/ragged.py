@@ -53,7 +53,17 @@ class Ragged:
         return part
 
     def to_list(self) -> list[Any]:
-        return [self[i] for i in range(len(self))]
+        """Every sample, materialised as `__getitem__` does; bytes and strings are copied once each
+        out of a memoryview of the buffer (no per-sample numpy call)."""
+        bounds = np.asarray(self.offsets, dtype=np.int64)
+        starts, ends = bounds[:-1].tolist(), bounds[1:].tolist()
+        if self.kind == "varray":
+            values = self.values
+            return [values[a:b] for a, b in zip(starts, ends)]
+        view = memoryview(np.ascontiguousarray(self.values, dtype=np.uint8))
+        if self.kind == "string":
+            return [str(view[a:b], "utf-8") for a, b in zip(starts, ends)]
+        return [bytes(view[a:b]) for a, b in zip(starts, ends)]
 
     @classmethod
     def from_list(cls, items: list[Any], *, kind: str, dtype: Any = np.uint8) -> Ragged:

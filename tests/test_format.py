@@ -458,3 +458,26 @@ def test_fuzzed_files_never_crash_the_reader(tmp_path_factory, fuzz_source, targ
     else:
         assert target == "shard" or not changed, "a modified meta.bin passed its checksum"
     assert len(items) == len(batch["x"]) == 40
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(["bytes", "image", "string", "varray"]),
+    items=st.lists(st.text(max_size=20), max_size=30),
+    lead=st.integers(0, 5),
+)
+def test_ragged_to_list_matches_per_sample_access(kind, items, lead):
+    """`to_list` (vectorised) returns exactly what indexing sample by sample does, also for a
+    Ragged whose offsets do not start at 0 (a window into a larger buffer)."""
+    parts = [np.frombuffer(s.encode("utf-8"), np.uint8) for s in items]
+    values = np.concatenate([np.zeros(lead, np.uint8), *parts, np.zeros(3, np.uint8)])
+    offsets = np.cumsum([lead, *[len(p) for p in parts]]).astype(np.int64)
+    if kind == "varray":
+        values = values.astype(np.int32)
+    ragged = Ragged(values, offsets, kind)
+    got, want = ragged.to_list(), [ragged[i] for i in range(len(ragged))]
+    assert len(got) == len(want) == len(items)
+    for a, b in zip(got, want):
+        assert _equal(a, b)
+    if kind == "string":
+        assert got == items
