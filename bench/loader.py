@@ -289,8 +289,55 @@ def main(argv: list[str] | None = None) -> int:
         f"fastload RSS over {epochs} epochs: after epoch 2 {pe[min(1, len(pe) - 1)] / mib:,.0f} MiB, "
         f"after epoch {epochs} {pe[-1] / mib:,.0f} MiB (growth {(pe[-1] - pe[min(1, len(pe) - 1)]) / mib:+.1f} MiB)"
     )
+    print_breakdown(fds, raw, trials=max(3, trials))
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
     return 0
+
+
+def print_breakdown(fds: Any, raw: str, *, trials: int) -> None:
+    """Microseconds per batch of each layer between the raw gather and the Loader (best of `trials`)."""
+    mm = np.load(raw, mmap_mode="r")
+    perm = np.random.default_rng(1).permutation(len(fds))
+    batches = [perm[k : k + BATCH] for k in range(0, len(perm) - BATCH + 1, BATCH)]
+    sorted_batches = [np.sort(b) for b in batches]
+    loader = Loader(fds, batch_size=BATCH, shuffle=True, seed=0, num_workers=0, drop_last=True)
+
+    def dropped() -> None:
+        for b in batches:
+            mm.take(b, axis=0)
+
+    def held() -> None:
+        kept = None
+        for b in batches:
+            kept = mm.take(b, axis=0)  # a consumer holds its batch while the next is read
+        del kept
+
+    def get_batch() -> None:
+        kept = None
+        for b in sorted_batches:
+            kept = fds.get_batch(b)
+        del kept
+
+    def loader_epoch() -> None:
+        for _ in loader:
+            pass
+
+    steps = {
+        "raw np.take, result dropped at once": dropped,
+        "raw np.take, previous batch held": held,
+        "FastloadDataset.get_batch (x + label)": get_batch,
+        "fastload.Loader nw=0 (seed), whole epoch": loader_epoch,
+    }
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(trials):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / len(batches))
+    print(f"\nper-batch breakdown (us per batch of 256, best of {trials} epochs):")
+    held_us = best["raw np.take, previous batch held"]
+    for name, sec in best.items():
+        print(f"  {name:42s} {sec * 1e6:8.1f} us  {held_us / sec:5.2f} of raw held")
 
 
 if __name__ == "__main__":
