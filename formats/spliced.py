@@ -28,6 +28,7 @@ __all__ = ["ColumnPart", "SplicedColumn", "splice_available", "splice_column"]
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # placements congruent modulo this let the kernel map large page-cache folios whole
+HUGE_RESERVE_LIMIT = 4 << 40  # past this much address space for one column, places are only page-aligned
 TABLE_ROWS = 8 << 20  # columns up to this many rows keep a row -> virtual row table (8 bytes a row)
 MAX_PARTS = 8192  # each part is one kernel mapping (vm.max_map_count is 65530 by default)
 
@@ -134,7 +135,7 @@ def _reserve(libc: ctypes.CDLL, parts: list[ColumnPart], row_bytes: int) -> tupl
     flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
     for align in (HUGE, PAGE):
         plan = _layout(parts, row_bytes, align)
-        if plan is None:
+        if plan is None or (align == HUGE and plan[2] > HUGE_RESERVE_LIMIT):
             continue
         total = plan[2]
         raw = libc.mmap(None, total + align, _PROT_READ, flags, -1, 0)

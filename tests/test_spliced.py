@@ -171,3 +171,18 @@ def test_cached_remote_dataset_splices_once_every_shard_is_open(tmp_path):
         ds.close()
     finally:
         fs.rm("/splice-ds", recursive=True)
+
+
+def test_huge_alignment_gives_way_to_page_alignment_past_the_reserve_limit(tmp_path, monkeypatch):
+    """Huge-page congruent placement can cost ~1 GiB of address space a part; past the limit the
+    parts are placed page-aligned, with the same rows."""
+    data = np.random.default_rng(7).integers(0, 255, (600, 3064), dtype=np.uint8)
+    _write(tmp_path / "ds", data, 512 << 10)
+    huge = FastloadDataset(tmp_path / "ds")
+    span_huge = huge._spliced_columns()["x"].rows.nbytes
+    monkeypatch.setattr(spliced_mod, "HUGE_RESERVE_LIMIT", 0)
+    paged = FastloadDataset(tmp_path / "ds")
+    column = paged._spliced_columns()["x"]
+    assert huge.num_shards > 2 and column.rows.nbytes < span_huge // 100
+    idx = np.random.default_rng(8).permutation(600)
+    np.testing.assert_array_equal(paged.get_batch(idx)["x"], data[idx])
