@@ -77,9 +77,11 @@ class FastloadDataset:
     """Map-style dataset over a fastload directory (see FORMAT.md).
 
     `ds[i]` returns a dict (numpy arrays, Python scalars, bytes, str); `get_batch(indices)` returns
-    columns (arrays for fixed fields, `Ragged` for variable ones) read with one gather per field
-    and shard. Shards are mapped lazily; at most `max_open_shards` stay mapped (and pinned in the
-    storage's cache) at once.
+    columns (arrays for fixed fields, `Ragged` for variable ones). Shards are mapped lazily; at most
+    `max_open_shards` shard readers stay open (and pinned in the storage's cache) at once. Large
+    fixed fields of a local dataset (or a cached one whose shards are all open) are read through
+    one spliced mapping of that column across every shard (`spliced.py`), small ones from a copy
+    kept in memory: one gather per field for any batch.
     """
 
     def __init__(
