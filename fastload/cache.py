@@ -299,10 +299,6 @@ class ShardCache:
                         for part in ("entries", "pins", "soft", "reserved", "waiting"):
                             state.setdefault(part, {})
                         return seq, slot, raw, state
-            elif not head:
-                state = _legacy_state(self.root)  # a cache directory written before the slots existed
-                if state is not None:
-                    return 0, 1, b"", state
         except (OSError, ValueError):
             pass  # unreadable state: rebuilt from the directory below
         return seq, slot if slot in (0, 1) else 1, b"", self._rebuild()
@@ -694,20 +690,6 @@ def _check_key(key: str) -> str:
     if not key or "/" in key or "\x00" in key or key in (".", "..") or key.startswith("."):
         raise ValueError(f"invalid cache key {key!r}")
     return key
-
-
-def _legacy_state(root: str) -> dict[str, Any] | None:
-    """The state from `state.json` (the layout before the two slots), if one is there."""
-    try:
-        with open(os.path.join(root, "state.json"), "rb") as fh:
-            state = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(state, dict) and state.get("version") == 1):
-        return None
-    for part in ("entries", "pins", "soft", "reserved", "waiting"):
-        state.setdefault(part, {})
-    return state
 
 
 def _pwrite_all(fd: int, data: bytes) -> None:

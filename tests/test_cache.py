@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import time
@@ -166,18 +165,6 @@ def test_torn_state_update_leaves_the_previous_state(tmp_path):
     assert set(state["entries"]) == {"k1"} and set(state["pins"]) == {"k1"}
     cache.release("k1")
     assert ShardCache(tmp_path, limit="1MB").state()["pins"] == {}
-
-
-def test_state_of_the_single_file_layout_is_taken_over(tmp_path):
-    """A directory whose state is in `state.json` (before the two slots) keeps its entries and stamps."""
-    os.makedirs(tmp_path / "data")
-    (tmp_path / "data" / "k1").write_bytes(blob(1))
-    st = os.stat(tmp_path / "data" / "k1")
-    entry = {"size": st.st_size, "used": 1.0, "stamp": ["old-stamp"]}
-    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "entries": {"k1": entry}, "pins": {}, "soft": {},
-                                                     "reserved": {}, "waiting": {}}))
-    state = ShardCache(tmp_path, limit="1MB").state()
-    assert state["entries"] == {"k1": entry}
 
 
 def test_prefetch_is_soft(tmp_path):
