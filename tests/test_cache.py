@@ -218,6 +218,7 @@ def _worker(root: str, keys: list[int], log_dir: str, barrier, hold: float) -> N
     cache = ShardCache(root, limit=450 * KB)
     barrier.wait()
     for i in keys:
+
         def fetch(dl: Download, i: int = i) -> None:
             with open(os.path.join(log_dir, f"{i}.{os.getpid()}"), "w"):
                 pass
