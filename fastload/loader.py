@@ -15,6 +15,8 @@ and — given the same sampler / generator / global RNG — the same batches in 
   tensors). ``"auto"`` (default) picks threads on the fast path and processes otherwise.
   Thread workers are A/B-tested against inline fetching at the start of every epoch and the
   faster is kept (see `fastload.pipeline`), so adding workers does not lose to `num_workers=0`.
+  With thread workers `STEAL_AHEAD` more batches are in flight, and a consumer that would wait
+  for its batch fetches one of those itself (see `workers.ThreadSource`).
 * `pin_memory=True` (with an accelerator) or `device='cuda[:N]'`: batches are packed into a
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
   `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
@@ -56,6 +58,7 @@ __all__ = ["Loader"]
 
 _STATE_VERSION = 1
 WORKER_TYPES = ("auto", "thread", "process")
+STEAL_AHEAD = 2  # thread workers: extra batches in flight that a waiting consumer fetches itself (workers.ThreadSource)
 
 
 def _scalar_fields(dataset: Any) -> frozenset[str]:
@@ -211,6 +214,8 @@ class Loader:
             base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume)
         self._position = start
         depth = 1 if self.num_workers == 0 else self.num_workers * max(1, self.prefetch_factor or 1)
+        if self.num_workers and self.worker_type == "thread":
+            depth += STEAL_AHEAD  # batches no worker has started, for the waiting consumer to fetch itself
         device_index = self._device_index()
         ring = None
         if self._use_ring:
@@ -405,4 +410,3 @@ def _thread_init(worker_init_fn: Callable[[int], None] | None, device_index: int
             worker_init_fn(wid)
 
     return init
-

@@ -72,7 +72,13 @@ class InlineSource:
 
 
 class ThreadSource:
-    """Fetch on a pool of threads; `post` (e.g. packing into the pinned ring) runs there too."""
+    """Fetch on a pool of threads; `post` (e.g. packing into the pinned ring) runs there too.
+
+    While the consumer waits for batch j it does not sit idle: it fetches a later batch that no
+    worker has started yet and keeps the result for its turn (work stealing). On a machine with
+    few cores the consumer's thread is one more gatherer instead of a sleeper, and the order of
+    batches, their contents and the errors raised are unchanged.
+    """
 
     def __init__(
         self,
@@ -94,7 +100,9 @@ class ThreadSource:
                 init(wid)
 
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="fastload", initializer=initializer)
-        self._futures: dict[int, tuple[Future[Any], Any]] = {}
+        self._futures: dict[int, tuple[Future[Any] | None, Any]] = {}
+        self._stolen: dict[int, tuple[Any, BaseException | None]] = {}  # done by the consumer, ahead of turn
+        self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
 
     def _work(self, indices: Any) -> tuple[Any, dict[str, float], Any]:
@@ -109,12 +117,34 @@ class ThreadSource:
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
         fut, indices = self._futures.pop(j)
+        if fut is None:  # stolen earlier
+            result, error = self._stolen.pop(j)
+            if error is not None:
+                raise error
+            return result
         if fut.cancel():  # no worker has started it yet: do it here instead of waiting
             return self._work(indices)
+        if self.timeout == 0:
+            self._steal_while(fut)
         try:
             return fut.result(timeout=self.timeout or None)
         except TimeoutError:
             raise WorkerError(f"DataLoader timed out after {self.timeout} seconds") from None
+
+    def _steal_while(self, fut: Future[Any]) -> None:
+        """Fetch not-yet-started later batches, earliest first, until `fut` is done."""
+        for k in sorted(self._futures):
+            if fut.done():
+                return
+            other, indices = self._futures[k]
+            if other is None or not other.cancel():
+                continue
+            self._futures[k] = (None, indices)
+            try:
+                self._stolen[k] = (self._work(indices), None)
+            except Exception as exc:  # noqa: BLE001 - raised when batch k's turn comes, in order
+                self._stolen[k] = (None, exc)
+            self.stolen += 1
 
     def run_inline(self, indices: Any) -> tuple[Any, dict[str, float], Any]:
         """Fetch in the calling thread (the pipeline's adaptive inline mode)."""
@@ -125,8 +155,10 @@ class ThreadSource:
 
     def close(self) -> None:
         for fut, _ in self._futures.values():
-            fut.cancel()
+            if fut is not None:
+                fut.cancel()
         self._futures.clear()
+        self._stolen.clear()
         self._finalizer()
 
 
@@ -240,8 +272,16 @@ class ProcessSource:
         for wid in range(num_workers):
             p = ctx.Process(
                 target=_worker_main,
-                args=(wid, num_workers, fetch, self.task_qs[wid], self.result_q, base_seed, worker_init_fn,
-                      os.getpid()),
+                args=(
+                    wid,
+                    num_workers,
+                    fetch,
+                    self.task_qs[wid],
+                    self.result_q,
+                    base_seed,
+                    worker_init_fn,
+                    os.getpid(),
+                ),
                 daemon=True,
                 name=f"fastload-worker-{wid}",
             )

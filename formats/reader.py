@@ -7,6 +7,7 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,7 @@ class FastloadDataset:
         self._starts_list = self._starts.tolist()
         self._resident: dict[str, np.ndarray] | None = None
         self._spliced: dict[str, SplicedColumn] | None = None
+        self._direct: list[tuple[str, Any]] | None = None  # (field, take) when every field is resident/spliced
         self._lock = threading.Lock()
         self._direct_lock = threading.Lock()
         self._local = threading.local()
@@ -131,7 +133,7 @@ class FastloadDataset:
     # -- pickling: workers re-open their own mappings ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_open"], state["_resident"], state["_spliced"] = OrderedDict(), None, None
+        state["_open"], state["_resident"], state["_spliced"], state["_direct"] = OrderedDict(), None, None, None
         del state["_lock"], state["_direct_lock"], state["_local"]
         return state
 
@@ -203,7 +205,7 @@ class FastloadDataset:
             return reader
 
     def close(self) -> None:
-        self._spliced = None  # unmapped once no reader thread still holds it
+        self._spliced = self._direct = None  # unmapped once no reader thread still holds it
         with self._lock:
             while self._open:
                 k, reader = self._open.popitem()
@@ -287,6 +289,11 @@ class FastloadDataset:
                             if column is not None:
                                 spliced[f.name] = column
                 self._spliced = spliced
+                if all(f.name in resident or f.name in spliced for f in self._fields):
+                    self._direct = [
+                        (f.name, spliced[f.name].take if f.name in spliced else partial(resident[f.name].take, axis=0))
+                        for f in self._fields
+                    ]
             return self._spliced
 
     def _all_shards_at_hand(self) -> bool:
@@ -334,6 +341,14 @@ class FastloadDataset:
         `indices` are not grouped by shard (a shuffled batch), rows are gathered in shard order and
         put back in one more pass.
         """
+        direct = self._direct if fields is None else None
+        if direct is not None:  # every field is one take over all shards: the common local case
+            idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+            try:
+                return {name: take(idx) for name, take in direct}
+            except IndexError:
+                self._checked_indices(idx)  # raises the error that names the dataset
+                raise
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
         resident, spliced = self._resident_columns(), self._spliced_columns()
         rest = [f for f in wanted if f.name not in resident and f.name not in spliced]

@@ -1,0 +1,101 @@
+"""ThreadSource work stealing: a waiting consumer fetches unstarted later batches itself,
+without changing the order, the contents or where errors surface."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fastload.formats import FastloadDataset, Field, Schema, write
+from fastload.loader import Loader
+from fastload.workers import ThreadSource
+
+
+def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset()):
+    ran_by: dict[int, str] = {}
+
+    def fetch(indices):
+        j = int(indices[0])
+        if j == 0:
+            assert gate.wait(10), "batch 0 was never released"
+        ran_by[j] = threading.current_thread().name
+        if j in fail:
+            raise ValueError(f"bad batch {j}")
+        return {"j": j}, {"read": 0.0}
+
+    return fetch, ran_by
+
+
+def test_consumer_steals_unstarted_batches_while_waiting() -> None:
+    gate = threading.Event()
+    fetch, ran_by = _recording_fetch(gate)
+    src = ThreadSource(fetch, 1)
+    try:
+        for j in range(4):
+            src.put(j, np.array([j]))
+        # the only worker is stuck on batch 0: the consumer fetches 1..3, then batch 0 is released
+        threading.Timer(0.3, gate.set).start()
+        got = [src.get(j)[0]["j"] for j in range(4)]
+    finally:
+        src.close()
+    assert got == [0, 1, 2, 3]
+    me = threading.current_thread().name
+    assert ran_by[0] != me
+    assert [ran_by[j] for j in (1, 2, 3)] == [me, me, me]
+    assert src.stolen == 3
+
+
+def test_error_in_a_stolen_batch_surfaces_at_its_turn() -> None:
+    gate = threading.Event()
+    fetch, _ = _recording_fetch(gate, fail={2})
+    src = ThreadSource(fetch, 1)
+    try:
+        for j in range(4):
+            src.put(j, np.array([j]))
+        threading.Timer(0.3, gate.set).start()
+        assert src.get(0)[0]["j"] == 0  # batch 2 failed while the consumer waited: not raised yet
+        assert src.stolen >= 2
+        assert src.get(1)[0]["j"] == 1
+        with pytest.raises(ValueError, match="bad batch 2"):
+            src.get(2)
+        assert src.get(3)[0]["j"] == 3
+    finally:
+        src.close()
+
+
+def test_no_stealing_with_a_timeout() -> None:
+    """With `timeout` the consumer only waits (a stolen batch could outlast the timeout)."""
+    gate = threading.Event()
+    fetch, _ = _recording_fetch(gate)
+    src = ThreadSource(fetch, 1, timeout=10)
+    try:
+        for j in range(3):
+            src.put(j, np.array([j]))
+        threading.Timer(0.2, gate.set).start()
+        assert [src.get(j)[0]["j"] for j in range(3)] == [0, 1, 2]
+    finally:
+        src.close()
+    assert src.stolen == 0
+
+
+def test_loader_with_stealing_thread_workers_covers_each_sample_once(tmp_path) -> None:
+    schema = Schema((Field("x", "ndarray", np.uint8, (64,)), Field("y", "scalar", np.int64)))
+    n = 5000
+    rows = np.random.default_rng(0).integers(0, 256, (n, 64), dtype=np.uint8)
+    samples = ({"x": rows[i], "y": i} for i in range(n))
+    write(samples, tmp_path / "ds", schema=schema, shard_size=64 << 10, progress=False)
+    ds = FastloadDataset(tmp_path / "ds")
+    inline = Loader(ds, batch_size=32, shuffle=True, seed=3)
+    threaded = Loader(ds, batch_size=32, shuffle=True, seed=3, num_workers=1, worker_type="thread")
+    threaded._thread_probe = lambda: None  # always threads: the stealing path
+    for epoch in range(2):
+        a = [b["y"].numpy().copy() for b in inline]
+        b = [(b["y"].numpy().copy(), b["x"].numpy().copy()) for b in threaded]
+        assert len(a) == len(b)
+        for ya, (yb, xb) in zip(a, b):
+            np.testing.assert_array_equal(ya, yb)
+            np.testing.assert_array_equal(xb, rows[yb])
+        seen = np.concatenate([y for y, _ in b])
+        assert np.array_equal(np.sort(seen), np.arange(n)), f"epoch {epoch}"
