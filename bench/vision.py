@@ -2,6 +2,8 @@
 
 Generates ~500x375 quality-90 JPEGs (smooth noise), then measures in one run:
 - the decode ceiling: single-thread simplejpeg decode rate x usable cores;
+- the same decode on a thread pool, and decode + centre crop-resize to 224 on it (uint8, nothing
+  else): what any CPU pipeline producing 224 crops must do, so a bound on every preset row;
 - the CPU-decoder preset (eval and train, normalised fp16 NCHW and uint8 NHWC output);
 - the DALI CPU-only pipeline (eval and train), when DALI is installed;
 - on a CUDA machine: the DALI mixed (nvJPEG) pipeline, and the data stall of a
@@ -132,6 +134,26 @@ def _decode_pass(jpegs: list[bytes], pool: ThreadPoolExecutor | None) -> Callabl
     return one_pass
 
 
+def _decode_resize_pass(jpegs: list[bytes], pool: ThreadPoolExecutor, size: int) -> Callable[[], int]:
+    """Decode + eval centre crop resized to `size` (uint8, no normalise, no collate): the least work
+    any CPU pipeline producing 224 crops must do per image; its rate bounds every preset row."""
+    from fastload.vision.cpu_decode import decode_rgb, probe_size, resize_into
+    from fastload.vision.params import center_crop
+
+    windows = center_crop(np.array([probe_size(j) for j in jpegs], dtype=np.int64), size=(size, size))
+
+    def one(i: int) -> int:
+        img, scale = decode_rgb(jpegs[i])
+        out = torch.empty((size, size, 3), dtype=torch.uint8)
+        resize_into(img, windows[i], out, scale=scale)
+        return 1
+
+    def one_pass() -> int:
+        return sum(pool.map(one, range(len(jpegs))))
+
+    return one_pass
+
+
 def _stall(preset: ImagePreset, batches: list[dict], *, step_s: float, steps: int) -> float:
     """Fraction of wall time a simulated training step waits for data (prefetch depth 2)."""
     q: queue.Queue = queue.Queue(maxsize=2)
@@ -182,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     fns: dict[str, Callable[[], int]] = {
         "decode 1 thread": _decode_pass(jpegs, None),
         f"decode only, {cores}-thread pool": _decode_pass(jpegs, pool),
+        f"decode + crop-resize only, {cores}-thread pool": _decode_resize_pass(jpegs, pool, args.size),
     }
     for kind in ("eval", "train"):
         variants = [("fp16 NCHW", {}), ("uint8 NHWC", {"normalize": False})]

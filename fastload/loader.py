@@ -236,6 +236,7 @@ class Loader:
                 timeout=self.timeout,
                 post=post,
                 init=_thread_init(self.worker_init_fn, device_index),
+                steal=self.worker_init_fn is None,
             )
         else:
             if reuse_pool:

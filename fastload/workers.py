@@ -77,7 +77,10 @@ class ThreadSource:
     While the consumer waits for batch j it does not sit idle: it fetches a later batch that no
     worker has started yet and keeps the result for its turn (work stealing). On a machine with
     few cores the consumer's thread is one more gatherer instead of a sleeper, and the order of
-    batches, their contents and the errors raised are unchanged.
+    batches, their contents and the errors raised are unchanged. Off with a `timeout` (a stolen
+    batch could outlast it) and with `steal=False` (the Loader passes it when a `worker_init_fn`
+    prepares the worker threads: the consumer's thread has not run it); then every batch is
+    fetched by a worker.
     """
 
     def __init__(
@@ -88,8 +91,10 @@ class ThreadSource:
         timeout: float = 0,
         post: Callable[[Any, dict[str, float]], tuple[Any, Any]] | None = None,
         init: Callable[[int], None] | None = None,
+        steal: bool = True,
     ) -> None:
         self.fetch, self.post, self.timeout = fetch, post, timeout
+        self.steal = steal and not timeout  # a stolen batch could outlast `timeout`
         counter = iter(range(num_workers))
         lock = threading.Lock()
 
@@ -122,9 +127,9 @@ class ThreadSource:
             if error is not None:
                 raise error
             return result
-        if fut.cancel():  # no worker has started it yet: do it here instead of waiting
-            return self._work(indices)
-        if self.timeout == 0:
+        if self.steal:
+            if fut.cancel():  # no worker has started it yet: do it here instead of waiting
+                return self._work(indices)
             self._steal_while(fut)
         try:
             return fut.result(timeout=self.timeout or None)

@@ -99,3 +99,30 @@ def test_loader_with_stealing_thread_workers_covers_each_sample_once(tmp_path) -
             np.testing.assert_array_equal(xb, rows[yb])
         seen = np.concatenate([y for y, _ in b])
         assert np.array_equal(np.sort(seen), np.arange(n)), f"epoch {epoch}"
+
+
+def test_no_stealing_when_a_worker_init_fn_prepares_the_threads(tmp_path) -> None:
+    """The consumer's thread never ran `worker_init_fn`: it must not fetch for the workers."""
+    schema = Schema((Field("y", "scalar", np.int64),))
+    write(({"y": i} for i in range(640)), tmp_path / "ds", schema=schema, progress=False)
+    ds = FastloadDataset(tmp_path / "ds")
+    prepared: set[str] = set()
+    seen_by: set[str] = set()
+
+    class Watched:
+        def __len__(self) -> int:
+            return len(ds)
+
+        def get_batch(self, indices):
+            seen_by.add(threading.current_thread().name)
+            return ds.get_batch(indices)
+
+    loader = Loader(
+        Watched(),
+        batch_size=16,
+        num_workers=1,
+        worker_type="thread",
+        worker_init_fn=lambda wid: prepared.add(threading.current_thread().name),
+    )
+    assert sum(len(b["y"]) for b in loader) == 640
+    assert seen_by and seen_by <= prepared
