@@ -43,6 +43,7 @@ from fastload.loader import Loader
 __all__ = ["main"]
 
 CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+GENERIC_ROUNDS = 6  # interleaved rounds for the generic-dataset rows (best of each)
 RECORD = 3072  # bytes per sample: x (3064 uint8) + label (int64)
 BATCH = 256
 
@@ -282,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(trials):
         for name, fn in configs.items():
             best[name] = max(best[name], fn())
+    # The generic rows do identical per-sample work on both sides, so their ratio sits near 1 and a
+    # shared machine's noise decides its sign: more interleaved rounds for them (short runs).
+    generic_rounds = trials if args.quick else max(trials, GENERIC_ROUNDS)
+    for _ in range(generic_rounds - trials):
+        for name, fn in configs.items():
+            if name.startswith("python ds"):
+                best[name] = max(best[name], fn())
     raw_one = best["raw memmap gather, 1 thread"]
     raw_rate = max(raw_one, best[f"raw memmap gather, {CORES} threads"])  # the limit: the faster of the two
     fl_best = max(v for k, v in best.items() if k.startswith("fastload.Loader") and "seed" in k)
@@ -298,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fastload best / raw gather, 1 thread  : {fl_best / raw_one:.2f}")
     print(f"fastload best / torch best __getitem__ : {fl_best / torch_item:.2f}   (target >= 5)")
     print(f"fastload best / torch best __getitems__: {fl_best / torch_items:.2f}")
-    print("\ngeneric Python __getitem__ dataset (batch 64), same num_workers:")
+    print(f"\ngeneric Python __getitem__ dataset (batch 64), same num_workers, best of {generic_rounds}:")
     for w in (0, 2):
         t, f = best[f"python ds: torch nw={w}"], best[f"python ds: fastload nw={w}"]
         print(f"  nw={w}: torch {t:10,.0f}/s  fastload {f:10,.0f}/s  ratio {f / t:.2f}   (target >= 1)")
