@@ -12,7 +12,8 @@ Starts a local `moto` S3 server, writes a dataset, uploads it, then measures in 
   (warm epochs are short: best of epochs 2-4 on each side, interleaved);
 - the shard-window shuffle's randomness against a full permutation.
 
-Bars: epoch 1 >= 80% of raw GET bandwidth; epoch 2 >= 90% of local disk.
+Bars: epoch 1 >= 80% of raw GET bandwidth; epoch 2 >= 90% of local disk. CPU seconds (this process
+plus the server) are reported per pass for the raw GET, GET + write, and epoch 1.
 Run: `python -m bench.remote [--shards 12 --shard-size 16MB --threads 4]`.
 """
 
@@ -29,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import psutil
 
 from fastload.cache import Download
 from fastload.formats import FastloadDataset, write
@@ -40,6 +42,7 @@ from fastload.shard_shuffle import ShardWindowSampler, randomness_report
 __all__ = ["main"]
 
 SAMPLE_BYTES = 8192
+_RATES = ("raw", "floor", "e1", "e2", "local")  # per-round entries in bytes/s
 
 
 def _make_dataset(out: str, *, shards: int, shard_size: int) -> None:
@@ -75,7 +78,11 @@ class _Discard:
         self.written += len(data)
 
 
-def _raw_gets(storage: RemoteStorage, paths: list[str], threads: int) -> float:
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _raw_gets(storage: RemoteStorage, paths: list[str], threads: int, *, passes: int = 2) -> float:
     """Bytes/s of parallel whole-object GETs, the faster of `cat_file` and the streamed GET that
     the cache's fetch path uses (with the bytes dropped instead of written and hashed)."""
 
@@ -85,7 +92,8 @@ def _raw_gets(storage: RemoteStorage, paths: list[str], threads: int) -> float:
         return sink.written
 
     best = 0.0
-    for get in (lambda p: len(storage.fs.cat_file(p)), streamed) * 2:  # the first pass warms the server
+    gets = [streamed] if passes == 1 else [lambda p: len(storage.fs.cat_file(p)), streamed] * passes
+    for get in gets:  # the first pass over an object warms the server
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             total = sum(pool.map(get, paths))
@@ -116,6 +124,16 @@ def _gets_into_files(storage: RemoteStorage, shards: list[Any], threads: int, tm
     return total / (time.perf_counter() - t0)
 
 
+class _CpuMeter:
+    """CPU seconds (user + system) of this process plus the S3 server's process."""
+
+    def __init__(self, server_pid: int) -> None:
+        self._procs = [psutil.Process(), psutil.Process(server_pid)]
+
+    def now(self) -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in self._procs))
+
+
 def randomness_table(
     *, shards: int = 1000, per_shard: int = 1000, batch_size: int = 256
 ) -> dict[str, dict[str, float]]:
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -159,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         local = FastloadDataset(local_dir)
         data_bytes = sum(s.bytes for s in local.manifest.shards)
         opts = storage_options(server.endpoint, timeout=60)
+        cpu = _CpuMeter(server.proc.pid)
         rounds = []
         for r in range(args.rounds):  # paired measurements per round: this box may be shared and noisy
             cache_dir = os.path.join(work, f"cache{r}")
@@ -173,10 +192,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             remote = FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
             paths = [storage.remote_path(s.file) for s in local.manifest.shards]
             raw = _raw_gets(storage, paths, args.threads)
+            c0 = cpu.now()
+            _raw_gets(storage, paths, args.threads, passes=1)  # one streamed pass, for its CPU seconds
+            c1 = cpu.now()
             os.makedirs(cache_dir, exist_ok=True)
             floor = _gets_into_files(storage, list(local.manifest.shards), args.threads, cache_dir)
+            c2 = cpu.now()
             sampler = ShardWindowSampler.from_dataset(remote, window=args.window, seed=r)
             t1, n1 = _epoch(remote, sampler, epoch=0, batch_size=args.batch_size, workers=args.workers)
+            c3 = cpu.now()
             assert n1 == len(local)
             # warm epochs last ~0.1 s here: take the best of 3 for both sides, epochs interleaved
             local_sampler = ShardWindowSampler.from_dataset(local, window=args.window, seed=r)
@@ -191,6 +215,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "e1": data_bytes / t1,
                     "e2": data_bytes / t2,
                     "local": data_bytes / tl,
+                    "cpu_raw": c1 - c0,
+                    "cpu_floor": c2 - c1,
+                    "cpu_e1": c3 - c2,
                     "stats": dict(storage.stats),
                 }
             )
@@ -215,7 +242,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "epoch2_MBps": med(lambda x: x["e2"]) / 1e6,
             "local_MBps": med(lambda x: x["local"]) / 1e6,
             "epoch2_vs_local": med(lambda x: x["e2"] / x["local"]),
-            "per_round": [{k: (v / 1e6 if k != "stats" else v) for k, v in x.items()} for x in rounds],
+            "cpu_s": {k: med(lambda x, k=k: x[f"cpu_{k}"]) for k in ("raw", "floor", "e1")},
+            "cores": _cores(),
+            "per_round": [{k: (v / 1e6 if k in _RATES else v) for k, v in x.items()} for x in rounds],
             "randomness": randomness_table(),
         }
     finally:
@@ -241,6 +270,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"  GET + write + xxh3 into cache_dir only: {res['get_write_MBps']:8.1f} MB/s = "
         f"{100 * res['get_write_vs_raw']:.0f}% of raw (the work any on-disk cache adds; epoch 1 = "
         f"{100 * res['epoch1_vs_get_write']:.0f}% of it)"
+    )
+    c, cores = res["cpu_s"], res["cores"]
+    raw_wall = res["dataset_bytes"] / (res["raw_get_MBps"] * 1e6)
+    print(
+        f"  CPU seconds, client + S3 server, per pass over the data: raw GET {c['raw']:.2f}, "
+        f"GET+write {c['floor']:.2f}, epoch 1 {c['e1']:.2f}; spread perfectly over {cores} cores, "
+        f"GET+write's work alone allows at most {100 * min(1.0, raw_wall / (c['floor'] / cores)):.0f}% of raw"
     )
     ok2 = "PASS" if res["epoch2_vs_local"] >= 0.9 else "FAIL"
     print(
