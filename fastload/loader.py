@@ -16,7 +16,8 @@ and — given the same sampler / generator / global RNG — the same batches in 
   Thread workers are A/B-tested against inline fetching at the start of every epoch and the
   faster is kept (see `fastload.pipeline`), so adding workers does not lose to `num_workers=0`.
   With thread workers `STEAL_AHEAD` more batches are in flight, and a consumer that would wait
-  for its batch fetches one of those itself (see `workers.ThreadSource`).
+  for its batch fetches one of those itself (where CUDA is available, only when its own batch is
+  far from ready; see `workers.ThreadSource`).
 * `pin_memory=True` (with an accelerator) or `device='cuda[:N]'`: batches are packed into a
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
   `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
@@ -236,7 +237,7 @@ class Loader:
                 timeout=self.timeout,
                 post=post,
                 init=_thread_init(self.worker_init_fn, device_index),
-                steal=self.worker_init_fn is None,
+                steal="auto" if self.worker_init_fn is None else False,
             )
         else:
             if reuse_pool:

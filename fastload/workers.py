@@ -41,9 +41,10 @@ from torch.utils.data._utils import worker as torch_worker
 from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
 from fastload.pinned import storage_refs
 
-__all__ = ["InlineSource", "ProcessSource", "ThreadSource", "WorkerError"]
+__all__ = ["STEAL_MODES", "InlineSource", "ProcessSource", "ThreadSource", "WorkerError"]
 
 _POLL = 0.1
+STEAL_MODES = ("auto", "always", "bounded", False)
 
 
 class WorkerError(RuntimeError):
@@ -77,11 +78,20 @@ class ThreadSource:
     While the consumer waits for batch j it does not sit idle: it fetches a later batch that no
     worker has started yet and keeps the result for its turn (work stealing). On a machine with
     few cores the consumer's thread is one more gatherer instead of a sleeper, and the order of
-    batches, their contents and the errors raised are unchanged. Off with a `timeout` (a stolen
-    batch could outlast it) and with `steal=False` (the Loader passes it when a `worker_init_fn`
-    prepares the worker threads: the consumer's thread has not run it); then every batch is
-    fetched by a worker.
+    batches, their contents and the errors raised are unchanged.
+
+    `steal`: "always" (whenever the consumer would wait), "bounded" (only while batch j is expected
+    to take at least `STEAL_MIN_REMAINING` of a mean fetch longer, or is far overdue: a consumer
+    whose batch is nearly done takes it and goes back to launching its GPU step instead of being
+    held up by a whole fetch while the GPU runs dry), "auto" ("bounded" when CUDA is available,
+    else "always") or False (every batch is fetched by a worker; the Loader passes it when a
+    `worker_init_fn` prepares the worker threads, which the consumer's thread never ran). Never
+    with a `timeout` (a stolen batch could outlast it).
     """
+
+    STEAL_MIN_REMAINING = 0.75  # of the mean fetch time
+    STEAL_OVERDUE = 2.0  # mean fetch times
+    _MEAN_WEIGHT = 0.2  # of the newest fetch in the running mean
 
     def __init__(
         self,
@@ -91,10 +101,14 @@ class ThreadSource:
         timeout: float = 0,
         post: Callable[[Any, dict[str, float]], tuple[Any, Any]] | None = None,
         init: Callable[[int], None] | None = None,
-        steal: bool = True,
+        steal: bool | str = "auto",
     ) -> None:
         self.fetch, self.post, self.timeout = fetch, post, timeout
-        self.steal = steal and not timeout  # a stolen batch could outlast `timeout`
+        if steal not in STEAL_MODES:
+            raise ValueError(f"steal must be one of {STEAL_MODES}, got {steal!r}")
+        if steal == "auto":
+            steal = "bounded" if torch.cuda.is_available() else "always"
+        self.steal = steal if steal and not timeout else False  # a stolen batch could outlast `timeout`
         counter = iter(range(num_workers))
         lock = threading.Lock()
 
@@ -107,18 +121,27 @@ class ThreadSource:
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="fastload", initializer=initializer)
         self._futures: dict[int, tuple[Future[Any] | None, Any]] = {}
         self._stolen: dict[int, tuple[Any, BaseException | None]] = {}  # done by the consumer, ahead of turn
+        self._started: dict[int, float] = {}  # batch -> when a worker started it
+        self._mean_fetch: float | None = None  # running mean of fetch seconds
         self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
 
-    def _work(self, indices: Any) -> tuple[Any, dict[str, float], Any]:
+    def _work(self, indices: Any, j: int | None = None) -> tuple[Any, dict[str, float], Any]:
+        t0 = time.perf_counter()
+        if j is not None:
+            self._started[j] = t0
         batch, timings = self.fetch(indices)
-        if self.post is None:
-            return batch, timings, None
-        batch, token = self.post(batch, timings)
+        if self.post is not None:
+            batch, token = self.post(batch, timings)
+        else:
+            token = None
+        dt = time.perf_counter() - t0
+        mean = self._mean_fetch  # a racy update between threads only blurs the mean a little
+        self._mean_fetch = dt if mean is None else mean + self._MEAN_WEIGHT * (dt - mean)
         return batch, timings, token
 
     def put(self, j: int, indices: Any) -> None:
-        self._futures[j] = (self._pool.submit(self._work, indices), indices)
+        self._futures[j] = (self._pool.submit(self._work, indices, j), indices)
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
         fut, indices = self._futures.pop(j)
@@ -130,16 +153,28 @@ class ThreadSource:
         if self.steal:
             if fut.cancel():  # no worker has started it yet: do it here instead of waiting
                 return self._work(indices)
-            self._steal_while(fut)
+            self._steal_while(fut, j)
         try:
             return fut.result(timeout=self.timeout or None)
         except TimeoutError:
             raise WorkerError(f"DataLoader timed out after {self.timeout} seconds") from None
+        finally:
+            self._started.pop(j, None)
 
-    def _steal_while(self, fut: Future[Any]) -> None:
-        """Fetch not-yet-started later batches, earliest first, until `fut` is done."""
+    def _worth_stealing(self, j: int) -> bool:
+        """Whether batch j (running on a worker) should take long enough to fetch another meanwhile:
+        it started less than 1 - STEAL_MIN_REMAINING mean fetches ago, or it is far overdue (over
+        `STEAL_OVERDUE` means: stuck on something slow, so its end cannot be predicted)."""
+        mean, started = self._mean_fetch, self._started.get(j)
+        if self.steal == "always" or mean is None or started is None:
+            return True
+        elapsed = time.perf_counter() - started
+        return elapsed <= (1.0 - self.STEAL_MIN_REMAINING) * mean or elapsed >= self.STEAL_OVERDUE * mean
+
+    def _steal_while(self, fut: Future[Any], j: int) -> None:
+        """Fetch not-yet-started later batches, earliest first, while `fut` (batch j) is worth waiting for."""
         for k in sorted(self._futures):
-            if fut.done():
+            if fut.done() or not self._worth_stealing(j):
                 return
             other, indices = self._futures[k]
             if other is None or not other.cancel():
@@ -164,6 +199,7 @@ class ThreadSource:
                 fut.cancel()
         self._futures.clear()
         self._stolen.clear()
+        self._started.clear()
         self._finalizer()
 
 

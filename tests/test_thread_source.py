@@ -4,9 +4,11 @@ without changing the order, the contents or where errors surface."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
+import torch
 
 from fastload.formats import FastloadDataset, Field, Schema, write
 from fastload.loader import Loader
@@ -126,3 +128,43 @@ def test_no_stealing_when_a_worker_init_fn_prepares_the_threads(tmp_path) -> Non
     )
     assert sum(len(b["y"]) for b in loader) == 640
     assert seen_by and seen_by <= prepared
+
+
+def test_bounded_stealing_takes_a_nearly_done_batch() -> None:
+    """steal="bounded": a consumer whose batch is about to finish waits for it (a stolen fetch
+    would hold up the GPU step it launches next)."""
+    fetch_s = 0.3
+
+    def fetch(indices):
+        time.sleep(fetch_s)
+        return {"j": int(indices[0])}, {"read": fetch_s}
+
+    src = ThreadSource(fetch, 1, steal="bounded")  # "auto" picks it on CUDA machines
+    try:
+        src.put(0, np.array([0]))
+        assert src.get(0)[0]["j"] == 0  # taken inline or by the worker: the mean fetch time is now known
+        for j in range(1, 5):
+            src.put(j, np.array([j]))
+        while 1 not in src._started:  # the worker has started batch 1
+            time.sleep(0.005)
+        time.sleep(fetch_s - 0.08)  # batch 1 is ~80 ms from done, far less than 0.75 of a fetch
+        before = src.stolen
+        assert src.get(1)[0]["j"] == 1
+        assert src.stolen == before
+    finally:
+        src.close()
+
+
+def test_steal_modes() -> None:
+    def fetch(indices):
+        return {}, {}
+
+    with pytest.raises(ValueError, match="steal must be one of"):
+        ThreadSource(fetch, 1, steal="sometimes")
+    auto, timed = ThreadSource(fetch, 1), ThreadSource(fetch, 1, steal="always", timeout=5)
+    try:
+        assert auto.steal == ("bounded" if torch.cuda.is_available() else "always")
+        assert timed.steal is False  # a stolen batch could outlast the timeout
+    finally:
+        auto.close()
+        timed.close()
