@@ -218,18 +218,22 @@ class EpochIterator:
 class ThreadProbe:
     """Inline vs threaded fetching, by the consumer-visible batch rate; one per Loader.
 
-    Inline goes first (cheap); then the workers fill their queue (a warm-up, so a backlog of
-    ready batches cannot inflate their rate) and are timed; their window stops early once they
-    can no longer win. The workers are kept only if they beat inline by `MARGIN`, and are
-    watched afterwards: a later stretch slower than inline switches to inline. The probe lives
+    Inline goes first (cheap; at least `WINDOW` batches and `MIN_WINDOW_S`); then the workers
+    fill their queue (a warm-up, so a backlog of ready batches cannot inflate their rate) and are
+    timed for as long. The workers are kept only if they beat inline by `MARGIN`, and are
+    watched afterwards (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than
+    inline switches to inline. The probe lives
     as long as its Loader, so short epochs continue the measurement instead of restarting it.
     """
 
     WARMUP, WINDOW, MARGIN, WATCH = 2, 24, 1.05, 64
+    MIN_WINDOW_S = 0.03  # a timed window also lasts this long: a hypervisor's ms-long stalls average out
+    WATCH_S = 0.15  # and a watch window this long
 
     def __init__(self) -> None:
         self.phase, self.count, self.t0 = "warmup", 0, 0.0
         self.rate_threads = self.rate_inline = 0.0
+        self.inline_s = 0.0  # how long the inline window lasted: the threads window lasts as long
         self.choice = "inline"
         self.switches = 0  # mode changes after the probe (diagnostics)
 
@@ -243,29 +247,28 @@ class ThreadProbe:
 
     def tick(self, it: EpochIterator, now: float) -> None:
         self.count += 1
+        elapsed = now - self.t0
         if self.phase == "warmup":
             if self.count >= self.WARMUP:
                 self.phase, self.count, self.t0 = "inline", 0, now
         elif self.phase == "inline":
-            if self.count >= self.WINDOW:
-                self.rate_inline = self.count / max(now - self.t0, 1e-9)
+            if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:
+                self.rate_inline, self.inline_s = self.count / elapsed, elapsed
                 self.phase, self.count = "fill", 0
                 it._depth = it._full_depth
         elif self.phase == "fill":
             if self.count >= it._full_depth + 2:
                 self.phase, self.count, self.t0 = "threads", 0, now
         elif self.phase == "threads":
-            elapsed = max(now - self.t0, 1e-9)
-            lost = elapsed * self.rate_inline * self.MARGIN > self.WINDOW  # cannot win any more
-            if self.count >= self.WINDOW or lost:
+            if self.count >= self.WINDOW and elapsed >= self.inline_s:
                 self.rate_threads = self.count / elapsed
                 if self.rate_threads > self.rate_inline * self.MARGIN:
                     self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now
                     self.switches += 1
                 else:
                     self._inline(it)
-        elif self.phase == "watch" and self.count >= self.WATCH:
-            if self.count / max(now - self.t0, 1e-9) * self.MARGIN < self.rate_inline:
+        elif self.phase == "watch" and self.count >= self.WATCH and elapsed >= self.WATCH_S:
+            if self.count / elapsed * self.MARGIN < self.rate_inline:
                 self._inline(it)
             else:
                 self.count, self.t0 = 0, now

@@ -47,6 +47,13 @@ _POLL = 0.1
 STEAL_MODES = ("auto", "always", "bounded", False)
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
 class WorkerError(RuntimeError):
     """A worker died or timed out."""
 
@@ -83,10 +90,11 @@ class ThreadSource:
     `steal`: "always" (whenever the consumer would wait), "bounded" (only while batch j is expected
     to take at least `STEAL_MIN_REMAINING` of a mean fetch longer, or is far overdue: a consumer
     whose batch is nearly done takes it and goes back to launching its GPU step instead of being
-    held up by a whole fetch while the GPU runs dry), "auto" ("bounded" when CUDA is available,
-    else "always") or False (every batch is fetched by a worker; the Loader passes it when a
-    `worker_init_fn` prepares the worker threads, which the consumer's thread never ran). Never
-    with a `timeout` (a stolen batch could outlast it).
+    held up by a whole fetch while the GPU runs dry), "auto" (False when the workers are at least
+    as many as the usable cores, else "bounded" when CUDA is available, else "always") or False
+    (every batch is fetched by a worker; the Loader passes it when a `worker_init_fn` prepares
+    the worker threads, which the consumer's thread never ran). Never with a `timeout` (a stolen
+    batch could outlast it).
     """
 
     STEAL_MIN_REMAINING = 0.75  # of the mean fetch time
@@ -107,7 +115,10 @@ class ThreadSource:
         if steal not in STEAL_MODES:
             raise ValueError(f"steal must be one of {STEAL_MODES}, got {steal!r}")
         if steal == "auto":
-            steal = "bounded" if torch.cuda.is_available() else "always"
+            if num_workers >= _usable_cores():
+                steal = False  # the workers already fill every core: a consumer fetching too only contends
+            else:
+                steal = "bounded" if torch.cuda.is_available() else "always"
         self.steal = steal if steal and not timeout else False  # a stolen batch could outlast `timeout`
         counter = iter(range(num_workers))
         lock = threading.Lock()

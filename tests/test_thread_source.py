@@ -12,7 +12,7 @@ import torch
 
 from fastload.formats import FastloadDataset, Field, Schema, write
 from fastload.loader import Loader
-from fastload.workers import ThreadSource
+from fastload.workers import ThreadSource, _usable_cores
 
 
 def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset()):
@@ -163,7 +163,15 @@ def test_steal_modes() -> None:
         ThreadSource(fetch, 1, steal="sometimes")
     auto, timed = ThreadSource(fetch, 1), ThreadSource(fetch, 1, steal="always", timeout=5)
     try:
-        assert auto.steal == ("bounded" if torch.cuda.is_available() else "always")
+        if _usable_cores() > 1:
+            assert auto.steal == ("bounded" if torch.cuda.is_available() else "always")
+        else:
+            assert auto.steal is False
+        full = ThreadSource(fetch, _usable_cores())
+        try:
+            assert full.steal is False  # the workers fill every core already
+        finally:
+            full.close()
         assert timed.steal is False  # a stolen batch could outlast the timeout
     finally:
         auto.close()
