@@ -15,9 +15,9 @@ and — given the same sampler / generator / global RNG — the same batches in 
   tensors). ``"auto"`` (default) picks threads on the fast path and processes otherwise.
   Thread workers are A/B-tested against inline fetching at the start of every epoch and the
   faster is kept (see `fastload.pipeline`), so adding workers does not lose to `num_workers=0`.
-  With thread workers `STEAL_AHEAD` more batches are in flight, and a consumer that would wait
-  for its batch fetches one of those itself (where CUDA is available, only when its own batch is
-  far from ready; see `workers.ThreadSource`).
+  With fewer thread workers than cores, a consumer that would wait for its batch fetches a later
+  one itself (`STEAL_AHEAD` more batches are in flight for that; where CUDA is available, only
+  when its own batch is far from ready; see `workers.ThreadSource`).
 * `pin_memory=True` (with an accelerator) or `device='cuda[:N]'`: batches are packed into a
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
   `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
@@ -53,7 +53,7 @@ from fastload.pinned import BufferRing
 from fastload.pipeline import EpochIterator, ThreadProbe
 from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
 from fastload.stats import LoaderStats
-from fastload.workers import InlineSource, ProcessSource, ThreadSource
+from fastload.workers import InlineSource, ProcessSource, ThreadSource, resolve_steal
 
 __all__ = ["Loader"]
 
@@ -215,8 +215,13 @@ class Loader:
             base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume)
         self._position = start
         depth = 1 if self.num_workers == 0 else self.num_workers * max(1, self.prefetch_factor or 1)
+        steal = False
         if self.num_workers and self.worker_type == "thread":
-            depth += STEAL_AHEAD  # batches no worker has started, for the waiting consumer to fetch itself
+            steal = resolve_steal(
+                "auto" if self.worker_init_fn is None else False, num_workers=self.num_workers, timeout=self.timeout
+            )
+            if steal:
+                depth += STEAL_AHEAD  # batches no worker has started, for the waiting consumer to fetch itself
         device_index = self._device_index()
         ring = None
         if self._use_ring:
@@ -237,7 +242,7 @@ class Loader:
                 timeout=self.timeout,
                 post=post,
                 init=_thread_init(self.worker_init_fn, device_index),
-                steal="auto" if self.worker_init_fn is None else False,
+                steal=steal,
             )
         else:
             if reuse_pool:

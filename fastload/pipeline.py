@@ -220,7 +220,8 @@ class ThreadProbe:
 
     Inline goes first (cheap; at least `WINDOW` batches and `MIN_WINDOW_S`); then the workers
     fill their queue (a warm-up, so a backlog of ready batches cannot inflate their rate) and are
-    timed for as long. The workers are kept only if they beat inline by `MARGIN`, and are
+    timed for as long; if epoch boundaries cut their window more than `MAX_RESTARTS` times
+    (epochs too short to time them), inline stays. The workers are kept only if they beat inline by `MARGIN`, and are
     watched afterwards (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than
     inline switches to inline. The probe lives
     as long as its Loader, so short epochs continue the measurement instead of restarting it.
@@ -229,16 +230,22 @@ class ThreadProbe:
     WARMUP, WINDOW, MARGIN, WATCH = 2, 24, 1.05, 64
     MIN_WINDOW_S = 0.03  # a timed window also lasts this long: a hypervisor's ms-long stalls average out
     WATCH_S = 0.15  # and a watch window this long
+    MAX_RESTARTS = 2  # epoch boundaries that may cut the workers' window before the probe settles on inline
 
     def __init__(self) -> None:
         self.phase, self.count, self.t0 = "warmup", 0, 0.0
         self.rate_threads = self.rate_inline = 0.0
         self.inline_s = 0.0  # how long the inline window lasted: the threads window lasts as long
+        self.restarts = 0
         self.choice = "inline"
         self.switches = 0  # mode changes after the probe (diagnostics)
 
     def attach(self, it: EpochIterator, now: float) -> None:
         """Start an epoch in the mode the probe has reached; its current window restarts."""
+        if self.phase in ("fill", "threads"):
+            self.restarts += 1
+            if self.restarts > self.MAX_RESTARTS:  # epochs too short to time the workers: stay inline
+                self._inline(it)
         if self.phase == "threads":
             self.phase = "fill"  # the epoch boundary drained the workers' queue: refill first
         threads = self.phase in ("fill", "watch") or (self.phase == "done" and self.choice == "threads")
@@ -260,7 +267,7 @@ class ThreadProbe:
             if self.count >= it._full_depth + 2:
                 self.phase, self.count, self.t0 = "threads", 0, now
         elif self.phase == "threads":
-            if self.count >= self.WINDOW and elapsed >= self.inline_s:
+            if elapsed >= self.inline_s:  # as long as the inline window lasted
                 self.rate_threads = self.count / elapsed
                 if self.rate_threads > self.rate_inline * self.MARGIN:
                     self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now

@@ -41,10 +41,23 @@ from torch.utils.data._utils import worker as torch_worker
 from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
 from fastload.pinned import storage_refs
 
-__all__ = ["STEAL_MODES", "InlineSource", "ProcessSource", "ThreadSource", "WorkerError"]
+__all__ = ["STEAL_MODES", "InlineSource", "ProcessSource", "ThreadSource", "WorkerError", "resolve_steal"]
 
 _POLL = 0.1
 STEAL_MODES = ("auto", "always", "bounded", False)
+
+
+def resolve_steal(steal: bool | str, *, num_workers: int, timeout: float = 0) -> str | bool:
+    """The `ThreadSource` steal mode that `steal` means here: "always", "bounded" or False."""
+    if steal not in STEAL_MODES:
+        raise ValueError(f"steal must be one of {STEAL_MODES}, got {steal!r}")
+    if timeout or not steal:
+        return False  # a stolen batch could outlast `timeout`
+    if steal == "auto":
+        if num_workers >= _usable_cores():
+            return False  # the workers already fill every core: a consumer fetching too only contends
+        return "bounded" if torch.cuda.is_available() else "always"
+    return steal
 
 
 def _usable_cores() -> int:
@@ -112,14 +125,7 @@ class ThreadSource:
         steal: bool | str = "auto",
     ) -> None:
         self.fetch, self.post, self.timeout = fetch, post, timeout
-        if steal not in STEAL_MODES:
-            raise ValueError(f"steal must be one of {STEAL_MODES}, got {steal!r}")
-        if steal == "auto":
-            if num_workers >= _usable_cores():
-                steal = False  # the workers already fill every core: a consumer fetching too only contends
-            else:
-                steal = "bounded" if torch.cuda.is_available() else "always"
-        self.steal = steal if steal and not timeout else False  # a stolen batch could outlast `timeout`
+        self.steal = resolve_steal(steal, num_workers=num_workers, timeout=timeout)
         counter = iter(range(num_workers))
         lock = threading.Lock()
 

@@ -296,3 +296,18 @@ def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margi
     again = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
     again.load_state_dict(state)
     assert run(again) == ref[61:]
+
+
+def test_thread_probe_settles_inline_when_epochs_are_too_short_to_time_the_workers():
+    from types import SimpleNamespace
+
+    from fastload.pipeline import ThreadProbe
+
+    probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
+    probe.phase = "threads"  # an epoch ended inside the workers' window, again and again
+    for _ in range(ThreadProbe.MAX_RESTARTS):
+        probe.attach(it, 0.0)
+        assert probe.phase == "fill" and it._depth == 4
+        probe.phase = "threads"
+    probe.attach(it, 0.0)
+    assert (probe.phase, probe.choice, it._depth) == ("done", "inline", 0)
