@@ -220,16 +220,17 @@ class ThreadProbe:
 
     Inline goes first (cheap; at least `WINDOW` batches and `MIN_WINDOW_S`); then the workers
     fill their queue (a warm-up, so a backlog of ready batches cannot inflate their rate) and are
-    timed for as long; if epoch boundaries cut their window more than `MAX_RESTARTS` times
-    (epochs too short to time them), inline stays. The workers are kept only if they beat inline by `MARGIN`, and are
-    watched afterwards (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than
-    inline switches to inline. The probe lives
-    as long as its Loader, so short epochs continue the measurement instead of restarting it.
+    timed for as long (a third of it when they are `CLEAR_LOSS` slower); if epoch boundaries cut
+    their window more than `MAX_RESTARTS` times (epochs too short to time them), inline stays.
+    The workers are kept only if they beat inline by `MARGIN`, and are watched afterwards
+    (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than inline switches to
+    inline. The probe lives as long as its Loader: a decision carries over to later epochs.
     """
 
     WARMUP, WINDOW, MARGIN, WATCH = 2, 24, 1.05, 64
     MIN_WINDOW_S = 0.03  # a timed window also lasts this long: a hypervisor's ms-long stalls average out
     WATCH_S = 0.15  # and a watch window this long
+    CLEAR_LOSS = 1.25  # threads this much slower after a third of the window: stop timing them
     MAX_RESTARTS = 2  # epoch boundaries that may cut the workers' window before the probe settles on inline
 
     def __init__(self) -> None:
@@ -267,7 +268,10 @@ class ThreadProbe:
             if self.count >= it._full_depth + 2:
                 self.phase, self.count, self.t0 = "threads", 0, now
         elif self.phase == "threads":
-            if elapsed >= self.inline_s:  # as long as the inline window lasted
+            clearly_losing = (  # cut a losing window short: probing costs the slower mode's rate
+                elapsed >= self.inline_s / 3 and self.count < elapsed * self.rate_inline / self.CLEAR_LOSS
+            )
+            if elapsed >= self.inline_s or clearly_losing:  # as long as the inline window lasted
                 self.rate_threads = self.count / elapsed
                 if self.rate_threads > self.rate_inline * self.MARGIN:
                     self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now
