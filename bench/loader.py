@@ -39,10 +39,11 @@ from torch.utils.data import DataLoader
 
 import fastload.formats as formats
 from fastload.loader import Loader
+from fastload.system import usable_cores
 
 __all__ = ["main"]
 
-CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+CORES = usable_cores()
 GENERIC_ROUNDS = 6  # interleaved rounds for the generic-dataset rows (best of each)
 RECORD = 3072  # bytes per sample: x (3064 uint8) + label (int64)
 BATCH = 256

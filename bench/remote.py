@@ -38,6 +38,7 @@ from fastload.formats.units import parse_size
 from fastload.loader import Loader
 from fastload.remote import RemoteStorage
 from fastload.shard_shuffle import ShardWindowSampler, randomness_report
+from fastload.system import usable_cores
 
 __all__ = ["main"]
 
@@ -76,10 +77,6 @@ class _Discard:
 
     def write(self, data: bytes | memoryview) -> None:
         self.written += len(data)
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _raw_gets(storage: RemoteStorage, paths: list[str], threads: int, *, passes: int = 2) -> float:
@@ -243,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "local_MBps": med(lambda x: x["local"]) / 1e6,
             "epoch2_vs_local": med(lambda x: x["e2"] / x["local"]),
             "cpu_s": {k: med(lambda x, k=k: x[f"cpu_{k}"]) for k in ("raw", "floor", "e1")},
-            "cores": _cores(),
+            "cores": usable_cores(),
             "per_round": [{k: (v / 1e6 if k in _RATES else v) for k, v in x.items()} for x in rounds],
             "randomness": randomness_table(),
         }

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from fastload.formats.ragged import Ragged
+from fastload.system import usable_cores
 from fastload.vision import ImagePreset, dali_available
 
 __all__ = ["main", "make_jpegs"]
@@ -47,13 +48,6 @@ def make_jpegs(n: int, *, height: int = 375, width: int = 500, quality: int = 90
         Image.fromarray(img).save(buf, format="JPEG", quality=quality)
         out.append(buf.getvalue())
     return out
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
 
 
 def _rate(fn: Callable[[], int], *, min_time: float) -> float:
@@ -192,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     n_img = args.images or (64 if args.quick else 192)
     min_time = 0.5 if args.quick else 1.2
     rounds = 1 if args.quick else 3
-    cores = _cores()
+    cores = usable_cores()
     bs = min(args.batch_size, n_img)
 
     jpegs = make_jpegs(n_img)

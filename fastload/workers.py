@@ -40,6 +40,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
 from fastload.pinned import storage_refs
+from fastload.system import usable_cores
 
 __all__ = ["STEAL_MODES", "InlineSource", "ProcessSource", "ThreadSource", "WorkerError", "resolve_steal"]
 
@@ -54,17 +55,10 @@ def resolve_steal(steal: bool | str, *, num_workers: int, timeout: float = 0) ->
     if timeout or not steal:
         return False  # a stolen batch could outlast `timeout`
     if steal == "auto":
-        if num_workers >= _usable_cores():
+        if num_workers >= usable_cores():
             return False  # the workers already fill every core: a consumer fetching too only contends
         return "bounded" if torch.cuda.is_available() else "always"
     return steal
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
 
 
 class WorkerError(RuntimeError):

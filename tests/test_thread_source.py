@@ -12,7 +12,8 @@ import torch
 
 from fastload.formats import FastloadDataset, Field, Schema, write
 from fastload.loader import Loader
-from fastload.workers import ThreadSource, _usable_cores
+from fastload.system import usable_cores
+from fastload.workers import ThreadSource
 
 
 def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset()):
@@ -163,11 +164,11 @@ def test_steal_modes() -> None:
         ThreadSource(fetch, 1, steal="sometimes")
     auto, timed = ThreadSource(fetch, 1), ThreadSource(fetch, 1, steal="always", timeout=5)
     try:
-        if _usable_cores() > 1:
+        if usable_cores() > 1:
             assert auto.steal == ("bounded" if torch.cuda.is_available() else "always")
         else:
             assert auto.steal is False
-        full = ThreadSource(fetch, _usable_cores())
+        full = ThreadSource(fetch, usable_cores())
         try:
             assert full.steal is False  # the workers fill every core already
         finally:

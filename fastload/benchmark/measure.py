@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -11,15 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ResourceMonitor", "cores", "payload_bytes", "percentile_ms", "summarize"]
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
+__all__ = ["ResourceMonitor", "payload_bytes", "percentile_ms", "summarize"]
 
 
 def summarize(values: Sequence[float]) -> dict[str, Any]:

@@ -18,7 +18,8 @@ import torch
 from fastload.benchmark import limits as lim
 from fastload.benchmark.backends import Backend, measure_backend, open_backend, read_epoch, release, remote_epochs
 from fastload.benchmark.loaders import LOADER_KINDS, Step, bottleneck, run_loader
-from fastload.benchmark.measure import cores, payload_bytes, summarize
+from fastload.benchmark.measure import payload_bytes, summarize
+from fastload.system import usable_cores
 
 __all__ = ["SCHEMA_VERSION", "BenchConfig", "run_benchmark"]
 
@@ -160,8 +161,8 @@ def _limits(
     decodes = prog.run("limits: jpeg decode", lambda: [lim.jpeg_decode_rate(jpegs, seconds=secs) for _ in range(r)])
     decoder = decodes[0][1]
     per_core = summarize([rate for rate, _ in decodes])
-    out["jpeg_decode"] = {"images_per_s_per_core": per_core, "cores": cores(), "decoder": decoder,
-                          "images_per_s": per_core["median"] * cores(),
+    out["jpeg_decode"] = {"images_per_s_per_core": per_core, "cores": usable_cores(), "decoder": decoder,
+                          "images_per_s": per_core["median"] * usable_cores(),
                           "mean_jpeg_bytes": float(np.mean([len(j) for j in jpegs]))}
     if url:
         shard_files = [s.file for s in ds.manifest.shards]
@@ -347,8 +348,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             res: dict[str, Any] = {
                 "schema_version": SCHEMA_VERSION,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "machine": {"cores": cores(), "platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "numpy": np.__version__,
+                "machine": {"cores": usable_cores(), "platform": platform.platform(),
+                            "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
                             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
                 "config": {"dataset": cfg.dataset, "embedded": cfg.dataset is None, "backends": names
                            + (["remote"] if url else []), "loaders": list(cfg.loaders), "batch_size": cfg.batch_size,

@@ -14,7 +14,6 @@ differ only by decoder/resampler rounding (eval parity is tested).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from fastload.system import usable_cores
 from fastload.vision import params
 from fastload.vision.cpu_decode import (
     CorruptImageError,
@@ -45,13 +45,6 @@ INDICES_KEY = "__indices__"
 EPOCH_KEY = "__epoch__"
 
 _BACKENDS = ("auto", "cpu", "dali")
-
-
-def _default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
 
 
 class ImagePreset:
@@ -118,7 +111,7 @@ class ImagePreset:
         self.seed = int(seed)
         self.epoch = 0
         self.image_field = image_field
-        self.threads = int(threads) if threads else _default_threads()
+        self.threads = int(threads) if threads else usable_cores()
         self.normalize_output = normalize
         self.scale = scale
         self.ratio = ratio
