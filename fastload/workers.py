@@ -138,17 +138,19 @@ class ThreadSource:
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
 
     def _work(self, indices: Any, j: int | None = None) -> tuple[Any, dict[str, float], Any]:
-        t0 = time.perf_counter()
-        if j is not None:
-            self._started[j] = t0
+        timed = self.steal == "bounded"  # only that mode needs fetch start times and their mean
+        if timed:
+            t0 = time.perf_counter()
+            if j is not None:
+                self._started[j] = t0
         batch, timings = self.fetch(indices)
+        token = None
         if self.post is not None:
             batch, token = self.post(batch, timings)
-        else:
-            token = None
-        dt = time.perf_counter() - t0
-        mean = self._mean_fetch  # a racy update between threads only blurs the mean a little
-        self._mean_fetch = dt if mean is None else mean + self._MEAN_WEIGHT * (dt - mean)
+        if timed:
+            dt = time.perf_counter() - t0
+            mean = self._mean_fetch  # a racy update between threads only blurs the mean a little
+            self._mean_fetch = dt if mean is None else mean + self._MEAN_WEIGHT * (dt - mean)
         return batch, timings, token
 
     def put(self, j: int, indices: Any) -> None:
@@ -177,7 +179,7 @@ class ThreadSource:
         it started less than 1 - STEAL_MIN_REMAINING mean fetches ago, or it is far overdue (over
         `STEAL_OVERDUE` means: stuck on something slow, so its end cannot be predicted)."""
         mean, started = self._mean_fetch, self._started.get(j)
-        if self.steal == "always" or mean is None or started is None:
+        if mean is None or started is None:  # "always" records neither
             return True
         elapsed = time.perf_counter() - started
         return elapsed <= (1.0 - self.STEAL_MIN_REMAINING) * mean or elapsed >= self.STEAL_OVERDUE * mean
