@@ -7,7 +7,8 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
 
 * raw: `np.take` over an `np.memmap` of shuffled batches of 256 (the fastest numpy gather,
   faster than `mm[idx]` fancy indexing), on one thread and on one thread per core (each taking
-  every other batch, no consumer); the limit is the faster of the two;
+  every other batch, no consumer); the limit is the faster of the two; and `get_batch` on one
+  thread per core the same way (the dataset layer without the Loader);
 * fastload.Loader on the format (seeded shuffle; num_workers 0/1/2, thread workers), and in
   drop-in torch-order mode (shuffle=True + generator, no seed);
 * torch DataLoader at its best num_workers (0/1/2) with a per-sample `__getitem__` dataset over
@@ -146,17 +147,19 @@ def raw_gather(raw: str, limit: int) -> Iterable[np.ndarray]:
         yield mm.take(perm[k : k + BATCH], axis=0)  # np.take: faster than mm[idx] fancy indexing
 
 
-def raw_gather_parallel(raw: str, limit: int, threads: int) -> float:
-    """Samples/s of `threads` threads each gathering every `threads`-th batch (np.take releases the
-    GIL): the machine's gather limit with all its cores, with no hand-over to a consumer at all."""
-    mm = np.load(raw, mmap_mode="r")
-    perm = np.random.default_rng(1).permutation(len(mm))
-    starts = list(range(0, min(limit, len(mm)) - BATCH + 1, BATCH))
+def gather_parallel(read: Callable[[np.ndarray], Any], n: int, limit: int, threads: int, *, sort: bool) -> float:
+    """Samples/s of `threads` threads each reading every `threads`-th shuffled batch with `read`
+    (which releases the GIL for its copy), with no hand-over to a consumer at all. `sort` sorts
+    the indices inside each batch, as the Loader's seeded order does."""
+    perm = np.random.default_rng(1).permutation(n)
+    batches = [perm[k : k + BATCH] for k in range(0, min(limit, n) - BATCH + 1, BATCH)]
+    if sort:
+        batches = [np.sort(b) for b in batches]
 
     def run(t: int) -> None:
         kept = None
-        for k in starts[t::threads]:
-            kept = mm.take(perm[k : k + BATCH], axis=0)  # held while the next is read, as a consumer would
+        for b in batches[t::threads]:
+            kept = read(b)  # held while the next is read, as a consumer would
         del kept
 
     workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
@@ -165,7 +168,13 @@ def raw_gather_parallel(raw: str, limit: int, threads: int) -> float:
         w.start()
     for w in workers:
         w.join()
-    return len(starts) * BATCH / (time.perf_counter() - t0)
+    return len(batches) * BATCH / (time.perf_counter() - t0)
+
+
+def raw_gather_parallel(raw: str, limit: int, threads: int) -> float:
+    """The machine's gather limit with all its cores: `np.take` over a fresh memmap on `threads` threads."""
+    mm = np.load(raw, mmap_mode="r")
+    return gather_parallel(lambda b: mm.take(b, axis=0), len(mm), limit, threads, sort=False)
 
 
 def dict_size(b: Any) -> int:
@@ -273,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict[str, Callable[[], float]] = {
         "raw memmap gather, 1 thread": lambda: rate(raw_gather(raw, n), limit, len),
         f"raw memmap gather, {CORES} threads": lambda: raw_gather_parallel(raw, limit, CORES),
+        f"get_batch on {CORES} threads, no Loader": lambda: gather_parallel(
+            fds.get_batch, len(fds), limit, CORES, sort=True
+        ),
         **{f"fastload.Loader nw={w} (thread, seed)": (lambda w=w: fl(w, seed=0)) for w in (0, 1, 2)},
         "fastload.Loader nw=0 (torch order)": lambda: fl(0, generator=torch.Generator().manual_seed(0)),
         **{f"torch DataLoader nw={w} __getitem__": (lambda w=w: tl(item_ds, w)) for w in (0, 1, 2)},
@@ -306,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:42s} {v:12,.0f} {v / raw_rate:8.2f} {v / torch_best:14.2f}")
     print(f"\nfastload best / raw gather limit      : {fl_best / raw_rate:.2f}   (target >= 0.90; the faster raw row)")
     print(f"fastload best / raw gather, 1 thread  : {fl_best / raw_one:.2f}")
+    gb_par = best[f"get_batch on {CORES} threads, no Loader"]
+    print(f"get_batch on {CORES} threads / limit      : {gb_par / raw_rate:.2f}   (the dataset layer alone)")
+    print(f"fastload best / get_batch on {CORES} threads: {fl_best / gb_par:.2f}   (the Loader's hand-over and Python)")
     print(f"fastload best / torch DataLoader best  : {fl_best / torch_best:.2f}   (target >= 5)")
     print(f"fastload best / torch best __getitem__ : {fl_best / torch_item:.2f}")
     print(f"fastload best / torch best __getitems__: {fl_best / torch_items:.2f}")
