@@ -15,9 +15,11 @@ and — given the same sampler / generator / global RNG — the same batches in 
   tensors). ``"auto"`` (default) picks threads on the fast path and processes otherwise.
   Thread workers are A/B-tested against inline fetching at the start of every epoch and the
   faster is kept (see `fastload.pipeline`), so adding workers does not lose to `num_workers=0`.
-  With fewer thread workers than cores, a consumer that would wait for its batch fetches a later
-  one itself (`STEAL_AHEAD` more batches are in flight for that; where CUDA is available, only
-  when its own batch is far from ready; see `workers.ThreadSource`).
+  A consumer that would wait for its batch fetches a later one itself (`STEAL_AHEAD` more batches
+  are in flight for that; where CUDA is available, only when its own batch is far from ready; see
+  `workers.ThreadSource`), so with `num_workers` at or above the usable cores one worker thread
+  fewer is started: the consumer's thread is the last gatherer. Not with a `timeout` or a
+  `worker_init_fn` (then every batch is fetched by one of `num_workers` threads).
 * `pin_memory=True` (with an accelerator) or `device='cuda[:N]'`: batches are packed into a
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
   `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
@@ -53,6 +55,7 @@ from fastload.pinned import BufferRing
 from fastload.pipeline import EpochIterator, ThreadProbe
 from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
 from fastload.stats import LoaderStats
+from fastload.system import usable_cores
 from fastload.workers import InlineSource, ProcessSource, ThreadSource, resolve_steal
 
 __all__ = ["Loader"]
@@ -215,11 +218,11 @@ class Loader:
             base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume)
         self._position = start
         depth = 1 if self.num_workers == 0 else self.num_workers * max(1, self.prefetch_factor or 1)
-        steal = False
+        steal, threads = False, self.num_workers
         if self.num_workers and self.worker_type == "thread":
-            steal = resolve_steal(
-                "auto" if self.worker_init_fn is None else False, num_workers=self.num_workers, timeout=self.timeout
-            )
+            may_steal = self.worker_init_fn is None and not self.timeout
+            threads = _worker_threads(self.num_workers, stealing_allowed=may_steal)
+            steal = resolve_steal("auto" if may_steal else False, num_workers=threads, timeout=self.timeout)
             if steal:
                 depth += STEAL_AHEAD  # batches no worker has started, for the waiting consumer to fetch itself
         device_index = self._device_index()
@@ -238,7 +241,7 @@ class Loader:
                 post, ring_in_source = _ring_post(ring), True
             source = ThreadSource(
                 self._fetcher,
-                self.num_workers,
+                threads,
                 timeout=self.timeout,
                 post=post,
                 init=_thread_init(self.worker_init_fn, device_index),
@@ -397,6 +400,17 @@ class Loader:
         if getattr(self, "_pool", None) is not None or getattr(self, "_active", None) is not None:
             with contextlib.suppress(Exception):  # may run during interpreter shutdown
                 self.close()
+
+
+def _worker_threads(num_workers: int, *, stealing_allowed: bool) -> int:
+    """Worker threads to start for `num_workers` thread workers: one fewer than the usable cores
+    when they would fill them all and the consumer may fetch too (its thread is the last gatherer;
+    measured on 2 cores, two workers plus a waiting consumer ran at 0.8x one worker plus a
+    stealing consumer, and the consumer's wake-up per batch is gone). Otherwise `num_workers`."""
+    cores = usable_cores()
+    if stealing_allowed and cores > 1 and num_workers >= cores:
+        return cores - 1
+    return num_workers
 
 
 def _ring_post(ring: BufferRing) -> Callable[[Any, dict[str, float]], tuple[Any, Any]]:

@@ -4,7 +4,7 @@ All three take `put(j, indices)` (batch j of the epoch) and hand batches back in
 `get(j) -> (batch, timings, token)`; `release(token)` returns the batch's buffer for reuse.
 
 * `InlineSource` (`num_workers=0`): fetch synchronously in the caller, like torch.
-* `ThreadSource`: a thread pool. Right for work that releases the GIL (numpy gathers, file
+* `ThreadSource`: worker threads. Right for work that releases the GIL (numpy gathers, file
   reads, lmdb/h5py, JPEG decode); results need no copy or pickling.
 * `ProcessSource`: worker processes (torch's default start method, or `multiprocessing_context`)
   for Python-heavy `__getitem__`s. Batch j goes to worker `j % num_workers` (as in torch), which
@@ -30,7 +30,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -86,11 +85,78 @@ class InlineSource:
         self._todo.clear()
 
 
-class ThreadSource:
-    """Fetch on a pool of threads; `post` (e.g. packing into the pinned ring) runs there too.
+class _Shared:
+    """What a `ThreadSource` shares with its worker threads (they hold no reference to the source,
+    so dropping the source stops them)."""
 
-    While the consumer waits for batch j it does not sit idle: it fetches a later batch that no
-    worker has started yet and keeps the result for its turn (work stealing). On a machine with
+    MEAN_WEIGHT = 0.2  # of the newest fetch in the running mean
+
+    def __init__(
+        self,
+        fetch: Callable[[Any], tuple[Any, dict[str, float]]],
+        post: Callable[[Any, dict[str, float]], tuple[Any, Any]] | None,
+        timed: bool,
+    ) -> None:
+        self.fetch, self.post, self.timed = fetch, post, timed
+        self.mean_fetch: float | None = None  # running mean of fetch seconds (`timed` only)
+        self.todo: deque[tuple[int, Any]] = deque()  # batches nobody has started, in order
+        self.done: dict[int, tuple[Any, BaseException | None]] = {}  # finished by a worker, not yet taken
+        self.wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()  # one token per batch put; None: exit
+        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()  # batches a worker finished
+        self.started: dict[int, float] = {}  # batch -> when a worker started it ("bounded" mode only)
+        self.init_error: BaseException | None = None
+
+    def work(self, indices: Any, j: int | None = None) -> tuple[Any, dict[str, float], Any]:
+        """Fetch one batch (batch `j` of the epoch when a worker runs it) and `post` it."""
+        if self.timed:
+            t0 = time.perf_counter()
+            if j is not None:
+                self.started[j] = t0
+        batch, timings = self.fetch(indices)
+        token = None
+        if self.post is not None:
+            batch, token = self.post(batch, timings)
+        if self.timed:
+            dt = time.perf_counter() - t0
+            mean = self.mean_fetch  # a racy update between threads only blurs the mean a little
+            self.mean_fetch = dt if mean is None else mean + self.MEAN_WEIGHT * (dt - mean)
+        return batch, timings, token
+
+
+def _thread_worker(shared: _Shared, wid: int, init: Callable[[int], None] | None) -> None:
+    """A worker thread: take the earliest unstarted batch per wake-up token, fetch it, report it."""
+    if init is not None:
+        try:
+            init(wid)
+        except BaseException as exc:  # noqa: BLE001 - raised in the consumer by its next get()
+            shared.init_error = exc
+            shared.ready.put(-1)
+            return
+    todo, done, wake, ready, work = shared.todo, shared.done, shared.wake, shared.ready, shared.work
+    while wake.get() is not None:
+        try:
+            j, indices = todo.popleft()
+        except IndexError:  # the consumer took that batch itself
+            continue
+        try:
+            done[j] = (work(indices, j), None)
+        except BaseException as exc:  # noqa: BLE001 - raised in the consumer when batch j's turn comes
+            done[j] = (None, exc)
+        ready.put(j)
+
+
+class ThreadSource:
+    """Fetch on worker threads; `post` (e.g. packing into the pinned ring) runs there too.
+
+    The hand-over is lean on purpose (it runs once per batch on both sides): `put` appends the
+    batch to a deque of unstarted batches and drops a token into a `SimpleQueue` that wakes one
+    worker; a worker pops the earliest unstarted batch, stores the result (or the exception) under
+    the batch number and reports the number on a second `SimpleQueue` that the consumer waits on.
+    No futures, no executor bookkeeping.
+
+    While the consumer waits for batch j it does not sit idle: it fetches the earliest later batch
+    that no worker has started yet and keeps the result for its turn (work stealing); a batch that
+    no worker has started when its turn comes is fetched by the consumer too. On a machine with
     few cores the consumer's thread is one more gatherer instead of a sleeper, and the order of
     batches, their contents and the errors raised are unchanged.
 
@@ -106,7 +172,6 @@ class ThreadSource:
 
     STEAL_MIN_REMAINING = 0.75  # of the mean fetch time
     STEAL_OVERDUE = 2.0  # mean fetch times
-    _MEAN_WEIGHT = 0.2  # of the newest fetch in the running mean
 
     def __init__(
         self,
@@ -120,84 +185,74 @@ class ThreadSource:
     ) -> None:
         self.fetch, self.post, self.timeout = fetch, post, timeout
         self.steal = resolve_steal(steal, num_workers=num_workers, timeout=timeout)
-        counter = iter(range(num_workers))
-        lock = threading.Lock()
-
-        def initializer() -> None:
-            with lock:
-                wid = next(counter)
-            if init is not None:
-                init(wid)
-
-        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="fastload", initializer=initializer)
-        self._futures: dict[int, tuple[Future[Any] | None, Any]] = {}
-        self._stolen: dict[int, tuple[Any, BaseException | None]] = {}  # done by the consumer, ahead of turn
-        self._started: dict[int, float] = {}  # batch -> when a worker started it
-        self._mean_fetch: float | None = None  # running mean of fetch seconds
+        # only the "bounded" mode needs fetch start times and their mean
+        self._shared = shared = _Shared(fetch, post, timed=self.steal == "bounded")
+        self._work = shared.work
         self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
-        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-
-    def _work(self, indices: Any, j: int | None = None) -> tuple[Any, dict[str, float], Any]:
-        timed = self.steal == "bounded"  # only that mode needs fetch start times and their mean
-        if timed:
-            t0 = time.perf_counter()
-            if j is not None:
-                self._started[j] = t0
-        batch, timings = self.fetch(indices)
-        token = None
-        if self.post is not None:
-            batch, token = self.post(batch, timings)
-        if timed:
-            dt = time.perf_counter() - t0
-            mean = self._mean_fetch  # a racy update between threads only blurs the mean a little
-            self._mean_fetch = dt if mean is None else mean + self._MEAN_WEIGHT * (dt - mean)
-        return batch, timings, token
+        self._threads = [
+            threading.Thread(target=_thread_worker, args=(shared, wid, init), name=f"fastload-{wid}", daemon=True)
+            for wid in range(num_workers)
+        ]
+        for t in self._threads:
+            t.start()
+        self._finalizer = weakref.finalize(self, _stop_threads, shared, num_workers)
 
     def put(self, j: int, indices: Any) -> None:
-        self._futures[j] = (self._pool.submit(self._work, indices, j), indices)
+        self._shared.todo.append((j, indices))
+        self._shared.wake.put(True)
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
-        fut, indices = self._futures.pop(j)
-        if fut is None:  # stolen earlier
-            result, error = self._stolen.pop(j)
-            if error is not None:
-                raise error
-            return result
-        if self.steal:
-            if fut.cancel():  # no worker has started it yet: do it here instead of waiting
-                return self._work(indices)
-            self._steal_while(fut, j)
+        shared = self._shared
+        done, todo = shared.done, shared.todo
+        deadline = time.monotonic() + self.timeout if self.timeout else None
+        while j not in done:
+            if shared.init_error is not None:
+                raise shared.init_error
+            if self.steal and todo:
+                try:
+                    k, indices = todo.popleft()
+                except IndexError:  # a worker took it meanwhile
+                    continue
+                if k == j:  # no worker has started batch j: fetch it here instead of waiting
+                    return self._work(indices)
+                if self._worth_stealing(j):
+                    self.stolen += 1
+                    try:
+                        done[k] = (self._work(indices), None)
+                    except Exception as exc:  # noqa: BLE001 - raised when batch k's turn comes, in order
+                        done[k] = (None, exc)
+                    continue
+                todo.appendleft((k, indices))  # batch j is nearly done: leave k to the workers
+                shared.wake.put(True)
+            self._wait_ready(deadline)
+        shared.started.pop(j, None)
+        result, error = done.pop(j)
+        if error is not None:
+            raise error
+        return result
+
+    def _wait_ready(self, deadline: float | None) -> None:
+        """Block until some worker reports a finished batch (or fails to start)."""
         try:
-            return fut.result(timeout=self.timeout or None)
-        except TimeoutError:
+            if deadline is None:
+                self._shared.ready.get()
+            else:
+                self._shared.ready.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
             raise WorkerError(f"DataLoader timed out after {self.timeout} seconds") from None
-        finally:
-            self._started.pop(j, None)
 
     def _worth_stealing(self, j: int) -> bool:
         """Whether batch j (running on a worker) should take long enough to fetch another meanwhile:
         it started less than 1 - STEAL_MIN_REMAINING mean fetches ago, or it is far overdue (over
         `STEAL_OVERDUE` means: stuck on something slow, so its end cannot be predicted)."""
-        mean, started = self._mean_fetch, self._started.get(j)
-        if mean is None or started is None:  # "always" records neither
+        shared = self._shared
+        if not shared.timed:
+            return True
+        mean, started = shared.mean_fetch, shared.started.get(j)
+        if mean is None or started is None:
             return True
         elapsed = time.perf_counter() - started
         return elapsed <= (1.0 - self.STEAL_MIN_REMAINING) * mean or elapsed >= self.STEAL_OVERDUE * mean
-
-    def _steal_while(self, fut: Future[Any], j: int) -> None:
-        """Fetch not-yet-started later batches, earliest first, while `fut` (batch j) is worth waiting for."""
-        for k in sorted(self._futures):
-            if fut.done() or not self._worth_stealing(j):
-                return
-            other, indices = self._futures[k]
-            if other is None or not other.cancel():
-                continue
-            self._futures[k] = (None, indices)
-            try:
-                self._stolen[k] = (self._work(indices), None)
-            except Exception as exc:  # noqa: BLE001 - raised when batch k's turn comes, in order
-                self._stolen[k] = (None, exc)
-            self.stolen += 1
 
     def run_inline(self, indices: Any) -> tuple[Any, dict[str, float], Any]:
         """Fetch in the calling thread (the pipeline's adaptive inline mode)."""
@@ -207,13 +262,17 @@ class ThreadSource:
         pass
 
     def close(self) -> None:
-        for fut, _ in self._futures.values():
-            if fut is not None:
-                fut.cancel()
-        self._futures.clear()
-        self._stolen.clear()
-        self._started.clear()
+        """Drop unstarted and finished batches; the workers exit after the fetch they are in."""
+        self._shared.todo.clear()
+        self._shared.done.clear()
+        self._shared.started.clear()
         self._finalizer()
+
+
+def _stop_threads(shared: _Shared, num_workers: int) -> None:
+    shared.todo.clear()
+    for _ in range(num_workers):
+        shared.wake.put(None)
 
 
 # ---------------------------------------------------------------- process workers

@@ -17,17 +17,22 @@ from fastload.workers import ThreadSource
 
 
 def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset()):
+    """A fetch that records which thread ran each batch; batch 0 waits for `gate` (and sets
+    `fetch.started0` when it begins)."""
     ran_by: dict[int, str] = {}
+    started0 = threading.Event()
 
     def fetch(indices):
         j = int(indices[0])
         if j == 0:
+            started0.set()
             assert gate.wait(10), "batch 0 was never released"
         ran_by[j] = threading.current_thread().name
         if j in fail:
             raise ValueError(f"bad batch {j}")
         return {"j": j}, {"read": 0.0}
 
+    fetch.started0 = started0
     return fetch, ran_by
 
 
@@ -38,6 +43,7 @@ def test_consumer_steals_unstarted_batches_while_waiting() -> None:
     try:
         for j in range(4):
             src.put(j, np.array([j]))
+        assert fetch.started0.wait(10)
         # the only worker is stuck on batch 0: the consumer fetches 1..3, then batch 0 is released
         threading.Timer(0.3, gate.set).start()
         got = [src.get(j)[0]["j"] for j in range(4)]
@@ -57,6 +63,7 @@ def test_error_in_a_stolen_batch_surfaces_at_its_turn() -> None:
     try:
         for j in range(4):
             src.put(j, np.array([j]))
+        assert fetch.started0.wait(10)
         threading.Timer(0.3, gate.set).start()
         assert src.get(0)[0]["j"] == 0  # batch 2 failed while the consumer waited: not raised yet
         assert src.stolen >= 2
@@ -146,7 +153,7 @@ def test_bounded_stealing_takes_a_nearly_done_batch() -> None:
         assert src.get(0)[0]["j"] == 0  # taken inline or by the worker: the mean fetch time is now known
         for j in range(1, 5):
             src.put(j, np.array([j]))
-        while 1 not in src._started:  # the worker has started batch 1
+        while 1 not in src._shared.started:  # the worker has started batch 1
             time.sleep(0.005)
         time.sleep(fetch_s - 0.08)  # batch 1 is ~80 ms from done, far less than 0.75 of a fetch
         before = src.stolen
@@ -177,3 +184,75 @@ def test_steal_modes() -> None:
     finally:
         auto.close()
         timed.close()
+
+
+def _fastload_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("fastload-") and t.is_alive()}
+
+
+def _wait_no_fastload_threads(before: set[threading.Thread], limit: float = 5.0) -> set[threading.Thread]:
+    deadline = time.monotonic() + limit
+    while (left := _fastload_threads() - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return left
+
+
+@pytest.mark.parametrize("how", ["exhaust", "break", "close", "del"])
+def test_thread_workers_exit_with_their_epoch(tmp_path, how: str) -> None:
+    """Worker threads stop when the epoch ends, is closed, or its iterator is dropped mid-epoch."""
+    import gc
+
+    schema = Schema((Field("y", "scalar", np.int64),))
+    write(({"y": i} for i in range(2000)), tmp_path / "ds", schema=schema, progress=False)
+    before = _fastload_threads()
+    loader = Loader(FastloadDataset(tmp_path / "ds"), batch_size=16, num_workers=2, worker_type="thread")
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    assert _fastload_threads() - before, "no worker threads were started"
+    if how == "exhaust":
+        assert sum(1 for _ in it) == len(loader) - 5
+    elif how == "close":
+        loader.close()
+    elif how == "del":
+        del it, loader
+        gc.collect()
+    else:
+        it.close()
+    assert not _wait_no_fastload_threads(before)
+
+
+def test_a_failing_thread_init_is_raised_in_the_consumer() -> None:
+    def init(wid: int) -> None:
+        raise OSError(f"cannot prepare worker {wid}")
+
+    src = ThreadSource(lambda idx: ({"j": int(idx[0])}, {}), 2, init=init, steal=False)
+    try:
+        src.put(0, np.array([0]))
+        with pytest.raises(OSError, match="cannot prepare worker"):
+            src.get(0)
+    finally:
+        src.close()
+
+
+def test_workers_filling_every_core_leave_one_to_the_stealing_consumer(tmp_path) -> None:
+    """num_workers >= usable cores: one worker thread fewer than the cores, and the consumer's
+    thread gathers too; with a worker_init_fn (no stealing) every requested worker runs."""
+    schema = Schema((Field("y", "scalar", np.int64),))
+    write(({"y": i} for i in range(256)), tmp_path / "ds", schema=schema, progress=False)
+    ds = FastloadDataset(tmp_path / "ds")
+    cores = usable_cores()
+    nw = max(2, cores)
+    it = iter(Loader(ds, batch_size=16, num_workers=nw, worker_type="thread"))
+    try:
+        expected = cores - 1 if cores > 1 else nw
+        assert len(it._source._threads) == expected
+        assert bool(it._source.steal) == (cores > 1)
+        assert sorted(int(y) for b in it for y in b["y"]) == list(range(256))
+    finally:
+        it.close()
+    with_init = iter(Loader(ds, batch_size=16, num_workers=nw, worker_type="thread", worker_init_fn=lambda w: None))
+    try:
+        assert len(with_init._source._threads) == nw and with_init._source.steal is False
+    finally:
+        with_init.close()
