@@ -102,7 +102,8 @@ class _Shared:
         self.todo: deque[tuple[int, Any]] = deque()  # batches nobody has started, in order
         self.done: dict[int, tuple[Any, BaseException | None]] = {}  # finished by a worker, not yet taken
         self.wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()  # one token per batch put; None: exit
-        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()  # batches a worker finished
+        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()  # batches finished while the consumer waited
+        self.waiting = False  # the consumer is (about to be) blocked on `ready`
         self.started: dict[int, float] = {}  # batch -> when a worker started it ("bounded" mode only)
         self.init_error: BaseException | None = None
 
@@ -142,7 +143,8 @@ def _thread_worker(shared: _Shared, wid: int, init: Callable[[int], None] | None
             done[j] = (work(indices, j), None)
         except BaseException as exc:  # noqa: BLE001 - raised in the consumer when batch j's turn comes
             done[j] = (None, exc)
-        ready.put(j)
+        if shared.waiting:  # only then: a consumer that never waits must not fill the queue
+            ready.put(j)
 
 
 class ThreadSource:
@@ -151,7 +153,8 @@ class ThreadSource:
     The hand-over is lean on purpose (it runs once per batch on both sides): `put` appends the
     batch to a deque of unstarted batches and drops a token into a `SimpleQueue` that wakes one
     worker; a worker pops the earliest unstarted batch, stores the result (or the exception) under
-    the batch number and reports the number on a second `SimpleQueue` that the consumer waits on.
+    the batch number and, if the consumer is waiting, reports the number on a second `SimpleQueue`
+    that the consumer blocks on.
     No futures, no executor bookkeeping.
 
     While the consumer waits for batch j it does not sit idle: it fetches the earliest later batch
@@ -224,22 +227,39 @@ class ThreadSource:
                     continue
                 todo.appendleft((k, indices))  # batch j is nearly done: leave k to the workers
                 shared.wake.put(True)
-            self._wait_ready(deadline)
+            self._wait_ready(j, deadline)
         shared.started.pop(j, None)
         result, error = done.pop(j)
         if error is not None:
             raise error
         return result
 
-    def _wait_ready(self, deadline: float | None) -> None:
-        """Block until some worker reports a finished batch (or fails to start)."""
+    def _wait_ready(self, j: int, deadline: float | None) -> None:
+        """Block until a worker reports a finished batch (or fails to start), unless batch j is done.
+
+        Workers report only while `waiting` is set: the flag goes up before `done` is checked, and
+        a worker stores its result before it reads the flag, so a result is either seen here or
+        reported. Reports left from earlier waits are drained first (at most one per worker).
+        """
+        shared = self._shared
+        ready = shared.ready
+        shared.waiting = True
         try:
+            while True:
+                try:
+                    ready.get_nowait()
+                except queue.Empty:
+                    break
+            if j in shared.done or shared.init_error is not None:
+                return
             if deadline is None:
-                self._shared.ready.get()
+                ready.get()
             else:
-                self._shared.ready.get(timeout=max(0.0, deadline - time.monotonic()))
+                ready.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             raise WorkerError(f"DataLoader timed out after {self.timeout} seconds") from None
+        finally:
+            shared.waiting = False
 
     def _worth_stealing(self, j: int) -> bool:
         """Whether batch j (running on a worker) should take long enough to fetch another meanwhile:

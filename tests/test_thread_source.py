@@ -256,3 +256,18 @@ def test_workers_filling_every_core_leave_one_to_the_stealing_consumer(tmp_path)
         assert len(with_init._source._threads) == nw and with_init._source.steal is False
     finally:
         with_init.close()
+
+
+def test_reports_do_not_pile_up_when_the_consumer_never_waits() -> None:
+    """Workers that are always ahead report nothing: the wake-up queue stays empty, not one entry per batch."""
+    src = ThreadSource(lambda idx: ({"j": int(idx[0])}, {}), 1, steal=False)
+    try:
+        for j in range(200):
+            src.put(j, np.array([j]))
+        deadline = time.monotonic() + 10
+        while len(src._shared.done) < 200 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert [src.get(j)[0]["j"] for j in range(200)] == list(range(200))
+        assert src._shared.ready.qsize() <= 1
+    finally:
+        src.close()
