@@ -192,15 +192,18 @@ class ThreadSource:
         self._shared = shared = _Shared(fetch, post, timed=self.steal == "bounded")
         self._work = shared.work
         self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
-        self._threads = [
+        self.num_threads = num_workers
+        self._unstarted = [
             threading.Thread(target=_thread_worker, args=(shared, wid, init), name=f"fastload-{wid}", daemon=True)
             for wid in range(num_workers)
         ]
-        for t in self._threads:
-            t.start()
         self._finalizer = weakref.finalize(self, _stop_threads, shared, num_workers)
 
     def put(self, j: int, indices: Any) -> None:
+        if self._unstarted:  # started by the first batch: an epoch the probe runs inline starts none
+            for t in self._unstarted:
+                t.start()
+            self._unstarted = []
         self._shared.todo.append((j, indices))
         self._shared.wake.put(True)
 
