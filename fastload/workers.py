@@ -186,7 +186,7 @@ class ThreadSource:
         init: Callable[[int], None] | None = None,
         steal: bool | str = "auto",
     ) -> None:
-        self.fetch, self.post, self.timeout = fetch, post, timeout
+        self.timeout = timeout
         self.steal = resolve_steal(steal, num_workers=num_workers, timeout=timeout)
         # only the "bounded" mode needs fetch start times and their mean
         self._shared = shared = _Shared(fetch, post, timed=self.steal == "bounded")

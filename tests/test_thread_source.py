@@ -36,16 +36,22 @@ def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset()):
     return fetch, ran_by
 
 
-def test_consumer_steals_unstarted_batches_while_waiting() -> None:
+def _stuck_on_batch_0(fail: set[int] = frozenset()) -> tuple[ThreadSource, dict[int, str]]:
+    """One worker that has started batch 0 of 4 and stays on it for 0.3 s (batches 1..3 unstarted)."""
     gate = threading.Event()
-    fetch, ran_by = _recording_fetch(gate)
+    fetch, ran_by = _recording_fetch(gate, fail)
     src = ThreadSource(fetch, 1)
+    for j in range(4):
+        src.put(j, np.array([j]))
+    assert fetch.started0.wait(10)
+    threading.Timer(0.3, gate.set).start()
+    return src, ran_by
+
+
+def test_consumer_steals_unstarted_batches_while_waiting() -> None:
+    # the only worker is stuck on batch 0: the consumer fetches 1..3, then batch 0 is released
+    src, ran_by = _stuck_on_batch_0()
     try:
-        for j in range(4):
-            src.put(j, np.array([j]))
-        assert fetch.started0.wait(10)
-        # the only worker is stuck on batch 0: the consumer fetches 1..3, then batch 0 is released
-        threading.Timer(0.3, gate.set).start()
         got = [src.get(j)[0]["j"] for j in range(4)]
     finally:
         src.close()
@@ -57,14 +63,8 @@ def test_consumer_steals_unstarted_batches_while_waiting() -> None:
 
 
 def test_error_in_a_stolen_batch_surfaces_at_its_turn() -> None:
-    gate = threading.Event()
-    fetch, _ = _recording_fetch(gate, fail={2})
-    src = ThreadSource(fetch, 1)
+    src, _ = _stuck_on_batch_0(fail={2})
     try:
-        for j in range(4):
-            src.put(j, np.array([j]))
-        assert fetch.started0.wait(10)
-        threading.Timer(0.3, gate.set).start()
         assert src.get(0)[0]["j"] == 0  # batch 2 failed while the consumer waited: not raised yet
         assert src.stolen >= 2
         assert src.get(1)[0]["j"] == 1
