@@ -7,6 +7,7 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -25,6 +26,12 @@ __all__ = ["RESIDENT_ITEM_BYTES", "RESIDENT_LIMIT", "FastloadDataset", "gather_r
 
 RESIDENT_ITEM_BYTES = 64  # fixed fields up to this size per sample are kept in memory (local datasets)
 RESIDENT_LIMIT = 256 << 20  # at most this many bytes of them per dataset
+
+
+def _gather_rows(
+    gather: Callable[[np.ndarray], Any], row_numbers: Callable[[np.ndarray], np.ndarray], indices: np.ndarray
+) -> Any:
+    return gather(row_numbers(indices))
 
 
 def gather_ragged(
@@ -332,6 +339,36 @@ class FastloadDataset:
         if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:] or buf.dtype != f.dtype:
             buf = pool[f.name] = np.empty(shape, dtype=f.dtype)
         return buf[: shape[0]]
+
+    def direct_takes(
+        self, gather: Callable[[np.ndarray], Callable[[np.ndarray], Any] | None] | None = None
+    ) -> list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None:
+        """`(field, take)` for every field when each is one `take` over all shards (a local dataset
+        whose fields are all fixed-size), else None; what `get_batch` runs in that case, for callers
+        that convert the columns themselves (the Loader's fast path). `take` wants an int64 index
+        array and raises IndexError for an index out of range; `get_batch` names the dataset in
+        that error.
+
+        With `gather`, each spliced (large) field is read by `gather(rows)(row_numbers)` instead of
+        `rows.take(row_numbers, axis=0)`, and its take returns what that returns: `gather(rows)` is
+        called here, once per field, and gets the field's rows array (it may return None: that
+        field keeps its own take); `row_numbers` are int64 and in bounds (another gather engine,
+        such as a multi-threaded one, without this package depending on it). The other fields'
+        takes are the same objects as without `gather`.
+        """
+        if self._spliced is None:
+            self._spliced_columns()
+        direct, spliced = self._direct, self._spliced
+        if gather is None or direct is None or spliced is None:
+            return direct
+        takes = []
+        for name, take in direct:
+            column = spliced.get(name)
+            engine = gather(column.rows) if column is not None else None
+            if engine is not None:
+                take = partial(_gather_rows, engine, column.row_numbers)
+            takes.append((name, take))
+        return takes
 
     def get_batch(self, indices: Any, *, fields: list[str] | None = None) -> dict[str, Any]:
         """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable ones.

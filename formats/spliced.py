@@ -118,6 +118,15 @@ class SplicedColumn:
         """
         if self.table is not None:
             return self.rows.take(self.table.take(indices), axis=0)
+        return self.rows.take(self.row_numbers(indices), axis=0)
+
+    def row_numbers(self, indices: np.ndarray) -> np.ndarray:
+        """Where the rows at `indices` are in `rows` (`take` is `rows.take(row_numbers(indices), axis=0)`).
+
+        Raises IndexError for an index out of range, so the result is always in bounds.
+        """
+        if self.table is not None:
+            return self.table.take(indices)
         n = len(self)
         if len(indices):
             lo, hi = int(indices.min()), int(indices.max())
@@ -126,7 +135,7 @@ class SplicedColumn:
             if lo < 0:
                 indices = np.where(indices < 0, indices + n, indices)
         part = self.part_starts.searchsorted(indices, side="right") - 1
-        return self.rows.take(indices + self.shift[part], axis=0)
+        return indices + self.shift[part]
 
 
 def _reserve(libc: ctypes.CDLL, parts: list[ColumnPart], row_bytes: int) -> tuple[int, tuple | None]:
