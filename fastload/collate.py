@@ -31,6 +31,7 @@ __all__ = [
     "pack_into",
     "unflatten",
     "views_from",
+    "zero_copy_column",
 ]
 
 ALIGN = 64
@@ -47,6 +48,16 @@ def _np_to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
+def zero_copy_column(name: str, col: Any, scalar_fields: frozenset[str] = frozenset()) -> bool:
+    """Whether `columns_to_torch` yields this column as a bare `torch.from_numpy(col)`: a writable
+    numeric numpy array in native byte order that needs no widening (a scalar field already is
+    int64 / float64, or is not an integer or float)."""
+    if not (type(col) is np.ndarray and col.dtype.kind in _STACKABLE and col.flags.writeable and col.dtype.isnative):
+        return False
+    kind = col.dtype.kind
+    return name not in scalar_fields or kind not in "iuf" or col.dtype == (np.float64 if kind == "f" else np.int64)
+
+
 def columns_to_torch(cols: dict[str, Any], *, scalar_fields: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Convert one `get_batch` result into the yielded batch (see module docstring).
 
@@ -54,13 +65,7 @@ def columns_to_torch(cols: dict[str, Any], *, scalar_fields: frozenset[str] = fr
     """
     out: dict[str, Any] = {}
     for name, col in cols.items():
-        if (
-            type(col) is np.ndarray
-            and col.dtype.kind in _STACKABLE
-            and name not in scalar_fields
-            and col.flags.writeable
-            and col.dtype.isnative
-        ):
+        if zero_copy_column(name, col, scalar_fields):
             out[name] = torch.from_numpy(col)  # the common case, zero copy
         elif isinstance(col, Ragged):
             if col.kind == "varray":

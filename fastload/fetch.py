@@ -3,7 +3,11 @@
 Modes (chosen by the Loader):
 
 * ``columns`` — fast path: `dataset.get_batch(indices)` once, optional `transform` on the
-  columnar dict, then `columns_to_torch` (no per-sample Python).
+  columnar dict, then `columns_to_torch` (no per-sample Python). Leanest case: a dataset whose
+  `direct_takes()` gives one `take` per field (local fastload datasets of fixed-size fields),
+  no `transform`, and columns that `columns_to_torch` would only wrap with `torch.from_numpy`
+  (checked on one sample as each epoch starts): each batch is then those takes and `from_numpy`,
+  nothing else, timed as "read". With two cores gathering, every microsecond the GIL is held per batch shows.
 * ``getitems`` — `dataset.__getitems__(indices)` once (as torch does), then `collate_fn`.
 * ``getitem`` — `[dataset[i] for i in indices]`, then `collate_fn`.
 * ``single`` — `batch_size=None`: `collate_fn(dataset[index])` (torch's `default_convert`).
@@ -15,14 +19,17 @@ note naming the failing sample index (found by retrying the batch sample by samp
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
+import torch
 
-from fastload.collate import columns_to_torch
+from fastload.collate import columns_to_torch, zero_copy_column
 
-__all__ = ["MODES", "Fetcher"]
+__all__ = ["MODES", "Fetcher", "torch_gather"]
 
 MODES = ("columns", "getitems", "getitem", "single")
 
@@ -43,10 +50,51 @@ class Fetcher:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.dataset, self.mode, self.collate_fn = dataset, mode, collate_fn
         self.transform, self.scalar_fields = transform, scalar_fields
+        self._takes: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None = None
+        self._takes_alone: list[tuple[str, Callable[[np.ndarray], torch.Tensor]]] | None = None  # make tensors
+        self._takes_checked = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_takes"] = state["_takes_alone"] = None  # bound to this process's mappings
+        state["_takes_checked"] = False
+        return state
+
+    def refresh(self) -> None:
+        """Look up the dataset's `direct_takes()` again, now (the Loader calls this as each epoch
+        starts, so a dataset closed and reopened between epochs is read through its new mappings;
+        in the consumer's thread, rather than in whichever worker fetches first)."""
+        self._takes_checked = False
+        self._direct_takes()
 
     def __call__(self, indices: Any) -> tuple[Any, dict[str, float]]:
+        return self._call(indices, alone=False)
+
+    def fetch_alone(self, indices: Any) -> tuple[Any, dict[str, float]]:
+        """`self(indices)` for a caller that no other thread fetches beside (`num_workers=0`, the
+        probe's inline stretch): the large fields of the direct path are gathered by one
+        `torch.index_select`, which torch spreads over its intra-op threads, so one consumer uses
+        every core torch may use. Same batch, same errors."""
+        return self._call(indices, alone=True)
+
+    def _call(self, indices: Any, *, alone: bool) -> tuple[Any, dict[str, float]]:
         try:
-            return self._fetch(indices)
+            if not self._takes_checked:
+                self._direct_takes()
+            takes = self._takes_alone if alone else self._takes
+            if takes is None:
+                return self._fetch(indices)
+            t0 = time.perf_counter()
+            idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+            try:
+                if alone:  # these make tensors
+                    batch = {name: take(idx) for name, take in takes}
+                else:
+                    batch = {name: torch.from_numpy(take(idx)) for name, take in takes}
+            except IndexError:
+                self.dataset.get_batch(indices)  # raises the error that names the dataset
+                raise
+            return batch, {"read": time.perf_counter() - t0}
         except Exception as e:
             self._annotate(e, indices)
             raise
@@ -79,6 +127,28 @@ class Fetcher:
         t3 = time.perf_counter()
         return batch, {"read": t1 - t0, "collate": t2 - t1, "transform": t3 - t2}
 
+    def _direct_takes(self) -> list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None:
+        """The dataset's `direct_takes()` in columns mode without a `transform`, when every column
+        they give converts with a bare `torch.from_numpy` (checked on one sample), else None."""
+        direct = getattr(self.dataset, "direct_takes", None)
+        takes = alone = None
+        if direct is not None and self.mode == "columns" and self.transform is None:
+            takes = direct()
+        if takes is not None:
+            probe = self.dataset.get_batch(np.zeros(min(1, len(self.dataset)), dtype=np.int64))
+            if list(probe) != [name for name, _ in takes] or not all(
+                zero_copy_column(name, col, self.scalar_fields) for name, col in probe.items()
+            ):
+                takes = None
+            else:  # spliced fields come as tensors made by torch; the others are `takes`' own, wrapped
+                plain = dict(takes)
+                alone = [
+                    (name, partial(_tensor_take, take) if take is plain[name] else take)
+                    for name, take in direct(gather=torch_gather)
+                ]
+        self._takes, self._takes_alone, self._takes_checked = takes, alone, True
+        return takes
+
     def _annotate(self, exc: BaseException, indices: Any) -> None:
         """Add a note with the failing sample index (retrying one by one if needed)."""
         if self.mode == "single":
@@ -89,6 +159,28 @@ class Fetcher:
             _note(exc, f"fastload: raised while loading sample index {bad} (batch indices {_short(indices)})")
         else:
             _note(exc, f"fastload: raised while loading batch indices {_short(indices)}")
+
+
+def _tensor_take(take: Callable[[np.ndarray], np.ndarray], indices: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(take(indices))
+
+
+def torch_gather(rows: np.ndarray) -> Callable[[np.ndarray], torch.Tensor] | None:
+    """`torch.from_numpy(rows.take(row_numbers, axis=0))` as one `torch.index_select`, which torch
+    splits over its intra-op threads, holding the GIL once per batch; made as a tensor, not
+    through numpy (see ARCHITECTURE.md, "The Loader's direct path"). None for a dtype torch
+    lacks. The mapping behind `rows` is never written through the tensor."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the mapping is read-only
+        try:
+            source = torch.from_numpy(rows)
+        except (TypeError, ValueError):  # no torch dtype for it, or not in native byte order
+            return None
+    return partial(_index_select, source)
+
+
+def _index_select(source: torch.Tensor, row_numbers: np.ndarray) -> torch.Tensor:
+    return torch.index_select(source, 0, torch.from_numpy(row_numbers))
 
 
 def _note(exc: BaseException, text: str) -> None:

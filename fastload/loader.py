@@ -211,20 +211,23 @@ class Loader:
         if self._active is not None:
             self._active.close()
         resume, self._resume = self._resume, None
+        self._fetcher.refresh()
         reuse_pool = self.persistent_workers and self._pool is not None and self.worker_type == "process"
         if isinstance(self._order, SeededOrder):
             base_seed, start, order = self._order.epoch(self._epoch, resume)
         else:
             base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume)
         self._position = start
-        depth = 1 if self.num_workers == 0 else self.num_workers * max(1, self.prefetch_factor or 1)
         steal, threads = False, self.num_workers
         if self.num_workers and self.worker_type == "thread":
             may_steal = self.worker_init_fn is None and not self.timeout
             threads = _worker_threads(self.num_workers, stealing_allowed=may_steal)
             steal = resolve_steal("auto" if may_steal else False, num_workers=threads, timeout=self.timeout)
-            if steal:
-                depth += STEAL_AHEAD  # batches no worker has started, for the waiting consumer to fetch itself
+        # prefetch_factor batches per worker actually started (fewer threads than num_workers: fewer
+        # batches in flight, less memory touched per round)
+        depth = 1 if self.num_workers == 0 else threads * max(1, self.prefetch_factor or 1)
+        if steal:
+            depth += STEAL_AHEAD  # batches no worker has started, for the waiting consumer to fetch itself
         device_index = self._device_index()
         ring = None
         if self._use_ring:
@@ -234,7 +237,7 @@ class Loader:
         ring_in_source = False
         owns = True
         if self.num_workers == 0:
-            source: Any = InlineSource(self._fetcher)
+            source: Any = InlineSource(self._fetcher.fetch_alone)
         elif self.worker_type == "thread":
             post = None
             if ring is not None:
@@ -246,6 +249,7 @@ class Loader:
                 post=post,
                 init=_thread_init(self.worker_init_fn, device_index),
                 steal=steal,
+                fetch_alone=self._fetcher.fetch_alone,
             )
         else:
             if reuse_pool:

@@ -96,8 +96,10 @@ class _Shared:
         fetch: Callable[[Any], tuple[Any, dict[str, float]]],
         post: Callable[[Any, dict[str, float]], tuple[Any, Any]] | None,
         timed: bool,
+        fetch_alone: Callable[[Any], tuple[Any, dict[str, float]]] | None = None,
     ) -> None:
         self.fetch, self.post, self.timed = fetch, post, timed
+        self.fetch_alone = fetch_alone or fetch
         self.mean_fetch: float | None = None  # running mean of fetch seconds (`timed` only)
         self.todo: deque[tuple[int, Any]] = deque()  # batches nobody has started, in order
         self.done: dict[int, tuple[Any, BaseException | None]] = {}  # finished by a worker, not yet taken
@@ -107,13 +109,14 @@ class _Shared:
         self.started: dict[int, float] = {}  # batch -> when a worker started it ("bounded" mode only)
         self.init_error: BaseException | None = None
 
-    def work(self, indices: Any, j: int | None = None) -> tuple[Any, dict[str, float], Any]:
-        """Fetch one batch (batch `j` of the epoch when a worker runs it) and `post` it."""
+    def work(self, indices: Any, j: int | None = None, *, alone: bool = False) -> tuple[Any, dict[str, float], Any]:
+        """Fetch one batch (batch `j` of the epoch when a worker runs it) and `post` it; `alone`:
+        no worker is fetching meanwhile (`fetch_alone` may use every core)."""
         if self.timed:
             t0 = time.perf_counter()
             if j is not None:
                 self.started[j] = t0
-        batch, timings = self.fetch(indices)
+        batch, timings = (self.fetch_alone if alone else self.fetch)(indices)
         token = None
         if self.post is not None:
             batch, token = self.post(batch, timings)
@@ -185,11 +188,12 @@ class ThreadSource:
         post: Callable[[Any, dict[str, float]], tuple[Any, Any]] | None = None,
         init: Callable[[int], None] | None = None,
         steal: bool | str = "auto",
+        fetch_alone: Callable[[Any], tuple[Any, dict[str, float]]] | None = None,
     ) -> None:
         self.timeout = timeout
         self.steal = resolve_steal(steal, num_workers=num_workers, timeout=timeout)
         # only the "bounded" mode needs fetch start times and their mean
-        self._shared = shared = _Shared(fetch, post, timed=self.steal == "bounded")
+        self._shared = shared = _Shared(fetch, post, timed=self.steal == "bounded", fetch_alone=fetch_alone)
         self._work = shared.work
         self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
         self.num_threads = num_workers
@@ -278,8 +282,9 @@ class ThreadSource:
         return elapsed <= (1.0 - self.STEAL_MIN_REMAINING) * mean or elapsed >= self.STEAL_OVERDUE * mean
 
     def run_inline(self, indices: Any) -> tuple[Any, dict[str, float], Any]:
-        """Fetch in the calling thread (the pipeline's adaptive inline mode)."""
-        return self._work(indices)
+        """Fetch in the calling thread (the pipeline's adaptive inline mode: no batch is in flight
+        then, so it runs `fetch_alone`)."""
+        return self._work(indices, alone=True)
 
     def release(self, token: Any) -> None:
         pass
