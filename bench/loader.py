@@ -7,8 +7,10 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
 
 * raw: `np.take` over an `np.memmap` of shuffled batches of 256 (the fastest numpy gather,
   faster than `mm[idx]` fancy indexing), on one thread and on one thread per core (each taking
-  every other batch, no consumer); the limit is the faster of the two; and `get_batch` on one
-  thread per core the same way (the dataset layer without the Loader);
+  every other batch, no consumer), and `torch.index_select` over the same memmap on torch's
+  intra-op threads (one call per batch); each keeps the previous batch while gathering the next,
+  as a consumer does; the limit is the fastest of the three; and `get_batch` on one thread per
+  core the same way (the dataset layer without the Loader);
 * fastload.Loader on the format (seeded shuffle; num_workers 0/1/2, thread workers), and in
   drop-in torch-order mode (shuffle=True + generator, no seed);
 * torch DataLoader at its best num_workers (0/1/2) with a per-sample `__getitem__` dataset over
@@ -26,10 +28,12 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,13 +43,14 @@ import torch
 from torch.utils.data import DataLoader
 
 import fastload.formats as formats
+from fastload.fetch import Fetcher
 from fastload.loader import Loader
 from fastload.system import usable_cores
 
 __all__ = ["main"]
 
 CORES = usable_cores()
-GENERIC_ROUNDS = 6  # interleaved rounds for the generic-dataset rows (best of each)
+GENERIC_ROUNDS = 8  # paired rounds for the generic-dataset rows (median of the per-round ratios)
 RECORD = 3072  # bytes per sample: x (3064 uint8) + label (int64)
 BATCH = 256
 
@@ -186,6 +191,18 @@ def gather_parallel(read: Callable[[np.ndarray], Any], n: int, limit: int, threa
     return len(batches) * BATCH / (time.perf_counter() - t0)
 
 
+def raw_torch_gather(raw: str, limit: int) -> Iterable[torch.Tensor]:
+    """`torch.index_select` over the memmap, one call per shuffled batch, which torch splits
+    over its intra-op threads (the engine the Loader uses when it fetches alone)."""
+    mm = np.load(raw, mmap_mode="r")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only memmap, never written
+        source = torch.from_numpy(mm)
+    perm = torch.from_numpy(np.random.default_rng(1).permutation(len(mm)))
+    for k in range(0, min(limit + 2 * BATCH, len(mm)) - BATCH + 1, BATCH):
+        yield torch.index_select(source, 0, perm[k : k + BATCH])
+
+
 def raw_gather_parallel(raw: str, limit: int, threads: int) -> float:
     """The machine's gather limit with all its cores: `np.take` over a fresh memmap on `threads` threads."""
     mm = np.load(raw, mmap_mode="r")
@@ -297,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict[str, Callable[[], float]] = {
         "raw memmap gather, 1 thread": lambda: rate(raw_gather(raw, n), limit, len),
         f"raw memmap gather, {CORES} threads": lambda: raw_gather_parallel(raw, limit, CORES),
+        f"raw torch.index_select, {torch.get_num_threads()} intra-op threads": lambda: rate(
+            raw_torch_gather(raw, n), limit, len
+        ),
         f"get_batch on {CORES} threads, no Loader": lambda: gather_parallel(
             fds.get_batch, len(fds), limit, CORES, sort=True
         ),
@@ -304,22 +324,24 @@ def main(argv: list[str] | None = None) -> int:
         "fastload.Loader nw=0 (torch order)": lambda: fl(0, generator=torch.Generator().manual_seed(0)),
         **{f"torch DataLoader nw={w} __getitem__": (lambda w=w: tl(item_ds, w)) for w in (0, 1, 2)},
         **{f"torch DataLoader nw={w} __getitems__": (lambda w=w: tl(items_ds, w)) for w in (0, 1, 2)},
-        **{f"python ds: torch nw={w}": (lambda w=w: py(DataLoader, w)) for w in (0, 2)},
-        **{f"python ds: fastload nw={w}": (lambda w=w: py(Loader, w)) for w in (0, 2)},
     }
     best: dict[str, float] = dict.fromkeys(configs, 0.0)
     for _ in range(trials):
         for name, fn in configs.items():
             best[name] = max(best[name], fn())
     # The generic rows do identical per-sample work on both sides, so their ratio sits near 1 and a
-    # shared machine's noise decides its sign: more interleaved rounds for them (short runs).
+    # shared machine's noise decides its sign: paired rounds (torch and fastload back to back, the
+    # order alternating so neither always runs after the other's worker teardown), the median of
+    # the per-round ratios.
     generic_rounds = trials if args.quick else max(trials, GENERIC_ROUNDS)
-    for _ in range(generic_rounds - trials):
-        for name, fn in configs.items():
-            if name.startswith("python ds"):
-                best[name] = max(best[name], fn())
+    generic: dict[int, dict[str, list[float]]] = {w: {"torch": [], "fastload": []} for w in (0, 2)}
+    for r in range(generic_rounds):
+        for w in (0, 2):
+            sides = [("torch", DataLoader), ("fastload", Loader)]
+            for side, cls in sides if r % 2 == 0 else sides[::-1]:
+                generic[w][side].append(py(cls, w))
     raw_one = best["raw memmap gather, 1 thread"]
-    raw_rate = max(raw_one, best[f"raw memmap gather, {CORES} threads"])  # the limit: the faster of the two
+    raw_rate = max(v for k, v in best.items() if k.startswith("raw "))  # the limit: the fastest raw row
     fl_best = max(v for k, v in best.items() if k.startswith("fastload.Loader") and "seed" in k)
     torch_item = max(v for k, v in best.items() if k.endswith("__getitem__"))
     torch_items = max(v for k, v in best.items() if k.endswith("__getitems__"))
@@ -328,10 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n3 KiB records, {n} samples, batch {BATCH}, shuffled; {os.cpu_count()} cores; best of {trials}\n")
     print(f"{'configuration':42s} {'samples/s':>12s} {'vs raw':>8s} {'vs torch best':>14s}")
     for name, v in best.items():
-        if name.startswith("python ds"):
-            continue
         print(f"{name:42s} {v:12,.0f} {v / raw_rate:8.2f} {v / torch_best:14.2f}")
-    print(f"\nfastload best / raw gather limit      : {fl_best / raw_rate:.2f}   (target >= 0.90; the faster raw row)")
+    print(f"\nfastload best / raw gather limit      : {fl_best / raw_rate:.2f}   (target >= 0.90; the fastest raw row)")
     print(f"fastload best / raw gather, 1 thread  : {fl_best / raw_one:.2f}")
     gb_par = best[f"get_batch on {CORES} threads, no Loader"]
     print(f"get_batch on {CORES} threads / limit      : {gb_par / raw_rate:.2f}   (the dataset layer alone)")
@@ -339,10 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fastload best / torch DataLoader best  : {fl_best / torch_best:.2f}   (target >= 5)")
     print(f"fastload best / torch best __getitem__ : {fl_best / torch_item:.2f}")
     print(f"fastload best / torch best __getitems__: {fl_best / torch_items:.2f}")
-    print(f"\ngeneric Python __getitem__ dataset (batch 64), same num_workers, best of {generic_rounds}:")
+    print(f"\ngeneric Python __getitem__ dataset (batch 64), same num_workers, {generic_rounds} paired rounds:")
     for w in (0, 2):
-        t, f = best[f"python ds: torch nw={w}"], best[f"python ds: fastload nw={w}"]
-        print(f"  nw={w}: torch {t:10,.0f}/s  fastload {f:10,.0f}/s  ratio {f / t:.2f}   (target >= 1)")
+        t, f = generic[w]["torch"], generic[w]["fastload"]
+        ratios = sorted(b / a for a, b in zip(t, f))
+        print(
+            f"  nw={w}: torch {max(t):10,.0f}/s  fastload {max(f):10,.0f}/s (best)  ratio median "
+            f"{statistics.median(ratios):.2f}, rounds {ratios[0]:.2f}-{ratios[-1]:.2f}   (target >= 1)"
+        )
     epochs = 3 if args.quick else 20
     rss_limit = n if args.quick else min(n, 100_000)
     fl_rss, t_rss = run_child("fastload", ds_dir, epochs, rss_limit), run_child("torch", ds_dir, 2, rss_limit)
@@ -375,17 +399,25 @@ def print_breakdown(fds: Any, raw: str, *, trials: int) -> None:
         for b in batches:
             mm.take(b, axis=0)
 
-    def held() -> None:
-        kept = None
-        for b in batches:
-            kept = mm.take(b, axis=0)  # a consumer holds its batch while the next is read
-        del kept
+    def holding(read: Callable[[Any], Any], batch_list: list[Any]) -> Callable[[], None]:
+        """One epoch of `read` over `batch_list`, each result held while the next is read (as a consumer does)."""
 
-    def get_batch() -> None:
-        kept = None
-        for b in sorted_batches:
-            kept = fds.get_batch(b)
-        del kept
+        def epoch() -> None:
+            kept = None
+            for b in batch_list:
+                kept = read(b)
+            del kept
+
+        return epoch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only memmap, never written
+        source = torch.from_numpy(mm)
+    fetcher = Fetcher(fds, mode="columns", collate_fn=None, scalar_fields=frozenset({"y"}))
+    held = holding(lambda b: mm.take(b, axis=0), batches)
+    get_batch = holding(fds.get_batch, sorted_batches)
+    torch_held = holding(lambda b: torch.index_select(source, 0, b), [torch.from_numpy(b) for b in batches])
+    fetch_alone = holding(fetcher.fetch_alone, sorted_batches)
 
     def loader_epoch() -> None:
         for _ in loader:
@@ -395,23 +427,28 @@ def print_breakdown(fds: Any, raw: str, *, trials: int) -> None:
         for _ in ready:
             pass
 
-    steps = {
-        "raw np.take, result dropped at once": dropped,
-        "raw np.take, previous batch held": held,
-        "FastloadDataset.get_batch (x + label)": get_batch,
-        "fastload.Loader nw=0 (seed), whole epoch": loader_epoch,
-        "the same Loader over ready batches (its own cost)": ready_epoch,
+    threads = torch.get_num_threads()
+    np_held, torch_held_name = "raw np.take, previous batch held", f"raw torch.index_select ({threads} threads), held"
+    steps = {  # name: (run one epoch, the raw row it is compared with)
+        "raw np.take, result dropped at once": (dropped, np_held),
+        np_held: (held, np_held),
+        "FastloadDataset.get_batch (x + label)": (get_batch, np_held),
+        torch_held_name: (torch_held, torch_held_name),
+        "Fetcher.fetch_alone (x + label; what nw=0 runs)": (fetch_alone, torch_held_name),
+        "fastload.Loader nw=0 (seed), whole epoch": (loader_epoch, torch_held_name),
+        "the same Loader over ready batches (its own cost)": (ready_epoch, None),
     }
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(trials):
-        for name, fn in steps.items():
+        for name, (fn, _) in steps.items():
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], (time.perf_counter() - t0) / len(batches))
-    print(f"\nper-batch breakdown (us per batch of 256, best of {trials} epochs):")
-    held_us = best["raw np.take, previous batch held"]
+    print(f"\nper-batch breakdown (us per batch of 256, best of {trials} epochs; rate vs the raw row of its engine):")
     for name, sec in best.items():
-        ratio = "" if "ready" in name else f"  {held_us / sec:5.2f} of raw held"
+        base = steps[name][1]
+        engine = "np.take" if base == np_held else "index_select"
+        ratio = "" if base is None else f"  {best[base] / sec:5.2f} of {engine}"
         print(f"  {name:50s} {sec * 1e6:8.1f} us{ratio}")
 
 
