@@ -19,7 +19,10 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
 * peak RSS of each process tree (fastload vs torch on the same workload) and fastload's RSS
   over 20 epochs (measured in child processes).
 
-Throughput is timed from the first batch received (worker start-up excluded for everyone).
+Every row of the main table makes `TIMED_EPOCHS` passes (a loader object iterated that many
+times, as a training loop does; torch's workers persistent, its best setting for several epochs;
+the raw rows over as many shuffled orders) and is timed from the first batch received (worker
+start-up excluded for everyone); the Loader's inline-vs-threads probe runs inside that time.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from fastload.system import usable_cores
 __all__ = ["main"]
 
 CORES = usable_cores()
+TIMED_EPOCHS = 3  # passes timed per row of the main table (one loader object each, as in training)
 GENERIC_ROUNDS = 8  # paired rounds for the generic-dataset rows (median of the per-round ratios)
 RECORD = 3072  # bytes per sample: x (3064 uint8) + label (int64)
 BATCH = 256
@@ -160,19 +164,32 @@ def rate(batches: Iterable[Any], limit: int, size: Callable[[Any], int]) -> floa
     return n / dt if dt > 0 else float("nan")
 
 
-def raw_gather(raw: str, limit: int) -> Iterable[np.ndarray]:
+def shuffled_batches(n: int, epochs: int) -> list[np.ndarray]:
+    """The full batches of `epochs` passes over `n` samples, each pass in its own shuffled order."""
+    out = []
+    for e in range(epochs):
+        perm = np.random.default_rng(1 + e).permutation(n)
+        out += [perm[k : k + BATCH] for k in range(0, n - BATCH + 1, BATCH)]
+    return out
+
+
+def epochs_of(loader: Iterable[Any], epochs: int) -> Iterable[Any]:
+    """`epochs` passes over the same loader object, as a training loop makes them."""
+    for _ in range(epochs):
+        yield from loader
+
+
+def raw_gather(raw: str, epochs: int) -> Iterable[np.ndarray]:
     mm = np.load(raw, mmap_mode="r")
-    perm = np.random.default_rng(1).permutation(len(mm))
-    for k in range(0, min(limit + 2 * BATCH, len(mm)) - BATCH + 1, BATCH):
-        yield mm.take(perm[k : k + BATCH], axis=0)  # np.take: faster than mm[idx] fancy indexing
+    for b in shuffled_batches(len(mm), epochs):
+        yield mm.take(b, axis=0)  # np.take: faster than mm[idx] fancy indexing
 
 
-def gather_parallel(read: Callable[[np.ndarray], Any], n: int, limit: int, threads: int, *, sort: bool) -> float:
-    """Samples/s of `threads` threads each reading every `threads`-th shuffled batch with `read`
-    (which releases the GIL for its copy), with no hand-over to a consumer at all. `sort` sorts
-    the indices inside each batch, as the Loader's seeded order does."""
-    perm = np.random.default_rng(1).permutation(n)
-    batches = [perm[k : k + BATCH] for k in range(0, min(limit, n) - BATCH + 1, BATCH)]
+def gather_parallel(read: Callable[[np.ndarray], Any], n: int, epochs: int, threads: int, *, sort: bool) -> float:
+    """Samples/s of `threads` threads each reading every `threads`-th shuffled batch of `epochs`
+    passes with `read` (which releases the GIL for its copy), with no hand-over to a consumer at
+    all. `sort` sorts the indices inside each batch, as the Loader's seeded order does."""
+    batches = shuffled_batches(n, epochs)
     if sort:
         batches = [np.sort(b) for b in batches]
 
@@ -191,22 +208,21 @@ def gather_parallel(read: Callable[[np.ndarray], Any], n: int, limit: int, threa
     return len(batches) * BATCH / (time.perf_counter() - t0)
 
 
-def raw_torch_gather(raw: str, limit: int) -> Iterable[torch.Tensor]:
+def raw_torch_gather(raw: str, epochs: int) -> Iterable[torch.Tensor]:
     """`torch.index_select` over the memmap, one call per shuffled batch, which torch splits
     over its intra-op threads (the engine the Loader uses when it fetches alone)."""
     mm = np.load(raw, mmap_mode="r")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only memmap, never written
         source = torch.from_numpy(mm)
-    perm = torch.from_numpy(np.random.default_rng(1).permutation(len(mm)))
-    for k in range(0, min(limit + 2 * BATCH, len(mm)) - BATCH + 1, BATCH):
-        yield torch.index_select(source, 0, perm[k : k + BATCH])
+    for b in shuffled_batches(len(mm), epochs):
+        yield torch.index_select(source, 0, torch.from_numpy(b))
 
 
-def raw_gather_parallel(raw: str, limit: int, threads: int) -> float:
+def raw_gather_parallel(raw: str, epochs: int, threads: int) -> float:
     """The machine's gather limit with all its cores: `np.take` over a fresh memmap on `threads` threads."""
     mm = np.load(raw, mmap_mode="r")
-    return gather_parallel(lambda b: mm.take(b, axis=0), len(mm), limit, threads, sort=False)
+    return gather_parallel(lambda b: mm.take(b, axis=0), len(mm), epochs, threads, sort=False)
 
 
 def dict_size(b: Any) -> int:
@@ -296,29 +312,36 @@ def main(argv: list[str] | None = None) -> int:
     item_ds, items_ds = MemmapItemDS(raw), MemmapItemsDS(raw)
     py_n = min(n, 40_000)
     py_ds = PythonDS(raw, py_n)
-    limit = n - 2 * BATCH
-    for _ in raw_gather(raw, n):  # warm the page cache and page tables once, for everyone
+    epochs = TIMED_EPOCHS
+    limit = epochs * n - 2 * BATCH  # samples timed per row: every pass but the first batch, and a margin
+    for _ in raw_gather(raw, 1):  # warm the page cache and page tables once, for everyone
         pass
 
-    def fl(nw: int, **kw: Any) -> float:
-        return rate(
-            Loader(fds, batch_size=BATCH, shuffle=True, num_workers=nw, worker_type="thread", **kw), limit, dict_size
-        )
+    probe_log: dict[int, list[str]] = {1: [], 2: []}  # the thread probe's final mode per timed run
 
-    def tl(ds: Any, nw: int) -> float:
-        return rate(DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=nw), limit, dict_size)
+    def fl(nw: int, **kw: Any) -> float:
+        loader = Loader(fds, batch_size=BATCH, shuffle=True, num_workers=nw, worker_type="thread", **kw)
+        samples_per_s = rate(epochs_of(loader, epochs), limit, dict_size)
+        probe = loader._probe
+        if nw in probe_log and probe is not None:
+            probe_log[nw].append(f"{probe.choice} ({probe.switches} switches, {probe.retries} retries)")
+        return samples_per_s
+
+    def tl(ds: Any, nw: int) -> float:  # persistent workers: torch's best setting over several epochs
+        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=nw, persistent_workers=nw > 0)
+        return rate(epochs_of(loader, epochs), limit, dict_size)
 
     def py(cls: Any, nw: int) -> float:
         return rate(cls(py_ds, batch_size=64, shuffle=True, num_workers=nw), py_n - 128, lambda b: len(b[1]))
 
     configs: dict[str, Callable[[], float]] = {
-        "raw memmap gather, 1 thread": lambda: rate(raw_gather(raw, n), limit, len),
-        f"raw memmap gather, {CORES} threads": lambda: raw_gather_parallel(raw, limit, CORES),
+        "raw memmap gather, 1 thread": lambda: rate(raw_gather(raw, epochs), limit, len),
+        f"raw memmap gather, {CORES} threads": lambda: raw_gather_parallel(raw, epochs, CORES),
         f"raw torch.index_select, {torch.get_num_threads()} intra-op threads": lambda: rate(
-            raw_torch_gather(raw, n), limit, len
+            raw_torch_gather(raw, epochs), limit, len
         ),
         f"get_batch on {CORES} threads, no Loader": lambda: gather_parallel(
-            fds.get_batch, len(fds), limit, CORES, sort=True
+            fds.get_batch, len(fds), epochs, CORES, sort=True
         ),
         **{f"fastload.Loader nw={w} (thread, seed)": (lambda w=w: fl(w, seed=0)) for w in (0, 1, 2)},
         "fastload.Loader nw=0 (torch order)": lambda: fl(0, generator=torch.Generator().manual_seed(0)),
@@ -347,10 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     torch_items = max(v for k, v in best.items() if k.endswith("__getitems__"))
     torch_best = max(torch_item, torch_items)  # the DataLoader at its best, either dataset style
 
-    print(f"\n3 KiB records, {n} samples, batch {BATCH}, shuffled; {os.cpu_count()} cores; best of {trials}\n")
+    print(
+        f"\n3 KiB records, {n} samples, batch {BATCH}, shuffled; {os.cpu_count()} cores; {epochs} epochs per row "
+        f"(one loader object), best of {trials}\n"
+    )
     print(f"{'configuration':42s} {'samples/s':>12s} {'vs raw':>8s} {'vs torch best':>14s}")
     for name, v in best.items():
         print(f"{name:42s} {v:12,.0f} {v / raw_rate:8.2f} {v / torch_best:14.2f}")
+    for nw, runs in probe_log.items():
+        print(f"  thread probe, nw={nw}, per trial: {'; '.join(runs)}")
     print(f"\nfastload best / raw gather limit      : {fl_best / raw_rate:.2f}   (target >= 0.90; the fastest raw row)")
     print(f"fastload best / raw gather, 1 thread  : {fl_best / raw_one:.2f}")
     gb_par = best[f"get_batch on {CORES} threads, no Loader"]
@@ -367,9 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             f"  nw={w}: torch {max(t):10,.0f}/s  fastload {max(f):10,.0f}/s (best)  ratio median "
             f"{statistics.median(ratios):.2f}, rounds {ratios[0]:.2f}-{ratios[-1]:.2f}   (target >= 1)"
         )
-    epochs = 3 if args.quick else 20
+    rss_epochs = 3 if args.quick else 20
     rss_limit = n if args.quick else min(n, 100_000)
-    fl_rss, t_rss = run_child("fastload", ds_dir, epochs, rss_limit), run_child("torch", ds_dir, 2, rss_limit)
+    fl_rss, t_rss = run_child("fastload", ds_dir, rss_epochs, rss_limit), run_child("torch", ds_dir, 2, rss_limit)
     mib = 2**20
     print(
         f"\npeak RSS (process tree, num_workers=2): fastload {fl_rss['peak_rss'] / mib:,.0f} MiB, "
@@ -378,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     pe = fl_rss["per_epoch"]
     print(
-        f"fastload RSS over {epochs} epochs: after epoch 2 {pe[min(1, len(pe) - 1)] / mib:,.0f} MiB, "
-        f"after epoch {epochs} {pe[-1] / mib:,.0f} MiB (growth {(pe[-1] - pe[min(1, len(pe) - 1)]) / mib:+.1f} MiB)"
+        f"fastload RSS over {rss_epochs} epochs: after epoch 2 {pe[min(1, len(pe) - 1)] / mib:,.0f} MiB, "
+        f"after epoch {rss_epochs} {pe[-1] / mib:,.0f} MiB (growth {(pe[-1] - pe[min(1, len(pe) - 1)]) / mib:+.1f} MiB)"
     )
     print_breakdown(fds, raw, trials=max(3, trials))
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")

@@ -4,9 +4,11 @@ Buffers are handed back two batches late: when the consumer asks for batch j+1 i
 variable still holds batch j, so batch j-1's buffers are the ones released then (and a buffer
 still referenced by the user is retired, never overwritten).
 
-Thread workers are A/B-tested (`ThreadProbe`, one per Loader, continued across epochs): 24
-batches with the consumer fetching itself, 24 with the workers, timed as the consumer sees them
-(its own work included).
+Thread workers are A/B-tested (`ThreadProbe`, one per Loader, continued across epochs): a
+window of batches with the consumer fetching itself, then one with the workers after they have
+warmed up, timed as the consumer sees them (its own work included); when inline wins, the workers
+are tried again later (after 0.25 s, then twice as long each time), so one comparison spoiled by
+a noisy neighbour does not decide a whole run.
 When fetching inline is faster — small GIL-light batches, where the thread hand-off costs more
 than it overlaps — the loader continues inline, so adding workers never loses to
 `num_workers=0`. When the consumer is busy (a training step) the workers win and stay.
@@ -91,8 +93,9 @@ class EpochIterator:
         self._loader._delivered(self, pos)
         t1 = _perf()
         self._stats.delivered(n, t1 - t0, t1)
-        if self.probe is not None and self.probe.phase != "done":
-            self.probe.tick(self, t1)
+        probe = self.probe
+        if probe is not None and (probe.phase != "done" or probe.choice == "inline"):
+            probe.tick(self, t1)
         return out
 
     # ---- stages
@@ -219,19 +222,24 @@ class ThreadProbe:
     """Inline vs threaded fetching, by the consumer-visible batch rate; one per Loader.
 
     Inline goes first (cheap; at least `WINDOW` batches and `MIN_WINDOW_S`); then the workers
-    fill their queue (a warm-up, so a backlog of ready batches cannot inflate their rate) and are
-    timed for as long (a third of it when they are `CLEAR_LOSS` slower); if epoch boundaries cut
-    their window more than `MAX_RESTARTS` times (epochs too short to time them), inline stays.
+    fill their queue and warm up (`FILL` batches at least: so neither a backlog of ready batches
+    nor the first slow batches after the switch decide) and are timed for as long as inline was
+    (a third of it when they are `CLEAR_LOSS` slower); if epoch boundaries cut their window more
+    than `MAX_RESTARTS` times (epochs too short to time them), inline stays.
     The workers are kept only if they beat inline by `MARGIN`, and are watched afterwards
     (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than inline switches to
-    inline. The probe lives as long as its Loader: a decision carries over to later epochs.
+    inline. Inline is not final either: the workers are tried again after `RETRY_S` of it, then
+    after twice as long each time (up to `RETRY_MAX_S`), against the rate of that inline stretch,
+    so one noisy comparison on a shared machine does not fix the mode for the whole run. The
+    probe lives as long as its Loader: a decision carries over to later epochs.
     """
 
-    WARMUP, WINDOW, MARGIN, WATCH = 2, 24, 1.05, 64
+    WARMUP, WINDOW, MARGIN, WATCH, FILL = 2, 24, 1.05, 64, 32
     MIN_WINDOW_S = 0.03  # a timed window also lasts this long: a hypervisor's ms-long stalls average out
     WATCH_S = 0.15  # and a watch window this long
     CLEAR_LOSS = 1.25  # threads this much slower after a third of the window: stop timing them
     MAX_RESTARTS = 2  # epoch boundaries that may cut the workers' window before the probe settles on inline
+    RETRY_S, RETRY_MAX_S = 0.25, 64.0  # inline chosen: seconds until the workers are tried again (doubling)
 
     def __init__(self) -> None:
         self.phase, self.count, self.t0 = "warmup", 0, 0.0
@@ -240,13 +248,16 @@ class ThreadProbe:
         self.restarts = 0
         self.choice = "inline"
         self.switches = 0  # mode changes after the probe (diagnostics)
+        self.retries = 0  # times the workers were tried again after inline was chosen (diagnostics)
+        self.retry_s = self.RETRY_S
+        self.retry_at = float("inf")  # when the workers are tried again (inline chosen)
 
     def attach(self, it: EpochIterator, now: float) -> None:
         """Start an epoch in the mode the probe has reached; its current window restarts."""
         if self.phase in ("fill", "threads"):
             self.restarts += 1
             if self.restarts > self.MAX_RESTARTS:  # epochs too short to time the workers: stay inline
-                self._inline(it)
+                self._inline(it, now)
         if self.phase == "threads":
             self.phase = "fill"  # the epoch boundary drained the workers' queue: refill first
         threads = self.phase in ("fill", "watch") or (self.phase == "done" and self.choice == "threads")
@@ -265,7 +276,7 @@ class ThreadProbe:
                 self.phase, self.count = "fill", 0
                 it._depth = it._full_depth
         elif self.phase == "fill":
-            if self.count >= it._full_depth + 2:
+            if self.count >= max(it._full_depth + 2, self.FILL):
                 self.phase, self.count, self.t0 = "threads", 0, now
         elif self.phase == "threads":
             clearly_losing = (  # cut a losing window short: probing costs the slower mode's rate
@@ -277,14 +288,24 @@ class ThreadProbe:
                     self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now
                     self.switches += 1
                 else:
-                    self._inline(it)
+                    self._inline(it, now)
         elif self.phase == "watch" and self.count >= self.WATCH and elapsed >= self.WATCH_S:
             if self.count / elapsed * self.MARGIN < self.rate_inline:
-                self._inline(it)
+                self._inline(it, now)
             else:
                 self.count, self.t0 = 0, now
+        elif self.phase == "done" and self.choice == "inline" and now >= self.retry_at:
+            if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:  # the inline stretch since
+                self.rate_inline = self.count / elapsed  # the decision (or this epoch's start): a long window
+            self.retries += 1
+            self.retry_s = min(2 * self.retry_s, self.RETRY_MAX_S)
+            self.retry_at = float("inf")
+            self.phase, self.count = "fill", 0
+            it._depth = it._full_depth
 
-    def _inline(self, it: EpochIterator) -> None:
+    def _inline(self, it: EpochIterator, now: float) -> None:
         self.switches += self.choice == "threads"
         self.choice, self.phase = "inline", "done"
+        self.count, self.t0 = 0, now
+        self.retry_at = now + self.retry_s
         it._depth = 0  # what is in flight drains first

@@ -311,3 +311,78 @@ def test_thread_probe_settles_inline_when_epochs_are_too_short_to_time_the_worke
         probe.phase = "threads"
     probe.attach(it, 0.0)
     assert (probe.phase, probe.choice, it._depth) == ("done", "inline", 0)
+
+
+def _until_phase_changes(probe, it, now: float, step: float) -> tuple[float, int]:
+    """Deliver batches `step` seconds apart until the probe leaves its phase -> (time, batches)."""
+    phase, ticks = probe.phase, 0
+    while probe.phase == phase:
+        now += step
+        ticks += 1
+        probe.tick(it, now)
+        assert ticks < 10**6
+    return now, ticks
+
+
+def test_thread_probe_retries_the_workers_after_choosing_inline():
+    """Inline is chosen on a noisy comparison; the workers are tried again after RETRY_S (then after
+    twice as long), measured against the inline stretch since the decision, and kept when faster."""
+    from types import SimpleNamespace
+
+    from fastload.pipeline import ThreadProbe
+
+    probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
+    probe.attach(it, 0.0)
+    now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # warm-up
+    now, _ = _until_phase_changes(probe, it, now, 1e-3)  # inline at 1000 batches/s
+    assert probe.phase == "fill" and it._depth == 4 and probe.rate_inline == pytest.approx(1000)
+    now, ticks = _until_phase_changes(probe, it, now, 1e-3)
+    assert probe.phase == "threads" and ticks == ThreadProbe.FILL  # warmed up before they are timed
+    now, _ = _until_phase_changes(probe, it, now, 2e-3)  # the workers at 500/s (a slow stretch)
+    assert (probe.phase, probe.choice, it._depth, probe.retries) == ("done", "inline", 0, 0)
+    decided = now
+    now, ticks = _until_phase_changes(probe, it, now, ThreadProbe.RETRY_S / 200)
+    assert now - decided >= ThreadProbe.RETRY_S > now - decided - ThreadProbe.RETRY_S / 200
+    assert probe.phase == "fill" and it._depth == 4 and probe.retries == 1
+    assert probe.rate_inline == pytest.approx(ticks / (now - decided))  # the whole inline stretch
+    assert probe.retry_s == 2 * ThreadProbe.RETRY_S
+    now, _ = _until_phase_changes(probe, it, now, 1e-3)
+    now, _ = _until_phase_changes(probe, it, now, ThreadProbe.RETRY_S / 400)  # twice the inline stretch: kept
+    assert (probe.phase, probe.choice, it._depth, probe.switches) == ("watch", "threads", 4, 1)
+
+
+def test_thread_probe_backs_off_while_inline_keeps_winning():
+    from types import SimpleNamespace
+
+    from fastload.pipeline import ThreadProbe
+
+    probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=2)
+    probe.attach(it, 0.0)
+    now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)
+    now, _ = _until_phase_changes(probe, it, now, 1e-3)
+    waits = []
+    for _ in range(10):
+        now, _ = _until_phase_changes(probe, it, now, 1e-2)  # fill
+        now, _ = _until_phase_changes(probe, it, now, 1e-2)  # the workers 10x slower than inline
+        assert (probe.phase, probe.choice, it._depth) == ("done", "inline", 0)
+        decided = now
+        now, _ = _until_phase_changes(probe, it, now, 1e-3)
+        waits.append(now - decided)
+    assert probe.retries == 10 and probe.switches == 0
+    expected = [min(ThreadProbe.RETRY_S * 2**k, ThreadProbe.RETRY_MAX_S) for k in range(10)]
+    assert waits == pytest.approx(expected, abs=2e-3)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_thread_probe_retrying_every_batch_keeps_batches_and_order(monkeypatch, workers):
+    """Mode switches on every retry (RETRY_S 0: as often as possible) change neither the batches nor their order."""
+    from fastload.pipeline import ThreadProbe
+
+    monkeypatch.setattr(ThreadProbe, "MARGIN", 1e9)  # inline always wins, so the workers are retried again and again
+    monkeypatch.setattr(ThreadProbe, "MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(ThreadProbe, "RETRY_S", 0.0)
+    monkeypatch.setattr(ThreadProbe, "FILL", 2)
+    ref = run(Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5), epochs=2)
+    loader = Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type="thread")
+    assert run(loader, epochs=2) == ref
+    assert loader._probe.retries >= 3 and loader._probe.choice == "inline"
