@@ -67,6 +67,12 @@ class Fetcher:
         self._takes_checked = False
         self._direct_takes()
 
+    @property
+    def direct(self) -> bool:
+        """Whether a batch is only the dataset's takes (GIL-free gathers) wrapped as tensors, as of
+        the last `refresh()`."""
+        return self._takes is not None
+
     def __call__(self, indices: Any) -> tuple[Any, dict[str, float]]:
         return self._call(indices, alone=False)
 

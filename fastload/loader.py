@@ -286,11 +286,12 @@ class Loader:
         return it
 
     def _thread_probe(self) -> ThreadProbe | None:
-        """The Loader's inline-vs-threads probe (kept across epochs); none with a timeout or worker_init_fn."""
+        """The Loader's inline-vs-threads probe (kept across epochs; the workers first on the direct
+        path); none with a timeout or worker_init_fn."""
         if self.timeout != 0 or self.worker_init_fn is not None:
             return None
         if self._probe is None:
-            self._probe = ThreadProbe()
+            self._probe = ThreadProbe(threads_first=self._fetcher.direct)
         return self._probe
 
     def _device_index(self) -> int | None:

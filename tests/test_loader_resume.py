@@ -386,3 +386,28 @@ def test_thread_probe_retrying_every_batch_keeps_batches_and_order(monkeypatch, 
     loader = Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type="thread")
     assert run(loader, epochs=2) == ref
     assert loader._probe.retries >= 3 and loader._probe.choice == "inline"
+
+
+@pytest.mark.parametrize("threads_rate", [2000, 500])
+def test_thread_probe_threads_first_order_of_windows(threads_rate):
+    """threads_first: fill, the workers' window, the drain of what is in flight, inline's window, then the choice."""
+    from types import SimpleNamespace
+
+    from fastload.pipeline import ThreadProbe
+
+    probe, it = ThreadProbe(threads_first=True), SimpleNamespace(_depth=0, _full_depth=4)
+    probe.attach(it, 0.0)
+    assert (probe.phase, it._depth, probe.restarts) == ("fill", 4, 0)
+    now, ticks = _until_phase_changes(probe, it, 0.0, 1e-3)
+    assert probe.phase == "threads" and ticks == ThreadProbe.FILL
+    now, _ = _until_phase_changes(probe, it, now, 1 / threads_rate)
+    assert probe.phase == "warmup" and it._depth == 0 and probe.rate_threads == pytest.approx(threads_rate)
+    now, ticks = _until_phase_changes(probe, it, now, 1e-3)
+    assert probe.phase == "inline" and ticks == ThreadProbe.WARMUP + 4  # the 4 in flight are not timed as inline
+    now, _ = _until_phase_changes(probe, it, now, 1e-3)
+    assert probe.rate_inline == pytest.approx(1000) and not probe.threads_first
+    if threads_rate > 1000:
+        assert (probe.phase, probe.choice, it._depth) == ("watch", "threads", 4)
+    else:
+        assert (probe.phase, probe.choice, it._depth) == ("done", "inline", 0)
+        assert probe.retry_at == pytest.approx(now + ThreadProbe.RETRY_S)
