@@ -417,8 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 def print_breakdown(fds: Any, raw: str, *, trials: int) -> None:
     """Microseconds per batch of each layer between the raw gather and the Loader (best of `trials`)."""
     mm = np.load(raw, mmap_mode="r")
-    perm = np.random.default_rng(1).permutation(len(fds))
-    batches = [perm[k : k + BATCH] for k in range(0, len(perm) - BATCH + 1, BATCH)]
+    batches = shuffled_batches(len(fds), 1)
     sorted_batches = [np.sort(b) for b in batches]
     loader = Loader(fds, batch_size=BATCH, shuffle=True, seed=0, num_workers=0, drop_last=True)
     ready = Loader(ReadyBatchDS(len(fds)), batch_size=BATCH, shuffle=True, seed=0, num_workers=0, drop_last=True)

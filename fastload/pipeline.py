@@ -237,10 +237,10 @@ class ThreadProbe:
     usually win): the workers go first, timed after their warm-up, then inline is timed once the
     batches in flight have drained, and the faster mode is kept as above. Going first spares the
     workers the switch from inline inside their timed window, and the run the mode it more likely
-    ends in anyway. The workers' rates also count `DIRECT_EDGE` times their measure there: in
-    `bench.loader` the workers' steady state on the direct path was 0.85 of the raw gather limit
-    against 0.73 inline (median of 6 paired 3-epoch runs, 2 cores), while 30 ms windows vary by more
-    than that, so inline has to win clearly to be chosen.
+    ends in anyway. The workers' rates also count `DIRECT_EDGE` times their measure there: with
+    the workers forced on, the Loader read 0.84-0.85 of the 2-thread raw gather, with 0 workers
+    0.73-0.76 (scratch runs on `bench.loader`'s data, 2 cores, medians of 6 paired rounds of 3
+    epochs), while 30 ms windows vary by more than that, so inline has to win clearly to be chosen.
     """
 
     WARMUP, WINDOW, MARGIN, WATCH, FILL = 2, 24, 1.05, 64, 32
@@ -288,12 +288,7 @@ class ThreadProbe:
                 self.rate_inline, self.inline_s = self.count / elapsed, elapsed
                 if self.threads_first:  # the workers were timed first: decide now
                     self.threads_first = False
-                    if self.rate_threads * self.edge > self.rate_inline * self.MARGIN:
-                        self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now
-                        self.switches += 1
-                        it._depth = it._full_depth
-                    else:
-                        self._inline(it, now)
+                    self._decide(it, now)
                     return
                 self.phase, self.count = "fill", 0
                 it._depth = it._full_depth
@@ -311,11 +306,7 @@ class ThreadProbe:
             )
             if elapsed >= self.inline_s or clearly_losing:  # as long as the inline window lasted
                 self.rate_threads = self.count / elapsed
-                if self.rate_threads * self.edge > self.rate_inline * self.MARGIN:
-                    self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now
-                    self.switches += 1
-                else:
-                    self._inline(it, now)
+                self._decide(it, now)
         elif self.phase == "watch" and self.count >= self.WATCH and elapsed >= self.WATCH_S:
             if self.count / elapsed * self.MARGIN * self.edge < self.rate_inline:
                 self._inline(it, now)
@@ -329,6 +320,15 @@ class ThreadProbe:
             self.retry_at = float("inf")
             self.phase, self.count = "fill", 0
             it._depth = it._full_depth
+
+    def _decide(self, it: EpochIterator, now: float) -> None:
+        """Keep the workers (then watch them) if they beat inline by `MARGIN`, else go inline."""
+        if self.rate_threads * self.edge > self.rate_inline * self.MARGIN:
+            self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now
+            self.switches += 1
+            it._depth = it._full_depth
+        else:
+            self._inline(it, now)
 
     def _inline(self, it: EpochIterator, now: float) -> None:
         self.switches += self.choice == "threads"

@@ -116,8 +116,6 @@ class SplicedColumn:
 
         Raises IndexError for an index out of range.
         """
-        if self.table is not None:
-            return self.rows.take(self.table.take(indices), axis=0)
         return self.rows.take(self.row_numbers(indices), axis=0)
 
     def row_numbers(self, indices: np.ndarray) -> np.ndarray:
