@@ -25,11 +25,13 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from fastload.ahead import Ahead
+
 __all__ = [
     "SamplerOrder",
     "SeededOrder",
     "epoch_permutation",
-    "rank_batches",
+    "rank_indices",
     "resolve_rank_world",
     "seed_for",
 ]
@@ -76,7 +78,7 @@ def _num_batches(per_rank: int, batch_size: int, drop_last: bool) -> int:
     return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
 
 
-def rank_batches(
+def rank_indices(
     order: np.ndarray,
     *,
     base: int,
@@ -86,8 +88,9 @@ def rank_batches(
     drop_last: bool,
     skip: int = 0,
     sort: bool = False,
-) -> Iterator[np.ndarray]:
-    """Rank `rank`'s batches over `order[base:]`, dealt interleaved, skipping the first `skip`.
+) -> np.ndarray:
+    """Rank `rank`'s indices over `order[base:]`, dealt interleaved, without the first `skip`
+    batches; its batches are the consecutive `batch_size` slices (the last one may be shorter).
 
     After every rank has taken k batches, exactly `order[base : base + k*batch_size*world_size]`
     has been consumed (clipped to the end), which is what makes re-dealing exact. `sort` sorts
@@ -95,11 +98,11 @@ def rank_batches(
     """
     remaining = len(order) - base
     if remaining <= 0:
-        return
+        return order[:0]
     per_rank = _per_rank(remaining, world_size, drop_last)
     nb = _num_batches(per_rank, batch_size, drop_last)
     if skip >= nb:
-        return
+        return order[:0]
     lo = skip * batch_size
     if world_size == 1:  # contiguous (no padding is ever needed)
         mine = order[base + lo : base + per_rank]
@@ -112,8 +115,7 @@ def rank_batches(
         mine = mine.copy()
         mine[:full].reshape(-1, batch_size).sort(axis=1)
         mine[full:].sort()
-    for k in range(0, len(mine), batch_size):
-        yield mine[k : k + batch_size]
+    return mine
 
 
 class SeededOrder:
@@ -128,6 +130,7 @@ class SeededOrder:
     ) -> None:
         self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self._ahead = Ahead(name="fastload-order")  # the next epoch's indices, computed during this one
 
     def __len__(self) -> int:
         return _num_batches(_per_rank(self.n, self.world_size, self.drop_last), self.batch_size, self.drop_last)
@@ -148,9 +151,11 @@ class SeededOrder:
         start = {"base": base, "world_size": self.world_size, "batch_size": self.batch_size, "batches": skip}
         return seed_for(self.seed, epoch), start, self._iter(epoch, base, skip)
 
-    def _iter(self, epoch: int, base: int, skip: int) -> Iterator[tuple[Any, dict[str, Any]]]:
+    def indices(self, epoch: int, base: int = 0, skip: int = 0) -> np.ndarray:
+        """This rank's indices for `epoch` from position (`base`, `skip`); batches are consecutive
+        `batch_size` slices. Sorted inside each batch when shuffling: readers gather in storage order."""
         order = epoch_permutation(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-        batches = rank_batches(
+        return rank_indices(
             order,
             base=base,
             world_size=self.world_size,
@@ -158,10 +163,26 @@ class SeededOrder:
             batch_size=self.batch_size,
             drop_last=self.drop_last,
             skip=skip,
-            sort=self.shuffle,  # storage order inside a batch: readers gather sequentially
+            sort=self.shuffle,
         )
-        for k, idx in enumerate(batches, start=skip + 1):
-            yield idx, {"base": base, "world_size": self.world_size, "batch_size": self.batch_size, "batches": k}
+
+    def _iter(self, epoch: int, base: int, skip: int) -> Iterator[tuple[Any, dict[str, Any]]]:
+        mine = self._ahead.take((epoch, base, skip))
+        if mine is None:
+            mine = self.indices(epoch, base, skip)
+        if self.shuffle:  # the next epoch from its start, computed while this one runs
+            self._ahead.start((epoch + 1, 0, 0), self.indices, epoch + 1)
+        bs = self.batch_size
+        for k in range(0, len(mine), bs):
+            yield (
+                mine[k : k + bs],
+                {
+                    "base": base,
+                    "world_size": self.world_size,
+                    "batch_size": bs,
+                    "batches": skip + 1 + k // bs,
+                },
+            )
 
 
 def torch_batches(batch_sampler: Any) -> Callable[[], Iterator[np.ndarray]] | None:
