@@ -174,6 +174,8 @@ def test_direct_path_probe_times_the_workers_first(tmp_path, monkeypatch, thread
     monkeypatch.setattr(ThreadProbe, "WINDOW", 3)
     monkeypatch.setattr(ThreadProbe, "FILL", 3)
     monkeypatch.setattr(ThreadProbe, "MARGIN", 0.0 if threads_win else 1e9)
+    monkeypatch.setattr(ThreadProbe, "WATCH", 10**9)  # margin 0 would also make the watch fall back to inline
+    monkeypatch.setattr(ThreadProbe, "RETRY_S", 1e9)  # the choice stays as made, however slow this machine
     ds = _dataset(tmp_path / "ds")
     inline = Loader(ds, batch_size=8, shuffle=True, seed=2)
     want = [b["y"].tolist() for _ in range(2) for b in inline]  # two epochs

@@ -280,6 +280,7 @@ def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margi
     monkeypatch.setattr(ThreadProbe, "WATCH", watch)  # margin 0 also makes the watch fall back to inline
     monkeypatch.setattr(ThreadProbe, "MIN_WINDOW_S", 0.0)  # windows by batch count only: this epoch is short
     monkeypatch.setattr(ThreadProbe, "WATCH_S", 0.0)
+    monkeypatch.setattr(ThreadProbe, "RETRY_S", 1e9)  # no retry of the workers: switches are counted exactly
     ref = run(Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4))
     loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
     it = iter(loader)
