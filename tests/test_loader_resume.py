@@ -212,6 +212,74 @@ def test_seeded_order_is_pure_and_changes_per_epoch():
     assert run(b) == ea[11:]
 
 
+def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
+    """While epoch e runs, epoch e+1's indices are computed on a background thread; the epoch that
+    then runs uses them only if it is that epoch from its start (set_epoch elsewhere, or a resume
+    mid-epoch, computes its own)."""
+    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    fresh = _epoch_of
+    first = run(loader)
+    ahead = loader._order._ahead
+    assert ahead.pending == (1, 0, 0)
+    assert run(loader) == fresh(1)  # taken from the background result
+    assert ahead.pending == (2, 0, 0)
+    loader.set_epoch(7)  # not the epoch computed ahead: computed on the spot, same batches
+    assert run(loader) == fresh(7)
+    assert ahead.pending == (8, 0, 0)
+    assert first == fresh(0)
+    # a resume two batches into epoch 1, on a loader that has epoch 1 from its start computed ahead
+    other = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    it = iter(other)
+    next(it), next(it)
+    state = other.state_dict()  # epoch 0, two batches in
+    resumed = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    run(resumed)
+    assert resumed._order._ahead.pending == (1, 0, 0)
+    resumed.load_state_dict(state)
+    assert run(resumed) == fresh(0)[2:]
+    other.set_epoch(1)
+    it = iter(other)
+    next(it), next(it)
+    state = other.state_dict()  # epoch 1, two batches in
+    resumed.load_state_dict(state)
+    assert resumed._order._ahead.pending == (1, 0, 0)  # epoch 1 from its start: not what is asked now
+    assert run(resumed) == fresh(1)[2:]
+    assert resumed._order._ahead.pending == (2, 0, 0)
+
+
+def _epoch_of(epoch: int) -> list[list[int]]:
+    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    loader.set_epoch(epoch)
+    loader._order._ahead.start = lambda *args: None  # nothing computed ahead: the reference
+    return run(loader)
+
+
+def test_ahead_computes_one_value_per_key_and_recomputes_in_the_caller_on_error():
+    import threading
+
+    from fastload.ahead import Ahead
+
+    calls, release = [], threading.Event()
+
+    def slow(x):
+        calls.append(x)
+        release.wait(10)
+        if x < 0:
+            raise ValueError("bad")
+        return x * 2
+
+    ahead = Ahead()
+    ahead.start("a", slow, 3)
+    ahead.start("a", slow, 3)  # already pending: not started twice
+    release.set()
+    assert ahead.take("a") == 6 and calls == [3]
+    assert ahead.take("a") is None  # taken once
+    ahead.start("b", slow, 4)
+    assert ahead.take("c") is None and ahead.pending is None  # another key: the stale value is dropped
+    ahead.start("d", slow, -1)
+    assert ahead.take("d") is None  # its error is the caller's to meet when it computes the value itself
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_ranks_partition_each_epoch(world, drop_last):
