@@ -56,10 +56,6 @@ class Ahead:
         except Exception:  # noqa: BLE001 - the caller computes it again and raises in its own thread
             return None
 
-    def clear(self) -> None:
-        with self._lock:
-            self._key = self._future = None
-
 
 def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     try:

@@ -65,8 +65,6 @@ class EpochIterator:
         self._order_done = False
         # num_workers=0, no ring, no device: fetch straight from the order, nothing in flight
         self._inline = isinstance(source, InlineSource) and ring is None and device is None
-        # thread workers, no ring, no device: no buffers to hand back (the lean path, `_next_plain`)
-        self._plain = isinstance(source, ThreadSource) and ring is None and device is None
         self._full_depth = self._depth
         self.probe = probe if isinstance(source, ThreadSource) else None
         if self.probe is not None:
@@ -82,10 +80,9 @@ class EpochIterator:
         if self._closed:
             raise StopIteration
         t0 = _perf()
-        stats = self._stats
-        stats.begin(t0)
+        self._stats.begin(t0)
         try:
-            out, n, pos = self._next_plain() if self._plain else self._next()
+            out, n, pos = self._next()
         except StopIteration:
             self._finish()
             raise
@@ -95,7 +92,7 @@ class EpochIterator:
             raise
         self._loader._delivered(self, pos)
         t1 = _perf()
-        stats.delivered(n, t1 - t0, t1)
+        self._stats.delivered(n, t1 - t0, t1)
         probe = self.probe
         if probe is not None and (probe.phase != "done" or probe.choice == "inline"):
             probe.tick(self, t1)
@@ -141,24 +138,6 @@ class EpochIterator:
                 tokens.append((self._ring, slot))
         self._dispatch()  # keep workers busy while the consumer works
         return batch, n, pos, tokens
-
-    def _next_plain(self) -> tuple[Any, int, dict[str, Any]]:
-        """`_next` for thread workers without a ring or a device: the batches own their memory, so
-        nothing is handed back. Two cores gathering alternately wait on whichever holds the GIL,
-        so every step here is one the loop needs."""
-        inflight = self._inflight
-        if len(inflight) < self._depth:
-            self._dispatch()
-        if not inflight:  # the probe's inline stretch (depth 0), or the end of the epoch
-            item = self._next_cpu()
-            if item is None:
-                raise StopIteration
-            return item[:3]
-        j, n, pos = inflight.popleft()
-        batch, timings, _ = self._source.get(j)
-        self._stats.add_many(timings)
-        self._dispatch()  # keep the workers busy while the consumer works
-        return batch, n, pos
 
     def _next(self) -> tuple[Any, int, dict[str, Any]]:
         if self._inline:
