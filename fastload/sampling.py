@@ -28,6 +28,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from fastload.ahead import Ahead
 
 __all__ = [
+    "AHEAD_MAX_BYTES",
     "SamplerOrder",
     "SeededOrder",
     "epoch_permutation",
@@ -35,6 +36,9 @@ __all__ = [
     "resolve_rank_world",
     "seed_for",
 ]
+
+
+AHEAD_MAX_BYTES = 256 << 20  # orders up to this size (int64 per sample) are computed an epoch ahead
 
 
 def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -122,7 +126,10 @@ class SeededOrder:
     """Seeded, rank-aware, resumable epoch order over `n` samples (batches are int64 arrays).
 
     With `shuffle`, which samples share a batch is random; inside a batch they are sorted, so
-    a reader gathers them in storage order (no un-permute pass, better locality).
+    a reader gathers them in storage order (no un-permute pass, better locality). While an epoch
+    runs, the next one's indices are computed on a background thread (`fastload.ahead`), so the
+    next epoch starts without that O(n) step, when the permutation (8 bytes a sample) fits in
+    `AHEAD_MAX_BYTES`: a second epoch's order held meanwhile is then the memory it costs.
     """
 
     def __init__(
@@ -170,7 +177,7 @@ class SeededOrder:
         mine = self._ahead.take((epoch, base, skip))
         if mine is None:
             mine = self.indices(epoch, base, skip)
-        if self.shuffle:  # the next epoch from its start, computed while this one runs
+        if self.shuffle and self.n * 8 <= AHEAD_MAX_BYTES:  # the next epoch from its start, computed meanwhile
             self._ahead.start((epoch + 1, 0, 0), self.indices, epoch + 1)
         bs = self.batch_size
         for k in range(0, len(mine), bs):

@@ -247,6 +247,15 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
     assert resumed._order._ahead.pending == (2, 0, 0)
 
 
+def test_orders_larger_than_the_ahead_budget_are_computed_at_epoch_start(monkeypatch):
+    import fastload.sampling
+
+    monkeypatch.setattr(fastload.sampling, "AHEAD_MAX_BYTES", 8 * 102)  # IdxDS() has 103 samples
+    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    assert run(loader) == _epoch_of(0) and loader._order._ahead.pending is None
+    assert run(loader) == _epoch_of(1) and loader._order._ahead.pending is None
+
+
 def _epoch_of(epoch: int) -> list[list[int]]:
     loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
     loader.set_epoch(epoch)
