@@ -7,7 +7,8 @@ A seeded epoch is a permutation of the whole dataset, dealt to the rank and sort
 batch, O(n) work before the first batch of the epoch can be read. `fastload.Loader` computes the
 next epoch's order on a background thread while the current epoch runs (`fastload.ahead`). This
 bench measures the first batch of epochs 2-4 both ways in one run: with the order computed ahead
-(the Loader as shipped) and computed when the epoch starts (the background step switched off).
+(`order_ahead=True`, the default wherever the epoch's fetching leaves a core idle) and computed
+when the epoch starts (`order_ahead=False`).
 The dataset returns its indices (no read cost), and the loop sleeps 1 ms every 64 batches, as a
 training step that leaves the CPU idle would.
 """
@@ -44,9 +45,7 @@ class IndexDS:
 
 def first_batch_ms(n: int, *, ahead: bool, epochs: int = 4, step_every: int = 64, step_s: float = 0.001) -> float:
     """Median milliseconds from `iter()` to the first batch over epochs 2..`epochs`."""
-    loader = Loader(IndexDS(n), batch_size=256, shuffle=True, seed=0)
-    if not ahead:
-        loader._order._ahead.start = lambda *args: None  # the order computed when each epoch starts
+    loader = Loader(IndexDS(n), batch_size=256, shuffle=True, seed=0, order_ahead=ahead)
     waits = []
     for _ in range(epochs):
         t0 = time.perf_counter()

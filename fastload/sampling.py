@@ -129,7 +129,9 @@ class SeededOrder:
     a reader gathers them in storage order (no un-permute pass, better locality). While an epoch
     runs, the next one's indices are computed on a background thread (`fastload.ahead`), so the
     next epoch starts without that O(n) step, when the permutation (8 bytes a sample) fits in
-    `AHEAD_MAX_BYTES`: a second epoch's order held meanwhile is then the memory it costs.
+    `AHEAD_MAX_BYTES`: a second epoch's order held meanwhile is then the memory it costs. The
+    caller says per epoch whether to (`epoch(..., ahead=)`): the Loader does only when a core is
+    left over by the fetching.
     """
 
     def __init__(
@@ -146,9 +148,10 @@ class SeededOrder:
         return seed_for(self.seed, epoch)
 
     def epoch(
-        self, epoch: int, resume: dict[str, Any] | None = None
+        self, epoch: int, resume: dict[str, Any] | None = None, *, ahead: bool = True
     ) -> tuple[int, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
-        """`(base_seed, start_position, iterator of (indices, position))` for this rank."""
+        """`(base_seed, start_position, iterator of (indices, position))` for this rank; `ahead`:
+        compute the next epoch's indices in the background meanwhile (if they fit `AHEAD_MAX_BYTES`)."""
         base, skip = 0, 0
         if resume is not None:
             base, skip = int(resume["base"]), int(resume["batches"])
@@ -156,7 +159,7 @@ class SeededOrder:
                 consumed = skip * int(resume["batch_size"]) * int(resume["world_size"])
                 base, skip = min(self.n, base + consumed), 0
         start = {"base": base, "world_size": self.world_size, "batch_size": self.batch_size, "batches": skip}
-        return seed_for(self.seed, epoch), start, self._iter(epoch, base, skip)
+        return seed_for(self.seed, epoch), start, self._iter(epoch, base, skip, ahead)
 
     def indices(self, epoch: int, base: int = 0, skip: int = 0) -> np.ndarray:
         """This rank's indices for `epoch` from position (`base`, `skip`); batches are consecutive
@@ -173,11 +176,11 @@ class SeededOrder:
             sort=self.shuffle,
         )
 
-    def _iter(self, epoch: int, base: int, skip: int) -> Iterator[tuple[Any, dict[str, Any]]]:
+    def _iter(self, epoch: int, base: int, skip: int, ahead: bool) -> Iterator[tuple[Any, dict[str, Any]]]:
         mine = self._ahead.take((epoch, base, skip))
         if mine is None:
             mine = self.indices(epoch, base, skip)
-        if self.shuffle and self.n * 8 <= AHEAD_MAX_BYTES:  # the next epoch from its start, computed meanwhile
+        if ahead and self.shuffle and self.n * 8 <= AHEAD_MAX_BYTES:  # the next epoch from its start, meanwhile
             self._ahead.start((epoch + 1, 0, 0), self.indices, epoch + 1)
         bs = self.batch_size
         for k in range(0, len(mine), bs):

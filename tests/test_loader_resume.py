@@ -216,7 +216,7 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
     """While epoch e runs, epoch e+1's indices are computed on a background thread; the epoch that
     then runs uses them only if it is that epoch from its start (set_epoch elsewhere, or a resume
     mid-epoch, computes its own)."""
-    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     fresh = _epoch_of
     first = run(loader)
     ahead = loader._order._ahead
@@ -228,11 +228,11 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
     assert ahead.pending == (8, 0, 0)
     assert first == fresh(0)
     # a resume two batches into epoch 1, on a loader that has epoch 1 from its start computed ahead
-    other = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    other = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     it = iter(other)
     next(it), next(it)
     state = other.state_dict()  # epoch 0, two batches in
-    resumed = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    resumed = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     run(resumed)
     assert resumed._order._ahead.pending == (1, 0, 0)
     resumed.load_state_dict(state)
@@ -251,16 +251,44 @@ def test_orders_larger_than_the_ahead_budget_are_computed_at_epoch_start(monkeyp
     import fastload.sampling
 
     monkeypatch.setattr(fastload.sampling, "AHEAD_MAX_BYTES", 8 * 102)  # IdxDS() has 103 samples
-    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     assert run(loader) == _epoch_of(0) and loader._order._ahead.pending is None
     assert run(loader) == _epoch_of(1) and loader._order._ahead.pending is None
 
 
 def _epoch_of(epoch: int) -> list[list[int]]:
-    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5)
+    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=False)
     loader.set_epoch(epoch)
-    loader._order._ahead.start = lambda *args: None  # nothing computed ahead: the reference
     return run(loader)
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "worker_type", "expected"),
+    [
+        (2, 0, "thread", True),  # the consumer fetches sample by sample on one core: one is left over
+        (1, 0, "thread", False),
+        (2, 1, "thread", False),  # one worker and the stealing consumer fill both cores
+        (4, 1, "thread", True),
+        (2, 2, "process", False),
+        (4, 2, "process", True),
+    ],
+)
+def test_next_epoch_order_is_computed_ahead_by_default_only_when_a_core_is_left_over(
+    monkeypatch, cores, workers, worker_type, expected
+):
+    import fastload.loader
+    import fastload.workers
+
+    for module in (fastload.loader, fastload.workers):
+        monkeypatch.setattr(module, "usable_cores", lambda: cores)
+    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type=worker_type)
+    assert run(loader) == _epoch_of(0)
+    assert (loader._order._ahead.pending == (1, 0, 0)) is expected
+    assert run(loader) == _epoch_of(1)
+    kw = {"num_workers": workers, "worker_type": worker_type}
+    forced = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=not expected, **kw)
+    assert run(forced) == _epoch_of(0)
+    assert (forced._order._ahead.pending == (1, 0, 0)) is not expected
 
 
 def test_ahead_computes_one_value_per_key_and_recomputes_in_the_caller_on_error():
