@@ -294,9 +294,9 @@ class Loader:
     def _order_ahead(self, threads: int, steal: str | bool) -> bool:
         """Whether to compute the next epoch's order in the background by default: only when this
         epoch's fetching leaves a core idle. Where the fetching already keeps every core busy, a
-        third thread only competes with the gatherers for the cores and the GIL: on 2 cores, one
-        worker and the stealing consumer read 1.05x faster without it (median of 16 paired rounds
-        of 3 epochs on `bench.loader`'s data), while the O(n) step it saves is paid once per epoch."""
+        third thread only competes with the gatherers for the cores and the GIL (on 2 cores, 1.01 and
+        1.025x faster without it, medians of paired rounds of `python -m bench.epoch_start --rounds`),
+        while the O(n) step it saves is paid once per epoch."""
         if self.num_workers == 0:  # the direct path fetches alone on torch's intra-op threads
             busy = torch.get_num_threads() if self._fetcher.direct else 1
         elif self.worker_type == "thread":
