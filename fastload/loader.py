@@ -286,6 +286,7 @@ class Loader:
             prefetch=self.prefetch,
             stats=self._stats,
             batched=self.batch_sampler is not None,
+            position=start,
             probe=self._thread_probe(),
         )
         self._active = it
@@ -322,10 +323,6 @@ class Loader:
         return None
 
     # ---- callbacks from the iterator
-    def _delivered(self, it: EpochIterator, position: dict[str, Any]) -> None:
-        if it is self._active:
-            self._position = position
-
     def _failed(self, it: EpochIterator) -> None:
         """An epoch raised: persistent workers may be broken (a dead worker) — start fresh next time."""
         if self._pool is not None:
@@ -358,7 +355,7 @@ class Loader:
         """Where the consumer is: epoch + batches received + (sampler) order state."""
         if self._iterable:
             raise TypeError("state_dict() is not supported for IterableDataset")
-        pos = self._resume if self._resume is not None else self._position
+        pos = self._resume if self._resume is not None else self._current_position()
         return {
             "version": _STATE_VERSION,
             "epoch": self._epoch,
@@ -367,6 +364,10 @@ class Loader:
             "world_size": self.world_size,
             "batches_yielded": int(pos["batches"]) if pos else 0,
         }
+
+    def _current_position(self) -> dict[str, Any] | None:
+        """The position of the last batch the consumer received (the active iterator keeps it)."""
+        return self._active.position if self._active is not None else self._position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `iter()` continues exactly after the last batch received."""
@@ -413,9 +414,10 @@ class Loader:
         self._stats.reset()
 
     def close(self) -> None:
-        """Stop the active iterator and any persistent workers."""
+        """Stop the active iterator and any persistent workers (`state_dict()` still says where it was)."""
         if self._active is not None:
             self._active.close()
+            self._position = self._active.position
             self._active = None
         if self._pool is not None:
             self._pool.close()

@@ -52,6 +52,7 @@ class EpochIterator:
         prefetch: int,
         stats: LoaderStats,
         batched: bool,
+        position: dict[str, Any] | None = None,
         probe: ThreadProbe | None = None,
     ) -> None:
         self._loader, self._order, self._source, self._owns_source = loader, order, source, owns_source
@@ -63,8 +64,12 @@ class EpochIterator:
         self._j = 0
         self._closed = False
         self._order_done = False
-        # num_workers=0, no ring, no device: fetch straight from the order, nothing in flight
-        self._inline = isinstance(source, InlineSource) and ring is None and device is None
+        self.position = position  # where the consumer is: the position of the last batch it received
+        # one of three shapes, chosen once: no per-batch checks of which one applies
+        if isinstance(source, InlineSource) and ring is None and device is None:
+            self._step = self._next_inline  # nothing in flight, nothing to release
+        else:
+            self._step = self._next_host if device is None else self._next_device
         self._full_depth = self._depth
         self.probe = probe if isinstance(source, ThreadSource) else None
         if self.probe is not None:
@@ -80,9 +85,10 @@ class EpochIterator:
         if self._closed:
             raise StopIteration
         t0 = _perf()
-        self._stats.begin(t0)
+        stats = self._stats
+        stats.begin(t0)
         try:
-            out, n, pos = self._next()
+            out, n, self.position = self._step()
         except StopIteration:
             self._finish()
             raise
@@ -90,9 +96,8 @@ class EpochIterator:
             self.close()
             self._loader._failed(self)
             raise
-        self._loader._delivered(self, pos)
         t1 = _perf()
-        self._stats.delivered(n, t1 - t0, t1)
+        stats.delivered(n, t1 - t0, t1)
         probe = self.probe
         if probe is not None and (probe.phase != "done" or probe.choice == "inline"):
             probe.tick(self, t1)
@@ -100,7 +105,8 @@ class EpochIterator:
 
     # ---- stages
     def _dispatch(self) -> None:
-        while not self._order_done and len(self._inflight) < self._depth:
+        inflight, put, batched = self._inflight, self._source.put, self._batched
+        while not self._order_done and len(inflight) < self._depth:
             nxt = next(self._order, None)
             if nxt is None:
                 self._order_done = True
@@ -108,13 +114,15 @@ class EpochIterator:
             indices, pos = nxt
             j = self._j
             self._j += 1
-            self._source.put(j, indices)
-            self._inflight.append((j, len(indices) if self._batched else 1, pos))
+            put(j, indices)
+            inflight.append((j, len(indices) if batched else 1, pos))
 
     def _next_cpu(self) -> tuple[Any, int, dict[str, Any], list[Any]] | None:
-        self._dispatch()
-        if self._inflight:
-            j, n, pos = self._inflight.popleft()
+        inflight = self._inflight
+        if len(inflight) < self._depth:
+            self._dispatch()
+        if inflight:
+            j, n, pos = inflight.popleft()
             batch, timings, token = self._source.get(j)
         elif self._depth == 0 and not self._order_done:  # adaptive inline mode (thread source)
             nxt = next(self._order, None)
@@ -136,27 +144,33 @@ class EpochIterator:
             self._stats.add("pin", _perf() - t)
             if slot is not None:
                 tokens.append((self._ring, slot))
-        self._dispatch()  # keep workers busy while the consumer works
+        if len(inflight) < self._depth:
+            self._dispatch()  # keep workers busy while the consumer works
         return batch, n, pos, tokens
 
-    def _next(self) -> tuple[Any, int, dict[str, Any]]:
-        if self._inline:
-            nxt = next(self._order, None)
-            if nxt is None:
-                raise StopIteration
-            indices, pos = nxt
-            batch, timings = self._source.fetch(indices)
-            self._stats.add_many(timings)
-            return batch, len(indices) if self._batched else 1, pos
+    def _next_inline(self) -> tuple[Any, int, dict[str, Any]]:
+        """`num_workers=0` without a ring or a device: fetch straight from the order."""
+        indices, pos = next(self._order)  # StopIteration ends the epoch
+        batch, timings = self._source.fetch(indices)
+        self._stats.add_many(timings)
+        return batch, len(indices) if self._batched else 1, pos
+
+    def _next_host(self) -> tuple[Any, int, dict[str, Any]]:
+        """A CPU batch (no device stage); its buffers are released two batches later."""
+        held = self._held
+        while len(held) > 1:
+            self._release(held.popleft())
+        item = self._next_cpu()
+        if item is None:
+            raise StopIteration
+        batch, n, pos, tokens = item
+        held.append(tokens)
+        return batch, n, pos
+
+    def _next_device(self) -> tuple[Any, int, dict[str, Any]]:
+        """A batch on the device, `prefetch` copies in flight on the side stream."""
         while len(self._held) > 1:
             self._release(self._held.popleft())
-        if self._device is None:
-            item = self._next_cpu()
-            if item is None:
-                raise StopIteration
-            batch, n, pos, tokens = item
-            self._held.append(tokens)
-            return batch, n, pos
         while len(self._dev) < self._prefetch:
             item = self._next_cpu()
             if item is None:

@@ -12,11 +12,15 @@ STAGES = ("read", "transform", "collate", "pin", "h2d")
 
 
 class LoaderStats:
-    """Thread-safe accumulators behind `Loader.stats()`.
+    """Accumulators behind `Loader.stats()`, written by the consumer thread only.
 
     Stage seconds are summed over all workers (CPU-seconds; with N workers they can exceed
     wall time). `wait` is the time the consumer spent inside `next()` waiting for a batch,
     `wall` the time iterators were active (first `next()` to the last batch handed out).
+    The per-batch updates take no lock (one writer; the stage keys are fixed, so a reader in
+    another thread never sees the dict change size): they run once per batch on the consumer's
+    thread, whose every microsecond with the GIL held slows the workers on a small machine.
+    `snapshot` and `reset` lock against each other.
     """
 
     def __init__(self) -> None:
@@ -34,13 +38,14 @@ class LoaderStats:
             self._span_last: float | None = None
 
     def add(self, stage: str, seconds: float) -> None:
-        with self._lock:
-            self.stage[stage] = self.stage.get(stage, 0.0) + seconds
+        """Add `seconds` to one of `STAGES` (consumer thread only)."""
+        self.stage[stage] += seconds
 
     def add_many(self, timings: dict[str, float]) -> None:
-        with self._lock:
-            for k, v in timings.items():
-                self.stage[k] = self.stage.get(k, 0.0) + v
+        """Add a batch's `{stage: seconds}` (keys from `STAGES`; consumer thread only)."""
+        stage = self.stage
+        for k, v in timings.items():
+            stage[k] += v
 
     def begin(self, now: float) -> None:
         """Start a wall-time span (an iterator's first `next()`); consumer thread only."""
@@ -70,7 +75,7 @@ class LoaderStats:
             wall = self.wall_closed
             if self._span_start is not None and self._span_last is not None:
                 wall += self._span_last - self._span_start
-            out: dict[str, Any] = {f"{k}_s": v for k, v in self.stage.items()}
+            out: dict[str, Any] = {f"{k}_s": v for k, v in dict(self.stage).items()}
             out.update(
                 wait_s=self.wait,
                 wall_s=wall,

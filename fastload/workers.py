@@ -213,6 +213,21 @@ class ThreadSource:
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
         shared = self._shared
+        done = shared.done
+        if j not in done:
+            fetched = self._fetch_or_wait(j)
+            if fetched is not None:
+                return fetched
+        if shared.timed:
+            shared.started.pop(j, None)
+        result, error = done.pop(j)
+        if error is not None:
+            raise error
+        return result
+
+    def _fetch_or_wait(self, j: int) -> tuple[Any, dict[str, float], Any] | None:
+        """Until batch j is in `done`: steal later batches (or fetch j itself, returned) or wait."""
+        shared = self._shared
         done, todo = shared.done, shared.todo
         deadline = time.monotonic() + self.timeout if self.timeout else None
         while j not in done:
@@ -235,11 +250,7 @@ class ThreadSource:
                 todo.appendleft((k, indices))  # batch j is nearly done: leave k to the workers
                 shared.wake.put(True)
             self._wait_ready(j, deadline)
-        shared.started.pop(j, None)
-        result, error = done.pop(j)
-        if error is not None:
-            raise error
-        return result
+        return None
 
     def _wait_ready(self, j: int, deadline: float | None) -> None:
         """Block until a worker reports a finished batch (or fails to start), unless batch j is done.
@@ -252,11 +263,8 @@ class ThreadSource:
         ready = shared.ready
         shared.waiting = True
         try:
-            while True:
-                try:
-                    ready.get_nowait()
-                except queue.Empty:
-                    break
+            while not ready.empty():  # only this thread takes from `ready`
+                ready.get_nowait()
             if j in shared.done or shared.init_error is not None:
                 return
             if deadline is None:

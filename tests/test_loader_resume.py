@@ -8,10 +8,12 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fastload.loader import Loader
-from fastload.sampling import epoch_permutation, resolve_rank_world
+from fastload.sampling import epoch_permutation, rank_indices, resolve_rank_world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,6 +212,28 @@ def test_seeded_order_is_pure_and_changes_per_epoch():
     assert ea[:11] == [sorted(perm[k : k + 10]) for k in range(0, 103, 10)]  # sorted inside a batch
     b.set_epoch(1)
     assert run(b) == ea[11:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.integers(-(2**40), 2**40), max_size=60)
+    | st.lists(st.integers(0, 2**31 - 1), max_size=60)
+    | st.lists(st.integers(-(2**31), 0), max_size=60),
+    batch_size=st.integers(1, 9),
+    world_size=st.integers(1, 3),
+    drop_last=st.booleans(),
+    data=st.data(),
+)
+def test_rank_indices_sorts_each_batch_exactly_whatever_the_index_range(values, batch_size, world_size, drop_last, data):
+    """Sorting narrows indices to int32 when they fit: same int64 result as sorting each batch."""
+    order = np.array(values, dtype=np.int64)
+    rank = data.draw(st.integers(0, world_size - 1))
+    kw = dict(base=0, world_size=world_size, rank=rank, batch_size=batch_size, drop_last=drop_last)
+    plain = rank_indices(order, **kw)
+    got = rank_indices(order, sort=True, **kw)
+    assert got.dtype == np.int64
+    want = [np.sort(plain[k : k + batch_size]) for k in range(0, len(plain), batch_size)]
+    assert got.tolist() == (np.concatenate(want).tolist() if want else [])
 
 
 def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
