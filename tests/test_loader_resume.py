@@ -224,7 +224,7 @@ def test_seeded_order_is_pure_and_changes_per_epoch():
     drop_last=st.booleans(),
     data=st.data(),
 )
-def test_rank_indices_sorts_each_batch_exactly_whatever_the_index_range(values, batch_size, world_size, drop_last, data):
+def test_rank_indices_sorts_each_batch_exactly_whatever_the_range(values, batch_size, world_size, drop_last, data):
     """Sorting narrows indices to int32 when they fit: same int64 result as sorting each batch."""
     order = np.array(values, dtype=np.int64)
     rank = data.draw(st.integers(0, world_size - 1))
