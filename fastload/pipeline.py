@@ -238,7 +238,8 @@ class ThreadProbe:
     Inline goes first (cheap; at least `WINDOW` batches and `MIN_WINDOW_S`); then the workers
     fill their queue and warm up (`FILL` batches at least: so neither a backlog of ready batches
     nor the first slow batches after the switch decide) and are timed for as long as inline was
-    (a third of it when they are `CLEAR_LOSS` slower); if epoch boundaries cut their window more
+    (a third of it when they are `CLEAR_LOSS` slower, and the same for inline's window when the
+    workers went first); if epoch boundaries cut their window more
     than `MAX_RESTARTS` times (epochs too short to time them), inline stays.
     The workers are kept only if they beat inline by `MARGIN`, and are watched afterwards
     (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than inline switches to
@@ -298,12 +299,15 @@ class ThreadProbe:
             if self.count >= self.WARMUP + self.drain:
                 self.phase, self.count, self.t0, self.drain = "inline", 0, now, 0
         elif self.phase == "inline":
-            if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:
+            full = self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S
+            if self.threads_first and (full or self._inline_clearly_losing(elapsed)):
+                # the workers were timed first: decide now (a later workers' window lasts as long)
+                self.rate_inline, self.inline_s = self.count / elapsed, max(elapsed, self.MIN_WINDOW_S)
+                self.threads_first = False
+                self._decide(it, now)
+                return
+            if full:
                 self.rate_inline, self.inline_s = self.count / elapsed, elapsed
-                if self.threads_first:  # the workers were timed first: decide now
-                    self.threads_first = False
-                    self._decide(it, now)
-                    return
                 self.phase, self.count = "fill", 0
                 it._depth = it._full_depth
         elif self.phase == "fill":
@@ -334,6 +338,16 @@ class ThreadProbe:
             self.retry_at = float("inf")
             self.phase, self.count = "fill", 0
             it._depth = it._full_depth
+
+    def _inline_clearly_losing(self, elapsed: float) -> bool:
+        """threads_first: after a third of inline's window (batches and seconds), inline runs
+        `CLEAR_LOSS` times slower than the workers' weighted rate: stop timing it (probing costs
+        the slower mode's rate; the mirror of the cut in the workers' window)."""
+        return (
+            3 * self.count >= self.WINDOW
+            and 3 * elapsed >= self.MIN_WINDOW_S
+            and self.count * self.CLEAR_LOSS < elapsed * self.rate_threads * self.edge
+        )
 
     def _decide(self, it: EpochIterator, now: float) -> None:
         """Keep the workers (then watch them) if they beat inline by `MARGIN`, else go inline."""

@@ -518,7 +518,7 @@ def test_thread_probe_retrying_every_batch_keeps_batches_and_order(monkeypatch, 
     assert loader._probe.retries >= 3 and loader._probe.choice == "inline"
 
 
-@pytest.mark.parametrize("threads_rate", [2000, 500])
+@pytest.mark.parametrize("threads_rate", [2000, 1100, 500])
 def test_thread_probe_threads_first_order_of_windows(threads_rate):
     """threads_first: fill, the workers' window, the drain of what is in flight, inline's window, then the choice."""
     from types import SimpleNamespace
@@ -534,8 +534,12 @@ def test_thread_probe_threads_first_order_of_windows(threads_rate):
     assert probe.phase == "warmup" and it._depth == 0 and probe.rate_threads == pytest.approx(threads_rate)
     now, ticks = _until_phase_changes(probe, it, now, 1e-3)
     assert probe.phase == "inline" and ticks == ThreadProbe.WARMUP + 4  # the 4 in flight are not timed as inline
-    now, _ = _until_phase_changes(probe, it, now, 1e-3)
+    now, ticks = _until_phase_changes(probe, it, now, 1e-3)
     assert probe.rate_inline == pytest.approx(1000) and not probe.threads_first
+    # inline's window (1000/s) is cut after a third when it clearly loses to the workers' weighted rate
+    window = max(ThreadProbe.WINDOW, round(ThreadProbe.MIN_WINDOW_S / 1e-3))
+    clearly = threads_rate * ThreadProbe.DIRECT_EDGE > 1000 * ThreadProbe.CLEAR_LOSS
+    assert ticks == (window // 3 if clearly else window)
     if threads_rate > 1000:
         assert (probe.phase, probe.choice, it._depth) == ("watch", "threads", 4)
     else:
