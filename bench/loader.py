@@ -15,7 +15,7 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
   drop-in torch-order mode (shuffle=True + generator, no seed);
 * torch DataLoader at its best num_workers (0/1/2) with a per-sample `__getitem__` dataset over
   the memmap, and with a batched `__getitems__` one;
-* the fastest Loader row against the fastest raw row again, in `LIMIT_ROUNDS` back-to-back pairs
+* each seeded Loader row against the fastest raw row again, in `LIMIT_ROUNDS` back-to-back rounds
   (the median of the per-round ratios: on a shared machine the best-of figures of two rows timed
   minutes apart also compare two machine states);
 * a generic Python `__getitem__` dataset: Loader vs DataLoader at the same num_workers;
@@ -368,12 +368,12 @@ def main(argv: list[str] | None = None) -> int:
             for side, cls in sides if r % 2 == 0 else sides[::-1]:
                 generic[w][side].append(py(cls, w))
     # The headline ratio from pairs as well: best-of-N of two rows timed minutes apart compares two
-    # machine states on a shared host (the raw limit's best of 3 has varied 2.1-2.6M samples/s between
-    # runs). The fastest Loader row and the fastest raw row back to back, the order alternating.
+    # machine states on a shared host (the raw limit's best of 3 has varied 2.1-2.8M samples/s between
+    # runs). Each seeded Loader row and the fastest raw row back to back, the order alternating.
     limit_name = max((k for k in best if k.startswith("raw ")), key=best.__getitem__)
-    fl_name = max((k for k in best if k.startswith("fastload.Loader") and "seed" in k), key=best.__getitem__)
+    fl_names = [k for k in best if k.startswith("fastload.Loader") and "seed" in k]
     limit_rounds = trials if args.quick else max(trials, LIMIT_ROUNDS)
-    paired: dict[str, list[float]] = {limit_name: [], fl_name: []}
+    paired: dict[str, list[float]] = {name: [] for name in (limit_name, *fl_names)}
     logged = {nw: len(runs) for nw, runs in probe_log.items()}
     for r in range(limit_rounds):
         for name in list(paired) if r % 2 == 0 else list(paired)[::-1]:
@@ -396,14 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     for nw, runs in probe_log.items():
         print(f"  thread probe, nw={nw}, per trial: {'; '.join(runs[: logged[nw]])}")
     print(f"\nfastload best / raw gather limit      : {fl_best / raw_rate:.2f}   (target >= 0.90; the fastest raw row)")
-    ratios = sorted(f / lim for lim, f in zip(paired[limit_name], paired[fl_name]))
-    q = len(ratios) // 4
-    choices = [c.split()[0] for runs in paired_probe.values() for c in runs]
-    print(
-        f"  paired, {limit_rounds} rounds back to back: '{fl_name}' / '{limit_name}': median "
-        f"{statistics.median(ratios):.2f}, quartiles {ratios[q]:.2f}-{ratios[-q - 1]:.2f}, rounds "
-        f"{ratios[0]:.2f}-{ratios[-1]:.2f} (probe kept threads in {choices.count('threads')} of {len(choices)})"
-    )
+    print(f"  paired with '{limit_name}', {limit_rounds} rounds back to back (median, quartiles, range of the ratios):")
+    for name in fl_names:
+        ratios = sorted(f / lim for lim, f in zip(paired[limit_name], paired[name]))
+        q = len(ratios) // 4
+        nw = int(name.split("nw=")[1][0])
+        probe = [c.split()[0] for c in paired_probe.get(nw, [])]
+        kept = f"; probe kept threads in {probe.count('threads')} of {len(probe)}" if probe else ""
+        print(
+            f"    {name:40s} {statistics.median(ratios):5.2f}   {ratios[q]:.2f}-{ratios[-q - 1]:.2f}   "
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f}{kept}"
+        )
     print(f"fastload best / raw gather, 1 thread  : {fl_best / raw_one:.2f}")
     gb_par = best[f"get_batch on {CORES} threads, no Loader"]
     print(f"get_batch on {CORES} threads / limit      : {gb_par / raw_rate:.2f}   (the dataset layer alone)")
