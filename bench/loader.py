@@ -58,7 +58,7 @@ __all__ = ["main"]
 CORES = usable_cores()
 TIMED_EPOCHS = 3  # passes timed per row of the main table (one loader object each, as in training)
 GENERIC_ROUNDS = 8  # paired rounds for the generic-dataset rows (median of the per-round ratios)
-LIMIT_ROUNDS = 12  # paired rounds of the fastest Loader row against the raw limit
+LIMIT_ROUNDS = 12  # rounds of each seeded Loader row back to back with the fastest raw row
 RECORD = 3072  # bytes per sample: x (3064 uint8) + label (int64)
 BATCH = 256
 
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             for side, cls in sides if r % 2 == 0 else sides[::-1]:
                 generic[w][side].append(py(cls, w))
     # The headline ratio from pairs as well: best-of-N of two rows timed minutes apart compares two
-    # machine states on a shared host (the raw limit's best of 3 has varied 2.1-2.8M samples/s between
+    # machine states on a shared host (the raw limit's best of 3 has read 2.3-2.8M samples/s in different
     # runs). Each seeded Loader row and the fastest raw row back to back, the order alternating.
     limit_name = max((k for k in best if k.startswith("raw ")), key=best.__getitem__)
     fl_names = [k for k in best if k.startswith("fastload.Loader") and "seed" in k]

@@ -160,6 +160,7 @@ class Loader:
         self._position: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
         self._active: EpochIterator | None = None
+        self._active_epoch = 0  # the epoch `_active` runs (`set_epoch` may have moved on since)
         self._pool: ProcessSource | None = None
         self._probe: ThreadProbe | None = None
         if self._iterable:
@@ -289,7 +290,7 @@ class Loader:
             position=start,
             probe=self._thread_probe(),
         )
-        self._active = it
+        self._active, self._active_epoch = it, self._epoch
         return it
 
     def _order_ahead(self, threads: int, steal: str | bool) -> bool:
@@ -366,8 +367,11 @@ class Loader:
         }
 
     def _current_position(self) -> dict[str, Any] | None:
-        """The position of the last batch the consumer received (the active iterator keeps it)."""
-        return self._active.position if self._active is not None else self._position
+        """The position of the last batch the consumer received (the active iterator keeps it),
+        unless `set_epoch` has moved to another epoch since that iterator started."""
+        if self._active is not None and self._active_epoch == self._epoch:
+            return self._active.position
+        return self._position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `iter()` continues exactly after the last batch received."""
@@ -417,7 +421,7 @@ class Loader:
         """Stop the active iterator and any persistent workers (`state_dict()` still says where it was)."""
         if self._active is not None:
             self._active.close()
-            self._position = self._active.position
+            self._position = self._current_position()
             self._active = None
         if self._pool is not None:
             self._pool.close()

@@ -131,6 +131,29 @@ def test_state_at_epoch_end_starts_next_epoch():
     assert second == run(make(), 2)[len(first):]
 
 
+@pytest.mark.parametrize("workers", [(0, "auto"), (2, "thread")])
+def test_state_after_leaving_an_epoch_early_and_setting_the_next(workers):
+    """An epoch left after 3 batches, then `set_epoch(5)`: the state is epoch 5 from its start (not
+    the abandoned epoch's position), also once the loader is closed; a resume yields all of epoch 5."""
+    nw, kind = workers
+    make = lambda: Loader(IdxDS(), batch_size=10, shuffle=True, seed=3, num_workers=nw, worker_type=kind)  # noqa: E731
+    a = make()
+    it = iter(a)
+    for _ in range(3):
+        next(it)
+    assert a.state_dict()["batches_yielded"] == 3
+    a.set_epoch(5)
+    state = a.state_dict()
+    assert state["epoch"] == 5 and state["batches_yielded"] == 0
+    a.close()
+    assert a.state_dict()["batches_yielded"] == 0
+    b = make()
+    b.load_state_dict(state)
+    reference = make()
+    reference.set_epoch(5)
+    assert run(b) == run(reference)
+
+
 class StatefulBatchSampler:
     """A batch sampler with its own state (torchdata `Stateful` convention)."""
 
