@@ -56,7 +56,7 @@ from fastload.pipeline import EpochIterator, ThreadProbe
 from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
 from fastload.stats import LoaderStats
 from fastload.system import usable_cores
-from fastload.workers import InlineSource, ProcessSource, ThreadSource, resolve_steal
+from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource, resolve_steal
 
 __all__ = ["Loader"]
 
@@ -162,6 +162,7 @@ class Loader:
         self._active: EpochIterator | None = None
         self._active_epoch = 0  # the epoch `_active` runs (`set_epoch` may have moved on since)
         self._pool: ProcessSource | None = None
+        self._threads: ThreadPool | None = None  # thread workers kept across epochs (see `_reused_threads`)
         self._probe: ThreadProbe | None = None
         if self._iterable:
             return
@@ -257,6 +258,7 @@ class Loader:
                 init=_thread_init(self.worker_init_fn, device_index),
                 steal=steal,
                 fetch_alone=self._fetcher.fetch_alone,
+                pool=self._reused_threads(threads, device_index),
             )
         else:
             if reuse_pool:
@@ -307,6 +309,16 @@ class Loader:
             busy = self.num_workers
         return usable_cores() > busy
 
+    def _reused_threads(self, threads: int, device_index: int | None) -> ThreadPool | None:
+        """The Loader's worker threads, kept across epochs (an epoch then starts no threads), unless
+        a `worker_init_fn` without `persistent_workers` asks for fresh workers each epoch (as torch's
+        non-persistent workers run it once per epoch): None, and each epoch starts its own."""
+        if self.worker_init_fn is not None and not self.persistent_workers:
+            return None
+        if self._threads is None or self._threads.closed:
+            self._threads = ThreadPool(threads, init=_thread_init(self.worker_init_fn, device_index))
+        return self._threads
+
     def _thread_probe(self) -> ThreadProbe | None:
         """The Loader's inline-vs-threads probe (kept across epochs; the workers first on the direct
         path); none with a timeout or worker_init_fn."""
@@ -325,10 +337,17 @@ class Loader:
 
     # ---- callbacks from the iterator
     def _failed(self, it: EpochIterator) -> None:
-        """An epoch raised: persistent workers may be broken (a dead worker) — start fresh next time."""
+        """An epoch raised: persistent workers may be broken (a dead worker, a thread stuck past
+        `timeout`) — start fresh next time."""
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
 
     def _epoch_done(self, it: EpochIterator) -> None:
         if it is self._active:
@@ -423,12 +442,10 @@ class Loader:
             self._active.close()
             self._position = self._current_position()
             self._active = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self._stop_workers()
 
     def __del__(self) -> None:
-        if getattr(self, "_pool", None) is not None or getattr(self, "_active", None) is not None:
+        if any(getattr(self, name, None) is not None for name in ("_pool", "_threads", "_active")):
             with contextlib.suppress(Exception):  # may run during interpreter shutdown
                 self.close()
 

@@ -41,7 +41,7 @@ from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_f
 from fastload.pinned import storage_refs
 from fastload.system import usable_cores
 
-__all__ = ["STEAL_MODES", "InlineSource", "ProcessSource", "ThreadSource", "WorkerError", "resolve_steal"]
+__all__ = ["STEAL_MODES", "InlineSource", "ProcessSource", "ThreadPool", "ThreadSource", "WorkerError", "resolve_steal"]
 
 _POLL = 0.1
 STEAL_MODES = ("auto", "always", "bounded", False)
@@ -86,8 +86,20 @@ class InlineSource:
 
 
 class _Shared:
-    """What a `ThreadSource` shares with its worker threads (they hold no reference to the source,
-    so dropping the source stops them)."""
+    """What a `ThreadPool` shares with its worker threads (they hold no reference to the pool,
+    so dropping the pool stops them); lives as long as the threads, across epochs."""
+
+    def __init__(self) -> None:
+        self.todo: deque[tuple[int, Any, _EpochWork]] = deque()  # batches nobody has started, in order
+        self.wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()  # one token per batch put; None: exit
+        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()  # batches finished while the consumer waited
+        self.waiting = False  # the consumer is (about to be) blocked on `ready`
+        self.init_error: BaseException | None = None
+
+
+class _EpochWork:
+    """One `ThreadSource`'s (one epoch's) fetch and results; every queued batch carries its own, so
+    a worker finishing a batch of an epoch already closed stores it where nobody looks."""
 
     MEAN_WEIGHT = 0.2  # of the newest fetch in the running mean
 
@@ -101,13 +113,8 @@ class _Shared:
         self.fetch, self.post, self.timed = fetch, post, timed
         self.fetch_alone = fetch_alone or fetch
         self.mean_fetch: float | None = None  # running mean of fetch seconds (`timed` only)
-        self.todo: deque[tuple[int, Any]] = deque()  # batches nobody has started, in order
         self.done: dict[int, tuple[Any, BaseException | None]] = {}  # finished by a worker, not yet taken
-        self.wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()  # one token per batch put; None: exit
-        self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()  # batches finished while the consumer waited
-        self.waiting = False  # the consumer is (about to be) blocked on `ready`
         self.started: dict[int, float] = {}  # batch -> when a worker started it ("bounded" mode only)
-        self.init_error: BaseException | None = None
 
     def work(self, indices: Any, j: int | None = None, *, alone: bool = False) -> tuple[Any, dict[str, float], Any]:
         """Fetch one batch (batch `j` of the epoch when a worker runs it) and `post` it; `alone`:
@@ -136,22 +143,70 @@ def _thread_worker(shared: _Shared, wid: int, init: Callable[[int], None] | None
             shared.init_error = exc
             shared.ready.put(-1)
             return
-    todo, done, wake, ready, work = shared.todo, shared.done, shared.wake, shared.ready, shared.work
+    todo, wake, ready = shared.todo, shared.wake, shared.ready
     while wake.get() is not None:
         try:
-            j, indices = todo.popleft()
+            j, indices, epoch = todo.popleft()
         except IndexError:  # the consumer took that batch itself
             continue
         try:
-            done[j] = (work(indices, j), None)
+            epoch.done[j] = (epoch.work(indices, j), None)
         except BaseException as exc:  # noqa: BLE001 - raised in the consumer when batch j's turn comes
-            done[j] = (None, exc)
+            epoch.done[j] = (None, exc)
         if shared.waiting:  # only then: a consumer that never waits must not fill the queue
             ready.put(j)
 
 
+class ThreadPool:
+    """`num_workers` worker threads (started on first use) and their hand-over queues.
+
+    A Loader keeps one across epochs, so an epoch starts without starting threads (and a probe
+    comparing inline and threaded fetching over short epochs does not time thread start-ups);
+    `ThreadSource`s use it one at a time. Dropping or closing the pool stops the threads after
+    the fetch they are in."""
+
+    def __init__(self, num_workers: int, *, init: Callable[[int], None] | None = None) -> None:
+        self.num_workers = num_workers
+        self.shared = shared = _Shared()
+        self._unstarted = [
+            threading.Thread(target=_thread_worker, args=(shared, wid, init), name=f"fastload-{wid}", daemon=True)
+            for wid in range(num_workers)
+        ]
+        self._finalizer = weakref.finalize(self, _stop_threads, shared, num_workers)
+
+    def start(self) -> None:
+        """Start the threads if they are not running yet (the first batch put does this: an epoch
+        that the probe runs inline starts none)."""
+        for t in self._unstarted:
+            t.start()
+        self._unstarted = []
+
+    def idle(self) -> None:
+        """Forget the closed epoch's unstarted batches and the wake-up tokens left for them (a token
+        per batch put, also for the batches the consumer took itself: left over, they would wake
+        the workers for nothing)."""
+        shared = self.shared
+        shared.todo.clear()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                if shared.wake.get_nowait() is None:  # the pool is being stopped: keep the stop
+                    shared.wake.put(None)
+                    break
+        with contextlib.suppress(queue.Empty):
+            while True:
+                shared.ready.get_nowait()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Stop the threads (each after the fetch it is in)."""
+        self._finalizer()
+
+
 class ThreadSource:
-    """Fetch on worker threads; `post` (e.g. packing into the pinned ring) runs there too.
+    """Fetch on worker threads (a `ThreadPool`); `post` (e.g. packing into the pinned ring) runs there too.
 
     The hand-over is lean on purpose (it runs once per batch on both sides): `put` appends the
     batch to a deque of unstarted batches and drops a token into a `SimpleQueue` that wakes one
@@ -174,6 +229,9 @@ class ThreadSource:
     (every batch is fetched by a worker; the Loader passes it when a `worker_init_fn` prepares
     the worker threads, which the consumer's thread never ran). Never with a `timeout` (a stolen
     batch could outlast it).
+
+    `pool`: worker threads to use (kept by the caller, e.g. across epochs; `num_workers` and `init`
+    are then the pool's); by default the source starts its own and stops them on `close()`.
     """
 
     STEAL_MIN_REMAINING = 0.75  # of the mean fetch time
@@ -189,37 +247,34 @@ class ThreadSource:
         init: Callable[[int], None] | None = None,
         steal: bool | str = "auto",
         fetch_alone: Callable[[Any], tuple[Any, dict[str, float]]] | None = None,
+        pool: ThreadPool | None = None,
     ) -> None:
         self.timeout = timeout
-        self.steal = resolve_steal(steal, num_workers=num_workers, timeout=timeout)
+        self._own_pool = pool is None
+        self.pool = pool = pool if pool is not None else ThreadPool(num_workers, init=init)
+        self.num_threads = pool.num_workers
+        self.steal = resolve_steal(steal, num_workers=self.num_threads, timeout=timeout)
+        self._shared = pool.shared
         # only the "bounded" mode needs fetch start times and their mean
-        self._shared = shared = _Shared(fetch, post, timed=self.steal == "bounded", fetch_alone=fetch_alone)
-        self._work = shared.work
+        self._epoch = epoch = _EpochWork(fetch, post, timed=self.steal == "bounded", fetch_alone=fetch_alone)
+        self._work = epoch.work
         self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
-        self.num_threads = num_workers
-        self._unstarted = [
-            threading.Thread(target=_thread_worker, args=(shared, wid, init), name=f"fastload-{wid}", daemon=True)
-            for wid in range(num_workers)
-        ]
-        self._finalizer = weakref.finalize(self, _stop_threads, shared, num_workers)
 
     def put(self, j: int, indices: Any) -> None:
-        if self._unstarted:  # started by the first batch: an epoch the probe runs inline starts none
-            for t in self._unstarted:
-                t.start()
-            self._unstarted = []
-        self._shared.todo.append((j, indices))
+        if self.pool._unstarted:  # started by the first batch: an epoch the probe runs inline starts none
+            self.pool.start()
+        self._shared.todo.append((j, indices, self._epoch))
         self._shared.wake.put(True)
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
-        shared = self._shared
-        done = shared.done
+        epoch = self._epoch
+        done = epoch.done
         if j not in done:
             fetched = self._fetch_or_wait(j)
             if fetched is not None:
                 return fetched
-        if shared.timed:
-            shared.started.pop(j, None)
+        if epoch.timed:
+            epoch.started.pop(j, None)
         result, error = done.pop(j)
         if error is not None:
             raise error
@@ -227,15 +282,15 @@ class ThreadSource:
 
     def _fetch_or_wait(self, j: int) -> tuple[Any, dict[str, float], Any] | None:
         """Until batch j is in `done`: steal later batches (or fetch j itself, returned) or wait."""
-        shared = self._shared
-        done, todo = shared.done, shared.todo
+        shared, epoch = self._shared, self._epoch
+        done, todo = epoch.done, shared.todo
         deadline = time.monotonic() + self.timeout if self.timeout else None
         while j not in done:
             if shared.init_error is not None:
                 raise shared.init_error
             if self.steal and todo:
                 try:
-                    k, indices = todo.popleft()
+                    k, indices, _ = todo.popleft()
                 except IndexError:  # a worker took it meanwhile
                     continue
                 if k == j:  # no worker has started batch j: fetch it here instead of waiting
@@ -247,7 +302,7 @@ class ThreadSource:
                     except Exception as exc:  # noqa: BLE001 - raised when batch k's turn comes, in order
                         done[k] = (None, exc)
                     continue
-                todo.appendleft((k, indices))  # batch j is nearly done: leave k to the workers
+                todo.appendleft((k, indices, epoch))  # batch j is nearly done: leave k to the workers
                 shared.wake.put(True)
             self._wait_ready(j, deadline)
         return None
@@ -265,7 +320,7 @@ class ThreadSource:
         try:
             while not ready.empty():  # only this thread takes from `ready`
                 ready.get_nowait()
-            if j in shared.done or shared.init_error is not None:
+            if j in self._epoch.done or shared.init_error is not None:
                 return
             if deadline is None:
                 ready.get()
@@ -280,10 +335,10 @@ class ThreadSource:
         """Whether batch j (running on a worker) should take long enough to fetch another meanwhile:
         it started less than 1 - STEAL_MIN_REMAINING mean fetches ago, or it is far overdue (over
         `STEAL_OVERDUE` means: stuck on something slow, so its end cannot be predicted)."""
-        shared = self._shared
-        if not shared.timed:
+        epoch = self._epoch
+        if not epoch.timed:
             return True
-        mean, started = shared.mean_fetch, shared.started.get(j)
+        mean, started = epoch.mean_fetch, epoch.started.get(j)
         if mean is None or started is None:
             return True
         elapsed = time.perf_counter() - started
@@ -298,11 +353,14 @@ class ThreadSource:
         pass
 
     def close(self) -> None:
-        """Drop unstarted and finished batches; the workers exit after the fetch they are in."""
-        self._shared.todo.clear()
-        self._shared.done.clear()
-        self._shared.started.clear()
-        self._finalizer()
+        """Drop unstarted and finished batches; the source's own workers exit after the fetch they
+        are in (a pool passed in is left running, idle, for the next source)."""
+        self._epoch.done.clear()
+        self._epoch.started.clear()
+        if self._own_pool:
+            self.pool.close()
+        else:
+            self.pool.idle()
 
 
 def _stop_threads(shared: _Shared, num_workers: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -153,7 +154,7 @@ def test_bounded_stealing_takes_a_nearly_done_batch() -> None:
         assert src.get(0)[0]["j"] == 0  # taken inline or by the worker: the mean fetch time is now known
         for j in range(1, 5):
             src.put(j, np.array([j]))
-        while 1 not in src._shared.started:  # the worker has started batch 1
+        while 1 not in src._epoch.started:  # the worker has started batch 1
             time.sleep(0.005)
         time.sleep(fetch_s - 0.08)  # batch 1 is ~80 ms from done, far less than 0.75 of a fetch
         before = src.stolen
@@ -198,8 +199,9 @@ def _wait_no_fastload_threads(before: set[threading.Thread], limit: float = 5.0)
 
 
 @pytest.mark.parametrize("how", ["exhaust", "break", "close", "del"])
-def test_thread_workers_exit_with_their_epoch(tmp_path, how: str) -> None:
-    """Worker threads stop when the epoch ends, is closed, or its iterator is dropped mid-epoch."""
+def test_thread_workers_serve_every_epoch_and_exit_with_their_loader(tmp_path, how: str) -> None:
+    """Worker threads outlive an epoch that ends or is left early (the next epoch reuses them,
+    starting none) and stop when the Loader is closed or dropped, also mid-epoch."""
     import gc
 
     schema = Schema((Field("y", "scalar", np.int64),))
@@ -210,17 +212,46 @@ def test_thread_workers_exit_with_their_epoch(tmp_path, how: str) -> None:
     it = iter(loader)
     for _ in range(5):
         next(it)
-    assert _fastload_threads() - before, "no worker threads were started"
-    if how == "exhaust":
-        assert sum(1 for _ in it) == len(loader) - 5
-    elif how == "close":
-        loader.close()
-    elif how == "del":
+    started = _fastload_threads() - before
+    assert started, "no worker threads were started"
+    if how in ("exhaust", "break"):
+        if how == "exhaust":
+            assert sum(1 for _ in it) == len(loader) - 5
+        else:
+            it.close()
+        assert _fastload_threads() - before == started  # idle between epochs, not stopped
+        ys = torch.cat([b["y"] for b in loader])
+        assert sorted(ys.tolist()) == list(range(2000))  # the next epoch, on the same threads
+        assert _fastload_threads() - before == started
         del it, loader
         gc.collect()
+    elif how == "close":
+        loader.close()
     else:
-        it.close()
+        del it, loader
+        gc.collect()
     assert not _wait_no_fastload_threads(before)
+
+
+def test_thread_workers_run_worker_init_fn_each_epoch_unless_persistent(tmp_path) -> None:
+    """As torch's workers: `worker_init_fn` runs in fresh workers every epoch, or once with
+    `persistent_workers=True`."""
+    schema = Schema((Field("y", "scalar", np.int64),))
+    write(({"y": i} for i in range(64)), tmp_path / "ds", schema=schema, progress=False)
+    for persistent, runs in ((False, 6), (True, 2)):
+        calls: list[int] = []
+        loader = Loader(
+            FastloadDataset(tmp_path / "ds"),
+            batch_size=4,
+            num_workers=2,
+            worker_type="thread",
+            worker_init_fn=calls.append,
+            persistent_workers=persistent,
+        )
+        for _ in range(3):
+            assert sum(len(b["y"]) for b in loader) == 64
+        loader.close()
+        assert sorted(calls) == sorted([0, 1] * (runs // 2)), persistent
 
 
 def test_a_failing_thread_init_is_raised_in_the_consumer() -> None:
@@ -266,9 +297,41 @@ def test_reports_do_not_pile_up_when_the_consumer_never_waits() -> None:
         for j in range(200):
             src.put(j, np.array([j]))
         deadline = time.monotonic() + 10
-        while len(src._shared.done) < 200 and time.monotonic() < deadline:
+        while len(src._epoch.done) < 200 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert [src.get(j)[0]["j"] for j in range(200)] == list(range(200))
         assert src._shared.ready.qsize() <= 1
     finally:
         src.close()
+
+
+def test_a_pool_serves_the_next_source_without_batches_of_the_closed_one() -> None:
+    """A worker still fetching a batch of a closed source (an epoch left early) stores it with that
+    source: the next source on the same pool gets only its own batches, in order."""
+    from fastload.workers import ThreadPool
+
+    pool = ThreadPool(1)
+    slow_started = threading.Event()
+
+    def slow(idx: np.ndarray) -> tuple[dict[str, Any], dict[str, float]]:
+        if int(idx[0]) > 0:
+            slow_started.set()
+            time.sleep(0.2)
+        return {"epoch": 0, "j": int(idx[0])}, {}
+
+    first = ThreadSource(slow, 1, pool=pool, steal=False)
+    for j in range(4):
+        first.put(j, np.array([j]))
+    assert first.get(0)[0] == {"epoch": 0, "j": 0}
+    assert slow_started.wait(5)
+    first.close()  # batch 1 is still being fetched
+    assert not pool.closed
+    second = ThreadSource(lambda idx: ({"epoch": 1, "j": int(idx[0])}, {}), 1, pool=pool, steal=False)
+    try:
+        for j in range(6):
+            second.put(j, np.array([j]))
+        assert [second.get(j)[0] for j in range(6)] == [{"epoch": 1, "j": j} for j in range(6)]
+    finally:
+        second.close()
+        pool.close()
+    assert pool.closed
