@@ -18,6 +18,9 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
 * each seeded Loader row against the fastest raw row again, in `LIMIT_ROUNDS` back-to-back rounds
   (the median of the per-round ratios: on a shared machine the best-of figures of two rows timed
   minutes apart also compare two machine states);
+* the thread probe: the default 2-worker Loader against the same with `adaptive=False` (the
+  workers always fetch) and against 0 workers, in `LIMIT_ROUNDS` paired rounds, on this dataset
+  and on a short run (`SHORT_SAMPLES`, epochs shorter than the probe's windows);
 * a generic Python `__getitem__` dataset: Loader vs DataLoader at the same num_workers;
 * peak RSS of each process tree (fastload vs torch on the same workload) and fastload's RSS
   over 20 epochs (measured in child processes).
@@ -59,6 +62,8 @@ CORES = usable_cores()
 TIMED_EPOCHS = 3  # passes timed per row of the main table (one loader object each, as in training)
 GENERIC_ROUNDS = 8  # paired rounds for the generic-dataset rows (median of the per-round ratios)
 LIMIT_ROUNDS = 12  # rounds of each seeded Loader row back to back with the fastest raw row
+SHORT_SAMPLES = 20_000  # the short run of the probe A/B: 78 batches an epoch
+PROBE_ROWS = ("default nw=2", "nw=2 adaptive=False", "nw=0")
 RECORD = 3072  # bytes per sample: x (3064 uint8) + label (int64)
 BATCH = 256
 
@@ -183,6 +188,23 @@ def epochs_of(loader: Iterable[Any], epochs: int) -> Iterable[Any]:
         yield from loader
 
 
+def paired_rounds(rows: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each row once per round, back to back, the order alternating (so no row always runs right
+    after another's teardown): per-round figures whose ratios compare like machine states."""
+    out: dict[str, list[float]] = {name: [] for name in rows}
+    for r in range(rounds):
+        for name in list(rows) if r % 2 == 0 else list(rows)[::-1]:
+            out[name].append(rows[name]())
+    return out
+
+
+def ratio_summary(num: list[float], den: list[float]) -> str:
+    """Median, quartiles and range of the per-round ratios num/den."""
+    ratios = sorted(a / b for a, b in zip(num, den))
+    q = len(ratios) // 4
+    return f"{statistics.median(ratios):5.2f}   {ratios[q]:.2f}-{ratios[-q - 1]:.2f}   {ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
 def raw_gather(raw: str, epochs: int) -> Iterable[np.ndarray]:
     mm = np.load(raw, mmap_mode="r")
     for b in shuffled_batches(len(mm), epochs):
@@ -293,6 +315,19 @@ def run_child(kind: str, ds_dir: str, epochs: int, limit: int) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def probe_rows(ds: Any, limit: int, epochs: int) -> dict[str, Callable[[], float]]:
+    """`PROBE_ROWS`: seeded Loaders over `ds`, timed over `epochs` passes like the main table."""
+
+    def row(nw: int, **kw: Any) -> Callable[[], float]:
+        def timed() -> float:
+            loader = Loader(ds, batch_size=BATCH, shuffle=True, num_workers=nw, worker_type="thread", seed=0, **kw)
+            return rate(epochs_of(loader, epochs), limit, dict_size)
+
+        return timed
+
+    return dict(zip(PROBE_ROWS, (row(2), row(2, adaptive=False), row(0))))
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -373,12 +408,20 @@ def main(argv: list[str] | None = None) -> int:
     limit_name = max((k for k in best if k.startswith("raw ")), key=best.__getitem__)
     fl_names = [k for k in best if k.startswith("fastload.Loader") and "seed" in k]
     limit_rounds = trials if args.quick else max(trials, LIMIT_ROUNDS)
-    paired: dict[str, list[float]] = {name: [] for name in (limit_name, *fl_names)}
     logged = {nw: len(runs) for nw, runs in probe_log.items()}
-    for r in range(limit_rounds):
-        for name in list(paired) if r % 2 == 0 else list(paired)[::-1]:
-            paired[name].append(configs[name]())
+    paired = paired_rounds({name: configs[name] for name in (limit_name, *fl_names)}, limit_rounds)
     paired_probe = {nw: runs[logged[nw] :] for nw, runs in probe_log.items()}
+    # What the thread probe costs or gains: the default 2-worker Loader against the same Loader with
+    # its workers always fetching (adaptive=False) and against 0 workers; on this dataset and on a
+    # short run (SHORT_SAMPLES: epochs of a few ms, shorter than the probe's windows), where
+    # "adding workers never loses to num_workers=0" is hardest to keep.
+    probe_sets = [(f"{n} samples", fds)]
+    if n != SHORT_SAMPLES:
+        probe_sets.append(
+            (f"{SHORT_SAMPLES} samples (short run)", formats.FastloadDataset(build(args.path, SHORT_SAMPLES)[0]))
+        )
+    probe_ab = {label: probe_rows(ds, epochs * len(ds) - 2 * BATCH, epochs) for label, ds in probe_sets}
+    probe_paired = {label: paired_rounds(rows, limit_rounds) for label, rows in probe_ab.items()}
     raw_one = best["raw memmap gather, 1 thread"]
     raw_rate = max(v for k, v in best.items() if k.startswith("raw "))  # the limit: the fastest raw row
     fl_best = max(v for k, v in best.items() if k.startswith("fastload.Loader") and "seed" in k)
@@ -398,15 +441,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfastload best / raw gather limit      : {fl_best / raw_rate:.2f}   (target >= 0.90; the fastest raw row)")
     print(f"  paired with '{limit_name}', {limit_rounds} rounds back to back (median, quartiles, range of the ratios):")
     for name in fl_names:
-        ratios = sorted(f / lim for lim, f in zip(paired[limit_name], paired[name]))
-        q = len(ratios) // 4
         nw = int(name.split("nw=")[1][0])
         probe = [c.split()[0] for c in paired_probe.get(nw, [])]
         kept = f"; probe kept threads in {probe.count('threads')} of {len(probe)}" if probe else ""
+        print(f"    {name:40s} {ratio_summary(paired[name], paired[limit_name])}{kept}")
+    print(f"  the thread probe, {limit_rounds} paired rounds of {epochs} epochs (median, quartiles, range of ratios):")
+    for label, runs in probe_paired.items():
+        default, always, inline = runs[PROBE_ROWS[0]], runs[PROBE_ROWS[1]], runs[PROBE_ROWS[2]]
         print(
-            f"    {name:40s} {statistics.median(ratios):5.2f}   {ratios[q]:.2f}-{ratios[-q - 1]:.2f}   "
-            f"{ratios[0]:.2f}-{ratios[-1]:.2f}{kept}"
+            f"    {label}: default nw=2 {statistics.median(default):,.0f}/s, adaptive=False "
+            f"{statistics.median(always):,.0f}/s, nw=0 {statistics.median(inline):,.0f}/s (medians)"
         )
+        print(f"      default / adaptive=False       {ratio_summary(default, always)}")
+        print(f"      default / nw=0                 {ratio_summary(default, inline)}   (target >= 1)")
+        print(f"      adaptive=False / nw=0          {ratio_summary(always, inline)}")
     print(f"fastload best / raw gather, 1 thread  : {fl_best / raw_one:.2f}")
     gb_par = best[f"get_batch on {CORES} threads, no Loader"]
     print(f"get_batch on {CORES} threads / limit      : {gb_par / raw_rate:.2f}   (the dataset layer alone)")

@@ -84,7 +84,9 @@ class Loader:
     default on exactly when pinning), `ring_slots` (ring size, default in-flight batches + 3),
     `order_ahead` (seeded order: compute the next epoch's order on a background thread while
     this epoch runs; None, the default: only when a core is left over by this epoch's fetching,
-    see `_order_ahead`).
+    see `_order_ahead`), `adaptive` (thread workers: compare them with fetching inline in the
+    consumer's thread and keep the faster, see `fastload.pipeline.ThreadProbe`; default True;
+    False: the workers always fetch, as with a `timeout` or a `worker_init_fn`).
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class Loader:
         buffer_ring: bool | None = None,
         ring_slots: int | None = None,
         order_ahead: bool | None = None,
+        adaptive: bool = True,
     ) -> None:
         # torch validates the arguments (same errors) and builds the same default samplers
         self._dl = DataLoader(
@@ -205,6 +208,7 @@ class Loader:
         self._use_ring = self._pinning if buffer_ring is None else bool(buffer_ring)
         self._ring_slots = ring_slots
         self.order_ahead = order_ahead
+        self.adaptive = adaptive
 
     # ---- DataLoader surface
     def __len__(self) -> int:
@@ -321,8 +325,8 @@ class Loader:
 
     def _thread_probe(self) -> ThreadProbe | None:
         """The Loader's inline-vs-threads probe (kept across epochs; the workers first on the direct
-        path); none with a timeout or worker_init_fn."""
-        if self.timeout != 0 or self.worker_init_fn is not None:
+        path); none with a timeout or worker_init_fn, or when not `adaptive`."""
+        if not self.adaptive or self.timeout != 0 or self.worker_init_fn is not None:
             return None
         if self._probe is None:
             self._probe = ThreadProbe(threads_first=self._fetcher.direct)

@@ -239,14 +239,19 @@ class ThreadProbe:
     fill their queue and warm up (`FILL` batches at least: so neither a backlog of ready batches
     nor the first slow batches after the switch decide) and are timed for as long as inline was
     (a third of it when they are `CLEAR_LOSS` slower, and the same for inline's window when the
-    workers went first); if epoch boundaries cut their window more
-    than `MAX_RESTARTS` times (epochs too short to time them), inline stays.
+    workers went first).
     The workers are kept only if they beat inline by `MARGIN`, and are watched afterwards
     (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than inline switches to
     inline. Inline is not final either: the workers are tried again after `RETRY_S` of it, then
     after twice as long each time (up to `RETRY_MAX_S`), against the rate of that inline stretch,
     so one noisy comparison on a shared machine does not fix the mode for the whole run. The
     probe lives as long as its Loader: a decision carries over to later epochs.
+
+    A window goes on across epoch boundaries: epochs shorter than a window (a few milliseconds
+    of small batches) still complete it over several epochs. The time between one epoch's last
+    batch and the next epoch's start (the user's code) is left out; the next epoch's start, up
+    to its first batch (its order, the workers' queue refilling), is counted: in the mode the
+    epoch runs in, it is that mode's cost.
 
     `threads_first` (the Loader's direct path: a batch is a few GIL-free takes, so the workers
     usually win): the workers go first, timed after their warm-up, then inline is timed once the
@@ -262,18 +267,19 @@ class ThreadProbe:
     MIN_WINDOW_S = 0.03  # a timed window also lasts this long: a hypervisor's ms-long stalls average out
     WATCH_S = 0.15  # and a watch window this long
     CLEAR_LOSS = 1.25  # threads this much slower after a third of the window: stop timing them
-    MAX_RESTARTS = 2  # epoch boundaries that may cut the workers' window before the probe settles on inline
     RETRY_S, RETRY_MAX_S = 0.25, 64.0  # inline chosen: seconds until the workers are tried again (doubling)
     DIRECT_EDGE = 1.1  # threads_first: the workers' measured rate counts this much more
 
     def __init__(self, *, threads_first: bool = False) -> None:
         self.threads_first = threads_first  # the workers' window comes first and is still to be compared
-        self.phase, self.count, self.t0 = ("fill" if threads_first else "warmup"), 0, 0.0
+        self.phase = "fill" if threads_first else "warmup"
+        self.count = 0  # batches in the current window
+        self.t0 = self.last = 0.0  # when the window's part in this epoch started; the last batch
+        self.before = 0.0  # seconds of the window spent in earlier epochs
         self.drain = 0  # batches in flight when the workers stopped: delivered before inline is timed
         self.edge = self.DIRECT_EDGE if threads_first else 1.0  # weight of the workers' rate
         self.rate_threads = self.rate_inline = 0.0
         self.inline_s = 0.0  # how long the inline window lasted: the threads window lasts as long
-        self.restarts = -1 if threads_first else 0  # the first epoch's start cuts no window
         self.choice = "inline"
         self.switches = 0  # mode changes after the probe (diagnostics)
         self.retries = 0  # times the workers were tried again after inline was chosen (diagnostics)
@@ -281,23 +287,25 @@ class ThreadProbe:
         self.retry_at = float("inf")  # when the workers are tried again (inline chosen)
 
     def attach(self, it: EpochIterator, now: float) -> None:
-        """Start an epoch in the mode the probe has reached; its current window restarts."""
-        if self.phase in ("fill", "threads"):
-            self.restarts += 1
-            if self.restarts > self.MAX_RESTARTS:  # epochs too short to time the workers: stay inline
-                self._inline(it, now)
-        if self.phase == "threads":
-            self.phase = "fill"  # the epoch boundary drained the workers' queue: refill first
-        threads = self.phase in ("fill", "watch") or (self.phase == "done" and self.choice == "threads")
+        """Start an epoch in the mode the probe has reached; the current window goes on."""
+        self.before += self.last - self.t0
+        self.t0 = self.last = now
+        self.drain = 0  # the previous epoch delivered everything it had in flight
+        threads = self.phase in ("fill", "threads", "watch") or (self.phase == "done" and self.choice == "threads")
         it._depth = it._full_depth if threads else 0
-        self.count, self.t0 = 0, now
+
+    def _restart(self, now: float) -> None:
+        """A new window from `now`."""
+        self.count, self.t0, self.last, self.before = 0, now, now, 0.0
 
     def tick(self, it: EpochIterator, now: float) -> None:
         self.count += 1
-        elapsed = now - self.t0
+        self.last = now
+        elapsed = self.before + now - self.t0
         if self.phase == "warmup":
             if self.count >= self.WARMUP + self.drain:
-                self.phase, self.count, self.t0, self.drain = "inline", 0, now, 0
+                self.phase, self.drain = "inline", 0
+                self._restart(now)
         elif self.phase == "inline":
             full = self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S
             if self.threads_first and (full or self._inline_clearly_losing(elapsed)):
@@ -308,15 +316,18 @@ class ThreadProbe:
                 return
             if full:
                 self.rate_inline, self.inline_s = self.count / elapsed, elapsed
-                self.phase, self.count = "fill", 0
+                self.phase = "fill"
+                self._restart(now)
                 it._depth = it._full_depth
         elif self.phase == "fill":
             if self.count >= max(it._full_depth + 2, self.FILL):
-                self.phase, self.count, self.t0 = "threads", 0, now
+                self.phase = "threads"
+                self._restart(now)
         elif self.phase == "threads" and self.threads_first:
             if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:
                 self.rate_threads = self.count / elapsed
-                self.phase, self.count, self.drain = "warmup", 0, it._full_depth
+                self.phase, self.drain = "warmup", it._full_depth
+                self._restart(now)
                 it._depth = 0  # what is in flight drains first
         elif self.phase == "threads":
             clearly_losing = (  # cut a losing window short: probing costs the slower mode's rate
@@ -329,14 +340,15 @@ class ThreadProbe:
             if self.count / elapsed * self.MARGIN * self.edge < self.rate_inline:
                 self._inline(it, now)
             else:
-                self.count, self.t0 = 0, now
+                self._restart(now)
         elif self.phase == "done" and self.choice == "inline" and now >= self.retry_at:
             if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:  # the inline stretch since
-                self.rate_inline = self.count / elapsed  # the decision (or this epoch's start): a long window
+                self.rate_inline = self.count / elapsed  # the decision: a long window
             self.retries += 1
             self.retry_s = min(2 * self.retry_s, self.RETRY_MAX_S)
             self.retry_at = float("inf")
-            self.phase, self.count = "fill", 0
+            self.phase = "fill"
+            self._restart(now)
             it._depth = it._full_depth
 
     def _inline_clearly_losing(self, elapsed: float) -> bool:
@@ -352,7 +364,8 @@ class ThreadProbe:
     def _decide(self, it: EpochIterator, now: float) -> None:
         """Keep the workers (then watch them) if they beat inline by `MARGIN`, else go inline."""
         if self.rate_threads * self.edge > self.rate_inline * self.MARGIN:
-            self.choice, self.phase, self.count, self.t0 = "threads", "watch", 0, now
+            self.choice, self.phase = "threads", "watch"
+            self._restart(now)
             self.switches += 1
             it._depth = it._full_depth
         else:
@@ -361,6 +374,6 @@ class ThreadProbe:
     def _inline(self, it: EpochIterator, now: float) -> None:
         self.switches += self.choice == "threads"
         self.choice, self.phase = "inline", "done"
-        self.count, self.t0 = 0, now
+        self._restart(now)
         self.retry_at = now + self.retry_s
         it._depth = 0  # what is in flight drains first

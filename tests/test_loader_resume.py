@@ -433,37 +433,86 @@ def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margi
     monkeypatch.setattr(ThreadProbe, "MIN_WINDOW_S", 0.0)  # windows by batch count only: this epoch is short
     monkeypatch.setattr(ThreadProbe, "WATCH_S", 0.0)
     monkeypatch.setattr(ThreadProbe, "RETRY_S", 1e9)  # no retry of the workers: switches are counted exactly
-    ref = run(Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4))
-    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    # 400 batches: room for the workers' window (as long as inline's in time, so a few times as many
+    # batches when inline's hit a stall) and the 64-batch watch after it
+    ref = run(Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4))
+    loader = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
     it = iter(loader)
     got = [ids(b) for b in it]
     assert got == ref
     assert it.probe.choice == final and it.probe.switches == switches
     # resume in the middle of the probe's inline window
     state = None
-    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    loader = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
     for k, _ in enumerate(loader):
         if k == 60:
             state = loader.state_dict()
             break
-    again = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    again = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
     again.load_state_dict(state)
     assert run(again) == ref[61:]
 
 
-def test_thread_probe_settles_inline_when_epochs_are_too_short_to_time_the_workers():
+def test_not_adaptive_the_workers_stay_on():
+    """`adaptive=False`: no probe, the thread workers' queue stays full (never the inline mode),
+    same batches as 0 workers."""
+    from fastload.workers import ThreadSource
+
+    ref = run(Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4), epochs=2)
+    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread",
+                    adaptive=False)
+    it = iter(loader)
+    assert it.probe is None and isinstance(it._source, ThreadSource) and it._depth == it._full_depth > 0
+    got = []
+    for b in it:
+        got.append(ids(b))
+        assert it._depth == it._full_depth
+    assert got + run(loader) == ref
+
+
+@pytest.mark.parametrize("threads_rate", [2000, 500])
+def test_thread_probe_windows_go_on_across_short_epochs(threads_rate):
+    """Epochs of 10 batches (shorter than any window) with a second of the user's code between
+    them: the windows complete over several epochs, timed without the gaps, and decide as one
+    long epoch would."""
+    from types import SimpleNamespace
+
+    from fastload.pipeline import ThreadProbe
+
+    probe, it = ThreadProbe(threads_first=True), SimpleNamespace(_depth=0, _full_depth=4)
+    now, epochs = 0.0, 0
+    while probe.phase != "done" and probe.phase != "watch":
+        probe.attach(it, now)
+        for _ in range(10):
+            now += 1 / threads_rate if it._depth else 1e-3  # the workers' rate when they run, else inline's 1000/s
+            probe.tick(it, now)
+        now += 1.0  # between epochs: not timed
+        epochs += 1
+        assert epochs < 100
+    assert probe.rate_threads == pytest.approx(threads_rate)
+    assert probe.rate_inline == pytest.approx(1000)
+    assert probe.choice == ("threads" if threads_rate > 1000 else "inline")
+    assert epochs > ThreadProbe.FILL // 10 + 3  # the windows did span several epochs
+
+
+def test_thread_probe_counts_an_epoch_start_in_its_mode():
+    """The time from an epoch's start to its first batch (its order, the queue refilling) is the
+    running mode's cost; the time before the start is not counted."""
     from types import SimpleNamespace
 
     from fastload.pipeline import ThreadProbe
 
     probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
-    probe.phase = "threads"  # an epoch ended inside the workers' window, again and again
-    for _ in range(ThreadProbe.MAX_RESTARTS):
-        probe.attach(it, 0.0)
-        assert probe.phase == "fill" and it._depth == 4
-        probe.phase = "threads"
     probe.attach(it, 0.0)
-    assert (probe.phase, probe.choice, it._depth) == ("done", "inline", 0)
+    now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # warm-up
+    assert probe.phase == "inline"
+    for _ in range(5):  # 5 batches at 1 ms, then an epoch ends
+        now += 1e-3
+        probe.tick(it, now)
+    probe.attach(it, now + 5.0)  # 5 s of the user's code, then the next epoch starts...
+    now += 5.0 + 0.01  # ... and its first batch comes 10 ms later
+    probe.tick(it, now)
+    assert probe.count == 6 and probe.before + probe.last - probe.t0 == pytest.approx(0.015)
 
 
 def _until_phase_changes(probe, it, now: float, step: float) -> tuple[float, int]:
@@ -550,7 +599,7 @@ def test_thread_probe_threads_first_order_of_windows(threads_rate):
 
     probe, it = ThreadProbe(threads_first=True), SimpleNamespace(_depth=0, _full_depth=4)
     probe.attach(it, 0.0)
-    assert (probe.phase, it._depth, probe.restarts) == ("fill", 4, 0)
+    assert (probe.phase, it._depth) == ("fill", 4)
     now, ticks = _until_phase_changes(probe, it, 0.0, 1e-3)
     assert probe.phase == "threads" and ticks == ThreadProbe.FILL
     now, _ = _until_phase_changes(probe, it, now, 1 / threads_rate)
