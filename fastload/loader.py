@@ -319,7 +319,7 @@ class Loader:
         non-persistent workers run it once per epoch): None, and each epoch starts its own."""
         if self.worker_init_fn is not None and not self.persistent_workers:
             return None
-        if self._threads is None or self._threads.closed:
+        if self._threads is None or not self._threads.usable:
             self._threads = ThreadPool(threads, init=_thread_init(self.worker_init_fn, device_index))
         return self._threads
 

@@ -167,6 +167,7 @@ class ThreadPool:
 
     def __init__(self, num_workers: int, *, init: Callable[[int], None] | None = None) -> None:
         self.num_workers = num_workers
+        self.pid = os.getpid()  # a forked child has none of these threads: it needs a pool of its own
         self.shared = shared = _Shared()
         self._unstarted = [
             threading.Thread(target=_thread_worker, args=(shared, wid, init), name=f"fastload-{wid}", daemon=True)
@@ -195,6 +196,11 @@ class ThreadPool:
         with contextlib.suppress(queue.Empty):
             while True:
                 shared.ready.get_nowait()
+
+    @property
+    def usable(self) -> bool:
+        """Not closed, and in the process that started it (not a forked copy)."""
+        return self._finalizer.alive and self.pid == os.getpid()
 
     @property
     def closed(self) -> bool:

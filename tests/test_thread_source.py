@@ -335,3 +335,37 @@ def test_a_pool_serves_the_next_source_without_batches_of_the_closed_one() -> No
         second.close()
         pool.close()
     assert pool.closed
+
+
+def test_a_forked_child_starts_its_own_worker_threads(tmp_path) -> None:
+    """The Loader keeps its worker threads across epochs; a child forked after an epoch has none of
+    them, so it starts its own instead of waiting on threads that do not exist there."""
+    import multiprocessing
+
+    schema = Schema((Field("y", "scalar", np.int64),))
+    write(({"y": i} for i in range(640)), tmp_path / "ds", schema=schema, progress=False)
+    loader = Loader(
+        FastloadDataset(tmp_path / "ds"),
+        batch_size=16,
+        num_workers=2,
+        worker_type="thread",
+        worker_init_fn=lambda wid: None,  # workers only: the consumer never fetches itself
+        persistent_workers=True,
+    )
+    assert sum(len(b["y"]) for b in loader) == 640
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.SimpleQueue()
+
+    def child() -> None:
+        results.put(sorted(int(y) for b in loader for y in b["y"]))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    try:
+        assert proc.exitcode == 0, "the child hung or failed"
+        assert results.get() == list(range(640))
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        loader.close()
