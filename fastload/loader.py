@@ -13,8 +13,11 @@ and — given the same sampler / generator / global RNG — the same batches in 
   `__getitem__`s (torch-identical seeding, `worker_init_fn`, `get_worker_info()`; batch j goes to
   worker j % num_workers; batches come back through reused shared-memory slots, not pickled
   tensors). ``"auto"`` (default) picks threads on the fast path and processes otherwise.
-  Thread workers are A/B-tested against inline fetching at the start of every epoch and the
-  faster is kept (see `fastload.pipeline`), so adding workers does not lose to `num_workers=0`.
+  Thread workers are started once and kept across epochs (`workers.ThreadPool`; fresh ones each
+  epoch only with a `worker_init_fn` and no `persistent_workers`, as torch runs it), and are
+  A/B-tested against inline fetching, the faster kept (see `fastload.pipeline`; `adaptive=False`
+  turns that off), so adding workers does not lose to `num_workers=0` over runs longer than the
+  probe's windows (see README: short runs).
   A consumer that would wait for its batch fetches a later one itself (`STEAL_AHEAD` more batches
   are in flight for that; where CUDA is available, only when its own batch is far from ready; see
   `workers.ThreadSource`), so with `num_workers` at or above the usable cores one worker thread

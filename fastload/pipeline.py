@@ -4,15 +4,17 @@ Buffers are handed back two batches late: when the consumer asks for batch j+1 i
 variable still holds batch j, so batch j-1's buffers are the ones released then (and a buffer
 still referenced by the user is retired, never overwritten).
 
-Thread workers are A/B-tested (`ThreadProbe`, one per Loader, continued across epochs): a
-window of batches with the consumer fetching itself, then one with the workers after they have
-warmed up, timed as the consumer sees them (its own work included); when inline wins, the workers
-are tried again later (after 0.25 s, then twice as long each time), so one comparison spoiled by
-a noisy neighbour does not decide a whole run.
+Thread workers are A/B-tested (`ThreadProbe`, one per Loader, its windows continued across
+epochs): a window of batches with the consumer fetching itself, then one with the workers after
+they have warmed up, timed as the consumer sees them (its own work included); when inline wins,
+the workers are tried again later (after 0.25 s, then twice as long each time), so one
+comparison spoiled by a noisy neighbour does not decide a whole run.
 When fetching inline is faster — small GIL-light batches, where the thread hand-off costs more
-than it overlaps — the loader continues inline, so adding workers never loses to
-`num_workers=0`. When the consumer is busy (a training step) the workers win and stay.
-Not done with a `timeout` or a `worker_init_fn` (they only mean something in a worker).
+than it overlaps — the loader continues inline, so adding workers does not lose to
+`num_workers=0` once the windows are done (runs of a few tens of milliseconds end inside them).
+When the consumer is busy (a training step) the workers win and stay.
+Not done with a `timeout`, a `worker_init_fn` (they only mean something in a worker) or
+`adaptive=False`.
 """
 
 from __future__ import annotations
