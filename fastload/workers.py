@@ -175,7 +175,6 @@ class ThreadPool:
             threading.Thread(target=_thread_worker, args=(shared, wid, init), name=f"fastload-{wid}", daemon=True)
             for wid in range(num_workers)
         ]
-        self._threads: list[threading.Thread] = []
         self._finalizer = weakref.finalize(self, _stop_threads, shared, num_workers)
         _live_pools.add(self)
 
@@ -185,7 +184,6 @@ class ThreadPool:
         for t in self._unstarted:
             t.start()
             _started_threads.add(t)
-        self._threads += self._unstarted
         self._unstarted = []
 
     def idle(self) -> None:
@@ -199,9 +197,6 @@ class ThreadPool:
                 if shared.wake.get_nowait() is None:  # the pool is being stopped: keep the stop
                     shared.wake.put(None)
                     break
-        with contextlib.suppress(queue.Empty):
-            while True:
-                shared.ready.get_nowait()
 
     @property
     def usable(self) -> bool:
@@ -212,13 +207,9 @@ class ThreadPool:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    def close(self, wait: float = 0.0) -> None:
-        """Stop the threads (each after the fetch it is in); wait up to `wait` seconds for them."""
+    def close(self) -> None:
+        """Stop the threads (each after the fetch it is in)."""
         self._finalizer()
-        deadline = time.monotonic() + wait
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
 
 
 _live_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
