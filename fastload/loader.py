@@ -322,7 +322,10 @@ class Loader:
         non-persistent workers run it once per epoch): None, and each epoch starts its own."""
         if self.worker_init_fn is not None and not self.persistent_workers:
             return None
-        if self._threads is None or not self._threads.usable:
+        if self._threads is not None and (not self._threads.usable or self._threads.num_workers != threads):
+            self._threads.close()  # closed, forked, or the usable cores changed since: a new pool
+            self._threads = None
+        if self._threads is None:
             self._threads = ThreadPool(threads, init=_thread_init(self.worker_init_fn, device_index))
         return self._threads
 

@@ -405,3 +405,29 @@ def test_a_process_exits_cleanly_with_loaders_left_to_the_garbage_collector(tmp_
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert "terminate called" not in done.stderr
+
+
+def test_the_pool_follows_the_usable_cores_between_epochs(tmp_path, monkeypatch) -> None:
+    """The worker threads started follow the usable cores (one fewer than the cores when the
+    consumer gathers too): if the affinity changes between epochs, the next epoch gets a pool of
+    the new size, and the same samples."""
+    import fastload.loader as loader_module
+
+    schema = Schema((Field("y", "scalar", np.int64),))
+    write(({"y": i} for i in range(640)), tmp_path / "ds", schema=schema, progress=False)
+    monkeypatch.setattr(loader_module, "usable_cores", lambda: 2)
+    loader = Loader(
+        FastloadDataset(tmp_path / "ds"), batch_size=16, num_workers=2, worker_type="thread", adaptive=False
+    )
+    try:
+        assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
+        first = loader._threads
+        assert first is not None and first.num_workers == 1  # two cores: one worker and the consumer
+        monkeypatch.setattr(loader_module, "usable_cores", lambda: 4)
+        assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
+        second = loader._threads
+        assert second is not first and second.num_workers == 2 and first.closed
+        assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
+        assert loader._threads is second  # kept while the cores stay
+    finally:
+        loader.close()
