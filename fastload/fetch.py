@@ -8,6 +8,9 @@ Modes (chosen by the Loader):
   no `transform`, and columns that `columns_to_torch` would only wrap with `torch.from_numpy`
   (checked on one sample as each epoch starts): each batch is then those takes and `from_numpy`,
   nothing else, timed as "read". With two cores gathering, every microsecond the GIL is held per batch shows.
+  When the Loader has handed over the epoch's order (`plan`), the row lookups and the small
+  in-memory fields of all its batches are read at once, and a batch is one gather per large
+  field plus slices (`fastload.plan`).
 * ``getitems`` — `dataset.__getitems__(indices)` once (as torch does), then `collate_fn`.
 * ``getitem`` — `[dataset[i] for i in indices]`, then `collate_fn`.
 * ``single`` — `batch_size=None`: `collate_fn(dataset[index])` (torch's `default_convert`).
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from fastload.collate import columns_to_torch, zero_copy_column
+from fastload.plan import PLAN_MAX_BYTES, EpochPlan
 
 __all__ = ["MODES", "Fetcher", "torch_gather"]
 
@@ -53,11 +57,13 @@ class Fetcher:
         self._takes: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None = None
         self._takes_alone: list[tuple[str, Callable[[np.ndarray], torch.Tensor]]] | None = None  # make tensors
         self._takes_checked = False
+        self._plan: EpochPlan | None = None  # this epoch's small reads, done ahead (`plan`)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_takes"] = state["_takes_alone"] = None  # bound to this process's mappings
         state["_takes_checked"] = False
+        state["_plan"] = None
         return state
 
     def refresh(self) -> None:
@@ -65,7 +71,30 @@ class Fetcher:
         starts, so a dataset closed and reopened between epochs is read through its new mappings;
         in the consumer's thread, rather than in whichever worker fetches first)."""
         self._takes_checked = False
+        self._plan = None
         self._direct_takes()
+
+    def plan(self, indices: np.ndarray) -> None:
+        """Do the small reads of the direct path for all of `indices` (an epoch's order, of which
+        the batches to come are slices) now, in one vectorized step per field, instead of per
+        batch (see `fastload.plan`). Replaces the previous plan; no plan off the direct path, for
+        an empty or oversized one (`PLAN_MAX_BYTES`), or when an index is out of range (the
+        batch holding it raises as usual)."""
+        self._plan = None
+        direct_plan = getattr(self.dataset, "direct_plan", None)
+        if self._takes is None or direct_plan is None or type(indices) is not np.ndarray or not len(indices):
+            return
+        if indices.dtype != np.int64 or indices.ndim != 1 or not indices.flags.c_contiguous:
+            return
+        try:
+            fields = direct_plan(indices, max_bytes=PLAN_MAX_BYTES)
+        except IndexError:
+            return
+        if fields is None or [name for name, _, _ in fields] != [name for name, _ in self._takes]:
+            return
+        self._plan = EpochPlan(
+            indices, [(name, data, rows, None if rows is None else torch_gather(rows)) for name, data, rows in fields]
+        )
 
     @property
     def direct(self) -> bool:
@@ -91,6 +120,11 @@ class Fetcher:
             if takes is None:
                 return self._fetch(indices)
             t0 = time.perf_counter()
+            plan = self._plan
+            if plan is not None:
+                batch = plan.batch(indices, alone=alone)
+                if batch is not None:
+                    return batch, {"read": time.perf_counter() - t0}
             idx = np.asarray(indices, dtype=np.int64).reshape(-1)
             try:
                 if alone:  # these make tensors

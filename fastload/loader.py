@@ -234,7 +234,9 @@ class Loader:
             steal = resolve_steal("auto" if may_steal else False, num_workers=threads, timeout=self.timeout)
         if isinstance(self._order, SeededOrder):
             ahead = self._order_ahead(threads, steal) if self.order_ahead is None else self.order_ahead
-            base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead)
+            # batches fetched in this process read their small fields from a plan of the whole epoch
+            plan = self._fetcher.plan if self.num_workers == 0 or self.worker_type == "thread" else None
+            base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead, plan=plan)
         else:
             base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume)
         self._position = start

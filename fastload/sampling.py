@@ -153,10 +153,17 @@ class SeededOrder:
         return seed_for(self.seed, epoch)
 
     def epoch(
-        self, epoch: int, resume: dict[str, Any] | None = None, *, ahead: bool = True
+        self,
+        epoch: int,
+        resume: dict[str, Any] | None = None,
+        *,
+        ahead: bool = True,
+        plan: Callable[[np.ndarray], None] | None = None,
     ) -> tuple[int, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
         """`(base_seed, start_position, iterator of (indices, position))` for this rank; `ahead`:
-        compute the next epoch's indices in the background meanwhile (if they fit `AHEAD_MAX_BYTES`)."""
+        compute the next epoch's indices in the background meanwhile (if they fit `AHEAD_MAX_BYTES`);
+        `plan`: called with the array of all the indices to come, of which every yielded batch is a
+        contiguous slice, once it is computed (before the first batch is yielded)."""
         base, skip = 0, 0
         if resume is not None:
             base, skip = int(resume["base"]), int(resume["batches"])
@@ -164,7 +171,7 @@ class SeededOrder:
                 consumed = skip * int(resume["batch_size"]) * int(resume["world_size"])
                 base, skip = min(self.n, base + consumed), 0
         start = {"base": base, "world_size": self.world_size, "batch_size": self.batch_size, "batches": skip}
-        return seed_for(self.seed, epoch), start, self._iter(epoch, base, skip, ahead)
+        return seed_for(self.seed, epoch), start, self._iter(epoch, base, skip, ahead, plan)
 
     def indices(self, epoch: int, base: int = 0, skip: int = 0) -> np.ndarray:
         """This rank's indices for `epoch` from position (`base`, `skip`); batches are consecutive
@@ -181,10 +188,14 @@ class SeededOrder:
             sort=self.shuffle,
         )
 
-    def _iter(self, epoch: int, base: int, skip: int, ahead: bool) -> Iterator[tuple[Any, dict[str, Any]]]:
+    def _iter(
+        self, epoch: int, base: int, skip: int, ahead: bool, plan: Callable[[np.ndarray], None] | None
+    ) -> Iterator[tuple[Any, dict[str, Any]]]:
         mine = self._ahead.take((epoch, base, skip))
         if mine is None:
             mine = self.indices(epoch, base, skip)
+        if plan is not None:
+            plan(mine)
         if ahead and self.shuffle and self.n * 8 <= AHEAD_MAX_BYTES:  # the next epoch from its start, meanwhile
             self._ahead.start((epoch + 1, 0, 0), self.indices, epoch + 1)
         bs = self.batch_size

@@ -370,6 +370,38 @@ class FastloadDataset:
             takes.append((name, take))
         return takes
 
+    def direct_plan(
+        self, indices: Any, *, max_bytes: int | None = None
+    ) -> list[tuple[str, np.ndarray, np.ndarray | None]] | None:
+        """The small reads of `direct_takes()` done ahead for many samples at once (e.g. a whole
+        epoch's order), one vectorized `take` per field; None when `direct_takes()` is None or the
+        result would take more than `max_bytes`.
+
+        Per field `(name, data, rows)`: with `rows` None, `data` holds the field's values at
+        `indices` (a batch of them is a slice); otherwise `data` holds the row numbers of
+        `indices` in `rows` (in bounds; a batch is `rows.take(data[a:b], axis=0)`). Raises
+        IndexError naming the dataset for an index out of range.
+        """
+        if self._spliced is None:
+            self._spliced_columns()
+        direct, spliced, resident = self._direct, self._spliced, self._resident
+        if direct is None or spliced is None or resident is None:
+            return None
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        per_sample = sum(8 if name in spliced else resident[name][:1].nbytes for name, _ in direct)
+        if max_bytes is not None and len(idx) * per_sample > max_bytes:
+            return None
+        try:
+            return [
+                (name, spliced[name].row_numbers(idx), spliced[name].rows)
+                if name in spliced
+                else (name, resident[name].take(idx, axis=0), None)
+                for name, _ in direct
+            ]
+        except IndexError:
+            self._checked_indices(idx)  # raises the error that names the dataset
+            raise
+
     def get_batch(self, indices: Any, *, fields: list[str] | None = None) -> dict[str, Any]:
         """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable ones.
 

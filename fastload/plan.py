@@ -1,0 +1,85 @@
+"""`EpochPlan`: an epoch's small per-sample reads on the Loader's direct path, done at once.
+
+On the direct path (a local fastload dataset of fixed-size fields, see `fastload.fetch`) a batch
+costs, besides the gather of its large fields, a lookup of its rows in each spliced column and a
+gather of each small in-memory field (labels, ids): small random reads, a numpy call each, paid
+per batch in the thread that fetches, with the caches cold after the large gather. Done once for
+the whole epoch's order when it is computed (one vectorized `take` per field,
+`FastloadDataset.direct_plan`), a batch's small fields become slices and its large fields one
+gather at row numbers already known.
+
+A batch is matched to the plan by being a contiguous slice of the planned index array, which is
+what the seeded order yields; anything else (another epoch's indices, a user's array) is fetched
+as before, so a plan changes how a batch is read, never what it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["PLAN_MAX_BYTES", "EpochPlan"]
+
+PLAN_MAX_BYTES = 256 << 20  # an epoch is planned only while its plan (8 bytes a row number) fits this
+_INT64 = np.dtype(np.int64)
+
+
+def _owner(a: np.ndarray) -> np.ndarray:
+    return a if a.base is None else a.base
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class EpochPlan:
+    """The planned reads of one index array (an epoch's order for this rank).
+
+    `fields`: per field `(name, data, rows, gather_alone)` as `direct_plan` gives them, plus the
+    engine a lone fetcher gathers `rows` with (`gather_alone(row_numbers) -> tensor`, or None to
+    use `np.take`). A batch's values are views of `data`.
+    """
+
+    __slots__ = ("_fields", "_length", "_owner", "_start")
+
+    def __init__(
+        self,
+        indices: np.ndarray,
+        fields: list[tuple[str, np.ndarray, np.ndarray | None, Callable[[np.ndarray], torch.Tensor] | None]],
+    ) -> None:
+        if type(indices) is not np.ndarray or indices.dtype is not _INT64 or indices.ndim != 1:
+            raise TypeError("an EpochPlan plans a one-dimensional int64 index array")
+        if not indices.flags.c_contiguous:
+            raise ValueError("an EpochPlan plans a contiguous index array")
+        self._owner, self._start, self._length = _owner(indices), _address(indices), len(indices)
+        self._fields = fields
+
+    def offset(self, indices: Any) -> int | None:
+        """Where `indices` starts in the planned array when it is a contiguous slice of it, else None."""
+        if type(indices) is not np.ndarray or _owner(indices) is not self._owner:
+            return None
+        if indices.dtype is not _INT64 or indices.strides != (8,):
+            return None
+        a, rest = divmod(_address(indices) - self._start, 8)
+        return a if rest == 0 and 0 <= a <= self._length - len(indices) else None
+
+    def batch(self, indices: Any, *, alone: bool) -> dict[str, torch.Tensor] | None:
+        """The batch at `indices` (a dict of tensors, what the per-batch takes would give), or None
+        when `indices` is not a slice of the planned array. `alone`: no other thread fetches
+        meanwhile, so large fields may be gathered by `gather_alone` on every core."""
+        a = self.offset(indices)
+        if a is None:
+            return None
+        b = a + len(indices)
+        out = {}
+        for name, data, rows, gather_alone in self._fields:
+            if rows is None:
+                out[name] = torch.from_numpy(data[a:b])
+            elif alone and gather_alone is not None:
+                out[name] = gather_alone(data[a:b])
+            else:
+                out[name] = torch.from_numpy(rows.take(data[a:b], axis=0))
+        return out

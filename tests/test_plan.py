@@ -1,0 +1,206 @@
+"""The epoch plan of the direct path (`fastload.plan`): the small reads of a whole epoch done at
+once change how batches are read, never what they hold, what order they come in, or where a
+resume picks up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastload import Loader
+from fastload import plan as plan_mod
+from fastload.fetch import Fetcher
+from fastload.formats import FastloadDataset, Field, Schema, write
+from fastload.formats.spliced import splice_available
+from fastload.plan import EpochPlan
+
+pytestmark = pytest.mark.skipif(not splice_available(), reason="the direct path needs spliced columns (Linux)")
+
+N = 700
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> FastloadDataset:
+    """Several shards; a large field (spliced, read by row number) and two small ones (in memory)."""
+    path = tmp_path_factory.mktemp("plan") / "ds"
+    rng = np.random.default_rng(11)
+    schema = Schema(
+        (
+            Field("x", "ndarray", np.uint8, (300,)),
+            Field("y", "scalar", np.int64),
+            Field("w", "ndarray", np.float32, (3,)),
+        )
+    )
+    samples = [
+        {"x": rng.integers(0, 256, 300, dtype=np.uint8), "y": i, "w": rng.random(3, dtype=np.float32)} for i in range(N)
+    ]
+    write(samples, str(path), schema=schema, shard_size=32 << 10, progress=False)
+    ds = FastloadDataset(path)
+    assert ds.num_shards > 2
+    assert ds.direct_takes() is not None and "x" in ds._spliced and {"y", "w"} <= set(ds._resident)
+    return ds
+
+
+def _batches(loader: Loader, epochs: int = 2, start: int = 0) -> list[dict[str, np.ndarray]]:
+    out = []
+    for e in range(start, start + epochs):
+        loader.set_epoch(e)
+        out += [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+    return out
+
+
+def _same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> bool:
+    return len(a) == len(b) and all(
+        list(p) == list(q) and all(p[k].dtype == q[k].dtype and np.array_equal(p[k], q[k]) for k in p)
+        for p, q in zip(a, b)
+    )
+
+
+@pytest.fixture
+def count_planned(monkeypatch) -> list[int]:
+    """[batches read from a plan, batches not]."""
+    counts = [0, 0]
+    batch = EpochPlan.batch
+
+    def counting(self, indices, *, alone):
+        out = batch(self, indices, alone=alone)
+        counts[out is None] += 1
+        return out
+
+    monkeypatch.setattr(EpochPlan, "batch", counting)
+    return counts
+
+
+CONFIGS = [
+    dict(shuffle=True),
+    dict(shuffle=False),
+    dict(shuffle=True, drop_last=True),
+    dict(shuffle=True, rank=1, world_size=3),
+    dict(shuffle=True, rank=2, world_size=3, drop_last=True),
+]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_planned_batches_equal_unplanned_ones(dataset, monkeypatch, count_planned, workers, config):
+    """Every batch of every epoch comes from the plan, and equals what the per-batch takes give."""
+    kw = dict(batch_size=64, seed=5, num_workers=workers, worker_type="thread", **config)
+    planned = _batches(Loader(dataset, **kw))
+    assert count_planned == [len(planned), 0]
+    monkeypatch.setattr(Fetcher, "plan", lambda self, indices: None)
+    loader = Loader(dataset, **kw)
+    unplanned = _batches(loader)
+    assert count_planned == [len(planned), 0]  # nothing more planned
+    assert loader._fetcher.direct  # the direct path without a plan: the plan is all that differed
+    assert _same(planned, unplanned)
+    if not config.get("drop_last"):  # every sample of the rank's share, once per epoch
+        per_epoch = sum(len(b["y"]) for b in planned) // 2
+        assert per_epoch == -(-N // config.get("world_size", 1))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_reads_the_rest_from_a_plan(dataset, count_planned, workers):
+    kw = dict(batch_size=50, shuffle=True, seed=9, num_workers=workers, worker_type="thread")
+    ref = _batches(Loader(dataset, **kw), epochs=1)
+    loader = Loader(dataset, **kw)
+    for k, _ in enumerate(loader):
+        if k == 4:
+            state = loader.state_dict()
+            break
+    resumed = Loader(dataset, **kw)
+    resumed.load_state_dict(state)
+    before = count_planned[0]
+    rest = [{k: v.numpy().copy() for k, v in b.items()} for b in resumed]
+    assert _same(rest, ref[5:])
+    # (>=: the abandoned loader's workers may still finish batches they had started)
+    assert count_planned[0] - before >= len(rest) and count_planned[1] == 0
+
+
+def test_a_batch_changed_in_place_changes_no_other_batch(dataset):
+    """A batch's small fields are views of the epoch's plan: writing into one touches nothing else."""
+    kw = dict(batch_size=64, shuffle=True, seed=1)
+    ref = _batches(Loader(dataset, **kw))
+    loader = Loader(dataset, **kw)
+    got = []
+    for e in range(2):
+        loader.set_epoch(e)
+        for b in loader:
+            got.append({k: v.numpy().copy() for k, v in b.items()})
+            for v in b.values():
+                v.fill_(0)
+    assert _same(got, ref)
+
+
+def test_no_plan_above_the_byte_bound(dataset, monkeypatch, count_planned):
+    monkeypatch.setattr(plan_mod, "PLAN_MAX_BYTES", 8)
+    monkeypatch.setattr("fastload.fetch.PLAN_MAX_BYTES", 8)
+    kw = dict(batch_size=64, shuffle=True, seed=3)
+    loader = Loader(dataset, **kw)
+    got = _batches(loader, epochs=1)
+    assert loader._fetcher._plan is None and count_planned == [0, 0]
+    monkeypatch.undo()
+    assert _same(got, _batches(Loader(dataset, **kw), epochs=1))
+
+
+def test_direct_plan_checks_indices_and_bound(dataset):
+    idx = np.array([3, 0, -1, 699])
+    fields = dataset.direct_plan(idx)
+    by_name = {name: (data, rows) for name, data, rows in fields}
+    data, rows = by_name["x"]
+    assert np.array_equal(rows.take(data, axis=0), dataset.get_batch(idx)["x"])
+    assert by_name["y"][1] is None and by_name["y"][0].tolist() == [3, 0, 699, 699]
+    with pytest.raises(IndexError, match=f"sample index 700 out of range.*{dataset.root}"):
+        dataset.direct_plan(np.array([1, 700]))
+    assert dataset.direct_plan(idx, max_bytes=4 * (8 + 8 + 12) - 1) is None
+    assert dataset.direct_plan(idx, max_bytes=4 * (8 + 8 + 12)) is not None
+
+
+def test_out_of_range_index_is_not_planned_and_raises_in_its_batch(dataset):
+    fetch = Fetcher(dataset, mode="columns", collate_fn=None, scalar_fields=frozenset({"y"}))
+    fetch.refresh()
+    order = np.array([5, 1, N + 3, 2], dtype=np.int64)
+    fetch.plan(order)
+    assert fetch._plan is None
+    got, _ = fetch(order[:2])
+    assert got["y"].tolist() == [5, 1]
+    with pytest.raises(IndexError) as info:
+        fetch(order[2:])
+    assert any(f"sample index {N + 3}" in note for note in info.value.__notes__)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    lead=st.integers(0, 5),
+    data=st.data(),
+)
+def test_plan_matches_exactly_the_slices_of_its_array(n, lead, data):
+    """`offset` finds contiguous int64 slices of the planned array (planned as a view of a larger
+    owner, `lead` elements in) and nothing else: not slices of the owner outside it, strided
+    views, views as another dtype, copies, other arrays."""
+    owner = np.arange(lead + n + 3, dtype=np.int64) * 10
+    planned = owner[lead : lead + n]
+    plan = EpochPlan(planned, [])
+    a = data.draw(st.integers(0, n - 1))
+    b = data.draw(st.integers(a + 1, n))
+    assert plan.offset(planned[a:b]) == a
+    assert plan.offset(planned) == 0
+    if lead:
+        assert plan.offset(owner[lead - 1 : lead + 1]) is None
+    assert plan.offset(owner[lead + n : lead + n + 2]) is None
+    assert plan.offset(planned[a:b].copy()) is None
+    if b - a > 1:
+        assert plan.offset(planned[a:b:2]) is None
+    assert plan.offset(planned[a:b].view(np.float64)) is None
+    assert plan.offset(list(planned[a:b])) is None
+    assert plan.offset(torch.from_numpy(planned[a:b])) is None
+
+
+def test_plan_rejects_what_it_cannot_plan():
+    with pytest.raises(TypeError):
+        EpochPlan(np.arange(4, dtype=np.int32), [])
+    with pytest.raises(ValueError):
+        EpochPlan(np.arange(8, dtype=np.int64)[::2], [])
