@@ -332,12 +332,12 @@ class Loader:
         return self._threads
 
     def _thread_probe(self) -> ThreadProbe | None:
-        """The Loader's inline-vs-threads probe (kept across epochs; the workers first on the direct
-        path); none with a timeout or worker_init_fn, or when not `adaptive`."""
+        """The Loader's inline-vs-threads probe (kept across epochs); none with a timeout or
+        worker_init_fn, or when not `adaptive`."""
         if not self.adaptive or self.timeout != 0 or self.worker_init_fn is not None:
             return None
         if self._probe is None:
-            self._probe = ThreadProbe(threads_first=self._fetcher.direct)
+            self._probe = ThreadProbe()
         return self._probe
 
     def _device_index(self) -> int | None:

@@ -237,11 +237,11 @@ class EpochIterator:
 class ThreadProbe:
     """Inline vs threaded fetching, by the consumer-visible batch rate; one per Loader.
 
-    Inline goes first (cheap; at least `WINDOW` batches and `MIN_WINDOW_S`); then the workers
-    fill their queue and warm up (`FILL` batches at least: so neither a backlog of ready batches
-    nor the first slow batches after the switch decide) and are timed for as long as inline was
-    (a third of it when they are `CLEAR_LOSS` slower, and the same for inline's window when the
-    workers went first).
+    Inline goes first (cheap, and what `num_workers=0` would do: a run that ends inside the
+    first window reads as fast as with 0 workers; at least `WINDOW` batches and `MIN_WINDOW_S`);
+    then the workers fill their queue and warm up (`FILL` batches at least: so neither a backlog
+    of ready batches nor the first slow batches after the switch decide) and are timed for as
+    long as inline was (a third of it when they are `CLEAR_LOSS` slower).
     The workers are kept only if they beat inline by `MARGIN`, and are watched afterwards
     (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than inline switches to
     inline. Inline is not final either: the workers are tried again after `RETRY_S` of it, then
@@ -255,14 +255,9 @@ class ThreadProbe:
     to its first batch (its order, the workers' queue refilling), is counted: in the mode the
     epoch runs in, it is that mode's cost.
 
-    `threads_first` (the Loader's direct path: a batch is a few GIL-free takes, so the workers
-    usually win): the workers go first, timed after their warm-up, then inline is timed once the
-    batches in flight have drained, and the faster mode is kept as above. Going first spares the
-    workers the switch from inline inside their timed window, and the run the mode it more likely
-    ends in anyway. The workers' rates also count `DIRECT_EDGE` times their measure there: with
-    the workers forced on, the Loader read 0.84-0.85 of the 2-thread raw gather, with 0 workers
-    0.73-0.76 (scratch runs on `bench.loader`'s data, 2 cores, medians of 6 paired rounds of 3
-    epochs), while 30 ms windows vary by more than that, so inline has to win clearly to be chosen.
+    The Loader's direct path once went workers-first, with their rate weighted up by 1.1; since
+    the epoch plan, inline reads as fast as the workers on `bench.loader`'s 200k data and
+    faster on short runs (README, "Loader"), so every path starts inline.
     """
 
     WARMUP, WINDOW, MARGIN, WATCH, FILL = 2, 24, 1.05, 64, 32
@@ -270,16 +265,12 @@ class ThreadProbe:
     WATCH_S = 0.15  # and a watch window this long
     CLEAR_LOSS = 1.25  # threads this much slower after a third of the window: stop timing them
     RETRY_S, RETRY_MAX_S = 0.25, 64.0  # inline chosen: seconds until the workers are tried again (doubling)
-    DIRECT_EDGE = 1.1  # threads_first: the workers' measured rate counts this much more
 
-    def __init__(self, *, threads_first: bool = False) -> None:
-        self.threads_first = threads_first  # the workers' window comes first and is still to be compared
-        self.phase = "fill" if threads_first else "warmup"
+    def __init__(self) -> None:
+        self.phase = "warmup"
         self.count = 0  # batches in the current window
         self.t0 = self.last = 0.0  # when the window's part in this epoch started; the last batch
         self.before = 0.0  # seconds of the window spent in earlier epochs
-        self.drain = 0  # batches in flight when the workers stopped: delivered before inline is timed
-        self.edge = self.DIRECT_EDGE if threads_first else 1.0  # weight of the workers' rate
         self.rate_threads = self.rate_inline = 0.0
         self.inline_s = 0.0  # how long the inline window lasted: the threads window lasts as long
         self.choice = "inline"
@@ -292,7 +283,6 @@ class ThreadProbe:
         """Start an epoch in the mode the probe has reached; the current window goes on."""
         self.before += self.last - self.t0
         self.t0 = self.last = now
-        self.drain = 0  # the previous epoch delivered everything it had in flight
         threads = self.phase in ("fill", "threads", "watch") or (self.phase == "done" and self.choice == "threads")
         it._depth = it._full_depth if threads else 0
 
@@ -305,18 +295,11 @@ class ThreadProbe:
         self.last = now
         elapsed = self.before + now - self.t0
         if self.phase == "warmup":
-            if self.count >= self.WARMUP + self.drain:
-                self.phase, self.drain = "inline", 0
+            if self.count >= self.WARMUP:
+                self.phase = "inline"
                 self._restart(now)
         elif self.phase == "inline":
-            full = self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S
-            if self.threads_first and (full or self._inline_clearly_losing(elapsed)):
-                # the workers were timed first: decide now (a later workers' window lasts as long)
-                self.rate_inline, self.inline_s = self.count / elapsed, max(elapsed, self.MIN_WINDOW_S)
-                self.threads_first = False
-                self._decide(it, now)
-                return
-            if full:
+            if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:
                 self.rate_inline, self.inline_s = self.count / elapsed, elapsed
                 self.phase = "fill"
                 self._restart(now)
@@ -325,21 +308,15 @@ class ThreadProbe:
             if self.count >= max(it._full_depth + 2, self.FILL):
                 self.phase = "threads"
                 self._restart(now)
-        elif self.phase == "threads" and self.threads_first:
-            if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:
-                self.rate_threads = self.count / elapsed
-                self.phase, self.drain = "warmup", it._full_depth
-                self._restart(now)
-                it._depth = 0  # what is in flight drains first
         elif self.phase == "threads":
             clearly_losing = (  # cut a losing window short: probing costs the slower mode's rate
-                elapsed >= self.inline_s / 3 and self.count * self.edge < elapsed * self.rate_inline / self.CLEAR_LOSS
+                elapsed >= self.inline_s / 3 and self.count < elapsed * self.rate_inline / self.CLEAR_LOSS
             )
             if elapsed >= self.inline_s or clearly_losing:  # as long as the inline window lasted
                 self.rate_threads = self.count / elapsed
                 self._decide(it, now)
         elif self.phase == "watch" and self.count >= self.WATCH and elapsed >= self.WATCH_S:
-            if self.count / elapsed * self.MARGIN * self.edge < self.rate_inline:
+            if self.count / elapsed * self.MARGIN < self.rate_inline:
                 self._inline(it, now)
             else:
                 self._restart(now)
@@ -353,19 +330,9 @@ class ThreadProbe:
             self._restart(now)
             it._depth = it._full_depth
 
-    def _inline_clearly_losing(self, elapsed: float) -> bool:
-        """threads_first: after a third of inline's window (batches and seconds), inline runs
-        `CLEAR_LOSS` times slower than the workers' weighted rate: stop timing it (probing costs
-        the slower mode's rate; the mirror of the cut in the workers' window)."""
-        return (
-            3 * self.count >= self.WINDOW
-            and 3 * elapsed >= self.MIN_WINDOW_S
-            and self.count * self.CLEAR_LOSS < elapsed * self.rate_threads * self.edge
-        )
-
     def _decide(self, it: EpochIterator, now: float) -> None:
         """Keep the workers (then watch them) if they beat inline by `MARGIN`, else go inline."""
-        if self.rate_threads * self.edge > self.rate_inline * self.MARGIN:
+        if self.rate_threads > self.rate_inline * self.MARGIN:
             self.choice, self.phase = "threads", "watch"
             self._restart(now)
             self.switches += 1

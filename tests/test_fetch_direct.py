@@ -165,9 +165,10 @@ def test_fetch_alone_matches_fetch(tmp_path, monkeypatch, use_table):
 
 
 @pytest.mark.parametrize("threads_win", [True, False])
-def test_direct_path_probe_times_the_workers_first(tmp_path, monkeypatch, threads_win):
-    """On the direct path the probe starts with the workers, then times inline, then keeps the
-    faster mode; batches and their order are those of num_workers=0 through every switch."""
+def test_direct_path_probe_starts_inline_then_keeps_the_faster_mode(tmp_path, monkeypatch, threads_win):
+    """On the direct path the probe starts inline (a run shorter than its first window reads as
+    with 0 workers), then times the workers and keeps the faster mode; batches and their order
+    are those of num_workers=0 through every switch."""
     from fastload.pipeline import ThreadProbe
 
     monkeypatch.setattr(ThreadProbe, "MIN_WINDOW_S", 0.0)
@@ -181,11 +182,11 @@ def test_direct_path_probe_times_the_workers_first(tmp_path, monkeypatch, thread
     want = [b["y"].tolist() for _ in range(2) for b in inline]  # two epochs
     loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread")
     it = iter(loader)
-    assert loader._probe.threads_first and loader._probe.phase == "fill" and it._depth == it._full_depth
+    assert loader._fetcher.direct and loader._probe.phase == "warmup" and it._depth == 0
     got = [b["y"].tolist() for b in it] + [b["y"].tolist() for b in loader]
     assert got == want
     probe = loader._probe
-    assert not probe.threads_first and probe.rate_threads > 0 and probe.rate_inline > 0
+    assert probe.rate_threads > 0 and probe.rate_inline > 0
     assert probe.choice == ("threads" if threads_win else "inline")
 
 
@@ -195,5 +196,4 @@ def test_generic_dataset_probe_starts_inline(tmp_path):
     ds = _dataset(tmp_path / "ds", ragged=True)  # a ragged field: no direct path
     loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread")
     iter(loader)
-    assert isinstance(loader._probe, ThreadProbe) and not loader._probe.threads_first
-    assert loader._probe.phase == "warmup"
+    assert isinstance(loader._probe, ThreadProbe) and loader._probe.phase == "warmup"
