@@ -74,27 +74,32 @@ class Fetcher:
         self._plan = None
         self._direct_takes()
 
-    def plan(self, indices: np.ndarray) -> None:
-        """Do the small reads of the direct path for all of `indices` (an epoch's order, of which
-        the batches to come are slices) now, in one vectorized step per field, instead of per
-        batch (see `fastload.plan`). Replaces the previous plan; no plan off the direct path, for
-        an empty or oversized one (`PLAN_MAX_BYTES`), or when an index is out of range (the
-        batch holding it raises as usual)."""
+    def plan(self, indices: np.ndarray, batch_size: int) -> list[np.ndarray] | None:
+        """Do the small reads of the direct path for all of `indices` (an epoch's order) now, in
+        one vectorized step per field, instead of per batch (see `fastload.plan`), and return
+        its batches of `batch_size` (the arrays to fetch: the plan knows them by identity).
+        Replaces the previous plan. None, and no plan, off the direct path, for an empty or
+        oversized one (`PLAN_MAX_BYTES`), or when an index is out of range (the batch holding it
+        then raises as usual)."""
         self._plan = None
         direct_plan = getattr(self.dataset, "direct_plan", None)
         if self._takes is None or direct_plan is None or type(indices) is not np.ndarray or not len(indices):
-            return
-        if indices.dtype != np.int64 or indices.ndim != 1 or not indices.flags.c_contiguous:
-            return
+            return None
+        if indices.dtype != np.int64 or indices.ndim != 1:
+            return None
         try:
             fields = direct_plan(indices, max_bytes=PLAN_MAX_BYTES)
         except IndexError:
-            return
+            return None
         if fields is None or [name for name, _, _ in fields] != [name for name, _ in self._takes]:
-            return
-        self._plan = EpochPlan(
-            indices, [(name, data, rows, None if rows is None else torch_gather(rows)) for name, data, rows in fields]
+            return None
+        plan = EpochPlan(
+            indices,
+            batch_size,
+            [(name, data, rows, None if rows is None else torch_gather(rows)) for name, data, rows in fields],
         )
+        self._plan = plan
+        return plan.batches
 
     @property
     def direct(self) -> bool:

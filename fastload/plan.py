@@ -8,9 +8,10 @@ the whole epoch's order when it is computed (one vectorized `take` per field,
 `FastloadDataset.direct_plan`), a batch's small fields become slices and its large fields one
 gather at row numbers already known.
 
-A batch is matched to the plan by being a contiguous slice of the planned index array, which is
-what the seeded order yields; anything else (another epoch's indices, a user's array) is fetched
-as before, so a plan changes how a batch is read, never what it holds.
+The plan cuts the epoch's index array into its batches itself, and the order yields those very
+arrays: a batch is matched to the plan by identity (a dict lookup, where computing its place in
+the epoch from its address cost more than a microsecond). Anything else (another epoch's indices,
+a user's array) is fetched as before, so a plan changes how a batch is read, never what it holds.
 """
 
 from __future__ import annotations
@@ -24,51 +25,42 @@ import torch
 __all__ = ["PLAN_MAX_BYTES", "EpochPlan"]
 
 PLAN_MAX_BYTES = 256 << 20  # an epoch is planned only while its plan (8 bytes a row number) fits this
-_INT64 = np.dtype(np.int64)
-
-
-def _owner(a: np.ndarray) -> np.ndarray:
-    return a if a.base is None else a.base
-
-
-def _address(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
 
 
 class EpochPlan:
-    """The planned reads of one index array (an epoch's order for this rank).
+    """The planned reads of one index array (an epoch's order for this rank), cut into `batches`
+    of `batch_size` (the last one may be shorter).
 
     `fields`: per field `(name, data, rows, gather_alone)` as `direct_plan` gives them, plus the
     engine a lone fetcher gathers `rows` with (`gather_alone(row_numbers) -> tensor`, or None to
     use `np.take`). A batch's values are views of `data`.
     """
 
-    __slots__ = ("_fields", "_length", "_owner", "_start")
+    __slots__ = ("_fields", "_starts", "batches")
 
     def __init__(
         self,
         indices: np.ndarray,
+        batch_size: int,
         fields: list[tuple[str, np.ndarray, np.ndarray | None, Callable[[np.ndarray], torch.Tensor] | None]],
     ) -> None:
-        if type(indices) is not np.ndarray or indices.dtype is not _INT64 or indices.ndim != 1:
+        if type(indices) is not np.ndarray or indices.dtype != np.int64 or indices.ndim != 1:
             raise TypeError("an EpochPlan plans a one-dimensional int64 index array")
-        if not indices.flags.c_contiguous:
-            raise ValueError("an EpochPlan plans a contiguous index array")
-        self._owner, self._start, self._length = _owner(indices), _address(indices), len(indices)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.batches = [indices[k : k + batch_size] for k in range(0, len(indices), batch_size)]
+        # id -> (the batch, where it starts): the batch is held, so its id is not reused meanwhile
+        self._starts = {id(b): (b, k * batch_size) for k, b in enumerate(self.batches)}
         self._fields = fields
 
     def offset(self, indices: Any) -> int | None:
-        """Where `indices` starts in the planned array when it is a contiguous slice of it, else None."""
-        if type(indices) is not np.ndarray or _owner(indices) is not self._owner:
-            return None
-        if indices.dtype is not _INT64 or indices.strides != (8,):
-            return None
-        a, rest = divmod(_address(indices) - self._start, 8)
-        return a if rest == 0 and 0 <= a <= self._length - len(indices) else None
+        """Where `indices` starts in the planned array when it is one of `batches`, else None."""
+        entry = self._starts.get(id(indices))
+        return entry[1] if entry is not None and entry[0] is indices else None
 
     def batch(self, indices: Any, *, alone: bool) -> dict[str, torch.Tensor] | None:
         """The batch at `indices` (a dict of tensors, what the per-batch takes would give), or None
-        when `indices` is not a slice of the planned array. `alone`: no other thread fetches
+        when `indices` is not one of `batches`. `alone`: no other thread fetches
         meanwhile, so large fields may be gathered by `gather_alone` on every core."""
         a = self.offset(indices)
         if a is None:

@@ -158,12 +158,14 @@ class SeededOrder:
         resume: dict[str, Any] | None = None,
         *,
         ahead: bool = True,
-        plan: Callable[[np.ndarray], None] | None = None,
+        plan: Callable[[np.ndarray, int], list[np.ndarray] | None] | None = None,
     ) -> tuple[int, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
         """`(base_seed, start_position, iterator of (indices, position))` for this rank; `ahead`:
         compute the next epoch's indices in the background meanwhile (if they fit `AHEAD_MAX_BYTES`);
-        `plan`: called with the array of all the indices to come, of which every yielded batch is a
-        contiguous slice, once it is computed (before the first batch is yielded)."""
+        `plan(indices, batch_size)`: called with the array of all the indices to come once it is
+        computed (before the first batch is yielded); it may return the batches to yield (that
+        array cut into `batch_size` slices, e.g. ones a fetcher recognises), None to leave it to
+        the order."""
         base, skip = 0, 0
         if resume is not None:
             base, skip = int(resume["base"]), int(resume["batches"])
@@ -189,26 +191,23 @@ class SeededOrder:
         )
 
     def _iter(
-        self, epoch: int, base: int, skip: int, ahead: bool, plan: Callable[[np.ndarray], None] | None
+        self,
+        epoch: int,
+        base: int,
+        skip: int,
+        ahead: bool,
+        plan: Callable[[np.ndarray, int], list[np.ndarray] | None] | None,
     ) -> Iterator[tuple[Any, dict[str, Any]]]:
         mine = self._ahead.take((epoch, base, skip))
         if mine is None:
             mine = self.indices(epoch, base, skip)
-        if plan is not None:
-            plan(mine)
+        bs = self.batch_size
+        planned = plan(mine, bs) if plan is not None else None
         if ahead and self.shuffle and self.n * 8 <= AHEAD_MAX_BYTES:  # the next epoch from its start, meanwhile
             self._ahead.start((epoch + 1, 0, 0), self.indices, epoch + 1)
-        bs = self.batch_size
-        for k in range(0, len(mine), bs):
-            yield (
-                mine[k : k + bs],
-                {
-                    "base": base,
-                    "world_size": self.world_size,
-                    "batch_size": bs,
-                    "batches": skip + 1 + k // bs,
-                },
-            )
+        batches = planned if planned is not None else (mine[k : k + bs] for k in range(0, len(mine), bs))
+        for k, indices in enumerate(batches, start=skip + 1):
+            yield indices, {"base": base, "world_size": self.world_size, "batch_size": bs, "batches": k}
 
 
 def torch_batches(batch_sampler: Any) -> Callable[[], Iterator[np.ndarray]] | None:

@@ -90,7 +90,7 @@ def test_planned_batches_equal_unplanned_ones(dataset, monkeypatch, count_planne
     kw = dict(batch_size=64, seed=5, num_workers=workers, worker_type="thread", **config)
     planned = _batches(Loader(dataset, **kw))
     assert count_planned == [len(planned), 0]
-    monkeypatch.setattr(Fetcher, "plan", lambda self, indices: None)
+    monkeypatch.setattr(Fetcher, "plan", lambda self, indices, batch_size: None)
     loader = Loader(dataset, **kw)
     unplanned = _batches(loader)
     assert count_planned == [len(planned), 0]  # nothing more planned
@@ -162,8 +162,7 @@ def test_out_of_range_index_is_not_planned_and_raises_in_its_batch(dataset):
     fetch = Fetcher(dataset, mode="columns", collate_fn=None, scalar_fields=frozenset({"y"}))
     fetch.refresh()
     order = np.array([5, 1, N + 3, 2], dtype=np.int64)
-    fetch.plan(order)
-    assert fetch._plan is None
+    assert fetch.plan(order, 2) is None and fetch._plan is None
     got, _ = fetch(order[:2])
     assert got["y"].tolist() == [5, 1]
     with pytest.raises(IndexError) as info:
@@ -172,35 +171,26 @@ def test_out_of_range_index_is_not_planned_and_raises_in_its_batch(dataset):
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    n=st.integers(1, 60),
-    lead=st.integers(0, 5),
-    data=st.data(),
-)
-def test_plan_matches_exactly_the_slices_of_its_array(n, lead, data):
-    """`offset` finds contiguous int64 slices of the planned array (planned as a view of a larger
-    owner, `lead` elements in) and nothing else: not slices of the owner outside it, strided
-    views, views as another dtype, copies, other arrays."""
+@given(n=st.integers(1, 60), batch_size=st.integers(1, 70), lead=st.integers(0, 5))
+def test_plan_knows_exactly_its_own_batches(n, batch_size, lead):
+    """A plan cuts its array into consecutive batches and recognises those very arrays, nothing
+    else: not equal copies, not other slices of the same memory, not tensors or lists."""
     owner = np.arange(lead + n + 3, dtype=np.int64) * 10
     planned = owner[lead : lead + n]
-    plan = EpochPlan(planned, [])
-    a = data.draw(st.integers(0, n - 1))
-    b = data.draw(st.integers(a + 1, n))
-    assert plan.offset(planned[a:b]) == a
-    assert plan.offset(planned) == 0
-    if lead:
-        assert plan.offset(owner[lead - 1 : lead + 1]) is None
-    assert plan.offset(owner[lead + n : lead + n + 2]) is None
-    assert plan.offset(planned[a:b].copy()) is None
-    if b - a > 1:
-        assert plan.offset(planned[a:b:2]) is None
-    assert plan.offset(planned[a:b].view(np.float64)) is None
-    assert plan.offset(list(planned[a:b])) is None
-    assert plan.offset(torch.from_numpy(planned[a:b])) is None
+    plan = EpochPlan(planned, batch_size, [])
+    assert np.array_equal(np.concatenate(plan.batches), planned)
+    assert [len(b) for b in plan.batches[:-1]] == [batch_size] * (len(plan.batches) - 1)
+    assert 0 < len(plan.batches[-1]) <= batch_size
+    for k, b in enumerate(plan.batches):
+        assert plan.offset(b) == k * batch_size
+        assert plan.offset(b.copy()) is None
+        assert plan.offset(planned[k * batch_size : k * batch_size + len(b)]) is None  # same memory, not the batch
+        assert plan.offset(torch.from_numpy(b)) is None and plan.offset(list(b)) is None
+    assert plan.offset(planned) is None
 
 
 def test_plan_rejects_what_it_cannot_plan():
     with pytest.raises(TypeError):
-        EpochPlan(np.arange(4, dtype=np.int32), [])
+        EpochPlan(np.arange(4, dtype=np.int32), 2, [])
     with pytest.raises(ValueError):
-        EpochPlan(np.arange(8, dtype=np.int64)[::2], [])
+        EpochPlan(np.arange(8, dtype=np.int64), 0, [])
