@@ -21,6 +21,8 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
 * the thread probe: the default 2-worker Loader against the same with `adaptive=False` (the
   workers always fetch) and against 0 workers, in `LIMIT_ROUNDS` paired rounds, on this dataset
   and on a short run (`SHORT_SAMPLES`, epochs shorter than the probe's windows);
+* the epoch plan (`fastload.plan`): 0 workers and 2 thread workers always fetching, each with
+  and without it (`epoch_plan=False`), in `LIMIT_ROUNDS` paired rounds;
 * a generic Python `__getitem__` dataset: Loader vs DataLoader at the same num_workers;
 * peak RSS of each process tree (fastload vs torch on the same workload) and fastload's RSS
   over 20 epochs (measured in child processes).
@@ -64,6 +66,12 @@ GENERIC_ROUNDS = 8  # paired rounds for the generic-dataset rows (median of the 
 LIMIT_ROUNDS = 12  # rounds of each seeded Loader row back to back with the fastest raw row
 SHORT_SAMPLES = 20_000  # the short run of the probe A/B: 78 batches an epoch
 PROBE_ROWS = ("default nw=2", "nw=2 adaptive=False", "nw=0")
+PLAN_ROWS = {
+    "nw=0": (0, True),
+    "nw=0 epoch_plan=False": (0, False),
+    "nw=2": (2, True),
+    "nw=2 epoch_plan=False": (2, False),
+}
 RECORD = 3072  # bytes per sample: x (3064 uint8) + label (int64)
 BATCH = 256
 
@@ -315,6 +323,19 @@ def run_child(kind: str, ds_dir: str, epochs: int, limit: int) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def plan_rows(ds: Any, limit: int, epochs: int) -> dict[str, Callable[[], float]]:
+    """`PLAN_ROWS`: seeded Loaders over `ds` with and without the epoch plan, timed like the main table."""
+
+    def row(nw: int, plan: bool) -> Callable[[], float]:
+        def timed() -> float:
+            loader = Loader(ds, batch_size=BATCH, shuffle=True, num_workers=nw, seed=0, adaptive=False, epoch_plan=plan)
+            return rate(epochs_of(loader, epochs), limit, dict_size)
+
+        return timed
+
+    return {name: row(nw, plan) for name, (nw, plan) in PLAN_ROWS.items()}
+
+
 def probe_rows(ds: Any, limit: int, epochs: int) -> dict[str, Callable[[], float]]:
     """`PROBE_ROWS`: seeded Loaders over `ds`, timed over `epochs` passes like the main table."""
 
@@ -422,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     probe_ab = {label: probe_rows(ds, epochs * len(ds) - 2 * BATCH, epochs) for label, ds in probe_sets}
     probe_paired = {label: paired_rounds(rows, limit_rounds) for label, rows in probe_ab.items()}
+    plan_paired = paired_rounds(plan_rows(fds, limit, epochs), limit_rounds)
     raw_one = best["raw memmap gather, 1 thread"]
     raw_rate = max(v for k, v in best.items() if k.startswith("raw "))  # the limit: the fastest raw row
     fl_best = max(v for k, v in best.items() if k.startswith("fastload.Loader") and "seed" in k)
@@ -455,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"      default / adaptive=False       {ratio_summary(default, always)}")
         print(f"      default / nw=0                 {ratio_summary(default, inline)}   (target >= 1)")
         print(f"      adaptive=False / nw=0          {ratio_summary(always, inline)}")
+    print(f"  the epoch plan, {limit_rounds} paired rounds (workers always on; median, quartiles, range of ratios):")
+    for nw in (0, 2):
+        with_plan, without = plan_paired[f"nw={nw}"], plan_paired[f"nw={nw} epoch_plan=False"]
+        print(f"    nw={nw}: planned / per batch       {ratio_summary(with_plan, without)}")
     print(f"fastload best / raw gather, 1 thread  : {fl_best / raw_one:.2f}")
     gb_par = best[f"get_batch on {CORES} threads, no Loader"]
     print(f"get_batch on {CORES} threads / limit      : {gb_par / raw_rate:.2f}   (the dataset layer alone)")

@@ -89,7 +89,11 @@ class Loader:
     this epoch runs; None, the default: only when a core is left over by this epoch's fetching,
     see `_order_ahead`), `adaptive` (thread workers: compare them with fetching inline in the
     consumer's thread and keep the faster, see `fastload.pipeline.ThreadProbe`; default True;
-    False: the workers always fetch, as with a `timeout` or a `worker_init_fn`).
+    False: the workers always fetch, as with a `timeout` or a `worker_init_fn`), `epoch_plan`
+    (seeded order over a local fastload dataset of fixed-size fields, fetched in this process:
+    read the row lookups and small fields of a whole epoch at once as its order is computed,
+    see `fastload.plan`; default True; False: per batch, without the plan's memory, at most
+    `fastload.plan.PLAN_MAX_BYTES`).
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class Loader:
         ring_slots: int | None = None,
         order_ahead: bool | None = None,
         adaptive: bool = True,
+        epoch_plan: bool = True,
     ) -> None:
         # torch validates the arguments (same errors) and builds the same default samplers
         self._dl = DataLoader(
@@ -212,6 +217,7 @@ class Loader:
         self._ring_slots = ring_slots
         self.order_ahead = order_ahead
         self.adaptive = adaptive
+        self.epoch_plan = epoch_plan
 
     # ---- DataLoader surface
     def __len__(self) -> int:
@@ -235,7 +241,8 @@ class Loader:
         if isinstance(self._order, SeededOrder):
             ahead = self._order_ahead(threads, steal) if self.order_ahead is None else self.order_ahead
             # batches fetched in this process read their small fields from a plan of the whole epoch
-            plan = self._fetcher.plan if self.num_workers == 0 or self.worker_type == "thread" else None
+            in_process = self.num_workers == 0 or self.worker_type == "thread"
+            plan = self._fetcher.plan if self.epoch_plan and in_process else None
             base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead, plan=plan)
         else:
             base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume)
