@@ -58,12 +58,13 @@ class Fetcher:
         self._takes_alone: list[tuple[str, Callable[[np.ndarray], torch.Tensor]]] | None = None  # make tensors
         self._takes_checked = False
         self._plan: EpochPlan | None = None  # this epoch's small reads, done ahead (`plan`)
+        self._pending: tuple[Any, ...] | None = None  # the next epoch's plan, prepared on another thread
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_takes"] = state["_takes_alone"] = None  # bound to this process's mappings
         state["_takes_checked"] = False
-        state["_plan"] = None
+        state["_plan"] = state["_pending"] = None
         return state
 
     def refresh(self) -> None:
@@ -74,16 +75,33 @@ class Fetcher:
         self._plan = None
         self._direct_takes()
 
-    def plan(self, indices: np.ndarray, batch_size: int) -> list[np.ndarray] | None:
+    def plan(self, indices: np.ndarray, batch_size: int, *, install: bool = True) -> list[np.ndarray] | None:
         """Do the small reads of the direct path for all of `indices` (an epoch's order) now, in
         one vectorized step per field, instead of per batch (see `fastload.plan`), and return
         its batches of `batch_size` (the arrays to fetch: the plan knows them by identity).
         Replaces the previous plan. None, and no plan, off the direct path, for an empty or
         oversized one (`PLAN_MAX_BYTES`), or when an index is out of range (the batch holding it
-        then raises as usual)."""
-        self._plan = None
+        then raises as usual).
+
+        `install=False` (the next epoch's order computed ahead, on another thread): only prepare
+        the plan of `indices`; the call with `install=True` for those very `indices` (when that
+        epoch starts) then uses it instead of reading again, if the dataset's takes are still the
+        same (not reopened since)."""
+        takes = self._takes
+        if not install:
+            self._pending = (indices, batch_size, takes, self._make_plan(indices, batch_size, takes))
+            return None
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is indices and pending[1] == batch_size and pending[2] is takes:
+            plan = pending[3]
+        else:
+            plan = self._make_plan(indices, batch_size, takes)
+        self._plan = plan
+        return None if plan is None else plan.batches
+
+    def _make_plan(self, indices: np.ndarray, batch_size: int, takes: list[Any] | None) -> EpochPlan | None:
         direct_plan = getattr(self.dataset, "direct_plan", None)
-        if self._takes is None or direct_plan is None or type(indices) is not np.ndarray or not len(indices):
+        if takes is None or direct_plan is None or type(indices) is not np.ndarray or not len(indices):
             return None
         if indices.dtype != np.int64 or indices.ndim != 1:
             return None
@@ -91,15 +109,13 @@ class Fetcher:
             fields = direct_plan(indices, max_bytes=PLAN_MAX_BYTES)
         except IndexError:
             return None
-        if fields is None or [name for name, _, _ in fields] != [name for name, _ in self._takes]:
+        if fields is None or [name for name, _, _ in fields] != [name for name, _ in takes]:
             return None
-        plan = EpochPlan(
+        return EpochPlan(
             indices,
             batch_size,
             [(name, data, rows, None if rows is None else torch_gather(rows)) for name, data, rows in fields],
         )
-        self._plan = plan
-        return plan.batches
 
     @property
     def direct(self) -> bool:

@@ -158,14 +158,15 @@ class SeededOrder:
         resume: dict[str, Any] | None = None,
         *,
         ahead: bool = True,
-        plan: Callable[[np.ndarray, int], list[np.ndarray] | None] | None = None,
+        plan: Callable[..., list[np.ndarray] | None] | None = None,
     ) -> tuple[int, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
         """`(base_seed, start_position, iterator of (indices, position))` for this rank; `ahead`:
         compute the next epoch's indices in the background meanwhile (if they fit `AHEAD_MAX_BYTES`);
         `plan(indices, batch_size)`: called with the array of all the indices to come once it is
         computed (before the first batch is yielded); it may return the batches to yield (that
         array cut into `batch_size` slices, e.g. ones a fetcher recognises), None to leave it to
-        the order."""
+        the order. With `ahead`, it is also called on the background thread with the next
+        epoch's indices and `install=False`, to prepare what that epoch's call will use."""
         base, skip = 0, 0
         if resume is not None:
             base, skip = int(resume["base"]), int(resume["batches"])
@@ -190,13 +191,20 @@ class SeededOrder:
             sort=self.shuffle,
         )
 
+    def _indices_ahead(self, epoch: int, plan: Callable[..., list[np.ndarray] | None] | None) -> np.ndarray:
+        """`indices(epoch)` on the background thread, and its plan prepared (not installed)."""
+        mine = self.indices(epoch)
+        if plan is not None:
+            plan(mine, self.batch_size, install=False)
+        return mine
+
     def _iter(
         self,
         epoch: int,
         base: int,
         skip: int,
         ahead: bool,
-        plan: Callable[[np.ndarray, int], list[np.ndarray] | None] | None,
+        plan: Callable[..., list[np.ndarray] | None] | None,
     ) -> Iterator[tuple[Any, dict[str, Any]]]:
         mine = self._ahead.take((epoch, base, skip))
         if mine is None:
@@ -204,7 +212,7 @@ class SeededOrder:
         bs = self.batch_size
         planned = plan(mine, bs) if plan is not None else None
         if ahead and self.shuffle and self.n * 8 <= AHEAD_MAX_BYTES:  # the next epoch from its start, meanwhile
-            self._ahead.start((epoch + 1, 0, 0), self.indices, epoch + 1)
+            self._ahead.start((epoch + 1, 0, 0), self._indices_ahead, epoch + 1, plan)
         batches = planned if planned is not None else (mine[k : k + bs] for k in range(0, len(mine), bs))
         for k, indices in enumerate(batches, start=skip + 1):
             yield indices, {"base": base, "world_size": self.world_size, "batch_size": bs, "batches": k}

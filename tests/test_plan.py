@@ -193,3 +193,49 @@ def test_plan_rejects_what_it_cannot_plan():
         EpochPlan(np.arange(4, dtype=np.int32), 2, [])
     with pytest.raises(ValueError):
         EpochPlan(np.arange(8, dtype=np.int64), 0, [])
+
+
+@pytest.fixture
+def plan_calls(monkeypatch) -> list[str]:
+    """The thread of every `direct_plan` call."""
+    import threading
+
+    calls: list[str] = []
+    direct_plan = FastloadDataset.direct_plan
+
+    def spy(self, indices, **kw):
+        calls.append(threading.current_thread().name)
+        return direct_plan(self, indices, **kw)
+
+    monkeypatch.setattr(FastloadDataset, "direct_plan", spy)
+    return calls
+
+
+def test_the_next_epochs_plan_is_prepared_ahead(dataset, plan_calls, count_planned):
+    """With the order computed ahead, the next epoch's plan is read on that background thread and
+    used when the epoch starts (no read there); a `set_epoch` elsewhere reads its own."""
+    kw = dict(batch_size=64, shuffle=True, seed=4)
+    ref = _batches(Loader(dataset, **kw), epochs=4)
+    loader = Loader(dataset, order_ahead=True, **kw)
+    plan_calls.clear()
+    got = _batches(loader, epochs=3)
+    assert plan_calls.count("MainThread") == 1  # epoch 0; epochs 1 and 2 were prepared ahead
+    assert plan_calls.count("fastload-order") >= 2
+    loader.set_epoch(0)  # not the epoch prepared ahead (3): planned again, at its start
+    del plan_calls[:]
+    again = [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+    assert plan_calls[0] == "MainThread"
+    assert _same(got, ref[: len(got)]) and _same(again, ref[: len(again)])
+    assert count_planned[1] == 0
+
+
+def test_a_plan_prepared_before_the_dataset_was_reopened_is_not_used(dataset, plan_calls):
+    kw = dict(batch_size=64, shuffle=True, seed=6)
+    ref = _batches(Loader(dataset, **kw), epochs=2)
+    loader = Loader(dataset, order_ahead=True, **kw)
+    first = _batches(loader, epochs=1)  # epoch 1's order and plan are computed ahead meanwhile
+    dataset.close()  # its columns are mapped anew when the next epoch starts
+    del plan_calls[:]
+    second = _batches(loader, epochs=1, start=1)
+    assert "MainThread" in plan_calls  # read again against the new mappings
+    assert _same(first + second, ref)
