@@ -22,7 +22,9 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
   workers always fetch) and against 0 workers, in `LIMIT_ROUNDS` paired rounds, on this dataset
   and on a short run (`SHORT_SAMPLES`, epochs shorter than the probe's windows);
 * the epoch plan (`fastload.plan`): 0 workers and 2 thread workers always fetching, each with
-  and without it (`epoch_plan=False`), in `LIMIT_ROUNDS` paired rounds;
+  and without it (`epoch_plan=False`), and the raw 2-thread gather, in `LIMIT_ROUNDS` paired
+  rounds, on this dataset and on `SMALL_SAMPLES` records of `SMALL_RECORD` bytes (where the
+  per-batch lookups the plan replaces weigh most);
 * a generic Python `__getitem__` dataset: Loader vs DataLoader at the same num_workers;
 * peak RSS of each process tree (fastload vs torch on the same workload) and fastload's RSS
   over 20 epochs (measured in child processes).
@@ -66,6 +68,7 @@ GENERIC_ROUNDS = 8  # paired rounds for the generic-dataset rows (median of the 
 LIMIT_ROUNDS = 12  # rounds of each seeded Loader row back to back with the fastest raw row
 SHORT_SAMPLES = 20_000  # the short run of the probe A/B: 78 batches an epoch
 PROBE_ROWS = ("default nw=2", "nw=2 adaptive=False", "nw=0")
+SMALL_SAMPLES, SMALL_RECORD = 1_000_000, 128  # the epoch plan's small-record run (20k with --quick)
 PLAN_ROWS = {
     "nw=0": (0, True),
     "nw=0 epoch_plan=False": (0, False),
@@ -79,27 +82,29 @@ BATCH = 256
 # ---------------------------------------------------------------- data
 
 
-def build(path: str, n: int) -> tuple[str, str]:
-    """The format directory and the raw .npy of the same records (created once)."""
-    ds_dir, raw = os.path.join(path, f"ds-{n}"), os.path.join(path, f"raw-{n}.npy")
+def build(path: str, n: int, record: int = RECORD) -> tuple[str, str]:
+    """The format directory and the raw .npy of the same `record`-byte records (created once):
+    `x` (record - 8 random bytes) and the label `y` (int64)."""
+    tag = f"{n}" if record == RECORD else f"{n}-{record}b"
+    ds_dir, raw = os.path.join(path, f"ds-{tag}"), os.path.join(path, f"raw-{tag}.npy")
     if not os.path.exists(os.path.join(ds_dir, "index.json")) or not os.path.exists(raw):
         os.makedirs(path, exist_ok=True)
         rng = np.random.default_rng(0)
-        mm = np.lib.format.open_memmap(raw, mode="w+", dtype=np.uint8, shape=(n, RECORD))
+        mm = np.lib.format.open_memmap(raw, mode="w+", dtype=np.uint8, shape=(n, record))
         step = 16384
         for s in range(0, n, step):
             e = min(n, s + step)
-            mm[s:e, : RECORD - 8] = rng.integers(0, 256, (e - s, RECORD - 8), dtype=np.uint8)
-            mm[s:e, RECORD - 8 :] = np.arange(s, e, dtype=np.int64).view(np.uint8).reshape(e - s, 8)
+            mm[s:e, : record - 8] = rng.integers(0, 256, (e - s, record - 8), dtype=np.uint8)
+            mm[s:e, record - 8 :] = np.arange(s, e, dtype=np.int64).view(np.uint8).reshape(e - s, 8)
         mm.flush()
         schema = formats.Schema(
-            (formats.Field("x", "ndarray", np.uint8, (RECORD - 8,)), formats.Field("y", "scalar", np.int64))
+            (formats.Field("x", "ndarray", np.uint8, (record - 8,)), formats.Field("y", "scalar", np.int64))
         )
 
         def blocks(start: int) -> Iterable[Any]:
             for s in range(start, n, step):
                 e = min(n, s + step)
-                cols = {"x": np.ascontiguousarray(mm[s:e, : RECORD - 8]), "y": np.arange(s, e, dtype=np.int64)}
+                cols = {"x": np.ascontiguousarray(mm[s:e, : record - 8]), "y": np.arange(s, e, dtype=np.int64)}
                 yield formats.Block(e - s, cols)
 
         src = formats.BlockSource(schema=schema, num_samples=n, blocks=blocks)
@@ -323,8 +328,9 @@ def run_child(kind: str, ds_dir: str, epochs: int, limit: int) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def plan_rows(ds: Any, limit: int, epochs: int) -> dict[str, Callable[[], float]]:
-    """`PLAN_ROWS`: seeded Loaders over `ds` with and without the epoch plan, timed like the main table."""
+def plan_rows(ds: Any, raw: str, limit: int, epochs: int) -> dict[str, Callable[[], float]]:
+    """`PLAN_ROWS`: seeded Loaders over `ds` with and without the epoch plan, timed like the main
+    table, and the raw 2-thread gather over `raw` (the same records)."""
 
     def row(nw: int, plan: bool) -> Callable[[], float]:
         def timed() -> float:
@@ -333,7 +339,8 @@ def plan_rows(ds: Any, limit: int, epochs: int) -> dict[str, Callable[[], float]
 
         return timed
 
-    return {name: row(nw, plan) for name, (nw, plan) in PLAN_ROWS.items()}
+    rows = {name: row(nw, plan) for name, (nw, plan) in PLAN_ROWS.items()}
+    return {"raw": lambda: raw_gather_parallel(raw, epochs, CORES), **rows}
 
 
 def probe_rows(ds: Any, limit: int, epochs: int) -> dict[str, Callable[[], float]]:
@@ -376,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = epochs * n - 2 * BATCH  # samples timed per row: every pass but the first batch, and a margin
     for _ in raw_gather(raw, 1):  # warm the page cache and page tables once, for everyone
         pass
+    fds.get_batch(np.arange(min(n, BATCH)))  # map the columns before any row is timed
 
     probe_log: dict[int, list[str]] = {1: [], 2: []}  # the thread probe's final mode per timed run
 
@@ -443,7 +451,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     probe_ab = {label: probe_rows(ds, epochs * len(ds) - 2 * BATCH, epochs) for label, ds in probe_sets}
     probe_paired = {label: paired_rounds(rows, limit_rounds) for label, rows in probe_ab.items()}
-    plan_paired = paired_rounds(plan_rows(fds, limit, epochs), limit_rounds)
+    small_n = SHORT_SAMPLES if args.quick else SMALL_SAMPLES
+    small_dir, small_raw = build(args.path, small_n, SMALL_RECORD)
+    plan_sets = {
+        f"{n} x {RECORD} B": (fds, raw),
+        f"{small_n} x {SMALL_RECORD} B": (formats.FastloadDataset(small_dir), small_raw),
+    }
+    plan_paired = {
+        label: paired_rounds(plan_rows(ds, raw_path, epochs * len(ds) - 2 * BATCH, epochs), limit_rounds)
+        for label, (ds, raw_path) in plan_sets.items()
+    }
     raw_one = best["raw memmap gather, 1 thread"]
     raw_rate = max(v for k, v in best.items() if k.startswith("raw "))  # the limit: the fastest raw row
     fl_best = max(v for k, v in best.items() if k.startswith("fastload.Loader") and "seed" in k)
@@ -477,10 +494,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"      default / adaptive=False       {ratio_summary(default, always)}")
         print(f"      default / nw=0                 {ratio_summary(default, inline)}   (target >= 1)")
         print(f"      adaptive=False / nw=0          {ratio_summary(always, inline)}")
-    print(f"  the epoch plan, {limit_rounds} paired rounds (workers always on; median, quartiles, range of ratios):")
-    for nw in (0, 2):
-        with_plan, without = plan_paired[f"nw={nw}"], plan_paired[f"nw={nw} epoch_plan=False"]
-        print(f"    nw={nw}: planned / per batch       {ratio_summary(with_plan, without)}")
+    print(f"  the epoch plan, {limit_rounds} paired rounds (adaptive=False; median, quartiles, range of ratios):")
+    for label, runs in plan_paired.items():
+        print(f"    {label} records: raw 2-thread gather {statistics.median(runs['raw']):,.0f}/s (median)")
+        for nw in (0, 2):
+            with_plan, without = runs[f"nw={nw}"], runs[f"nw={nw} epoch_plan=False"]
+            print(f"      nw={nw}: planned / per batch     {ratio_summary(with_plan, without)}")
+            print(f"      nw={nw}: planned / raw limit     {ratio_summary(with_plan, runs['raw'])}")
+            print(f"      nw={nw}: per batch / raw limit   {ratio_summary(without, runs['raw'])}")
     print(f"fastload best / raw gather, 1 thread  : {fl_best / raw_one:.2f}")
     gb_par = best[f"get_batch on {CORES} threads, no Loader"]
     print(f"get_batch on {CORES} threads / limit      : {gb_par / raw_rate:.2f}   (the dataset layer alone)")
