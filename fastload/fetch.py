@@ -99,6 +99,12 @@ class Fetcher:
         self._plan = plan
         return None if plan is None else plan.batches
 
+    def release_plan(self) -> None:
+        """Forget the current epoch's plan once the epoch is over (up to `PLAN_MAX_BYTES` that
+        nothing reads any more; batches still held keep their own slices). A plan prepared for
+        the next epoch is kept."""
+        self._plan = None
+
     def _make_plan(self, indices: np.ndarray, batch_size: int, takes: list[Any] | None) -> EpochPlan | None:
         direct_plan = getattr(self.dataset, "direct_plan", None)
         if takes is None or direct_plan is None or type(indices) is not np.ndarray or not len(indices):

@@ -373,6 +373,7 @@ class Loader:
             self._epoch += 1
             self._position = None
             self._active = None
+            self._fetcher.release_plan()
 
     # ---- epochs and state
     @property
@@ -461,6 +462,9 @@ class Loader:
             self._active.close()
             self._position = self._current_position()
             self._active = None
+        fetcher = getattr(self, "_fetcher", None)  # none for an IterableDataset
+        if fetcher is not None:
+            fetcher.release_plan()
         self._stop_workers()
 
     def __del__(self) -> None:

@@ -239,3 +239,18 @@ def test_a_plan_prepared_before_the_dataset_was_reopened_is_not_used(dataset, pl
     second = _batches(loader, epochs=1, start=1)
     assert "MainThread" in plan_calls  # read again against the new mappings
     assert _same(first + second, ref)
+
+
+def test_the_plan_is_released_when_its_epoch_ends(dataset):
+    loader = Loader(dataset, batch_size=64, shuffle=True, seed=2)
+    it = iter(loader)
+    next(it)
+    assert loader._fetcher._plan is not None
+    for _ in it:
+        pass
+    assert loader._fetcher._plan is None  # its epoch is over: nothing reads it any more
+    it = iter(loader)
+    next(it)
+    assert loader._fetcher._plan is not None
+    loader.close()
+    assert loader._fetcher._plan is None
