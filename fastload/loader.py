@@ -90,10 +90,10 @@ class Loader:
     see `_order_ahead`), `adaptive` (thread workers: compare them with fetching inline in the
     consumer's thread and keep the faster, see `fastload.pipeline.ThreadProbe`; default True;
     False: the workers always fetch, as with a `timeout` or a `worker_init_fn`), `epoch_plan`
-    (seeded order over a local fastload dataset of fixed-size fields, fetched in this process:
-    read the row lookups and small fields of a whole epoch at once as its order is computed,
-    see `fastload.plan`; default True; False: per batch, without the plan's memory, at most
-    `fastload.plan.PLAN_MAX_BYTES`).
+    (a seeded order or torch's own samplers, over a local fastload dataset of fixed-size fields,
+    fetched in this process: read the row lookups and small fields of a whole epoch at once as
+    its order is computed, see `fastload.plan`; default True; False: per batch, without the
+    plan's memory, at most `fastload.plan.PLAN_MAX_BYTES`).
     """
 
     def __init__(
@@ -238,14 +238,14 @@ class Loader:
             may_steal = self.worker_init_fn is None and not self.timeout
             threads = _worker_threads(self.num_workers, stealing_allowed=may_steal)
             steal = resolve_steal("auto" if may_steal else False, num_workers=threads, timeout=self.timeout)
+        # batches fetched in this process read their small fields from a plan of the whole epoch
+        in_process = self.num_workers == 0 or self.worker_type == "thread"
+        plan = self._fetcher.plan if self.epoch_plan and in_process else None
         if isinstance(self._order, SeededOrder):
             ahead = self._order_ahead(threads, steal) if self.order_ahead is None else self.order_ahead
-            # batches fetched in this process read their small fields from a plan of the whole epoch
-            in_process = self.num_workers == 0 or self.worker_type == "thread"
-            plan = self._fetcher.plan if self.epoch_plan and in_process else None
             base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead, plan=plan)
         else:
-            base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume)
+            base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume, plan=plan)
         self._position = start
         # prefetch_factor batches per worker actually started (fewer threads than num_workers: fewer
         # batches in flight, less memory touched per round)

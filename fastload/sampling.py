@@ -39,6 +39,7 @@ __all__ = [
 
 
 AHEAD_MAX_BYTES = 256 << 20  # orders up to this size (int64 per sample) are computed an epoch ahead
+PlanHook = Callable[..., list[np.ndarray] | None]  # plan(indices, batch_size) -> the batches to yield, or None
 
 
 def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -158,7 +159,7 @@ class SeededOrder:
         resume: dict[str, Any] | None = None,
         *,
         ahead: bool = True,
-        plan: Callable[..., list[np.ndarray] | None] | None = None,
+        plan: PlanHook | None = None,
     ) -> tuple[int, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
         """`(base_seed, start_position, iterator of (indices, position))` for this rank; `ahead`:
         compute the next epoch's indices in the background meanwhile (if they fit `AHEAD_MAX_BYTES`);
@@ -191,7 +192,7 @@ class SeededOrder:
             sort=self.shuffle,
         )
 
-    def _indices_ahead(self, epoch: int, plan: Callable[..., list[np.ndarray] | None] | None) -> np.ndarray:
+    def _indices_ahead(self, epoch: int, plan: PlanHook | None) -> np.ndarray:
         """`indices(epoch)` on the background thread, and its plan prepared (not installed)."""
         mine = self.indices(epoch)
         if plan is not None:
@@ -204,37 +205,44 @@ class SeededOrder:
         base: int,
         skip: int,
         ahead: bool,
-        plan: Callable[..., list[np.ndarray] | None] | None,
+        plan: PlanHook | None,
     ) -> Iterator[tuple[Any, dict[str, Any]]]:
         mine = self._ahead.take((epoch, base, skip))
         if mine is None:
             mine = self.indices(epoch, base, skip)
         bs = self.batch_size
-        planned = plan(mine, bs) if plan is not None else None
+        batches = _cut(mine, bs, plan)
         if ahead and self.shuffle and self.n * 8 <= AHEAD_MAX_BYTES:  # the next epoch from its start, meanwhile
             self._ahead.start((epoch + 1, 0, 0), self._indices_ahead, epoch + 1, plan)
-        batches = planned if planned is not None else (mine[k : k + bs] for k in range(0, len(mine), bs))
         for k, indices in enumerate(batches, start=skip + 1):
             yield indices, {"base": base, "world_size": self.world_size, "batch_size": bs, "batches": k}
 
 
-def torch_batches(batch_sampler: Any) -> Callable[[], Iterator[np.ndarray]] | None:
+def _cut(order: np.ndarray, bs: int, plan: PlanHook | None) -> Iterable[np.ndarray]:
+    """`order` in consecutive batches of `bs` (the last may be shorter): those `plan` returns for
+    it, else slices made here."""
+    planned = plan(order, bs) if plan is not None and len(order) else None
+    return planned if planned is not None else (order[k : k + bs] for k in range(0, len(order), bs))
+
+
+def torch_batches(batch_sampler: Any) -> Callable[[PlanHook | None], Iterator[np.ndarray]] | None:
     """For torch's own `BatchSampler` over `RandomSampler` / `SequentialSampler`: a function
     producing the same batches as int64 arrays (one `randperm`, no per-index Python) with the
-    same RNG draws, including the extra `randperm` torch's sampler makes when exhausted."""
+    same RNG draws, including the extra `randperm` torch's sampler makes when exhausted. Its
+    argument: a plan hook as in `SeededOrder.epoch`, called with the epoch's batched indices."""
     if type(batch_sampler) is not BatchSampler:
         return None
     sampler, bs, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
     if type(sampler) is SequentialSampler:
 
-        def sequential() -> Iterator[np.ndarray]:
+        def sequential(plan: PlanHook | None = None) -> Iterator[np.ndarray]:
             n = len(sampler.data_source)
-            yield from _slices(np.arange(n, dtype=np.int64), bs, drop_last)
+            yield from _cut(np.arange(n - n % bs if drop_last else n, dtype=np.int64), bs, plan)
 
         return sequential
     if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
 
-        def shuffled() -> Iterator[np.ndarray]:
+        def shuffled(plan: PlanHook | None = None) -> Iterator[np.ndarray]:
             n = len(sampler.data_source)
             gen = sampler.generator
             private = gen is None
@@ -243,22 +251,15 @@ def torch_batches(batch_sampler: Any) -> Callable[[], Iterator[np.ndarray]] | No
                 gen = torch.Generator()
                 gen.manual_seed(seed)
             perm = torch.randperm(n, generator=gen).numpy()
-            full = n // bs
-            for k in range(full):
-                yield perm[k * bs : (k + 1) * bs]
+            batches = iter(_cut(perm[: n - n % bs] if drop_last else perm, bs, plan))
+            for _ in range(n // bs):
+                yield next(batches)
             if not private:  # torch's RandomSampler draws once more at its end (visible in a shared generator)
                 torch.randperm(n, generator=gen)
-            if not drop_last and n % bs:
-                yield perm[full * bs :]
+            yield from batches  # the last, shorter batch (not with drop_last)
 
         return shuffled
     return None
-
-
-def _slices(order: np.ndarray, bs: int, drop_last: bool) -> Iterator[np.ndarray]:
-    stop = len(order) - len(order) % bs if drop_last else len(order)
-    for k in range(0, stop, bs):
-        yield order[k : k + bs]
 
 
 def _has(obj: Any, name: str) -> bool:
@@ -298,20 +299,21 @@ class SamplerOrder:
                 obj.set_epoch(epoch)
 
     def epoch(
-        self, *, draw_base_seed: bool, resume: dict[str, Any] | None = None
+        self, *, draw_base_seed: bool, resume: dict[str, Any] | None = None, plan: PlanHook | None = None
     ) -> tuple[int | None, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
         """Start an epoch: `(base_seed, start_position, iterator of (indices, position))`.
 
         Mirrors torch: the workers' base seed is drawn from `generator` before the sampler's
-        first draw, so orders match `DataLoader` given the same generator/global RNG.
+        first draw, so orders match `DataLoader` given the same generator/global RNG. `plan`: as
+        in `SeededOrder.epoch`, for torch's own samplers (see `torch_batches`).
         """
         if resume is not None and resume.get("sampler_state") is not None and self.stateful is not None:
             self.stateful.load_state_dict(resume["sampler_state"])
             base_seed = resume.get("base_seed")
             k = int(resume["batches"])
-            return base_seed, dict(resume), self._track(self._iterate(), k, resume.get("rng"), base_seed)
+            return base_seed, dict(resume), self._track(self._iterate(plan), k, resume.get("rng"), base_seed)
         if resume is not None and resume.get("rng") is not None:
-            return self._replay(resume)
+            return self._replay(resume, plan)
         rng = {
             "generator": self.generator.get_state() if self.generator is not None else None,
             "global": torch.get_rng_state(),
@@ -319,16 +321,18 @@ class SamplerOrder:
         }
         base_seed = self._draw() if draw_base_seed else None
         start = {"batches": 0, "sampler_state": None, "rng": rng, "base_seed": base_seed}
-        return base_seed, start, self._track(self._iterate(), 0, rng, base_seed)
+        return base_seed, start, self._track(self._iterate(plan), 0, rng, base_seed)
 
-    def _iterate(self) -> Iterator[Any]:
-        return self._fast() if self._fast is not None else iter(self.index_sampler)
+    def _iterate(self, plan: PlanHook | None = None) -> Iterator[Any]:
+        """The (batch) sampler's indices; torch's own samplers' batches as `torch_batches` gives
+        them, cut by `plan` where given."""
+        return self._fast(plan) if self._fast is not None else iter(self.index_sampler)
 
     def _draw(self) -> int:
         return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
     def _replay(
-        self, resume: dict[str, Any]
+        self, resume: dict[str, Any], plan: PlanHook | None = None
     ) -> tuple[int | None, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
         """Re-run the epoch start under the RNG states captured then, and skip what was yielded."""
         rng = resume["rng"]
@@ -337,7 +341,7 @@ class SamplerOrder:
         with torch.random.fork_rng(devices=[]):  # the user's global RNG is left untouched
             torch.set_rng_state(rng["global"])
             base_seed = self._draw() if rng["drew"] else None
-            it = self._iterate()
+            it = self._iterate(plan)
             head = next(it, None)  # samplers seed themselves on the first pull
         skip = int(resume["batches"])
         start = {"batches": skip, "sampler_state": None, "rng": rng, "base_seed": base_seed}

@@ -254,3 +254,47 @@ def test_the_plan_is_released_when_its_epoch_ends(dataset):
     assert loader._fetcher._plan is not None
     loader.close()
     assert loader._fetcher._plan is None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(
+    "config",
+    [dict(shuffle=True), dict(shuffle=False), dict(shuffle=True, drop_last=True)],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_torch_order_is_planned_and_matches_the_dataloader(dataset, count_planned, workers, config):
+    """The drop-in mode (torch's own samplers, no seed) reads from plans too, and still yields
+    exactly the DataLoader's batches for the same generator, with torch's RNG draws."""
+    from torch.utils.data import DataLoader
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(17)
+
+    kw = dict(batch_size=64, **config)
+    g = gen()
+    want = [b["y"].tolist() for _ in range(2) for b in DataLoader(dataset, generator=g, **kw)]
+    after_torch = torch.randint(0, 2**30, (1,), generator=g).item()
+    g = gen()
+    loader = Loader(dataset, generator=g, num_workers=workers, worker_type="thread", **kw)
+    got = [{k: v.numpy().copy() for k, v in b.items()} for _ in range(2) for b in loader]
+    assert [b["y"].tolist() for b in got] == want
+    assert torch.randint(0, 2**30, (1,), generator=g).item() == after_torch  # the same draws
+    assert count_planned == [len(got), 0]
+    g = gen()
+    unplanned = Loader(dataset, generator=g, epoch_plan=False, num_workers=workers, worker_type="thread", **kw)
+    assert _same(got, [{k: v.numpy().copy() for k, v in b.items()} for _ in range(2) for b in unplanned])
+
+
+def test_torch_order_resume_replays_into_a_plan(dataset, count_planned):
+    kw = dict(batch_size=50, shuffle=True)
+    ref = [b["y"].tolist() for b in Loader(dataset, generator=torch.Generator().manual_seed(3), **kw)]
+    loader = Loader(dataset, generator=torch.Generator().manual_seed(3), **kw)
+    for k, _ in enumerate(loader):
+        if k == 6:
+            state = loader.state_dict()
+            break
+    resumed = Loader(dataset, generator=torch.Generator().manual_seed(99), **kw)
+    resumed.load_state_dict(state)
+    before = count_planned[0]
+    rest = [b["y"].tolist() for b in resumed]
+    assert rest == ref[7:] and count_planned[0] - before == len(rest) and count_planned[1] == 0
