@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fastload.collate import columns_to_torch, zero_copy_column
-from fastload.plan import PLAN_MAX_BYTES, EpochPlan
+from fastload.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan
 
 __all__ = ["MODES", "Fetcher", "torch_gather"]
 
@@ -111,8 +111,11 @@ class Fetcher:
             return None
         if indices.dtype != np.int64 or indices.ndim != 1:
             return None
+        room = PLAN_MAX_BYTES - -(-len(indices) // batch_size) * BATCH_BYTES  # after the batches' own objects
+        if room < 0:
+            return None
         try:
-            fields = direct_plan(indices, max_bytes=PLAN_MAX_BYTES)
+            fields = direct_plan(indices, max_bytes=room)
         except IndexError:
             return None
         if fields is None or [name for name, _, _ in fields] != [name for name, _ in takes]:
