@@ -70,6 +70,8 @@ class EpochIterator:
         # one of three shapes, chosen once: no per-batch checks of which one applies
         if isinstance(source, InlineSource) and ring is None and device is None:
             self._step = self._next_inline  # nothing in flight, nothing to release
+        elif isinstance(source, ThreadSource) and ring is None and device is None:
+            self._step = self._next_adaptive  # the probe's inline mode as lean as `_next_inline`
         else:
             self._step = self._next_host if device is None else self._next_device
         self._full_depth = self._depth
@@ -101,7 +103,7 @@ class EpochIterator:
         t1 = _perf()
         stats.delivered(n, t1 - t0, t1)
         probe = self.probe
-        if probe is not None and (probe.phase != "done" or probe.choice == "inline"):
+        if probe is not None:
             probe.tick(self, t1)
         return out
 
@@ -154,6 +156,17 @@ class EpochIterator:
         """`num_workers=0` without a ring or a device: fetch straight from the order."""
         indices, pos = next(self._order)  # StopIteration ends the epoch
         batch, timings = self._source.fetch(indices)
+        self._stats.add_many(timings)
+        return batch, len(indices) if self._batched else 1, pos
+
+    def _next_adaptive(self) -> tuple[Any, int, dict[str, Any]]:
+        """Thread workers without a ring or a device (their batches hold no slots to release):
+        while the probe fetches inline and nothing is in flight, a batch is fetched here with
+        `fetch_alone`, nothing else; otherwise `_next_host`."""
+        if self._depth or self._inflight:
+            return self._next_host()
+        indices, pos = next(self._order)  # StopIteration ends the epoch
+        batch, timings = self._source.fetch_alone(indices)
         self._stats.add_many(timings)
         return batch, len(indices) if self._batched else 1, pos
 
@@ -237,11 +250,13 @@ class EpochIterator:
 class ThreadProbe:
     """Inline vs threaded fetching, by the consumer-visible batch rate; one per Loader.
 
-    Inline goes first (cheap, and what `num_workers=0` would do: a run that ends inside the
-    first window reads as fast as with 0 workers; at least `WINDOW` batches and `MIN_WINDOW_S`);
-    then the workers fill their queue and warm up (`FILL` batches at least: so neither a backlog
-    of ready batches nor the first slow batches after the switch decide) and are timed for as
-    long as inline was (a third of it when they are `CLEAR_LOSS` slower).
+    The consumer fetches inline first, as `num_workers=0` would, and the workers are first tried
+    after `FIRST_S` of it (and at least `WINDOW` batches and `MIN_WINDOW_S` of timed batches): a
+    run shorter than that never starts them, so it reads as fast as with 0 workers. A trial
+    takes the rate of the inline stretch before it, lets the workers fill their queue and warm up
+    (`FILL` batches at least: so neither a backlog of ready batches nor the first slow batches
+    after the switch decide), and times them for as long as `WINDOW` inline batches took (at
+    least `MIN_WINDOW_S`; a third of it when they run `CLEAR_LOSS` slower).
     The workers are kept only if they beat inline by `MARGIN`, and are watched afterwards
     (windows of `WATCH` batches and `WATCH_S`): a later stretch slower than inline switches to
     inline. Inline is not final either: the workers are tried again after `RETRY_S` of it, then
@@ -255,35 +270,42 @@ class ThreadProbe:
     to its first batch (its order, the workers' queue refilling), is counted: in the mode the
     epoch runs in, it is that mode's cost.
 
-    The Loader's direct path once went workers-first, with their rate weighted up by 1.1; since
-    the epoch plan, inline reads as fast as the workers on `bench.loader`'s 200k data and
-    faster on short runs (README, "Loader"), so every path starts inline.
+    Until session 12 the Loader's direct path went workers-first, with their rate weighted up by
+    1.1, and every other path compared the modes from its first batches. A trial costs its run
+    the slower mode's rate and the switches (on `bench.loader`'s data, 5-7% of a 3-epoch run of
+    150-180 ms); since the epoch plan, inline reads as fast as the workers there, so the first
+    trial waits (README, "Loader").
     """
 
-    WARMUP, WINDOW, MARGIN, WATCH, FILL = 2, 24, 1.05, 64, 32
+    WINDOW, MARGIN, WATCH, FILL = 24, 1.05, 64, 32
     MIN_WINDOW_S = 0.03  # a timed window also lasts this long: a hypervisor's ms-long stalls average out
     WATCH_S = 0.15  # and a watch window this long
     CLEAR_LOSS = 1.25  # threads this much slower after a third of the window: stop timing them
+    FIRST_S = 0.25  # seconds of inline fetching before the workers' first trial
     RETRY_S, RETRY_MAX_S = 0.25, 64.0  # inline chosen: seconds until the workers are tried again (doubling)
 
     def __init__(self) -> None:
-        self.phase = "warmup"
+        self.phase = "inline"  # inline, fill (the workers warming up), threads (timed), watch (workers chosen)
         self.count = 0  # batches in the current window
         self.t0 = self.last = 0.0  # when the window's part in this epoch started; the last batch
         self.before = 0.0  # seconds of the window spent in earlier epochs
         self.rate_threads = self.rate_inline = 0.0
-        self.inline_s = 0.0  # how long the inline window lasted: the threads window lasts as long
+        self.inline_s = 0.0  # how long WINDOW inline batches took: the workers' window lasts as long
         self.choice = "inline"
+        self.trials = 0  # times the workers were tried
         self.switches = 0  # mode changes after the probe (diagnostics)
         self.retries = 0  # times the workers were tried again after inline was chosen (diagnostics)
         self.retry_s = self.RETRY_S
-        self.retry_at = float("inf")  # when the workers are tried again (inline chosen)
+        self.retry_at: float | None = None  # when the workers are tried (inline): set by the first epoch
 
     def attach(self, it: EpochIterator, now: float) -> None:
         """Start an epoch in the mode the probe has reached; the current window goes on."""
+        if self.retry_at is None:  # the Loader's first epoch: the workers' first trial is due in FIRST_S
+            self.retry_at = now + self.FIRST_S
+            self._restart(now)
         self.before += self.last - self.t0
         self.t0 = self.last = now
-        threads = self.phase in ("fill", "threads", "watch") or (self.phase == "done" and self.choice == "threads")
+        threads = self.phase != "inline"
         it._depth = it._full_depth if threads else 0
 
     def _restart(self, now: float) -> None:
@@ -294,13 +316,16 @@ class ThreadProbe:
         self.count += 1
         self.last = now
         elapsed = self.before + now - self.t0
-        if self.phase == "warmup":
-            if self.count >= self.WARMUP:
-                self.phase = "inline"
-                self._restart(now)
-        elif self.phase == "inline":
-            if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:
-                self.rate_inline, self.inline_s = self.count / elapsed, elapsed
+        if self.phase == "inline":
+            due = self.retry_at is not None and now >= self.retry_at
+            if due and self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:
+                self.rate_inline = self.count / elapsed  # the inline stretch since the start or the decision
+                self.inline_s = max(self.MIN_WINDOW_S, self.WINDOW / self.rate_inline)
+                if self.trials:
+                    self.retries += 1
+                    self.retry_s = min(2 * self.retry_s, self.RETRY_MAX_S)
+                self.trials += 1
+                self.retry_at = float("inf")
                 self.phase = "fill"
                 self._restart(now)
                 it._depth = it._full_depth
@@ -312,7 +337,7 @@ class ThreadProbe:
             clearly_losing = (  # cut a losing window short: probing costs the slower mode's rate
                 elapsed >= self.inline_s / 3 and self.count < elapsed * self.rate_inline / self.CLEAR_LOSS
             )
-            if elapsed >= self.inline_s or clearly_losing:  # as long as the inline window lasted
+            if elapsed >= self.inline_s or clearly_losing:  # as long as WINDOW inline batches took
                 self.rate_threads = self.count / elapsed
                 self._decide(it, now)
         elif self.phase == "watch" and self.count >= self.WATCH and elapsed >= self.WATCH_S:
@@ -320,15 +345,6 @@ class ThreadProbe:
                 self._inline(it, now)
             else:
                 self._restart(now)
-        elif self.phase == "done" and self.choice == "inline" and now >= self.retry_at:
-            if self.count >= self.WINDOW and elapsed >= self.MIN_WINDOW_S:  # the inline stretch since
-                self.rate_inline = self.count / elapsed  # the decision: a long window
-            self.retries += 1
-            self.retry_s = min(2 * self.retry_s, self.RETRY_MAX_S)
-            self.retry_at = float("inf")
-            self.phase = "fill"
-            self._restart(now)
-            it._depth = it._full_depth
 
     def _decide(self, it: EpochIterator, now: float) -> None:
         """Keep the workers (then watch them) if they beat inline by `MARGIN`, else go inline."""
@@ -342,7 +358,7 @@ class ThreadProbe:
 
     def _inline(self, it: EpochIterator, now: float) -> None:
         self.switches += self.choice == "threads"
-        self.choice, self.phase = "inline", "done"
+        self.choice, self.phase = "inline", "inline"
         self._restart(now)
         self.retry_at = now + self.retry_s
         it._depth = 0  # what is in flight drains first

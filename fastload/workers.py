@@ -286,6 +286,7 @@ class ThreadSource:
         # only the "bounded" mode needs fetch start times and their mean
         self._epoch = epoch = _EpochWork(fetch, post, timed=self.steal == "bounded", fetch_alone=fetch_alone)
         self._work = epoch.work
+        self.fetch_alone = epoch.fetch_alone  # for a caller fetching while no batch is in flight
         self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
 
     def put(self, j: int, indices: Any) -> None:

@@ -166,9 +166,9 @@ def test_fetch_alone_matches_fetch(tmp_path, monkeypatch, use_table):
 
 @pytest.mark.parametrize("threads_win", [True, False])
 def test_direct_path_probe_starts_inline_then_keeps_the_faster_mode(tmp_path, monkeypatch, threads_win):
-    """On the direct path the probe starts inline (a run shorter than its first window reads as
-    with 0 workers), then times the workers and keeps the faster mode; batches and their order
-    are those of num_workers=0 through every switch."""
+    """On the direct path the probe starts inline (a run shorter than `FIRST_S` reads as with 0
+    workers), then times the workers and keeps the faster mode; batches and their order are
+    those of num_workers=0 through every switch."""
     from fastload.pipeline import ThreadProbe
 
     monkeypatch.setattr(ThreadProbe, "MIN_WINDOW_S", 0.0)
@@ -177,12 +177,13 @@ def test_direct_path_probe_starts_inline_then_keeps_the_faster_mode(tmp_path, mo
     monkeypatch.setattr(ThreadProbe, "MARGIN", 0.0 if threads_win else 1e9)
     monkeypatch.setattr(ThreadProbe, "WATCH", 10**9)  # margin 0 would also make the watch fall back to inline
     monkeypatch.setattr(ThreadProbe, "RETRY_S", 1e9)  # the choice stays as made, however slow this machine
+    monkeypatch.setattr(ThreadProbe, "FIRST_S", 0.0)  # the workers' trial as soon as inline's window is full
     ds = _dataset(tmp_path / "ds")
     inline = Loader(ds, batch_size=8, shuffle=True, seed=2)
     want = [b["y"].tolist() for _ in range(2) for b in inline]  # two epochs
     loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread")
     it = iter(loader)
-    assert loader._fetcher.direct and loader._probe.phase == "warmup" and it._depth == 0
+    assert loader._fetcher.direct and loader._probe.phase == "inline" and it._depth == 0
     got = [b["y"].tolist() for b in it] + [b["y"].tolist() for b in loader]
     assert got == want
     probe = loader._probe
@@ -196,4 +197,4 @@ def test_generic_dataset_probe_starts_inline(tmp_path):
     ds = _dataset(tmp_path / "ds", ragged=True)  # a ragged field: no direct path
     loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread")
     iter(loader)
-    assert isinstance(loader._probe, ThreadProbe) and loader._probe.phase == "warmup"
+    assert isinstance(loader._probe, ThreadProbe) and loader._probe.phase == "inline"

@@ -432,6 +432,7 @@ def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margi
     monkeypatch.setattr(ThreadProbe, "WATCH", watch)  # margin 0 also makes the watch fall back to inline
     monkeypatch.setattr(ThreadProbe, "MIN_WINDOW_S", 0.0)  # windows by batch count only: this epoch is short
     monkeypatch.setattr(ThreadProbe, "WATCH_S", 0.0)
+    monkeypatch.setattr(ThreadProbe, "FIRST_S", 0.0)  # the workers' trial as soon as inline's window is full
     monkeypatch.setattr(ThreadProbe, "RETRY_S", 1e9)  # no retry of the workers: switches are counted exactly
     # 400 batches: room for the workers' window (as long as inline's in time, so a few times as many
     # batches when inline's hit a stall) and the 64-batch watch after it
@@ -481,7 +482,7 @@ def test_thread_probe_windows_go_on_across_short_epochs(threads_rate):
 
     probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
     now, epochs = 0.0, 0
-    while probe.phase != "done" and probe.phase != "watch":
+    while not probe.trials or probe.phase in ("fill", "threads"):  # until the first trial is decided
         probe.attach(it, now)
         for _ in range(10):
             now += 1 / threads_rate if it._depth else 1e-3  # the workers' rate when they run, else inline's 1000/s
@@ -504,8 +505,8 @@ def test_thread_probe_counts_an_epoch_start_in_its_mode():
 
     probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
     probe.attach(it, 0.0)
-    now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # warm-up
     assert probe.phase == "inline"
+    now = 0.0
     for _ in range(5):  # 5 batches at 1 ms, then an epoch ends
         now += 1e-3
         probe.tick(it, now)
@@ -535,13 +536,12 @@ def test_thread_probe_retries_the_workers_after_choosing_inline():
 
     probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
     probe.attach(it, 0.0)
-    now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # warm-up
-    now, _ = _until_phase_changes(probe, it, now, 1e-3)  # inline at 1000 batches/s
+    now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # inline at 1000 batches/s until the first trial
     assert probe.phase == "fill" and it._depth == 4 and probe.rate_inline == pytest.approx(1000)
     now, ticks = _until_phase_changes(probe, it, now, 1e-3)
     assert probe.phase == "threads" and ticks == ThreadProbe.FILL  # warmed up before they are timed
     now, _ = _until_phase_changes(probe, it, now, 2e-3)  # the workers at 500/s (a slow stretch)
-    assert (probe.phase, probe.choice, it._depth, probe.retries) == ("done", "inline", 0, 0)
+    assert (probe.phase, probe.choice, it._depth, probe.retries) == ("inline", "inline", 0, 0)
     decided = now
     now, ticks = _until_phase_changes(probe, it, now, ThreadProbe.RETRY_S / 200)
     assert now - decided >= ThreadProbe.RETRY_S > now - decided - ThreadProbe.RETRY_S / 200
@@ -560,13 +560,12 @@ def test_thread_probe_backs_off_while_inline_keeps_winning():
 
     probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=2)
     probe.attach(it, 0.0)
-    now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)
-    now, _ = _until_phase_changes(probe, it, now, 1e-3)
+    now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # inline until the first trial
     waits = []
     for _ in range(10):
         now, _ = _until_phase_changes(probe, it, now, 1e-2)  # fill
         now, _ = _until_phase_changes(probe, it, now, 1e-2)  # the workers 10x slower than inline
-        assert (probe.phase, probe.choice, it._depth) == ("done", "inline", 0)
+        assert (probe.phase, probe.choice, it._depth) == ("inline", "inline", 0)
         decided = now
         now, _ = _until_phase_changes(probe, it, now, 1e-3)
         waits.append(now - decided)
@@ -583,6 +582,7 @@ def test_thread_probe_retrying_every_batch_keeps_batches_and_order(monkeypatch, 
     monkeypatch.setattr(ThreadProbe, "MARGIN", 1e9)  # inline always wins, so the workers are retried again and again
     monkeypatch.setattr(ThreadProbe, "MIN_WINDOW_S", 0.0)
     monkeypatch.setattr(ThreadProbe, "RETRY_S", 0.0)
+    monkeypatch.setattr(ThreadProbe, "FIRST_S", 0.0)
     monkeypatch.setattr(ThreadProbe, "FILL", 2)
     ref = run(Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5), epochs=2)
     loader = Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type="thread")
@@ -592,29 +592,40 @@ def test_thread_probe_retrying_every_batch_keeps_batches_and_order(monkeypatch, 
 
 @pytest.mark.parametrize("threads_rate", [2000, 900, 500])
 def test_thread_probe_order_of_windows(threads_rate):
-    """Warm-up, inline's window, the workers' fill, their window (cut after a third of inline's
-    when they run `CLEAR_LOSS` slower), then the choice."""
+    """Inline for FIRST_S (at least a window), the workers' fill, their window (as long as WINDOW
+    inline batches took; cut after a third when they run `CLEAR_LOSS` slower), then the choice."""
     from types import SimpleNamespace
 
     from fastload.pipeline import ThreadProbe
 
     probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
     probe.attach(it, 0.0)
-    assert (probe.phase, it._depth) == ("warmup", 0)
+    assert (probe.phase, it._depth) == ("inline", 0)
     now, ticks = _until_phase_changes(probe, it, 0.0, 1e-3)
-    assert probe.phase == "inline" and ticks == ThreadProbe.WARMUP
-    now, ticks = _until_phase_changes(probe, it, now, 1e-3)
-    window = max(ThreadProbe.WINDOW, round(ThreadProbe.MIN_WINDOW_S / 1e-3))
-    assert ticks == window and probe.rate_inline == pytest.approx(1000)
-    assert (probe.phase, it._depth) == ("fill", 4)
+    assert ticks == max(ThreadProbe.WINDOW, round(ThreadProbe.FIRST_S / 1e-3), round(ThreadProbe.MIN_WINDOW_S / 1e-3))
+    assert probe.rate_inline == pytest.approx(1000) and (probe.phase, it._depth, probe.trials) == ("fill", 4, 1)
     now, ticks = _until_phase_changes(probe, it, now, 1e-3)
     assert probe.phase == "threads" and ticks == ThreadProbe.FILL
     now, ticks = _until_phase_changes(probe, it, now, 1 / threads_rate)
+    window = max(ThreadProbe.MIN_WINDOW_S, ThreadProbe.WINDOW / 1000)
     clearly = threads_rate * ThreadProbe.CLEAR_LOSS < 1000
-    assert ticks == pytest.approx(threads_rate * probe.inline_s / (3 if clearly else 1), abs=1)
+    assert ticks == pytest.approx(threads_rate * window / (3 if clearly else 1), abs=1)
     assert probe.rate_threads == pytest.approx(threads_rate)
     if threads_rate > 1000 * ThreadProbe.MARGIN:
         assert (probe.phase, probe.choice, it._depth) == ("watch", "threads", 4)
     else:
-        assert (probe.phase, probe.choice, it._depth) == ("done", "inline", 0)
+        assert (probe.phase, probe.choice, it._depth) == ("inline", "inline", 0)
         assert probe.retry_at == pytest.approx(now + ThreadProbe.RETRY_S)
+
+
+def test_a_run_shorter_than_first_s_never_starts_the_workers(monkeypatch):
+    """The default 2-worker Loader over a run shorter than FIRST_S reads inline throughout, as 0
+    workers would: its worker threads are never started."""
+    from fastload.pipeline import ThreadProbe
+
+    monkeypatch.setattr(ThreadProbe, "FIRST_S", 1e9)  # however slow this machine: the run is shorter
+    ref = run(Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4), epochs=2)
+    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    assert run(loader, epochs=2) == ref
+    assert loader._probe.trials == 0 and loader._probe.choice == "inline"
+    assert loader._threads is not None and len(loader._threads._unstarted) == loader._threads.num_workers
