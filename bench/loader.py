@@ -19,8 +19,9 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
   (the median of the per-round ratios: on a shared machine the best-of figures of two rows timed
   minutes apart also compare two machine states);
 * the thread probe: the default 2-worker Loader against the same with `adaptive=False` (the
-  workers always fetch) and against 0 workers, in `LIMIT_ROUNDS` paired rounds, on this dataset
-  and on a short run (`SHORT_SAMPLES`, epochs shorter than the probe's windows);
+  workers always fetch) and against 0 workers, in `LIMIT_ROUNDS` paired rounds, on this dataset,
+  on a short run (`SHORT_SAMPLES`, epochs shorter than the probe's windows) and on a run of
+  `LONG_EPOCHS` epochs (long enough for the probe to try the workers: a 3-epoch run is not);
 * the epoch plan (`fastload.plan`): 0 workers and 2 thread workers always fetching, each with
   and without it (`epoch_plan=False`), and the raw 2-thread gather, in `LIMIT_ROUNDS` paired
   rounds, on this dataset and on `SMALL_SAMPLES` records of `SMALL_RECORD` bytes (where the
@@ -67,6 +68,7 @@ TIMED_EPOCHS = 3  # passes timed per row of the main table (one loader object ea
 GENERIC_ROUNDS = 8  # paired rounds for the generic-dataset rows (median of the per-round ratios)
 LIMIT_ROUNDS = 12  # rounds of each seeded Loader row back to back with the fastest raw row
 SHORT_SAMPLES = 20_000  # the short run of the probe A/B: 78 batches an epoch
+LONG_EPOCHS = 12  # the long run of the probe A/B: long enough for the workers' first trial and a retry
 PROBE_ROWS = ("default nw=2", "nw=2 adaptive=False", "nw=0")
 SMALL_SAMPLES, SMALL_RECORD = 1_000_000, 128  # the epoch plan's small-record run (20k with --quick)
 PLAN_ROWS = {
@@ -441,15 +443,17 @@ def main(argv: list[str] | None = None) -> int:
     paired = paired_rounds({name: configs[name] for name in (limit_name, *fl_names)}, limit_rounds)
     paired_probe = {nw: runs[logged[nw] :] for nw, runs in probe_log.items()}
     # What the thread probe costs or gains: the default 2-worker Loader against the same Loader with
-    # its workers always fetching (adaptive=False) and against 0 workers; on this dataset and on a
+    # its workers always fetching (adaptive=False) and against 0 workers; on this dataset, on a
     # short run (SHORT_SAMPLES: epochs of a few ms, shorter than the probe's windows), where
-    # "adding workers never loses to num_workers=0" is hardest to keep.
-    probe_sets = [(f"{n} samples", fds)]
+    # "adding workers never loses to num_workers=0" is hardest to keep, and on a run long enough
+    # for the probe to try the workers (LONG_EPOCHS; the 3-epoch runs end before its first trial).
+    probe_sets = [(f"{n} samples", fds, epochs)]
     if n != SHORT_SAMPLES:
-        probe_sets.append(
-            (f"{SHORT_SAMPLES} samples (short run)", formats.FastloadDataset(build(args.path, SHORT_SAMPLES)[0]))
-        )
-    probe_ab = {label: probe_rows(ds, epochs * len(ds) - 2 * BATCH, epochs) for label, ds in probe_sets}
+        short = formats.FastloadDataset(build(args.path, SHORT_SAMPLES)[0])
+        probe_sets.append((f"{SHORT_SAMPLES} samples (short run)", short, epochs))
+    long_epochs = epochs if args.quick else LONG_EPOCHS
+    probe_sets.append((f"{n} samples x {long_epochs} epochs (the workers' trials inside)", fds, long_epochs))
+    probe_ab = {label: probe_rows(ds, e * len(ds) - 2 * BATCH, e) for label, ds, e in probe_sets}
     probe_paired = {label: paired_rounds(rows, limit_rounds) for label, rows in probe_ab.items()}
     small_n = SHORT_SAMPLES if args.quick else SMALL_SAMPLES
     small_dir, small_raw = build(args.path, small_n, SMALL_RECORD)
