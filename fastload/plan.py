@@ -50,14 +50,13 @@ class EpochPlan:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.batches = [indices[k : k + batch_size] for k in range(0, len(indices), batch_size)]
-        # id -> (the batch, where it starts): the batch is held, so its id is not reused meanwhile
-        self._starts = {id(b): (b, k * batch_size) for k, b in enumerate(self.batches)}
+        # id -> where the batch starts: `batches` holds them, so no other live object has their ids
+        self._starts = {id(b): k * batch_size for k, b in enumerate(self.batches)}
         self._fields = fields
 
     def offset(self, indices: Any) -> int | None:
         """Where `indices` starts in the planned array when it is one of `batches`, else None."""
-        entry = self._starts.get(id(indices))
-        return entry[1] if entry is not None and entry[0] is indices else None
+        return self._starts.get(id(indices))
 
     def batch(self, indices: Any, *, alone: bool) -> dict[str, torch.Tensor] | None:
         """The batch at `indices` (a dict of tensors, what the per-batch takes would give), or None
