@@ -1,27 +1,38 @@
 """The shard file layout as numpy structured dtypes (see FORMAT.md, "Shard file").
 
-A shard is: a 64-byte header, a table of one 64-byte entry per field (in schema order),
-then the field sections, each starting on a 64-byte boundary.
+A shard is: a 64-byte header, a table of one 64-byte entry per field (in schema order), the field
+sections, each starting on a 64-byte boundary, and (version 2) a table of block checksums.
+The section layout is canonical: `section_table` computes it from the schema, the sample count
+and the blob sizes, and readers require a shard's field table to equal it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+
+from .schema import KIND_CODES, Schema
 
 __all__ = [
     "ALIGN",
+    "BLOCK_LOG2",
     "COLUMN_ALIGN",
     "ENTRY_DTYPE",
     "FORMAT_VERSION",
     "HEADER_DTYPE",
+    "READ_VERSIONS",
     "SHARD_MAGIC",
     "align_up",
+    "section_table",
 ]
 
 SHARD_MAGIC = b"FLDSHARD"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what writers write
+READ_VERSIONS = (1, 2)  # what readers open (version 1: no block checksums, no shard identity)
 ALIGN = 64
 COLUMN_ALIGN = 4096  # fixed ndarray columns start on a page, so readers can splice shards (FORMAT.md)
+BLOCK_LOG2 = 16  # 64 KiB checksum blocks: small enough that verifying one to read a record stays cheap
 
 HEADER_DTYPE = np.dtype(
     [
@@ -30,7 +41,12 @@ HEADER_DTYPE = np.dtype(
         ("num_fields", "<u4"),
         ("num_samples", "<u8"),
         ("file_bytes", "<u8"),
-        ("reserved", "V32"),
+        # version 2 (zero in version 1): the shard's identity and where its block checksums are
+        ("dataset_id", "<u8"),
+        ("first_sample", "<u8"),
+        ("shard_index", "<u4"),
+        ("block_log2", "<u4"),
+        ("checksums_offset", "<u8"),  # u8 xxh3-64 per block of bytes [0, checksums_offset)
     ]
 )
 assert HEADER_DTYPE.itemsize == 64
@@ -53,3 +69,30 @@ assert ENTRY_DTYPE.itemsize == 64
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
+
+
+def section_table(schema: Schema, num_samples: int, blob_bytes: Sequence[int]) -> tuple[np.ndarray, int]:
+    """The field table of a shard of `num_samples` samples whose variable fields hold `blob_bytes`
+    (one per schema field, 0 for fixed ones), and the byte where the sections end.
+
+    Sections follow the header and table in schema order (per field: fixed column, offsets table,
+    blob), each on a 64-byte boundary, fixed `ndarray` columns on a page.
+    """
+    n = num_samples
+    table = np.zeros(len(schema), dtype=ENTRY_DTYPE)
+    pos = align_up(HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema))
+    for k, f in enumerate(schema):
+        entry = table[k]
+        entry["kind"] = KIND_CODES[f.kind]
+        if f.is_fixed or f.kind == "image":
+            if f.kind == "ndarray":
+                pos = align_up(pos, COLUMN_ALIGN)
+            entry["item_bytes"] = f.item_bytes
+            entry["fixed_offset"], entry["fixed_bytes"] = pos, n * f.item_bytes
+            pos = align_up(pos + n * f.item_bytes)
+        if not f.is_fixed:
+            entry["offsets_offset"] = pos
+            pos = align_up(pos + 8 * (n + 1))
+            entry["blob_offset"], entry["blob_bytes"] = pos, int(blob_bytes[k])
+            pos = align_up(pos + int(blob_bytes[k]))
+    return table, pos

@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from .errors import ChecksumError, FormatError
-from .layout import FORMAT_VERSION
+from .layout import BLOCK_LOG2, FORMAT_VERSION, READ_VERSIONS
 from .schema import Schema
 from .shard import ShardInfo
 
@@ -65,20 +65,28 @@ class Manifest:
     meta_xxh3: str = ""
     meta_columns: list[MetaColumn] = field(default_factory=list)
     attrs: dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+    dataset_id: int = 0  # version 2: also in every shard header
+    block_log2: int = BLOCK_LOG2  # version 2: checksum block size, log2
 
     @property
     def num_samples(self) -> int:
         return sum(s.num_samples for s in self.shards)
 
     def _body(self) -> dict[str, Any]:
+        shards = [{"file": s.file, "num_samples": s.num_samples, "bytes": s.bytes, "xxh3": s.xxh3} for s in self.shards]
+        extra: dict[str, Any] = {}
+        if self.version >= 2:
+            for entry, s in zip(shards, self.shards):
+                entry["blocks_xxh3"] = s.blocks_xxh3
+            extra = {"dataset_id": f"{self.dataset_id:016x}", "block_log2": self.block_log2}
         return {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": self.version,
+            **extra,
             "num_samples": self.num_samples,
             "schema": self.schema.to_json(),
-            "shards": [
-                {"file": s.file, "num_samples": s.num_samples, "bytes": s.bytes, "xxh3": s.xxh3} for s in self.shards
-            ],
+            "shards": shards,
             "meta": {
                 "file": self.meta_file,
                 "bytes": self.meta_bytes,
@@ -107,15 +115,18 @@ class Manifest:
             raise FormatError(f"{where}: manifest must be a JSON object")
         if body.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not a fastload manifest (format={body.get('format')!r})")
-        if body.get("version") != FORMAT_VERSION:
-            raise FormatError(f"{where}: format version {body.get('version')!r}, this reader supports {FORMAT_VERSION}")
+        version = body.get("version")
+        if type(version) is not int or version not in READ_VERSIONS:
+            raise FormatError(f"{where}: format version {version!r}, this reader supports {list(READ_VERSIONS)}")
         checksum = body.pop("checksum", None)
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         if checksum != xxhash.xxh3_64_hexdigest(canonical):
             raise ChecksumError(f"{where}: manifest checksum mismatch (edited or corrupted)")
         try:
             schema = Schema.from_json(body["schema"])
-            shards = [_shard_info(s, where, k) for k, s in enumerate(body["shards"])]
+            if not isinstance(body["shards"], list):
+                raise TypeError("shards must be a list")
+            shards = [_shard_info(s, where, k, version) for k, s in enumerate(body["shards"])]
             meta = body["meta"]
             columns = [_meta_column(c, where) for c in meta["columns"]]
             manifest = cls(
@@ -126,7 +137,13 @@ class Manifest:
                 meta_xxh3=str(meta["xxh3"]),
                 meta_columns=columns,
                 attrs=dict(body.get("attrs") or {}),
+                version=version,
             )
+            if version >= 2:
+                manifest.dataset_id = int(str(body["dataset_id"]), 16)
+                manifest.block_log2 = _nonneg_int(body["block_log2"], f"{where} block_log2")
+                if not 12 <= manifest.block_log2 <= 30:
+                    raise FormatError(f"{where}: block_log2 {manifest.block_log2} out of range [12, 30]")
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, FormatError):
                 raise
@@ -159,15 +176,19 @@ def _nonneg_int(v: Any, where: str) -> int:
     return v
 
 
-def _shard_info(s: Any, where: str, k: int) -> ShardInfo:
+def _shard_info(s: Any, where: str, k: int, version: int) -> ShardInfo:
     w = f"{where} shard #{k}"
     if not isinstance(s, dict):
         raise FormatError(f"{w}: malformed entry {s!r}")
+    blocks = s.get("blocks_xxh3") if version >= 2 else ""
+    if not isinstance(blocks, str):
+        raise FormatError(f"{w}: malformed blocks_xxh3 {blocks!r}")
     return ShardInfo(
         file=check_relative_path(s.get("file"), w),
         num_samples=_nonneg_int(s.get("num_samples"), f"{w} num_samples"),
         bytes=_nonneg_int(s.get("bytes"), f"{w} bytes"),
         xxh3=str(s.get("xxh3")),
+        blocks_xxh3=blocks,
     )
 
 

@@ -13,19 +13,40 @@ from typing import Any
 
 import numpy as np
 
+from .blocks import BlockLedger, ColumnGuard
 from .columns import Block
-from .errors import FormatError
+from .errors import ChecksumError, FormatError
 from .manifest import MANIFEST_NAME, Manifest
 from .ragged import Ragged
 from .schema import Schema
-from .shard import ShardReader, file_xxh3
+from .shard import ShardIdentity, ShardReader
 from .spliced import ColumnPart, SplicedColumn, splice_available, splice_column
 from .storage import LocalStorage, Storage
 
-__all__ = ["RESIDENT_ITEM_BYTES", "RESIDENT_LIMIT", "FastloadDataset", "gather_ragged", "sample_from_columns"]
+__all__ = [
+    "RESIDENT_ITEM_BYTES",
+    "RESIDENT_LIMIT",
+    "VERIFY_MODES",
+    "FastloadDataset",
+    "gather_ragged",
+    "sample_from_columns",
+]
 
 RESIDENT_ITEM_BYTES = 64  # fixed fields up to this size per sample are kept in memory (local datasets)
 RESIDENT_LIMIT = 256 << 20  # at most this many bytes of them per dataset
+VERIFY_MODES = ("auto", "full", "none")
+
+
+def verify_mode(verify: str | None, verify_checksums: bool | None) -> str:
+    """The `verify` mode from the keyword and the older `verify_checksums` flag (True: "full", False: "none")."""
+    if verify_checksums is not None:
+        if verify is not None:
+            raise TypeError("pass verify= or verify_checksums=, not both")
+        return "full" if verify_checksums else "none"
+    verify = "auto" if verify is None else verify
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    return verify
 
 
 def _gather_rows(
@@ -59,6 +80,13 @@ def gather_ragged(
     return np.frombuffer(bytearray().join(parts), dtype=dtype), offsets
 
 
+def _guarded(column: SplicedColumn, guard: ColumnGuard, rows: np.ndarray) -> None:
+    """A spliced column's check: verify the blocks under `rows`; drop the check once all are verified."""
+    guard(rows)
+    if guard.done:
+        column.check = None
+
+
 def sample_from_columns(schema: Schema, batch: dict[str, Any], i: int, *, where: str = "") -> dict[str, Any]:
     """Sample i of a columnar batch as the values `ds[i]` returns."""
     out: dict[str, Any] = {}
@@ -90,6 +118,12 @@ class FastloadDataset:
     fixed fields of a local dataset (or a cached one whose shards are all open) are read through
     one spliced mapping of that column across every shard (`spliced.py`), small ones from a copy
     kept in memory: one gather per field for any batch.
+
+    `verify` (FORMAT.md, "Verification"): "auto" (default) checks every byte it returns: each
+    64 KiB block of a version-2 shard against its checksum when a read first touches it (once per
+    process), a version-1 shard whole when it is opened; "full" also hashes every shard whole when
+    opened; "none" checks structure only. `verify_checksums=True` / `False` mean "full" / "none".
+    A mismatch raises `ChecksumError` naming the file and byte range; no data is returned.
     """
 
     def __init__(
@@ -97,7 +131,8 @@ class FastloadDataset:
         root: str | os.PathLike[str] | None = None,
         *,
         storage: Storage | None = None,
-        verify_checksums: bool = False,
+        verify: str | None = None,
+        verify_checksums: bool | None = None,
         max_open_shards: int = 64,
     ) -> None:
         if storage is None:
@@ -106,7 +141,7 @@ class FastloadDataset:
             storage = LocalStorage(root)
         self.storage = storage
         self.root = str(getattr(storage, "root", root))
-        self.verify_checksums = verify_checksums
+        self.verify = verify_mode(verify, verify_checksums)
         self.max_open_shards = max(1, int(max_open_shards))
         where = f"{self.root}/{MANIFEST_NAME}"
         try:
@@ -127,6 +162,18 @@ class FastloadDataset:
         for f in self.schema:
             if not f.is_fixed and self._meta.get(f"{f.name}.length", np.zeros(0)).shape != (len(self),):
                 raise FormatError(f"{where}: meta has no per-sample lengths for field {f.name!r}")
+        if self.manifest.version < 2:
+            warnings.warn(
+                f"{self.root}: a version-1 fastload dataset has no block checksums: "
+                + (
+                    "its reads are NOT verified"
+                    if self.verify == "none"
+                    else "each shard is hashed whole when first opened (slow for random access)"
+                )
+                + f"; upgrade it with `fastload convert --upgrade {self.root} NEW_DIR`",
+                UserWarning,
+                stacklevel=2,
+            )
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._fields = list(self.schema)
         self._starts_list = self._starts.tolist()
@@ -136,12 +183,23 @@ class FastloadDataset:
         self._lock = threading.Lock()
         self._direct_lock = threading.Lock()
         self._local = threading.local()
+        self._ledger = self._new_ledger()
+
+    def _new_ledger(self) -> BlockLedger | None:
+        """This process's record of verified blocks (None when nothing is verified per block)."""
+        if self.verify == "none" or self.manifest.version < 2:
+            return None
+        shift = self.manifest.block_log2
+        return BlockLedger([-(-s.bytes >> shift) for s in self.manifest.shards], shift, self._verify_blocks)
+
+    def _verify_blocks(self, k: int, ids: np.ndarray) -> None:
+        self.shard(k).verify_blocks(ids)
 
     # -- pickling: workers re-open their own mappings ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"], state["_resident"], state["_spliced"], state["_direct"] = OrderedDict(), None, None, None
-        del state["_lock"], state["_direct_lock"], state["_local"]
+        del state["_lock"], state["_direct_lock"], state["_local"], state["_ledger"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -149,6 +207,7 @@ class FastloadDataset:
         self._lock = threading.Lock()
         self._direct_lock = threading.Lock()
         self._local = threading.local()
+        self._ledger = self._new_ledger()  # each process verifies what it reads itself
 
     def __repr__(self) -> str:
         return (
@@ -195,12 +254,13 @@ class FastloadDataset:
             if reader is not None:
                 return reader
             info = self.manifest.shards[k]
-            path = self.storage.acquire(info.file, size=info.bytes, xxh3=info.xxh3)
-            where = f"{self.root}/{info.file}"
+            where = f"{self.root}/{info.file} (shard {k})"
             try:
-                if self.verify_checksums and file_xxh3(path) != info.xxh3:
-                    raise FormatError(f"{where}: checksum mismatch (corrupted shard)")
-                reader = ShardReader(path, self.schema, num_samples=info.num_samples, nbytes=info.bytes, where=where)
+                path = self.storage.acquire(info.file, size=info.bytes, xxh3=info.xxh3)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+                raise FormatError(f"{where}: cannot open the shard file ({exc.strerror or exc})") from exc
+            try:
+                reader = self._open_shard(k, path, where)
             except BaseException:
                 self.storage.release(info.file)
                 raise
@@ -210,6 +270,28 @@ class FastloadDataset:
                 old.close()
                 self.storage.release(self.manifest.shards[old_k].file)
             return reader
+
+    def _open_shard(self, k: int, path: str, where: str) -> ShardReader:
+        info, m = self.manifest.shards[k], self.manifest
+        start, stop = self._starts_list[k], self._starts_list[k + 1]
+        lengths = {f.name: self._meta[f"{f.name}.length"][start:stop] for f in self.schema if not f.is_fixed}
+        reader = ShardReader(
+            path,
+            self.schema,
+            num_samples=info.num_samples,
+            nbytes=info.bytes,
+            where=where,
+            identity=ShardIdentity(m.dataset_id, k, start) if m.version >= 2 else None,
+            blocks_xxh3=info.blocks_xxh3 if m.version >= 2 else None,
+            block_log2=m.block_log2 if m.version >= 2 else None,
+            lengths=lengths,
+            bits=None if self._ledger is None else self._ledger.shard_bits(k),
+        )
+        whole = self.verify == "full" or (self.verify == "auto" and reader.table is None)
+        if whole and reader.content_xxh3() != info.xxh3:
+            reader.close()
+            raise ChecksumError(f"{where}: checksum mismatch (corrupt shard; run `fastload verify`)")
+        return reader
 
     def close(self) -> None:
         self._spliced = self._direct = None  # unmapped once no reader thread still holds it
@@ -271,11 +353,18 @@ class FastloadDataset:
                 for f in self.schema:
                     size = len(self) * f.item_bytes
                     if f.is_fixed and f.item_bytes <= RESIDENT_ITEM_BYTES and size <= budget:
-                        parts = [self.shard(k).fixed[f.name] for k in range(self.num_shards)]
+                        parts = [self._verified_column(k, f.name) for k in range(self.num_shards)]
                         resident[f.name] = np.concatenate(parts) if parts else np.zeros((0, *f.shape), f.dtype)
                         budget -= size
                 self._resident = resident
         return self._resident
+
+    def _verified_column(self, k: int, name: str) -> np.ndarray:
+        """Shard k's whole column of fixed field `name`, its blocks verified."""
+        reader = self.shard(k)
+        column = reader.fixed[name]
+        reader.ensure_rows(name, np.arange(len(column), dtype=np.int64))
+        return column
 
     def _spliced_columns(self) -> dict[str, SplicedColumn]:
         """The other fixed fields, once all shards are at hand, each mapped as one array over all shards
@@ -314,10 +403,20 @@ class FastloadDataset:
             reader = self.shard(k)
             parts.append(ColumnPart(reader.path, reader.fixed_offset[f.name], info.num_samples))
         try:
-            return splice_column(parts, f.dtype, f.shape)
+            column = splice_column(parts, f.dtype, f.shape)
         except OSError as exc:  # e.g. the kernel's limit on mappings: gather shard by shard instead
             warnings.warn(f"{self.root}: field {f.name!r} read shard by shard ({exc})", RuntimeWarning, stacklevel=3)
             return None
+        if column is not None and self._ledger is not None:
+            vstarts = column.virtual_starts().tolist()
+            guard = ColumnGuard(
+                self._ledger,
+                [(k, p.offset, v, p.num_rows) for k, (p, v) in enumerate(zip(parts, vstarts))],
+                f.item_bytes,
+            )
+            if not guard.done:
+                column.check = partial(_guarded, column, guard)
+        return column
 
     def _checked_indices(self, indices: Any) -> np.ndarray:
         """`indices` as int64, bounds-checked, negative ones counted from the end."""
@@ -387,6 +486,8 @@ class FastloadDataset:
         direct, spliced, resident = self._direct, self._spliced, self._resident
         if direct is None or spliced is None or resident is None:
             return None
+        if any(column.check is not None for column in spliced.values()):
+            return None  # blocks still to verify: batches are read (and verified) by the takes
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         per_sample = sum(8 if name in spliced else resident[name][:1].nbytes for name, _ in direct)
         if max_bytes is not None and len(idx) * per_sample > max_bytes:
@@ -448,6 +549,7 @@ class FastloadDataset:
                 shape = (m, *f.shape)
                 col = np.empty(shape, dtype=f.dtype) if inverse is None else self._scratch(f, shape)
                 for k, a, b, rows in groups:
+                    readers[k].ensure_rows(f.name, rows)
                     readers[k].fixed[f.name].take(rows, axis=0, out=col[a:b], mode="clip")
                 out[f.name] = col if inverse is None else col.take(inverse, axis=0)
                 continue
@@ -459,6 +561,7 @@ class FastloadDataset:
                 offs = readers[k].ragged[f.name][0]
                 lo = offs[rows]
                 starts[a:b], lengths[a:b] = lo, offs[rows + 1] - lo
+                readers[k].ensure_items(f.name, starts[a:b], lengths[a:b])
                 src_of[a:b] = shard_list.index(k)
             if inverse is not None:
                 src_of, starts, lengths = src_of[inverse], starts[inverse], lengths[inverse]
@@ -482,6 +585,11 @@ class FastloadDataset:
         reader, i = self.shard(k), int(rows[0])
         out: dict[str, Any] = {}
         for f in self.schema:
+            if f.is_fixed:
+                reader.ensure_rows(f.name, rows)
+            else:
+                offs = reader.ragged[f.name][0]
+                reader.ensure_items(f.name, offs[rows], offs[rows + 1] - offs[rows])
             if f.kind == "scalar":
                 out[f.name] = reader.fixed[f.name][i].item()
             elif f.kind == "ndarray":

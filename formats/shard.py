@@ -8,31 +8,51 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
 import xxhash
 
+from .blocks import block_ids, verify_blocks
 from .columns import Block
-from .errors import FormatError
-from .layout import ALIGN, COLUMN_ALIGN, ENTRY_DTYPE, FORMAT_VERSION, HEADER_DTYPE, SHARD_MAGIC, align_up
+from .errors import ChecksumError, FormatError
+from .layout import (
+    BLOCK_LOG2,
+    ENTRY_DTYPE,
+    FORMAT_VERSION,
+    HEADER_DTYPE,
+    READ_VERSIONS,
+    SHARD_MAGIC,
+    section_table,
+)
 from .ragged import Ragged
 from .schema import KIND_CODES, Schema
 
-__all__ = ["ShardInfo", "ShardReader", "file_xxh3", "write_shard"]
+__all__ = ["ShardIdentity", "ShardInfo", "ShardReader", "file_xxh3", "write_shard"]
 
-_PAD = bytes(ALIGN)
+_PAD = bytes(4096)
 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """What the manifest records about one shard."""
+    """What the manifest records about one shard (`blocks_xxh3`: of its block checksum table, version 2)."""
 
     file: str
     num_samples: int
     bytes: int
     xxh3: str
+    blocks_xxh3: str = ""
+
+
+@dataclass(frozen=True)
+class ShardIdentity:
+    """Who a shard says it is (version 2 headers): checked against its place in the manifest."""
+
+    dataset_id: int
+    index: int
+    first_sample: int
 
 
 def file_xxh3(path: str, *, chunk: int = 8 << 20) -> str:
@@ -45,44 +65,39 @@ def file_xxh3(path: str, *, chunk: int = 8 << 20) -> str:
 
 
 class _HashingWriter:
-    """Writes to a file and hashes the same bytes, tracking the position."""
+    """Writes to a file, hashing the same bytes whole and per block of `1 << BLOCK_LOG2` bytes."""
 
     def __init__(self, fh: BinaryIO) -> None:
         self.fh, self.pos, self.hash = fh, 0, xxhash.xxh3_64()
+        self.block, self.block_sums = xxhash.xxh3_64(), []
 
-    def write(self, data: bytes | memoryview | np.ndarray) -> None:
+    def write(self, data: bytes | memoryview | np.ndarray, *, blocks: bool = True) -> None:
         view = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
         self.fh.write(view)
         self.hash.update(view)
+        size = 1 << BLOCK_LOG2
+        pos, done = self.pos, 0
+        while blocks and done < len(view):
+            take = min(size - pos % size, len(view) - done)
+            self.block.update(view[done : done + take])
+            done += take
+            pos += take
+            if pos % size == 0:
+                self.block_sums.append(self.block.intdigest())
+                self.block.reset()
         self.pos += view.nbytes
+
+    def block_table(self) -> np.ndarray:
+        """Checksums of every block written so far (the last one may be partial)."""
+        sums = list(self.block_sums)
+        if self.pos % (1 << BLOCK_LOG2):
+            sums.append(self.block.intdigest())
+        return np.array(sums, dtype="<u8")
 
     def pad_to(self, offset: int) -> None:
         assert offset >= self.pos
         while self.pos < offset:
-            self.write(_PAD[: min(ALIGN, offset - self.pos)])
-
-
-def _plan(blocks: list[Block], schema: Schema) -> tuple[np.ndarray, int]:
-    """Field table with absolute offsets, and the total file size."""
-    n = sum(b.num_samples for b in blocks)
-    table = np.zeros(len(schema), dtype=ENTRY_DTYPE)
-    pos = align_up(HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema))
-    for k, f in enumerate(schema):
-        entry = table[k]
-        entry["kind"] = KIND_CODES[f.kind]
-        if f.is_fixed or f.kind == "image":
-            if f.kind == "ndarray":
-                pos = align_up(pos, COLUMN_ALIGN)
-            entry["item_bytes"] = f.item_bytes
-            entry["fixed_offset"], entry["fixed_bytes"] = pos, n * f.item_bytes
-            pos = align_up(pos + n * f.item_bytes)
-        if not f.is_fixed:
-            blob = sum(b.columns[f.name].values.nbytes for b in blocks)
-            entry["offsets_offset"] = pos
-            pos = align_up(pos + 8 * (n + 1))
-            entry["blob_offset"], entry["blob_bytes"] = pos, blob
-            pos = align_up(pos + blob)
-    return table, pos
+            self.write(_PAD[: min(len(_PAD), offset - self.pos)])
 
 
 def _joined_offsets(cols: list[Ragged]) -> np.ndarray:
@@ -95,17 +110,21 @@ def _joined_offsets(cols: list[Ragged]) -> np.ndarray:
     return np.concatenate(out)
 
 
-def write_shard(path: str, blocks: list[Block], schema: Schema, *, name: str) -> ShardInfo:
+def write_shard(path: str, blocks: list[Block], schema: Schema, *, name: str, identity: ShardIdentity) -> ShardInfo:
     """Write `blocks` (consecutive samples) as one shard: to `path + '.tmp'`, fsync, then rename.
 
-    Each field's parts are streamed straight from the blocks (no concatenated copy); returns the
-    shard's manifest entry.
+    Each field's parts are streamed straight from the blocks (no concatenated copy); the block
+    checksum table is computed by reading the written bytes back. Returns the shard's manifest entry.
     """
-    table, total = _plan(blocks, schema)
+    blobs = [0 if f.is_fixed else sum(b.columns[f.name].values.nbytes for b in blocks) for f in schema]
     n = sum(b.num_samples for b in blocks)
+    table, end = section_table(schema, n, blobs)
+    num_blocks = -(-end // (1 << BLOCK_LOG2))
     header = np.zeros(1, dtype=HEADER_DTYPE)
     header["magic"], header["version"] = SHARD_MAGIC, FORMAT_VERSION
-    header["num_fields"], header["num_samples"], header["file_bytes"] = len(schema), n, total
+    header["num_fields"], header["num_samples"], header["file_bytes"] = len(schema), n, end + 8 * num_blocks
+    header["dataset_id"], header["first_sample"] = identity.dataset_id, identity.first_sample
+    header["shard_index"], header["block_log2"], header["checksums_offset"] = identity.index, BLOCK_LOG2, end
     tmp = path + ".tmp"
     with open(tmp, "wb") as fh:
         out = _HashingWriter(fh)
@@ -125,11 +144,19 @@ def write_shard(path: str, blocks: list[Block], schema: Schema, *, name: str) ->
                 out.pad_to(int(entry["blob_offset"]))
                 for col in cols:
                     out.write(np.ascontiguousarray(col.values, dtype=f.dtype))
-        out.pad_to(total)
+        out.pad_to(end)
+        checksums = out.block_table()
+        out.write(checksums, blocks=False)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    return ShardInfo(file=name, num_samples=n, bytes=total, xxh3=out.hash.hexdigest())
+    return ShardInfo(
+        file=name,
+        num_samples=n,
+        bytes=out.pos,
+        xxh3=out.hash.hexdigest(),
+        blocks_xxh3=xxhash.xxh3_64_hexdigest(checksums.tobytes()),
+    )
 
 
 def _section(buf: np.ndarray, offset: int, size: int, what: str, where: str) -> np.ndarray:
@@ -140,34 +167,86 @@ def _section(buf: np.ndarray, offset: int, size: int, what: str, where: str) -> 
     return buf[offset : offset + size]
 
 
-class ShardReader:
-    """A shard mapped read-only; `fixed[name]` and `ragged[name]` are zero-copy views into it."""
+def _open_map(path: str, nbytes: int, where: str) -> mmap.mmap:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise FormatError(f"{where}: shard file is missing") from exc
+    except IsADirectoryError as exc:
+        raise FormatError(f"{where}: is a directory, not a shard file") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{where}: not a regular file")
+        if st.st_size != nbytes:
+            raise FormatError(f"{where}: file is {st.st_size} bytes, manifest says {nbytes} (truncated or replaced?)")
+        if st.st_size < HEADER_DTYPE.itemsize:
+            raise FormatError(f"{where}: file too small for a shard header ({st.st_size} bytes)")
+        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
-    def __init__(self, path: str, schema: Schema, *, num_samples: int, nbytes: int, where: str | None = None) -> None:
+
+class ShardReader:
+    """A shard mapped read-only; `fixed[name]` and `ragged[name]` are zero-copy views into it.
+
+    Opening checks the whole structure against the manifest (see FORMAT.md, "Reading"). With
+    `bits` (this shard's part of the dataset's `BlockLedger`), a version-2 shard is read verified:
+    the blocks holding the header, field table and offsets tables are verified on open, and the
+    caller verifies the blocks a read touches before delivering it (`ensure_bytes`, `ensure_rows`).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        schema: Schema,
+        *,
+        num_samples: int,
+        nbytes: int,
+        where: str | None = None,
+        identity: ShardIdentity | None = None,
+        blocks_xxh3: str | None = None,
+        block_log2: int | None = None,
+        lengths: dict[str, np.ndarray] | None = None,
+        bits: np.ndarray | None = None,
+    ) -> None:
+        """`identity`, `blocks_xxh3`, `block_log2`: what the manifest says this shard is (checked
+        when given, for version-2 shards); `lengths`: this shard's per-sample lengths of each
+        variable field from meta.bin (the offsets tables must agree)."""
         self.path, self.schema = path, schema
         where = where or path
         self.where = where
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError as exc:
-            raise FormatError(f"{where}: shard file is missing") from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size != nbytes:
-                raise FormatError(f"{where}: file is {size} bytes, manifest says {nbytes} (truncated or replaced?)")
-            if size < HEADER_DTYPE.itemsize:
-                raise FormatError(f"{where}: file too small for a shard header ({size} bytes)")
-            self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self._mmap = _open_map(path, nbytes, where)
+        size = nbytes
         buf = np.frombuffer(self._mmap, dtype=np.uint8)
         header = buf[: HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]
         if bytes(header["magic"]) != SHARD_MAGIC:
             raise FormatError(f"{where}: bad magic {bytes(header['magic'])!r}, not a fastload shard")
-        if int(header["version"]) != FORMAT_VERSION:
-            raise FormatError(
-                f"{where}: format version {int(header['version'])}, this reader supports {FORMAT_VERSION}"
-            )
+        self.version = int(header["version"])
+        if self.version not in READ_VERSIONS:
+            raise FormatError(f"{where}: format version {self.version}, this reader supports {list(READ_VERSIONS)}")
+        self.table: np.ndarray | None = None  # block checksums (version 2)
+        self.shift = BLOCK_LOG2
+        self.bits = None
+        end = size
+        self.sections_end = size  # where the checksummed bytes end (version 2: the checksum table starts)
+        if self.version >= 2:
+            end = self.sections_end = self._checksum_table(buf, header, size, blocks_xxh3, block_log2, where)
+            self.bits = bits
+            if bits is not None and len(bits) < len(self.table):
+                raise FormatError(f"{where}: {len(self.table)} checksum blocks, more than its size allows")
+            self._verify_range(0, HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema))
+            if identity is not None:
+                got = ShardIdentity(int(header["dataset_id"]), int(header["shard_index"]), int(header["first_sample"]))
+                if got != identity:
+                    raise FormatError(
+                        f"{where}: the shard says it is shard #{got.index} (samples from {got.first_sample}) "
+                        f"of dataset {got.dataset_id:016x}; the manifest has it as shard #{identity.index} "
+                        f"(samples from {identity.first_sample}) of dataset {identity.dataset_id:016x} "
+                        f"(misplaced or swapped shard)"
+                    )
+        elif bytes(header.tobytes()[32:]) != bytes(32):
+            raise FormatError(f"{where}: version-1 header has non-zero reserved bytes")
         if int(header["num_fields"]) != len(schema):
             raise FormatError(f"{where}: {int(header['num_fields'])} fields in shard, schema has {len(schema)}")
         n = int(header["num_samples"])
@@ -178,25 +257,25 @@ class ShardReader:
         self.num_samples = n
         table = _section(buf, HEADER_DTYPE.itemsize, ENTRY_DTYPE.itemsize * len(schema), "field table", where)
         table = table.view(ENTRY_DTYPE)
+        self._check_layout(table, n, end, where)
         self.fixed: dict[str, np.ndarray] = {}
         self.fixed_offset: dict[str, int] = {}  # file offset of each fixed column (validated above)
         self.ragged: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.blob_offset: dict[str, int] = {}
         self.image_hw: dict[str, np.ndarray] = {}
         for f, entry in zip(schema, table):
             fw = f"{where}, field {f.name!r}"
-            if int(entry["kind"]) != KIND_CODES[f.kind]:
-                raise FormatError(f"{fw}: kind code {int(entry['kind'])} does not match schema kind {f.kind!r}")
             if f.is_fixed or f.kind == "image":
-                if int(entry["item_bytes"]) != f.item_bytes or int(entry["fixed_bytes"]) != n * f.item_bytes:
-                    raise FormatError(f"{fw}: fixed column size does not match {n} samples of {f.item_bytes} bytes")
                 col = _section(buf, int(entry["fixed_offset"]), n * f.item_bytes, "fixed column", fw)
                 if f.kind == "image":
+                    self._verify_range(int(entry["fixed_offset"]), int(entry["fixed_offset"]) + n * f.item_bytes)
                     self.image_hw[f.name] = col.view("<u4").reshape(n, 2)
                 else:
                     self.fixed[f.name] = col.view(f.dtype).reshape(n, *f.shape)
                     self.fixed_offset[f.name] = int(entry["fixed_offset"])
             if not f.is_fixed:
                 offsets = _section(buf, int(entry["offsets_offset"]), 8 * (n + 1), "offsets table", fw).view("<u8")
+                self._verify_range(int(entry["offsets_offset"]), int(entry["offsets_offset"]) + 8 * (n + 1))
                 blob = _section(buf, int(entry["blob_offset"]), int(entry["blob_bytes"]), "blob", fw)
                 if int(entry["blob_bytes"]) % f.dtype.itemsize:
                     raise FormatError(f"{fw}: blob size is not a multiple of the {f.dtype} item size")
@@ -206,7 +285,101 @@ class ShardReader:
                 if n and np.any(offsets[1:] < offsets[:-1]):
                     bad = int(np.flatnonzero(offsets[1:] < offsets[:-1])[0])
                     raise FormatError(f"{fw}: offsets decrease at sample {bad} (corrupt offsets table)")
+                expected = None if lengths is None else lengths.get(f.name)
+                if expected is not None:
+                    diff = np.diff(offsets.view(np.int64))
+                    if expected.shape != diff.shape or not np.array_equal(diff, expected):
+                        bad = int(np.flatnonzero(diff != expected)[0]) if expected.shape == diff.shape else 0
+                        raise FormatError(
+                            f"{fw}: offsets table disagrees with meta.bin's lengths at local sample {bad} "
+                            f"(corrupt offsets table or meta.bin)"
+                        )
                 self.ragged[f.name] = (offsets.view(np.int64), values)
+                self.blob_offset[f.name] = int(entry["blob_offset"])
+
+    def _checksum_table(
+        self, buf: np.ndarray, header: np.void, size: int, blocks_xxh3: str | None, block_log2: int | None, where: str
+    ) -> int:
+        """Locate and authenticate the block checksum table; returns where the sections end."""
+        self.shift = int(header["block_log2"])
+        if self.shift != (BLOCK_LOG2 if block_log2 is None else block_log2) or not 12 <= self.shift <= 30:
+            raise FormatError(f"{where}: checksum block of 2**{self.shift} bytes, the dataset uses 2**{block_log2}")
+        end = int(header["checksums_offset"])
+        count = -(-end // (1 << self.shift))
+        if end < HEADER_DTYPE.itemsize or end + 8 * count != size:
+            raise FormatError(f"{where}: checksum table at {end} does not end the file ({size} bytes)")
+        self.table = buf[end:].view("<u8")
+        if blocks_xxh3 is not None and xxhash.xxh3_64_hexdigest(buf[end:]) != blocks_xxh3:
+            raise ChecksumError(f"{where}: block checksum table does not match the manifest (corrupt shard)")
+        return end
+
+    def _check_layout(self, table: np.ndarray, n: int, end: int, where: str) -> None:
+        """The field table must be exactly the canonical layout (FORMAT.md): sections in schema
+        order, aligned, never overlapping, ending where the checksum table starts."""
+        for f, entry in zip(self.schema, table):
+            fw = f"{where}, field {f.name!r}"
+            if int(entry["kind"]) != KIND_CODES[f.kind]:
+                raise FormatError(f"{fw}: kind code {int(entry['kind'])} does not match schema kind {f.kind!r}")
+            fixed = f.is_fixed or f.kind == "image"
+            if fixed and (int(entry["item_bytes"]) != f.item_bytes or int(entry["fixed_bytes"]) != n * f.item_bytes):
+                raise FormatError(f"{fw}: fixed column size does not match {n} samples of {f.item_bytes} bytes")
+        blobs = [0 if f.is_fixed else int(e["blob_bytes"]) for f, e in zip(self.schema, table)]
+        expected, stop = section_table(self.schema, n, blobs)
+        if stop > end or (self.version >= 2 and stop != end):
+            raise FormatError(f"{where}: sections end at byte {stop}, past their space ({end} bytes)")
+        for f, got, want in zip(self.schema, table, expected):
+            for key in ("fixed_offset", "fixed_bytes", "offsets_offset", "blob_offset", "item_bytes"):
+                if int(got[key]) != int(want[key]):
+                    raise FormatError(
+                        f"{where}, field {f.name!r}: {key} is {int(got[key])}, the layout puts it at {int(want[key])} "
+                        f"(sections out of order, overlapping or moved: corrupt field table)"
+                    )
+            if bytes(got["reserved"]) != bytes(16):
+                raise FormatError(f"{where}, field {f.name!r}: reserved bytes are not zero")
+
+    def content_xxh3(self) -> str:
+        """xxh3-64 (hex) of the whole mapped file, as the manifest records it."""
+        assert self._mmap is not None
+        return xxhash.xxh3_64_hexdigest(memoryview(self._mmap))
+
+    # -- verified reads ----------------------------------------------------------------------------
+    @property
+    def verifying(self) -> bool:
+        """Whether reads of this shard are verified (a version-2 shard opened with `bits`)."""
+        return self.bits is not None
+
+    def verify_blocks(self, ids: np.ndarray) -> None:
+        """Verify the blocks `ids` (unique, local) now, whatever their bits say."""
+        assert self.table is not None and self.bits is not None and self._mmap is not None
+        verify_blocks(memoryview(self._mmap)[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
+
+    def ensure_bytes(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Verify every not-yet-verified block that the byte ranges [lo[i], hi[i]) touch."""
+        bits = self.bits
+        if bits is None:
+            return
+        ids = block_ids(lo, hi, self.shift)
+        missing = ids[~bits[ids]]
+        if missing.size:
+            self.verify_blocks(np.unique(missing))
+
+    def _verify_range(self, lo: int, hi: int) -> None:
+        if self.bits is not None:
+            self.ensure_bytes(np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64))
+
+    def ensure_rows(self, name: str, rows: np.ndarray) -> None:
+        """Verify the blocks holding rows `rows` of fixed field `name`."""
+        if self.bits is not None:
+            item = self.fixed[name].strides[0] if self.fixed[name].ndim else self.fixed[name].itemsize
+            lo = self.fixed_offset[name] + rows.astype(np.int64, copy=False) * item
+            self.ensure_bytes(lo, lo + item)
+
+    def ensure_items(self, name: str, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Verify the blocks holding items [starts[i], starts[i] + lengths[i]) of variable field `name`."""
+        if self.bits is not None:
+            size = self.ragged[name][1].itemsize
+            lo = self.blob_offset[name] + starts * size
+            self.ensure_bytes(lo, lo + lengths * size)
 
     def close(self) -> None:
         """Forget the mapping; it is unmapped once no reader or returned array refers to it.

@@ -20,6 +20,7 @@ import mmap
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,7 @@ class SplicedColumn:
 
     def __init__(self, rows: np.ndarray, shift: np.ndarray, part_starts: np.ndarray) -> None:
         self.rows = rows
+        self.check: Callable[[np.ndarray], None] | None = None  # sees every row number before it is read
         self.shift = shift
         self.part_starts = part_starts  # first row of each part, plus the total
         n = int(part_starts[-1])
@@ -119,10 +121,22 @@ class SplicedColumn:
         return self.rows.take(self.row_numbers(indices), axis=0)
 
     def row_numbers(self, indices: np.ndarray) -> np.ndarray:
-        """Where the rows at `indices` are in `rows` (`take` is `rows.take(row_numbers(indices), axis=0)`).
+        """Where the rows at `indices` are in `rows` (`take` is `rows.take(row_numbers(indices), axis=0)`),
+        passed to `check` (when set: e.g. verifying the blocks under them) before they are returned.
 
         Raises IndexError for an index out of range, so the result is always in bounds.
         """
+        rows = self._row_numbers(indices)
+        check = self.check
+        if check is not None:
+            check(rows)
+        return rows
+
+    def virtual_starts(self) -> np.ndarray:
+        """The row of `rows` where each part's first row lies."""
+        return self.part_starts[:-1] + self.shift
+
+    def _row_numbers(self, indices: np.ndarray) -> np.ndarray:
         if self.table is not None:
             return self.table.take(indices)
         n = len(self)

@@ -27,9 +27,10 @@ import xxhash
 
 from .columns import Block, encode_samples
 from .errors import FormatError, SchemaError
+from .layout import BLOCK_LOG2
 from .manifest import MANIFEST_NAME, META_NAME, Manifest, MetaColumn
 from .schema import Schema
-from .shard import ShardInfo, ShardReader, file_xxh3, write_shard
+from .shard import ShardIdentity, ShardInfo, ShardReader, file_xxh3, write_shard
 from .units import parse_size
 
 __all__ = ["DEFAULT_SHARD_SIZE", "BlockSource", "fsync_path", "write"]
@@ -143,7 +144,12 @@ def _settings(schema: Schema, shard_size: int, num_samples: int | None) -> dict[
     return {"schema": schema.to_json(), "shard_size": shard_size, "num_samples": num_samples}
 
 
-def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema) -> list[ShardInfo]:
+def _dataset_id(settings: dict[str, Any], attrs: dict[str, Any]) -> int:
+    """The id every shard header records: a function of the settings, so output stays deterministic."""
+    return xxhash.xxh3_64_intdigest(json.dumps([settings, attrs], sort_keys=True, default=str).encode())
+
+
+def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema, dataset_id: int) -> list[ShardInfo]:
     """Finished shards of an interrupted run that can be kept (a consecutive prefix), or [] to start over."""
     progress_path = os.path.join(out_dir, PROGRESS_NAME)
     try:
@@ -156,7 +162,7 @@ def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema) -> lis
             f"{out_dir}: cannot resume: the interrupted conversion used other settings "
             f"(schema/shard size/sample count); remove the directory or use the same settings"
         )
-    kept = []
+    kept: list[ShardInfo] = []
     for k in range(1_000_000):
         path = os.path.join(out_dir, _shard_name(k))
         if not os.path.exists(path):
@@ -166,10 +172,19 @@ def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema) -> lis
             with open(path, "rb") as fh:
                 header = np.frombuffer(fh.read(64), dtype=np.uint8)
             n = int(header[16:24].view("<u8")[0]) if len(header) == 64 else -1
-            ShardReader(path, schema, num_samples=n, nbytes=size).close()
+            identity = ShardIdentity(dataset_id, k, sum(s.num_samples for s in kept))
+            bits = np.zeros(-(-size >> BLOCK_LOG2), dtype=bool)
+            reader = ShardReader(path, schema, num_samples=n, nbytes=size, identity=identity, bits=bits)
+            if reader.table is None:  # a version-1 shard: convert again
+                break
+            reader.verify_blocks(np.arange(len(reader.table)))
+            blocks_xxh3 = xxhash.xxh3_64_hexdigest(reader.table.tobytes())
+            reader.close()
         except (FormatError, ValueError, IndexError):
             break
-        kept.append(ShardInfo(file=_shard_name(k), num_samples=n, bytes=size, xxh3=file_xxh3(path)))
+        kept.append(
+            ShardInfo(file=_shard_name(k), num_samples=n, bytes=size, xxh3=file_xxh3(path), blocks_xxh3=blocks_xxh3)
+        )
     return kept
 
 
@@ -270,7 +285,9 @@ def write(
 
     os.makedirs(os.path.join(out_dir, "shards"), exist_ok=True)
     settings = _settings(schema, shard_size, num_samples)
-    kept = _resume_point(out_dir, settings, schema) if resume else []
+    attrs = dict(attrs or {})
+    dataset_id = _dataset_id(settings, attrs)
+    kept = _resume_point(out_dir, settings, schema, dataset_id) if resume else []
     if not resume:
         for name in os.listdir(os.path.join(out_dir, "shards")):
             os.remove(os.path.join(out_dir, "shards", name))
@@ -290,11 +307,14 @@ def write(
     index, t0 = start, time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
 
+        submitted = [start]  # first sample of the next shard
+
         def submit(parts: list[Block]) -> None:
             k = len(shards)
-            shards.append(
-                pool.submit(write_shard, os.path.join(out_dir, _shard_name(k)), parts, schema, name=_shard_name(k))
-            )
+            identity = ShardIdentity(dataset_id, k, submitted[0])
+            submitted[0] += sum(b.num_samples for b in parts)
+            path = os.path.join(out_dir, _shard_name(k))
+            shards.append(pool.submit(write_shard, path, parts, schema, name=_shard_name(k), identity=identity))
 
         for block in blocks:
             for full in cutter.add(block, index):
@@ -321,7 +341,8 @@ def write(
         meta_bytes=len(meta),
         meta_xxh3=xxhash.xxh3_64_hexdigest(meta),
         meta_columns=columns,
-        attrs=dict(attrs or {}),
+        attrs=attrs,
+        dataset_id=dataset_id,
     )
     fsync_path(os.path.join(out_dir, "shards"))
     _write_atomic(os.path.join(out_dir, MANIFEST_NAME), manifest.dumps())

@@ -1,0 +1,145 @@
+"""Block checksums (format version 2): computing a shard's table, and verifying blocks on first touch.
+
+Every shard stores one xxh3-64 per 64 KiB block of its bytes (FORMAT.md, "Block checksums").
+A reader verifies a block the first time a read touches it and remembers that in a `BlockLedger`
+(one bit per block of the dataset, per process), so later reads of it cost one vectorized
+bitmap lookup per batch, and nothing once every block a column spans is verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import xxhash
+
+from .errors import ChecksumError
+
+__all__ = ["BlockLedger", "ColumnGuard", "block_checksums", "block_ids", "hash_blocks", "verify_blocks"]
+
+
+def hash_blocks(view: memoryview, shift: int) -> np.ndarray:
+    """xxh3-64 of each `1 << shift`-byte block of `view` (the last one may be shorter), as `<u8`."""
+    size = 1 << shift
+    n = -(-len(view) // size)
+    return np.fromiter(
+        (xxhash.xxh3_64_intdigest(view[j * size : (j + 1) * size]) for j in range(n)), dtype="<u8", count=n
+    )
+
+
+def block_checksums(path: str, end: int, shift: int) -> np.ndarray:
+    """The block checksum table of bytes [0, end) of the file at `path`."""
+    with open(path, "rb") as fh:
+        return hash_blocks(memoryview(fh.read(end)), shift)
+
+
+def block_ids(lo: np.ndarray, hi: np.ndarray, shift: int) -> np.ndarray:
+    """Every block that the byte ranges [lo[i], hi[i]) touch (with repeats; empty ranges touch none)."""
+    keep = hi > lo
+    if not keep.all():
+        lo, hi = lo[keep], hi[keep]
+    first = lo >> shift
+    last = (hi - 1) >> shift
+    counts = last - first + 1
+    if not len(counts) or counts.max() <= 2:
+        return np.concatenate([first, last])
+    total = int(counts.sum())
+    ends = np.cumsum(counts)
+    return np.repeat(first - (ends - counts), counts) + np.arange(total, dtype=np.int64)
+
+
+class BlockLedger:
+    """Which blocks of a dataset's shards this process has verified.
+
+    One bool per block, for all shards in one array (shard k's blocks start at `base[k]`), owned
+    by the dataset; shard readers hold views of their part. Lock-free by design: a bit goes from
+    False to True only after that block's bytes matched its checksum, and never back, so reader
+    threads may test and set bits concurrently; two threads racing on one block both hash it,
+    which is harmless. Not shared between processes: a process worker starts with a fresh ledger
+    and verifies what it reads itself.
+    """
+
+    def __init__(self, max_blocks: list[int], shift: int, verify: Callable[[int, np.ndarray], None]) -> None:
+        """`max_blocks[k]`: an upper bound on shard k's blocks; `verify(k, local_ids)` checks blocks
+        of shard k (raising ChecksumError) and sets their bits."""
+        self.shift = shift
+        self.base = np.zeros(len(max_blocks) + 1, dtype=np.int64)
+        np.cumsum(max_blocks, out=self.base[1:])
+        self.bits = np.zeros(int(self.base[-1]), dtype=bool)
+        self._verify = verify
+
+    def shard_bits(self, k: int) -> np.ndarray:
+        return self.bits[self.base[k] : self.base[k + 1]]
+
+    def ensure(self, ids: np.ndarray) -> int:
+        """Verify the blocks with global ids `ids` that are not verified yet; returns how many."""
+        missing = ids[~self.bits[ids]]
+        if not missing.size:
+            return 0
+        missing = np.unique(missing)
+        shard_of = self.base.searchsorted(missing, side="right") - 1
+        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        for part in np.split(np.arange(len(missing)), cuts):
+            k = int(shard_of[part[0]])
+            self._verify(k, missing[part] - self.base[k])
+        return len(missing)
+
+
+def verify_blocks(
+    buf: memoryview, table: np.ndarray, bits: np.ndarray, ids: np.ndarray, shift: int, where: str
+) -> None:
+    """Hash the blocks `ids` (local, unique) of `buf` against `table`, setting their `bits`;
+    raise ChecksumError naming the byte range of the first that differs (its bit stays False)."""
+    size, end = 1 << shift, len(buf)
+    for j in ids.tolist():
+        if j >= len(table):
+            raise ChecksumError(f"{where}: block {j} lies past the checksum table (corrupt shard)")
+        a = j * size
+        b = min(a + size, end)
+        if xxhash.xxh3_64_intdigest(buf[a:b]) != int(table[j]):
+            raise ChecksumError(
+                f"{where}: bytes [{a}, {b}) (block {j}) do not match their checksum: the shard is corrupt "
+                f"(run `fastload verify`; re-convert or restore it)"
+            )
+        bits[j] = True
+
+
+class ColumnGuard:
+    """Verifies, through a `BlockLedger`, the blocks under rows of a fixed column spread over shards
+    (a spliced column's virtual rows) before they are read; `done` once all of them are verified.
+
+    `parts`: per shard in order `(shard, file offset of its column, virtual row of its first row,
+    rows)`. Set as a `SplicedColumn.check`; the owner drops it once `done`.
+    """
+
+    RECHECK = 32  # calls between full recounts (another column may verify blocks shared with this one)
+
+    def __init__(self, ledger: BlockLedger, parts: list[tuple[int, int, int, int]], row_bytes: int) -> None:
+        self.ledger, self.row_bytes = ledger, row_bytes
+        shift = ledger.shift
+        self.vstarts = np.array([p[2] for p in parts], dtype=np.int64)
+        # global byte of virtual row v in part k: origin[k] + v * row_bytes (shard k's blocks start at base[k])
+        self.origin = np.array(
+            [(int(ledger.base[k]) << shift) + off - vstart * row_bytes for k, off, vstart, _ in parts], dtype=np.int64
+        )
+        lo = np.array([(int(ledger.base[k]) << shift) + off for k, off, _, _ in parts], dtype=np.int64)
+        hi = lo + np.array([n * row_bytes for _, _, _, n in parts], dtype=np.int64)
+        self.needed = np.unique(block_ids(lo, hi, shift))
+        self.done = False
+        self._calls = 0
+        self._recount()
+
+    def _recount(self) -> None:
+        self._left = int(np.count_nonzero(~self.ledger.bits[self.needed]))
+        self.done = self._left == 0
+
+    def __call__(self, rows: np.ndarray) -> None:
+        if self.done or not len(rows):
+            return
+        part = self.vstarts.searchsorted(rows, side="right") - 1
+        lo = self.origin.take(part) + rows * self.row_bytes
+        verified = self.ledger.ensure(block_ids(lo, lo + self.row_bytes, self.ledger.shift))
+        self._calls += 1
+        self._left -= verified
+        if self._left <= 0 or self._calls % self.RECHECK == 0:
+            self._recount()
