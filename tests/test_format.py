@@ -269,9 +269,10 @@ def _field_entry_offset(field_index: int) -> int:
 @pytest.mark.parametrize(
     ("entry_byte", "value", "message"),
     [
-        (24, (1 << 62).to_bytes(8, "little"), "outside the file"),  # offsets_offset far out of range
-        (40, (10**9).to_bytes(8, "little"), "outside the file"),  # blob_bytes larger than the file
-        (8, (1 << 63).to_bytes(8, "little"), "outside the file"),  # fixed_offset huge ("negative")
+        (24, (1 << 62).to_bytes(8, "little"), "offsets_offset is .* the layout puts it"),  # far out of range
+        (40, (10**9).to_bytes(8, "little"), "past their space"),  # blob_bytes larger than the file
+        (8, (1 << 63).to_bytes(8, "little"), "fixed_offset is .* the layout puts it"),  # huge ("negative")
+        (8, (4096 + 4).to_bytes(8, "little"), "fixed_offset is 4100, the layout puts it at 4096"),  # moved by 4
     ],
 )
 def test_out_of_range_section_offsets(small_ds, entry_byte, value, message):
