@@ -16,7 +16,7 @@ def _convert(args: argparse.Namespace) -> int:
     from fastload.formats.sources import open_source
     from fastload.formats.units import format_size
 
-    source, schema, attrs = open_source(args.src, args.kind)
+    source, schema, attrs = open_source(args.src, "fastload" if args.upgrade else args.kind)
     manifest = write(
         source,
         args.out,
@@ -56,8 +56,10 @@ def _inspect(args: argparse.Namespace) -> int:
     sizes = [s.bytes for s in m.shards]
     print(f"dataset   {ds.root}")
     print(f"samples   {len(ds)}")
-    print(f"shards    {len(m.shards)}  (total {format_size(sum(sizes))}, "
-          f"min {format_size(min(sizes))}, max {format_size(max(sizes))})")
+    print(
+        f"shards    {len(m.shards)}  (total {format_size(sum(sizes))}, "
+        f"min {format_size(min(sizes))}, max {format_size(max(sizes))})"
+    )
     if m.attrs:
         print(f"attrs     {', '.join(f'{k}={v!r:.60}' for k, v in m.attrs.items())}")
     print("fields")
@@ -113,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="SRC is a fastload dataset (e.g. version 1): rewrite it in the current version",
+    )
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("inspect", help="print schema, counts, sizes and length histograms")

@@ -92,7 +92,13 @@ class Fetcher:
             self._pending = (indices, batch_size, takes, self._make_plan(indices, batch_size, takes))
             return None
         pending, self._pending = self._pending, None
-        if pending is not None and pending[0] is indices and pending[1] == batch_size and pending[2] is takes:
+        if (
+            pending is not None
+            and pending[0] is indices
+            and pending[1] == batch_size
+            and pending[2] is takes
+            and pending[3] is not None  # none then (e.g. blocks still unverified) may be one now
+        ):
             plan = pending[3]
         else:
             plan = self._make_plan(indices, batch_size, takes)

@@ -135,13 +135,13 @@ class FastloadDataset:
         verify_checksums: bool | None = None,
         max_open_shards: int = 64,
     ) -> None:
+        self.verify = verify_mode(verify, verify_checksums)
         if storage is None:
             if root is None:
                 raise TypeError("FastloadDataset needs a root directory or a storage object")
             storage = LocalStorage(root)
         self.storage = storage
         self.root = str(getattr(storage, "root", root))
-        self.verify = verify_mode(verify, verify_checksums)
         self.max_open_shards = max(1, int(max_open_shards))
         where = f"{self.root}/{MANIFEST_NAME}"
         try:

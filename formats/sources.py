@@ -21,7 +21,7 @@ from .writer import BlockSource
 
 __all__ = ["SOURCE_KINDS", "ImageFolder", "JsonLines", "detect_kind", "open_source"]
 
-SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5")
+SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5", "fastload")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 _BLOCK_ROWS = 8192
 
@@ -45,6 +45,8 @@ def detect_kind(src: str) -> str:
         raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
     if os.path.isdir(src):
         entries = os.listdir(src)
+        if "index.json" in entries:
+            return "fastload"
         if "data.mdb" in entries:
             return "lmdb"
         if entries and all(e.endswith(".npy") for e in entries if not e.startswith(".")):
@@ -182,6 +184,19 @@ def _hdf5_source(src: str) -> BlockSource | Any:
     return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks)
 
 
+def _fastload_source(src: str) -> BlockSource:
+    """A fastload dataset of any readable version, read verified (e.g. to upgrade it: `convert --upgrade`)."""
+    from .reader import FastloadDataset
+
+    ds = FastloadDataset(src)
+
+    def blocks(start: int) -> Iterator[Block]:
+        for a in range(start, len(ds), _BLOCK_ROWS):
+            yield ds.read_block(a, min(a + _BLOCK_ROWS, len(ds)))
+
+    return BlockSource(schema=ds.schema, num_samples=len(ds), blocks=blocks, attrs=ds.attrs)
+
+
 def open_source(src: str, kind: str | None = None) -> tuple[Any, Schema | None, dict[str, Any]]:
     """(source for `write`, schema or None, attrs to store in the manifest)."""
     kind = kind or detect_kind(src)
@@ -202,6 +217,9 @@ def open_source(src: str, kind: str | None = None) -> tuple[Any, Schema | None, 
         if len(db) == 0:
             raise ValueError(f"{src}: the LMDB database is empty: nothing to convert")
         return db, db.schema, {"source": "lmdb"}
+    if kind == "fastload":
+        source = _fastload_source(src)
+        return source, source.schema, dict(source.attrs or {})
     if kind == "npy":
         source = _npy_source(src)
         return source, source.schema, {"source": "npy"}

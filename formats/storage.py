@@ -54,6 +54,8 @@ class LocalStorage:
                 return fh.read()
         except FileNotFoundError as exc:
             raise FormatError(f"{path}: file is missing") from exc
+        except (IsADirectoryError, NotADirectoryError) as exc:
+            raise FormatError(f"{path}: not a regular file ({exc.strerror})") from exc
 
     def acquire(self, name: str, *, size: int, xxh3: str) -> str:
         return self.path(name)

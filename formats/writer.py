@@ -306,7 +306,6 @@ def write(
     cutter = _ShardCutter(schema, shard_size)
     index, t0 = start, time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-
         submitted = [start]  # first sample of the next shard
 
         def submit(parts: list[Block]) -> None:

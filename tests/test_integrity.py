@@ -1,0 +1,422 @@
+"""Integrity by default: a seeded mutation fuzz over small datasets, and the verification mechanism.
+
+Every mutation class of issue 20 is applied to copies of two small datasets (a fixed-size one read
+through the Loader's direct path, a mixed one read by shard): bytes flipped in shards, meta.bin and
+the manifest, with and without the manifest's checksums recomputed; truncations; swapped shard
+entries; moved section offsets; monotone edits of an offsets table. With default settings every
+read must return the original bytes or raise a fastload error naming the file: never wrong data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import warnings
+
+import numpy as np
+import pytest
+import xxhash
+
+from fastload.formats import FastloadDataset, Field, FormatError, Ragged, Schema, SchemaError, write
+from fastload.formats.layout import ENTRY_DTYPE, HEADER_DTYPE
+from fastload.formats.manifest import Manifest
+from fastload.formats.verify import verify_dataset
+from fastload.loader import Loader
+
+MUTATIONS_PER_DATASET = 160
+
+
+def _fixed_samples(n: int = 600) -> list[dict]:
+    rng = np.random.default_rng(1)
+    return [{"x": rng.integers(0, 255, 1000, dtype=np.uint8), "label": int(i)} for i in range(n)]
+
+
+def _mixed_samples(n: int = 120) -> list[dict]:
+    rng = np.random.default_rng(2)
+    return [
+        {
+            "text": "".join(chr(0x61 + int(c)) for c in rng.integers(0, 26, int(rng.integers(0, 40)))) + "é",
+            "tokens": rng.integers(-1000, 1000, int(rng.integers(0, 300)), dtype=np.int32),
+            "blob": rng.bytes(int(rng.integers(0, 900))),
+            "y": float(i) / 3,
+        }
+        for i in range(n)
+    ]
+
+
+FIXED_SCHEMA = Schema(
+    (Field("x", "ndarray", np.dtype(np.uint8), (1000,)), Field("label", "scalar", np.dtype(np.int64)))
+)
+MIXED_SCHEMA = Schema(
+    (
+        Field("text", "string"),
+        Field("tokens", "varray", np.dtype(np.int32)),
+        Field("blob", "bytes"),
+        Field("y", "scalar", np.dtype(np.float64)),
+    )
+)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pristine")
+    out = {}
+    for name, schema, samples, shard_size in (
+        ("fixed", FIXED_SCHEMA, _fixed_samples(), 200_000),  # 3 shards of a few 64 KiB blocks
+        ("mixed", MIXED_SCHEMA, _mixed_samples(), 40_000),
+    ):
+        write(samples, root / name, schema=schema, shard_size=shard_size, workers=1, progress=False)
+        out[name] = (root / name, _read_everything(root / name, name))
+    return out
+
+
+def _read_everything(path, kind: str) -> dict[str, list[bytes]]:
+    """Every sample's fields as bytes, read with default settings (Loader for the fixed dataset)."""
+    ds = FastloadDataset(path)
+    n = len(ds)
+    out: dict[str, list[bytes]] = {}
+    if kind == "fixed":
+        order = np.random.default_rng(0).permutation(n)
+        got: dict[str, list] = {"x": [None] * n, "label": [None] * n}
+        loader = Loader(ds, batch_size=64, sampler=order.tolist(), num_workers=0)
+        pos = 0
+        for _ in range(2):  # a second epoch reads through the epoch plan
+            pos = 0
+            for batch in loader:
+                for i in range(len(batch["label"])):
+                    idx = order[pos + i]
+                    got["x"][idx] = batch["x"][i].numpy().tobytes()
+                    got["label"][idx] = batch["label"][i].numpy().tobytes()
+                pos += len(batch["label"])
+        assert pos == n
+        return got
+    order = np.random.default_rng(0).permutation(n)
+    for start in range(0, n, 17):
+        idx = order[start : start + 17]
+        batch = ds.get_batch(idx)
+        for name, col in batch.items():
+            values = out.setdefault(name, [None] * n)
+            for j, i in enumerate(idx):
+                if isinstance(col, Ragged):
+                    values[i] = col.values[col.offsets[j] : col.offsets[j + 1]].tobytes()
+                else:
+                    values[i] = np.asarray(col[j]).tobytes()
+    for i in (0, n - 1):  # and the per-sample path
+        s = ds[i]
+        assert s["text"].encode() == out["text"][i]
+    return out
+
+
+def _load_manifest(path) -> dict:
+    return json.loads((path / "index.json").read_bytes())
+
+
+def _save_manifest(path, body: dict, *, recompute: bool) -> None:
+    body = dict(body)
+    body.pop("checksum", None)
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["checksum"] = xxhash.xxh3_64_hexdigest(canonical) if recompute else "0" * 16
+    (path / "index.json").write_bytes(json.dumps(body, indent=1, sort_keys=True).encode())
+
+
+def _resign_shard(path, k: int) -> None:
+    """Recompute the manifest's size and whole-file xxh3 of shard k (an attacker's or a buggy tool's edit)."""
+    body = _load_manifest(path)
+    entry = body["shards"][k]
+    data = (path / entry["file"]).read_bytes()
+    entry["bytes"], entry["xxh3"] = len(data), xxhash.xxh3_64_hexdigest(data)
+    _save_manifest(path, body, recompute=True)
+
+
+def _mutate(path, rng: random.Random) -> str:
+    """Apply one random mutation; returns its description."""
+    body = _load_manifest(path)
+    shards = body["shards"]
+    k = rng.randrange(len(shards))
+    shard = path / shards[k]["file"]
+    kind = rng.choice(
+        ["flip", "flip", "flip-resigned", "flip-header", "meta", "manifest-byte", "manifest-value", "truncate",
+         "truncate-resigned", "swap", "move-offset", "offsets-monotone", "zero-block"]
+    )  # fmt: skip
+    if kind.startswith("flip"):
+        raw = bytearray(shard.read_bytes())
+        end = 64 + ENTRY_DTYPE.itemsize * len(body["schema"]) if kind == "flip-header" else len(raw)
+        for _ in range(rng.choice([1, 1, 2, 8])):
+            raw[rng.randrange(end)] ^= 1 << rng.randrange(8)
+        shard.write_bytes(bytes(raw))
+        if kind == "flip-resigned":
+            _resign_shard(path, k)
+    elif kind == "zero-block":
+        raw = bytearray(shard.read_bytes())
+        a = rng.randrange(len(raw))
+        raw[a : a + 4096] = bytes(len(raw[a : a + 4096]))
+        shard.write_bytes(bytes(raw))
+    elif kind == "meta":
+        raw = bytearray((path / "meta.bin").read_bytes())
+        if raw:
+            raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        (path / "meta.bin").write_bytes(bytes(raw))
+    elif kind == "manifest-byte":
+        raw = bytearray((path / "index.json").read_bytes())
+        raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(7)
+        (path / "index.json").write_bytes(bytes(raw))
+    elif kind == "manifest-value":
+        target = rng.choice(["num_samples", "bytes", "file", "dataset_id", "meta_offset", "dtype", "kind"])
+        if target == "num_samples" and len(shards) > 1:
+            j = (k + 1) % len(shards)
+            shards[k]["num_samples"] += 1
+            shards[j]["num_samples"] -= 1
+        elif target == "bytes":
+            shards[k]["bytes"] += rng.choice([-8, 8])
+        elif target == "file" and len(shards) > 1:
+            shards[k]["file"] = shards[(k + 1) % len(shards)]["file"]
+        elif target == "dataset_id":
+            body["dataset_id"] = f"{int(body['dataset_id'], 16) ^ 1:016x}"
+        elif target == "meta_offset" and body["meta"]["columns"]:
+            body["meta"]["columns"][0]["offset"] += 8
+        elif target == "dtype":
+            f = rng.choice(body["schema"])
+            f["dtype"] = {"|u1": "<i1", "<i4": "<u4", "<i8": "<u8", "<f8": "<i8"}.get(f["dtype"], f["dtype"])
+        else:
+            f = rng.choice(body["schema"])
+            f["kind"] = {"bytes": "string", "string": "bytes", "varray": "bytes"}.get(f["kind"], f["kind"])
+        _save_manifest(path, body, recompute=rng.random() < 0.8)
+        kind = f"{kind}:{target}"
+    elif kind.startswith("truncate"):
+        raw = shard.read_bytes()
+        shard.write_bytes(raw[: rng.randrange(len(raw))])
+        if kind == "truncate-resigned":
+            _resign_shard(path, k)
+    elif kind == "swap":
+        if len(shards) > 1:
+            j = (k + 1) % len(shards)
+            shards[k], shards[j] = shards[j], shards[k]
+        _save_manifest(path, body, recompute=True)
+    elif kind == "move-offset":
+        raw = bytearray(shard.read_bytes())
+        field = rng.randrange(len(body["schema"]))
+        key = rng.choice(["fixed_offset", "offsets_offset", "blob_offset"])
+        pos = 64 + ENTRY_DTYPE.itemsize * field + ENTRY_DTYPE.fields[key][1]
+        old = int.from_bytes(raw[pos : pos + 8], "little")
+        if old:
+            raw[pos : pos + 8] = max(0, old + rng.choice([-64, -4, 4, 64])).to_bytes(8, "little")
+        shard.write_bytes(bytes(raw))
+        if rng.random() < 0.7:
+            _resign_shard(path, k)
+    elif kind == "offsets-monotone":
+        raw = bytearray(shard.read_bytes())
+        n = int(np.frombuffer(raw[16:24], "<u8")[0])
+        variable = [i for i, f in enumerate(body["schema"]) if f["kind"] in ("bytes", "string", "varray")]
+        if variable and n > 2:
+            field = rng.choice(variable)
+            entry = np.frombuffer(bytes(raw[64 + 64 * field : 128 + 64 * field]), dtype=ENTRY_DTYPE)[0]
+            offs = np.frombuffer(raw, "<u8", count=n + 1, offset=int(entry["offsets_offset"])).copy()
+            r = rng.randrange(1, n)
+            if offs[r + 1] > offs[r - 1]:  # move one boundary within its neighbours: still monotone
+                offs[r] = rng.randrange(int(offs[r - 1]), int(offs[r + 1]) + 1)
+                if offs[r] == np.frombuffer(raw, "<u8", count=1, offset=int(entry["offsets_offset"]) + 8 * r)[0]:
+                    offs[r] = offs[r - 1] if offs[r] != offs[r - 1] else offs[r + 1]
+            a = int(entry["offsets_offset"])
+            raw[a : a + 8 * (n + 1)] = offs.tobytes()
+        shard.write_bytes(bytes(raw))
+        if rng.random() < 0.7:
+            _resign_shard(path, k)
+    return kind
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def _run_fuzz(pristine, name: str, seed: int, tmp_path) -> dict[str, int]:
+    src, expected = pristine[name]
+    rng = random.Random(seed)
+    counts = {"tried": 0, "clean_error": 0, "intact": 0, "silent": 0}
+    silent = []
+    old = signal.signal(signal.SIGALRM, _alarm)
+    try:
+        for m in range(MUTATIONS_PER_DATASET):
+            path = tmp_path / f"{name}-{m}"
+            shutil.copytree(src, path)
+            what = _mutate(path, rng)
+            counts["tried"] += 1
+            signal.alarm(20)  # no hang
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    got = _read_everything(path, name)
+            except (FormatError, SchemaError) as exc:
+                text = str(exc) + " ".join(getattr(exc, "__notes__", []))
+                assert str(path) in text, f"{what}: error does not name the file: {exc}"
+                counts["clean_error"] += 1
+            else:
+                if got == expected:
+                    counts["intact"] += 1
+                else:
+                    counts["silent"] += 1
+                    silent.append(what)
+            finally:
+                signal.alarm(0)
+            shutil.rmtree(path)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    print(f"\nfuzz {name}: {counts}")
+    assert not silent, f"wrong data delivered without an error after: {silent}"
+    return counts
+
+
+@pytest.mark.parametrize("name", ["fixed", "mixed"])
+def test_mutations_never_deliver_wrong_data(pristine, name, tmp_path):
+    counts = _run_fuzz(pristine, name, seed=20 + len(name), tmp_path=tmp_path)
+    assert counts["tried"] == MUTATIONS_PER_DATASET and counts["silent"] == 0
+    assert counts["clean_error"] > MUTATIONS_PER_DATASET // 2  # most mutations are detected, not benign
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    ["swap", "move-fixed-offset", "offsets-monotone", "flip-resigned"],
+)
+def test_verify_catches_resigned_layout_corruption(pristine, tmp_path, mutation):
+    """`fastload verify` catches the issue's classes even when the manifest's checksums are recomputed."""
+    name = "fixed" if mutation == "move-fixed-offset" else "mixed"
+    path = tmp_path / "ds"
+    shutil.copytree(pristine[name][0], path)
+    body = _load_manifest(path)
+    shard = path / body["shards"][0]["file"]
+    raw = bytearray(shard.read_bytes())
+    if mutation == "swap":
+        body["shards"][0], body["shards"][1] = body["shards"][1], body["shards"][0]
+        _save_manifest(path, body, recompute=True)
+    elif mutation == "move-fixed-offset":
+        pos = 64 + ENTRY_DTYPE.fields["fixed_offset"][1]
+        old = int.from_bytes(raw[pos : pos + 8], "little")
+        raw[pos : pos + 8] = (old + 4).to_bytes(8, "little")
+        shard.write_bytes(bytes(raw))
+        _resign_shard(path, 0)
+    elif mutation == "offsets-monotone":
+        entry = np.frombuffer(bytes(raw[128:192]), dtype=ENTRY_DTYPE)[0]  # field 1: tokens
+        a = int(entry["offsets_offset"]) + 8 * 3
+        offs = np.frombuffer(bytes(raw[a - 8 : a + 16]), "<u8")
+        raw[a : a + 8] = int((offs[0] + offs[2]) // 2 + (offs[1] == (offs[0] + offs[2]) // 2)).to_bytes(8, "little")
+        shard.write_bytes(bytes(raw))
+        _resign_shard(path, 0)
+    else:
+        raw[len(raw) // 3] ^= 0x10
+        shard.write_bytes(bytes(raw))
+        _resign_shard(path, 0)
+    problems = verify_dataset(path)
+    assert problems and "shard" in " ".join(problems), problems
+
+
+def test_checksum_error_names_file_shard_and_bytes(pristine, tmp_path):
+    path = tmp_path / "ds"
+    shutil.copytree(pristine["fixed"][0], path)
+    shard = path / "shards" / "shard-00001.fls"
+    raw = bytearray(shard.read_bytes())
+    raw[100_000] ^= 1  # inside block 1 of the x column
+    shard.write_bytes(bytes(raw))
+    ds = FastloadDataset(path)
+    first = int(ds.shard_boundaries[1])
+    ds.get_batch(np.arange(first, first + 10))  # block 0 of shard 1 is intact and readable
+    with pytest.raises(FormatError, match=r"shard-00001\.fls \(shard 1\): bytes \[65536, 131072\) \(block 1\)"):
+        ds.get_batch(np.arange(len(ds)))
+    # knob: verify="none" reads structure only (the flipped byte comes through)
+    got = FastloadDataset(path, verify="none").get_batch(np.arange(len(ds)))["x"]
+    assert got.shape == (len(ds), 1000)
+
+
+def test_warm_reads_skip_verification(pristine):
+    """Once every block under a column is verified, the spliced column's check is dropped."""
+    ds = FastloadDataset(pristine["fixed"][0])
+    ds.get_batch(np.arange(10))
+    column = ds._spliced["x"]
+    assert column.check is not None
+    assert ds.direct_plan(np.arange(len(ds))) is None  # no epoch plan while blocks are unverified
+    ds.get_batch(np.random.default_rng(0).permutation(len(ds)))
+    assert column.check is None
+    assert ds.direct_plan(np.arange(len(ds))) is not None
+
+
+def test_process_workers_verify_on_their_own(pristine):
+    ds = FastloadDataset(pristine["fixed"][0])
+    ds.get_batch(np.arange(len(ds)))
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(ds))
+    assert not clone._ledger.bits.any()  # a fresh ledger per process
+
+
+def _downgrade_to_v1(src, dst) -> None:
+    """What a version-1 writer produced: no checksum table, zero identity, manifest version 1."""
+    shutil.copytree(src, dst)
+    body = _load_manifest(dst)
+    for entry in body["shards"]:
+        p = dst / entry["file"]
+        raw = bytearray(p.read_bytes())
+        header = np.frombuffer(bytes(raw[:64]), dtype=HEADER_DTYPE)[0]
+        end = int(header["checksums_offset"])
+        raw = raw[:end]
+        raw[8:12] = (1).to_bytes(4, "little")
+        raw[24:32] = end.to_bytes(8, "little")
+        raw[32:64] = bytes(32)
+        p.write_bytes(bytes(raw))
+        entry.pop("blocks_xxh3")
+        entry["bytes"], entry["xxh3"] = len(raw), xxhash.xxh3_64_hexdigest(bytes(raw))
+    body.pop("dataset_id")
+    body.pop("block_log2")
+    body["version"] = 1
+    _save_manifest(dst, body, recompute=True)
+
+
+def test_version_1_opens_with_a_warning_verified_whole_and_upgrades(pristine, tmp_path):
+    from fastload.cli import main
+
+    src, expected = pristine["mixed"]
+    v1 = tmp_path / "v1"
+    _downgrade_to_v1(src, v1)
+    with pytest.warns(UserWarning, match="version-1.*fastload convert --upgrade"):
+        assert _read_everything(v1, "mixed") == expected
+    with pytest.warns(UserWarning, match="NOT verified"):
+        FastloadDataset(v1, verify="none")
+    assert any("version 1" in p for p in verify_dataset(v1))
+    out = tmp_path / "v2"
+    with pytest.warns(UserWarning):
+        assert main(["convert", "--upgrade", str(v1), str(out), "--quiet"]) == 0
+    assert Manifest.loads((out / "index.json").read_bytes()).version == 2
+    assert _read_everything(out, "mixed") == expected and verify_dataset(out) == []
+    # a corrupt version-1 shard is caught by default (whole-shard hash on open)
+    shard = v1 / "shards" / "shard-00000.fls"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) - 10] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning), pytest.raises(FormatError, match=r"shard-00000\.fls.*checksum mismatch"):
+        FastloadDataset(v1).get_batch(np.arange(3))
+
+
+def test_verify_keyword_and_old_flag():
+    with pytest.raises(ValueError, match="verify must be one of"):
+        FastloadDataset("/nonexistent", verify="sometimes")
+    with pytest.raises(TypeError, match="not both"):
+        FastloadDataset("/nonexistent", verify="full", verify_checksums=True)
+
+
+def test_manifest_entry_that_is_a_directory(pristine, tmp_path):
+    path = tmp_path / "ds"
+    shutil.copytree(pristine["mixed"][0], path)
+    body = _load_manifest(path)
+    os.makedirs(path / "shards" / "dir.fls")
+    body["shards"][0]["file"] = "shards/dir.fls"
+    _save_manifest(path, body, recompute=True)
+    for verify in ("auto", "full"):
+        with pytest.raises(FormatError, match=r"dir\.fls \(shard 0\).*(directory|not a regular file)"):
+            FastloadDataset(path, verify=verify).get_batch([0])
+    os.rmdir(path / "shards" / "dir.fls")
+    with pytest.raises(FormatError, match=r"dir\.fls \(shard 0\).*missing"):
+        FastloadDataset(path, verify="full").get_batch([0])
