@@ -8,11 +8,13 @@ and the blob sizes, and readers require a shard's field table to equal it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import numpy as np
+import xxhash
 
-from .schema import KIND_CODES, Schema
+from .schema import KIND_CODES, Field, Schema
 
 __all__ = [
     "ALIGN",
@@ -24,6 +26,7 @@ __all__ = [
     "READ_VERSIONS",
     "SHARD_MAGIC",
     "align_up",
+    "field_xxh3",
     "section_table",
 ]
 
@@ -61,7 +64,8 @@ ENTRY_DTYPE = np.dtype(
         ("offsets_offset", "<u8"),  # u8[num_samples + 1], element offsets into the blob
         ("blob_offset", "<u8"),
         ("blob_bytes", "<u8"),
-        ("reserved", "V16"),
+        ("field_xxh3", "<u8"),  # version 2: xxh3-64 of the field's schema entry (zero in version 1)
+        ("reserved", "V8"),
     ]
 )
 assert ENTRY_DTYPE.itemsize == 64
@@ -69,6 +73,11 @@ assert ENTRY_DTYPE.itemsize == 64
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
+
+
+def field_xxh3(f: Field) -> int:
+    """The checksum of a field's schema entry that version-2 shards record (name, kind, dtype, shape)."""
+    return xxhash.xxh3_64_intdigest(json.dumps(f.to_json(), sort_keys=True, separators=(",", ":")).encode())
 
 
 def section_table(schema: Schema, num_samples: int, blob_bytes: Sequence[int]) -> tuple[np.ndarray, int]:
@@ -84,6 +93,7 @@ def section_table(schema: Schema, num_samples: int, blob_bytes: Sequence[int]) -
     for k, f in enumerate(schema):
         entry = table[k]
         entry["kind"] = KIND_CODES[f.kind]
+        entry["field_xxh3"] = field_xxh3(f)
         if f.is_fixed or f.kind == "image":
             if f.kind == "ndarray":
                 pos = align_up(pos, COLUMN_ALIGN)

@@ -334,8 +334,13 @@ class ShardReader:
                         f"{where}, field {f.name!r}: {key} is {int(got[key])}, the layout puts it at {int(want[key])} "
                         f"(sections out of order, overlapping or moved: corrupt field table)"
                     )
-            if bytes(got["reserved"]) != bytes(16):
+            if bytes(got["reserved"]) != bytes(8):
                 raise FormatError(f"{where}, field {f.name!r}: reserved bytes are not zero")
+            if int(got["field_xxh3"]) != (int(want["field_xxh3"]) if self.version >= 2 else 0):
+                raise FormatError(
+                    f"{where}, field {f.name!r}: the shard was written for another definition of this field "
+                    f"than the schema's {f.to_json()} (manifest edited or shard from another dataset)"
+                )
 
     def content_xxh3(self) -> str:
         """xxh3-64 (hex) of the whole mapped file, as the manifest records it."""

@@ -88,8 +88,8 @@ def _read_everything(path, kind: str) -> dict[str, list[bytes]]:
             for batch in loader:
                 for i in range(len(batch["label"])):
                     idx = order[pos + i]
-                    got["x"][idx] = batch["x"][i].numpy().tobytes()
-                    got["label"][idx] = batch["label"][i].numpy().tobytes()
+                    got["x"][idx] = (str(batch["x"].dtype), batch["x"][i].numpy().tobytes())
+                    got["label"][idx] = (str(batch["label"].dtype), batch["label"][i].numpy().tobytes())
                 pos += len(batch["label"])
         assert pos == n
         return got
@@ -101,12 +101,13 @@ def _read_everything(path, kind: str) -> dict[str, list[bytes]]:
             values = out.setdefault(name, [None] * n)
             for j, i in enumerate(idx):
                 if isinstance(col, Ragged):
-                    values[i] = col.values[col.offsets[j] : col.offsets[j + 1]].tobytes()
+                    part = col.values[col.offsets[j] : col.offsets[j + 1]]
                 else:
-                    values[i] = np.asarray(col[j]).tobytes()
+                    part = np.asarray(col[j])
+                values[i] = (part.dtype.str, col.kind if isinstance(col, Ragged) else "", part.tobytes())
     for i in (0, n - 1):  # and the per-sample path
         s = ds[i]
-        assert s["text"].encode() == out["text"][i]
+        assert s["text"].encode() == out["text"][i][2]
     return out
 
 
@@ -366,6 +367,9 @@ def _downgrade_to_v1(src, dst) -> None:
         raw[8:12] = (1).to_bytes(4, "little")
         raw[24:32] = end.to_bytes(8, "little")
         raw[32:64] = bytes(32)
+        for k in range(len(body["schema"])):  # the field table's field_xxh3 was reserved (zero)
+            pos = 64 + ENTRY_DTYPE.itemsize * k + ENTRY_DTYPE.fields["field_xxh3"][1]
+            raw[pos : pos + 8] = bytes(8)
         p.write_bytes(bytes(raw))
         entry.pop("blocks_xxh3")
         entry["bytes"], entry["xxh3"] = len(raw), xxhash.xxh3_64_hexdigest(bytes(raw))
