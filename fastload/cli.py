@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -16,7 +17,17 @@ def _convert(args: argparse.Namespace) -> int:
     from fastload.formats.sources import open_source
     from fastload.formats.units import format_size
 
-    source, schema, attrs = open_source(args.src, "fastload" if args.upgrade else args.kind)
+    source, schema, attrs = open_source(
+        args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check
+    )
+    skipping = None
+    if args.on_error == "skip":
+        from fastload.formats.sources import SkipBadInputs
+        from fastload.formats.writer import BlockSource
+
+        if isinstance(source, BlockSource):
+            raise SystemExit(f"fastload convert: --on-error=skip applies to per-input sources, not {args.src}")
+        source = skipping = SkipBadInputs(source)
     manifest = write(
         source,
         args.out,
@@ -28,6 +39,10 @@ def _convert(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         attrs=attrs,
     )
+    if skipping is not None and skipping.skipped:
+        report = os.path.join(args.out, "skipped-inputs.jsonl")
+        skipping.report(report)
+        print(f"skipped {len(skipping.skipped)} input(s) that failed to read; reasons in {report}", file=sys.stderr)
     total = sum(s.bytes for s in manifest.shards)
     print(f"wrote {manifest.num_samples} samples in {len(manifest.shards)} shards ({format_size(total)}) to {args.out}")
     return 0
@@ -84,7 +99,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from fastload.formats.verify import verify_dataset
 
-    problems = verify_dataset(args.dataset)
+    problems = verify_dataset(args.dataset, decode=args.decode)
     if problems:
         for p in problems:
             print(f"BAD  {p}", file=sys.stderr)
@@ -120,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="SRC is a fastload dataset (e.g. version 1): rewrite it in the current version",
     )
+    p.add_argument(
+        "--on-error",
+        choices=("stop", "skip"),
+        default="stop",
+        help="an input that fails to read or decode: stop naming it (default), or leave it out and list it "
+        "in OUT/skipped-inputs.jsonl",
+    )
+    p.add_argument("--no-decode-check", action="store_true", help="do not decode every image fully while converting")
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("inspect", help="print schema, counts, sizes and length histograms")
@@ -128,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad shard")
     p.add_argument("dataset")
+    p.add_argument("--decode", action="store_true", help="also decode every image fully")
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("bench", help="I/O throughput benchmark vs the PyTorch DataLoader and the raw limits")

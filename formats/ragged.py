@@ -6,10 +6,13 @@ batch path in this form, so a batch of them costs one gather and no per-sample P
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from .errors import FormatError
 
 __all__ = ["Ragged"]
 
@@ -27,6 +30,8 @@ class Ragged:
     values: np.ndarray
     offsets: np.ndarray
     kind: str = "varray"
+    # where sample i came from, for errors (e.g. "DATASET/shards/F (shard k): sample N, field 'text'")
+    origin: Callable[[int], str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -49,8 +54,15 @@ class Ragged:
         if self.kind in ("bytes", "image"):
             return part.tobytes()
         if self.kind == "string":
-            return part.tobytes().decode("utf-8")
+            try:
+                return part.tobytes().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise self._utf8_error(i, exc) from exc
         return part
+
+    def _utf8_error(self, i: int, exc: UnicodeDecodeError) -> FormatError:
+        where = self.origin(i) if self.origin is not None else f"sample {i} of a Ragged batch"
+        return FormatError(f"{where}: invalid UTF-8 in a string field ({exc.reason}; corrupt? run `fastload verify`)")
 
     def to_list(self) -> list[Any]:
         """Every sample, materialised as `__getitem__` does; bytes and strings are copied once each
@@ -62,7 +74,12 @@ class Ragged:
             return [values[a:b] for a, b in zip(starts, ends)]
         view = memoryview(np.ascontiguousarray(self.values, dtype=np.uint8))
         if self.kind == "string":
-            return [str(view[a:b], "utf-8") for a, b in zip(starts, ends)]
+            try:
+                return [str(view[a:b], "utf-8") for a, b in zip(starts, ends)]
+            except UnicodeDecodeError:
+                for i in range(len(self)):
+                    self[i]  # raises naming the first bad sample
+                raise
         return [bytes(view[a:b]) for a, b in zip(starts, ends)]
 
     @classmethod

@@ -94,7 +94,7 @@ def sample_from_columns(schema: Schema, batch: dict[str, Any], i: int, *, where:
         col = batch[f.name]
         if f.kind == "scalar":
             out[f.name] = col[i].item()
-        elif f.kind == "string":
+        elif f.kind == "string" and col.origin is None:
             out[f.name] = _utf8(col.values[col.offsets[i] : col.offsets[i + 1]], f"{where}, field {f.name!r}")
         else:
             out[f.name] = col[i]
@@ -162,6 +162,8 @@ class FastloadDataset:
         for f in self.schema:
             if not f.is_fixed and self._meta.get(f"{f.name}.length", np.zeros(0)).shape != (len(self),):
                 raise FormatError(f"{where}: meta has no per-sample lengths for field {f.name!r}")
+            if f.kind == "image" and self._meta.get(f"{f.name}.hw", np.zeros(0)).shape != (len(self), 2):
+                raise FormatError(f"{where}: meta has no image sizes for field {f.name!r}")
         if self.manifest.version < 2:
             warnings.warn(
                 f"{self.root}: a version-1 fastload dataset has no block checksums: "
@@ -568,7 +570,16 @@ class FastloadDataset:
             values, offsets = gather_ragged(
                 [readers[k].ragged[f.name][1] for k in shard_list], src_of, starts, lengths, f.dtype
             )
-            out[f.name] = Ragged(values, offsets, f.kind)
+            origin = partial(self._batch_where, f.name, idx) if f.kind == "string" else None
+            out[f.name] = Ragged(values, offsets, f.kind, origin=origin)
+
+    def where(self, index: int, name: str) -> str:
+        """Where field `name` of sample `index` is stored (file, shard, sample, field), for messages."""
+        k = bisect.bisect_right(self._starts_list, int(index)) - 1
+        return f"{self.root}/{self.manifest.shards[k].file} (shard {k}): sample {int(index)}, field {name!r}"
+
+    def _batch_where(self, name: str, indices: np.ndarray, i: int) -> str:
+        return self.where(int(indices[i]), name)
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         batch = self.get_batch(indices)
@@ -600,7 +611,7 @@ class FastloadDataset:
                 if f.kind in ("bytes", "image"):
                     out[f.name] = part.tobytes()
                 elif f.kind == "string":
-                    out[f.name] = _utf8(part, f"{self.root}: sample {index}, field {f.name!r}")
+                    out[f.name] = _utf8(part, self.where(index, f.name))
                 else:
                     out[f.name] = part.copy()
         return out

@@ -7,6 +7,7 @@ lines, LMDB) that `write()` encodes in worker processes.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -14,12 +15,21 @@ from typing import Any
 
 import numpy as np
 
-from .columns import Block
+from .columns import Block, image_size
 from .errors import FormatError, SchemaError
 from .schema import Field, Schema, infer_field
 from .writer import BlockSource
 
-__all__ = ["SOURCE_KINDS", "ImageFolder", "JsonLines", "detect_kind", "open_source"]
+__all__ = [
+    "SOURCE_KINDS",
+    "ImageFolder",
+    "JsonLines",
+    "SkipBadInputs",
+    "check_image",
+    "decode_images",
+    "detect_kind",
+    "open_source",
+]
 
 SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5", "fastload")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
@@ -57,11 +67,27 @@ def detect_kind(src: str) -> str:
     raise FileNotFoundError(f"source {src!r} does not exist")
 
 
-class ImageFolder:
-    """`root/<class>/<image>` → ``{"image": encoded bytes, "label": class index}``, classes and files sorted."""
+def check_image(data: bytes, where: str) -> None:
+    """Decode an encoded image fully; raise SchemaError naming `where` when it cannot be (truncated,
+    corrupt, not an image). A header alone is not enough: a truncated JPEG has an intact one."""
+    from PIL import Image, UnidentifiedImageError
 
-    def __init__(self, root: str) -> None:
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise SchemaError(f"{where}: not a decodable image ({exc})") from exc
+
+
+class ImageFolder:
+    """`root/<class>/<image>` → ``{"image": encoded bytes, "label": class index}``, classes and files sorted.
+
+    With `decode_check` (default) every image is decoded fully as it is read; errors name the file.
+    """
+
+    def __init__(self, root: str, *, decode_check: bool = True) -> None:
         self.root = root
+        self.decode_check = decode_check
         self.classes = sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)))
         self.files: list[tuple[str, int]] = []
         for label, cls in enumerate(self.classes):
@@ -79,8 +105,57 @@ class ImageFolder:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         path, label = self.files[i]
-        with open(path, "rb") as fh:
-            return {"image": fh.read(), "label": label}
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise SchemaError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        if self.decode_check:
+            check_image(data, path)
+        else:
+            image_size(data, path)  # the header at least: its size goes into meta.bin
+        return {"image": data, "label": label}
+
+    def describe(self, i: int) -> str:
+        return self.files[i][0]
+
+
+class SkipBadInputs:
+    """A map-style source without the inputs that fail to read (`on_error="skip"`).
+
+    Every input is read once up front (on threads: decoding releases the GIL); `skipped` lists
+    `(input, reason)` for each one left out, and `report(path)` writes them as JSON lines.
+    """
+
+    def __init__(self, source: Any, *, threads: int | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.source = source
+        self.schema = getattr(source, "schema", None)
+        describe = getattr(source, "describe", None)
+
+        def probe(i: int) -> tuple[int, str | None]:
+            try:
+                source[i]
+            except (SchemaError, FormatError, OSError, ValueError) as exc:
+                return i, str(exc)
+            return i, None
+
+        with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+            results = list(pool.map(probe, range(len(source))))
+        self.good = [i for i, err in results if err is None]
+        self.skipped = [(describe(i) if describe else f"sample {i}", err) for i, err in results if err is not None]
+
+    def __len__(self) -> int:
+        return len(self.good)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.source[self.good[i]]
+
+    def report(self, path: str) -> None:
+        with open(path, "w") as fh:
+            for name, reason in self.skipped:
+                fh.write(json.dumps({"input": name, "reason": reason}) + "\n")
 
 
 class JsonLines:
@@ -124,6 +199,9 @@ class JsonLines:
         if not isinstance(obj, dict):
             raise SchemaError(f"{self.path}: sample {i} is not a JSON object")
         return obj
+
+    def describe(self, i: int) -> str:
+        return f"{self.path}:{i + 1} (line of sample {i})"
 
 
 def _json_field(name: str, value: Any, path: str) -> Field:
@@ -184,6 +262,24 @@ def _hdf5_source(src: str) -> BlockSource | Any:
     return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks)
 
 
+def decode_images(ds: Any, *, batch: int = 256) -> list[str]:
+    """Decode every image of a fastload dataset fully; one message per image that fails (naming
+    file, shard, sample and field)."""
+    problems = []
+    for f in ds.schema:
+        if f.kind != "image":
+            continue
+        for a in range(0, len(ds), batch):
+            idx = np.arange(a, min(a + batch, len(ds)))
+            col = ds.get_batch(idx, fields=[f.name])[f.name]
+            for j, data in enumerate(col.to_list()):
+                try:
+                    check_image(data, ds.where(int(idx[j]), f.name))
+                except SchemaError as exc:
+                    problems.append(str(exc))
+    return problems
+
+
 def _fastload_source(src: str) -> BlockSource:
     """A fastload dataset of any readable version, read verified (e.g. to upgrade it: `convert --upgrade`)."""
     from .reader import FastloadDataset
@@ -197,15 +293,18 @@ def _fastload_source(src: str) -> BlockSource:
     return BlockSource(schema=ds.schema, num_samples=len(ds), blocks=blocks, attrs=ds.attrs)
 
 
-def open_source(src: str, kind: str | None = None) -> tuple[Any, Schema | None, dict[str, Any]]:
-    """(source for `write`, schema or None, attrs to store in the manifest)."""
+def open_source(
+    src: str, kind: str | None = None, *, decode_check: bool = True
+) -> tuple[Any, Schema | None, dict[str, Any]]:
+    """(source for `write`, schema or None, attrs to store in the manifest); `decode_check`: decode
+    every image of an image folder fully while converting."""
     kind = kind or detect_kind(src)
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown source kind {kind!r}; expected one of {SOURCE_KINDS}")
     if not os.path.exists(src):
         raise FileNotFoundError(f"source {src!r} does not exist")
     if kind == "imagefolder":
-        folder = ImageFolder(src)
+        folder = ImageFolder(src, decode_check=decode_check)
         return folder, folder.schema, {"classes": folder.classes, "source": "imagefolder"}
     if kind == "jsonl":
         lines = JsonLines(src)

@@ -424,3 +424,101 @@ def test_manifest_entry_that_is_a_directory(pristine, tmp_path):
     os.rmdir(path / "shards" / "dir.fls")
     with pytest.raises(FormatError, match=r"dir\.fls \(shard 0\).*missing"):
         FastloadDataset(path, verify="full").get_batch([0])
+
+
+# -- errors that name what and where ---------------------------------------------------------------
+
+
+def test_corrupt_utf8_names_shard_sample_and_field(pristine, tmp_path):
+    path = tmp_path / "ds"
+    shutil.copytree(pristine["mixed"][0], path)
+    ds = FastloadDataset(path, verify="none")
+    reader = ds.shard(1)
+    offs, _ = reader.ragged["text"]
+    local = int(np.flatnonzero(np.diff(offs) > 0)[0])
+    pos = reader.blob_offset["text"] + int(offs[local])
+    ds.close()
+    shard = path / "shards" / "shard-00001.fls"
+    raw = bytearray(shard.read_bytes())
+    raw[pos] = 0xFF  # never valid in UTF-8
+    shard.write_bytes(bytes(raw))
+    ds = FastloadDataset(path, verify="none")  # checksums off: the decoder is the last line
+    index = int(ds.shard_boundaries[1]) + local
+    where = rf"shard-00001\.fls \(shard 1\): sample {index}, field 'text': invalid UTF-8"
+    with pytest.raises(FormatError, match=where):
+        ds[index]
+    with pytest.raises(FormatError, match=where):
+        ds.get_batch([0, index])["text"].to_list()
+    with pytest.raises(FormatError, match=where):
+        list(Loader(ds, batch_size=8, num_workers=0))
+    with pytest.raises(FormatError, match="shard-00001.fls.*checksum"):  # and by default, the checksum
+        FastloadDataset(path)[index]
+
+
+def test_inspect_and_open_refuse_a_rekinded_field(pristine, tmp_path, capsys):
+    from fastload.cli import main
+
+    path = tmp_path / "ds"
+    shutil.copytree(pristine["mixed"][0], path)
+    body = _load_manifest(path)
+    body["schema"][2]["kind"] = "image"  # blob: bytes -> image (no image sizes in meta.bin)
+    _save_manifest(path, body, recompute=True)
+    assert main(["inspect", str(path)]) == 2
+    assert "no image sizes for field 'blob'" in capsys.readouterr().err
+
+
+def _jpeg(seed: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    arr = np.random.default_rng(seed).integers(0, 255, (32, 48, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    src = tmp_path / "images"
+    for cls in ("a", "b"):
+        (src / cls).mkdir(parents=True)
+        for i in range(4):
+            (src / cls / f"{i}.jpg").write_bytes(_jpeg(i + 10 * (cls == "b")))
+    good = _jpeg(99)
+    (src / "b" / "2.jpg").write_bytes(good[: len(good) * 2 // 3])  # truncated: the header is intact
+    (src / "a" / "3.jpg").write_bytes(b"not an image at all")
+    return src
+
+
+def test_convert_stops_at_the_first_bad_input_naming_the_file(image_folder, tmp_path, capsys):
+    from fastload.cli import main
+
+    assert main(["convert", str(image_folder), str(tmp_path / "out"), "--quiet", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{image_folder}/a/3.jpg" in err and "sample" not in err.split("3.jpg")[0]
+    assert not (tmp_path / "out" / "index.json").exists()
+
+
+def test_convert_skip_writes_a_report(image_folder, tmp_path, capsys):
+    from fastload.cli import main
+
+    out = tmp_path / "out"
+    assert main(["convert", str(image_folder), str(out), "--quiet", "--on-error", "skip"]) == 0
+    lines = [json.loads(line) for line in (out / "skipped-inputs.jsonl").read_text().splitlines()]
+    assert sorted(x["input"] for x in lines) == [f"{image_folder}/a/3.jpg", f"{image_folder}/b/2.jpg"]
+    assert all("not a decodable image" in x["reason"] or "not a readable image" in x["reason"] for x in lines)
+    assert len(FastloadDataset(out)) == 6 and verify_dataset(out, decode=True) == []
+
+
+def test_no_decode_check_converts_a_truncated_jpeg_and_verify_decode_finds_it(image_folder, tmp_path, capsys):
+    from fastload.cli import main
+
+    (image_folder / "a" / "3.jpg").unlink()
+    out = tmp_path / "out"
+    assert main(["convert", str(image_folder), str(out), "--quiet", "--no-decode-check"]) == 0
+    assert main(["verify", str(out)]) == 0
+    assert main(["verify", str(out), "--decode"]) == 1
+    err = capsys.readouterr().err
+    ds = FastloadDataset(out)
+    assert f"{ds.where(5, 'image')}: not a decodable image" in err  # b/2.jpg is sample 3 + 2
