@@ -522,3 +522,50 @@ def test_no_decode_check_converts_a_truncated_jpeg_and_verify_decode_finds_it(im
     err = capsys.readouterr().err
     ds = FastloadDataset(out)
     assert f"{ds.where(5, 'image')}: not a decodable image" in err  # b/2.jpg is sample 3 + 2
+
+
+def test_reader_threads_share_the_ledger_and_all_see_a_bad_block(pristine, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    src, expected = pristine["fixed"]
+    ds = FastloadDataset(src)
+    n = len(ds)
+    orders = [np.random.default_rng(s).permutation(n) for s in range(4)]
+
+    def read(order):
+        out = {}
+        for a in range(0, n, 50):
+            idx = order[a : a + 50]
+            x = ds.get_batch(idx)["x"]
+            out.update({int(i): x[j].tobytes() for j, i in enumerate(idx)})
+        return out
+
+    with ThreadPoolExecutor(4) as pool:
+        for got in pool.map(read, orders):
+            assert all(got[i] == expected["x"][i][1] for i in range(n))
+    assert ds._spliced["x"].check is None  # every block verified once, shared by the threads
+
+    path = tmp_path / "ds"
+    shutil.copytree(src, path)
+    shard = path / "shards" / "shard-00002.fls"
+    raw = bytearray(shard.read_bytes())
+    raw[70_000] ^= 4
+    shard.write_bytes(bytes(raw))
+    bad = FastloadDataset(path)
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(lambda: bad.get_batch(np.arange(n))) for _ in range(4)]
+        for f in futures:
+            with pytest.raises(FormatError, match=r"shard-00002\.fls \(shard 2\): bytes \[65536, 131072\)"):
+                f.result()
+
+
+def test_process_workers_raise_the_checksum_error(pristine, tmp_path):
+    path = tmp_path / "ds"
+    shutil.copytree(pristine["fixed"][0], path)
+    shard = path / "shards" / "shard-00000.fls"
+    raw = bytearray(shard.read_bytes())
+    raw[150_000] ^= 1
+    shard.write_bytes(bytes(raw))
+    loader = Loader(FastloadDataset(path), batch_size=100, num_workers=1, worker_type="process")
+    with pytest.raises(FormatError, match=r"shard-00000\.fls \(shard 0\): bytes \[131072, 196608\)"):
+        list(loader)
