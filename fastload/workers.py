@@ -39,7 +39,7 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as torch_worker
 
 from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
-from fastload.pinned import storage_refs
+from fastload.pinned import referenced_beyond, storage_refs
 from fastload.system import usable_cores
 
 __all__ = ["STEAL_MODES", "InlineSource", "ProcessSource", "ThreadPool", "ThreadSource", "WorkerError", "resolve_steal"]
@@ -524,7 +524,7 @@ class ProcessSource:
             p.start()
             self.procs.append(p)
         self.gen = 0
-        self._slots: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        self._slots: dict[tuple[int, int], tuple[torch.Tensor, int | None]] = {}
         self._free: list[deque[int]] = [deque() for _ in range(num_workers)]
         self._next_sid = [0] * num_workers
         self._retired: list[list[int]] = [[] for _ in range(num_workers)]
@@ -608,7 +608,7 @@ class ProcessSource:
         if entry is None:
             return
         buf, baseline = entry
-        if storage_refs(buf) > baseline:
+        if referenced_beyond(buf, baseline):
             del self._slots[(w, sid)]
             self._retired[w].append(sid)
         else:
