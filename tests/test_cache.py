@@ -9,7 +9,7 @@ import time
 import pytest
 import xxhash
 
-from fastload.cache import CacheBudgetError, Download, ShardCache
+from fastload.cache import CacheBudgetError, CacheStateError, Download, ShardCache
 from fastload.formats.errors import ChecksumError
 
 KB = 1000
@@ -140,17 +140,37 @@ def test_truncated_cached_file_is_refetched(tmp_path):
     assert src.fetches == [2, 2]
 
 
+def _damage_state(root) -> None:
+    for name in ("state.0.json", "state.1.json"):
+        with open(os.path.join(root, name), "r+b") as fh:
+            fh.write(b"{not json")
+
+
 def test_state_file_damage_is_rebuilt(tmp_path):
+    """Damage found by the only user (e.g. after a power loss) is rebuilt from the directory."""
     cache, src = ShardCache(tmp_path, limit="1MB"), Source()
     src.acquire(cache, 1)
     cache.release("k1")
-    for name in ("state.0.json", "state.1.json"):
-        with open(os.path.join(tmp_path, name), "r+b") as fh:
-            fh.write(b"{not json")
+    cache.close()
+    _damage_state(tmp_path)
     again = ShardCache(tmp_path, limit="1MB")
     assert again.contains("k1")
     assert read(src.acquire(again, 1)) == blob(1)
     assert src.fetches == [1]
+
+
+def test_state_damage_under_live_pins_fails_clearly_and_keeps_own_pins(tmp_path):
+    holder, src = ShardCache(tmp_path, limit="1MB"), Source()
+    src.acquire(holder, 1)  # pinned by a live user
+    _damage_state(tmp_path)
+    with pytest.raises(CacheStateError, match=r"shared state is damaged .* it holds their pins"):
+        ShardCache(tmp_path, limit="1MB")
+    # alone again, the holder rebuilds the state and writes its own pin back from its ledger
+    assert set(holder.state()["pins"]) == {"k1"}
+    src.acquire(holder, 2)
+    holder.release("k1")
+    holder.release("k2")
+    assert holder.state()["pins"] == {}
 
 
 def test_torn_state_update_leaves_the_previous_state(tmp_path):
