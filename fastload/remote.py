@@ -178,7 +178,7 @@ def network_options(
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("connect_timeout", connect_timeout)
         config.setdefault("read_timeout", read_timeout)
-        config.setdefault("retries", {"max_attempts": 1})
+        config.setdefault("retries", {"total_max_attempts": 1})  # botocore: the first try only
         opts["config_kwargs"] = config
     elif protocol in ("http", "https"):
         import aiohttp
@@ -256,6 +256,11 @@ def is_transient(exc: BaseException) -> bool:
             return verdict
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def _exact(nbytes: int) -> str:
+    """A budget to recommend: exact bytes (a rounded size could fall short), with the readable size."""
+    return f"{nbytes} ({format_size(nbytes)})"
 
 
 def is_remote_url(path: Any) -> bool:
@@ -364,7 +369,7 @@ class RemoteStorage:
                     f"{self.url}: cache_limit={format_size(limit)} leaves {format_size(max(0, limit - others))} "
                     f"next to the {format_size(others)} other readers of {self.cache.root} claim, below 2 shards "
                     f"of {format_size(biggest)} (the reader maps one shard and pins the next while it swaps); "
-                    f"use cache_limit >= {format_size(others + 2 * biggest)}"
+                    f"use cache_limit >= {_exact(others + 2 * biggest)}"
                 )
             return int(min(64, fits, len(manifest.shards)))
         need = (int(max_open_shards) + 1) * biggest
@@ -372,7 +377,7 @@ class RemoteStorage:
             raise CacheBudgetError(
                 f"{self.url}: cache_limit={format_size(limit)} cannot hold max_open_shards + 1 = "
                 f"{max_open_shards + 1} shards of up to {format_size(biggest)} that a reader pins at once; "
-                f"use cache_limit >= {format_size(need)} or a smaller max_open_shards"
+                f"use cache_limit >= {_exact(need)} or a smaller max_open_shards"
             )
         return int(max_open_shards)
 
@@ -448,7 +453,7 @@ class RemoteStorage:
                 f"{self.url}: cache_limit={format_size(self.cache.limit)} ({self.cache.root}) cannot hold this "
                 f"reader's {min(self.max_open_shards + 1, self._num_shards)} shards of up to "
                 f"{format_size(self._biggest)} (max_open_shards + 1) next to the {format_size(others)} that other "
-                f"readers sharing the cache claim; use cache_limit >= {format_size(others + need)} (the sum over "
+                f"readers sharing the cache claim; use cache_limit >= {_exact(others + need)} (the sum over "
                 f"every reader: each dataset object in each process, loader workers included) or a smaller "
                 f"max_open_shards"
             )
