@@ -17,7 +17,7 @@ import torch
 
 from fastload.collate import flatten, unflatten
 
-__all__ = ["DeviceStage", "resolve_device"]
+__all__ = ["DeviceStage", "resolve_device", "use_worker_stream", "worker_stream"]
 
 
 def resolve_device(device: str | int | torch.device | None) -> torch.device | None:
@@ -30,6 +30,27 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device | No
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def worker_stream(device_index: int | None, *, cuda: Any = None) -> Any:
+    """The stream the Loader's worker threads run CUDA work on: the current stream on the Loader's
+    device of the thread that starts them (the consumer's, at `iter(loader)`), so kernels a
+    transform launches are queued before the consumer's next ones and memory they allocate belongs
+    to that stream. None without a CUDA device. `cuda` is injectable for tests."""
+    if device_index is None:
+        return None
+    cuda = torch.cuda if cuda is None else cuda
+    return cuda.current_stream(device_index)
+
+
+def use_worker_stream(device_index: int | None, stream: Any, *, cuda: Any = None) -> None:
+    """In a worker thread: make the Loader's device current (not GPU 0) and `stream` its current stream."""
+    if device_index is None:
+        return
+    cuda = torch.cuda if cuda is None else cuda
+    cuda.set_device(device_index)
+    if stream is not None:
+        cuda.set_stream(stream)
 
 
 class DeviceStage:

@@ -83,33 +83,41 @@ class BufferRing:
         return Slot(buf)
 
     def acquire(self, nbytes: int) -> Slot:
-        """A free slot of at least `nbytes` (blocks while all `slots` are in flight)."""
-        with self._cond:
-            while True:
-                while self._free:
-                    slot = self._free.popleft()
-                    if slot.fence is not None:
-                        slot.fence.synchronize()
-                        slot.fence = None
-                    if slot.in_use():  # the user kept that batch: leave it to them
-                        self._live -= 1
-                        self.retired += 1
-                        continue
-                    if slot.buf.numel() < nbytes:  # too small: replace
-                        self._live -= 1
-                        continue
-                    return slot
-                if self._live < self.capacity:
+        """A free slot of at least `nbytes` (blocks while all `slots` are in flight).
+
+        A slot's fence is waited on outside the ring's lock: other threads keep releasing and
+        taking slots meanwhile (the slot taken is off the free list, so nobody else can take it).
+        """
+        while True:
+            with self._cond:
+                while not self._free and self._live >= self.capacity:
+                    self._cond.wait(1.0)
+                if not self._free:
                     self._live += 1
-                    break
-                self._cond.wait(1.0)
+                    break  # allocate a new slot, outside the lock
+                slot = self._free.popleft()
+            if slot.fence is not None:
+                slot.fence.synchronize()
+                slot.fence = None
+            if slot.in_use():  # the user kept that batch: leave it to them
+                self._drop(retired=True)
+                continue
+            if slot.buf.numel() < nbytes:  # too small: replace
+                self._drop(retired=False)
+                continue
+            return slot
         try:
             return self._alloc(nbytes)
         except BaseException:
-            with self._cond:
-                self._live -= 1
-                self._cond.notify()
+            self._drop(retired=False)
             raise
+
+    def _drop(self, *, retired: bool) -> None:
+        """A slot leaves the ring (kept by the user, too small, or never allocated)."""
+        with self._cond:
+            self._live -= 1
+            self.retired += retired
+            self._cond.notify()
 
     def release(self, slot: Slot, fence: Any = None) -> None:
         """Give a slot back; `fence` (e.g. a CUDA event) must complete before it is rewritten."""
