@@ -233,3 +233,23 @@ def test_cuda_transform_in_worker_threads_is_ordered_before_the_consumer():
         for b, batch in enumerate(loader):
             expect = torch.arange(4 * b, 4 * b + 4, device="cuda", dtype=torch.float32)
             assert torch.equal(batch[:, 0], expect)
+
+
+def test_pin_fence_without_a_device_waits_for_every_stream_of_the_device():
+    """pin_memory without `device`: the user's copies may be on any stream, so the slot's fence
+    waits for the whole device (not one stream's event) before the slot is rewritten."""
+    from fastload.device import DeviceWideFence
+
+    calls: list[int] = []
+
+    class Cuda:
+        def synchronize(self, index: int) -> None:
+            calls.append(index)
+
+    ring = BufferRing(1, pin=False)
+    first, slot = ring.write({"x": torch.arange(3)})
+    del first
+    ring.release(slot, DeviceWideFence(2, cuda=Cuda()))
+    assert calls == []
+    ring.write({"x": torch.arange(3)})
+    assert calls == [2]
