@@ -308,9 +308,10 @@ class RemoteStorage:
     fetched ahead of the last acquired one by `fetch_threads` threads.
 
     Every reader (this object in each process it is pickled into: loader workers too) claims
-    `(max_open_shards + 1) x largest shard` of the shared cache on its first acquire; a claim that
-    does not fit next to the other live readers' claims raises `CacheBudgetError` naming the budget
-    needed, instead of a deadlock later. The minimum `cache_limit` for readers sharing one cache
+    `(max_open_shards + 1) x largest shard` of the shared cache while it holds shards (from the
+    acquire that pins its first shard to the release of its last); a claim that does not fit next
+    to the other active readers' claims raises `CacheBudgetError` naming the budget needed,
+    instead of a deadlock later. The minimum `cache_limit` for readers sharing one cache
     directory is the sum of their claims. When `max_open_shards` is None it is chosen from the budget
     left by the readers that claimed before (at most 64).
 
@@ -511,6 +512,9 @@ class RemoteStorage:
             self._cond.notify_all()
         if key is not None:
             self.cache.release(key)
+            if self._claimed and not self.cache.pinned_keys():  # idle now: its share is free for others
+                self._claimed = False
+                self.cache.claim(0)
 
     def prefetch(self, names: list[str], *, sizes: dict[str, tuple[int, str]] | None = None) -> None:
         """Upcoming shards in the order they will be acquired; replaces any earlier plan.

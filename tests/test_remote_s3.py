@@ -458,8 +458,8 @@ def test_two_readers_in_one_process_at_the_documented_minimum(remote, local_ds, 
     for t in threads:
         t.join(120)
     assert errors == []
-    for ds in readers:  # still open (their claims stand): a third reader does not fit
-        ds.storage.claim_budget()
+    for ds in readers:  # both reading again: a third reader does not fit next to them
+        ds[0]
     third = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=limit, max_open_shards=1)
     with pytest.raises(CacheBudgetError, match=r"use cache_limit >= ") as info:
         third[0]
