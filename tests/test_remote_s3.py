@@ -563,11 +563,12 @@ def test_frozen_server_ends_in_a_clear_error(tmp_path):
         opts = storage_options(f"http://127.0.0.1:{server.port}")
         del opts["config_kwargs"]  # RemoteStorage's own timeouts apply
         t0 = time.monotonic()
-        with pytest.raises(RemoteFetchError, match=r"s3://data/ds/index\.json: giving up after \d+ attempts in"):
+        pattern = r"s3://data/ds/index\.json: giving up after \d+ attempts in .*ReadTimeoutError"
+        with pytest.raises(RemoteFetchError, match=pattern):
             RemoteStorage("s3://data/ds", storage_options=opts, cache_dir=tmp_path, cache_limit="10MB", **SHORT_WAITS)
         took = time.monotonic() - t0
         assert took < 10, took  # budget 3 s + one attempt (0.5 s connect + 0.5 s read) + client start-up
-        assert server.accepted >= 2  # it was retried, each attempt timed out
+        assert server.accepted >= 1  # connected, then each attempt timed out on the read
     finally:
         server.stop()
 
