@@ -6,16 +6,30 @@ one budget. Layout of `root`:
 - `data/<key>`: complete, verified files (written to `tmp/` first, renamed in).
 - `tmp/<key>.<pid>.<n>`: downloads in flight; their bytes are reserved in the budget up front.
 - `state.0.json`, `state.1.json`: the state, JSON, in the slot `.lock` names (see `_load`): entries
-  (size, last use, verification stamp), pins, soft pins, reservations and waiters, each keyed by an
-  owner id `"<pid>-<start time>"`. Owners that no longer run are dropped on every update, so a
-  crashed process leaves no pins, reservations or temp files behind.
+  (size, last use, verification stamp), pins, soft pins, reservations, waiters and budget claims,
+  each keyed by an owner id `"<pid>-<start time>-<n>"` (one per `ShardCache` object in a process).
+  Owners that no longer run are dropped on every update, so a crashed process leaves no pins,
+  reservations or temp files behind.
 - `.lock`: `fcntl.flock` lock taken around every read-modify-write of the state; its first 64 bytes
   name the current slot, its length and xxh3.
+- `.users`: every open `ShardCache` holds a shared `flock` on it, so a damaged state is rebuilt
+  from the directory only when no other user (who could hold pins) is alive; else `CacheStateError`.
+
+Pins have one ledger per owner: the owner's in-memory count per key (`_held`), changed only under
+the state lock; the shared state carries a copy of it (`pins[key][owner]`), rewritten from the
+ledger on every update, so the two cannot drift (threads of one process acquiring the same missing
+shard, a failed download, a damaged state file).
+
+The bytes on disk never exceed `limit`: a download reserves its full size before its temp file is
+created, and the reservation becomes the entry when the file is renamed in.
 
 Downloads are renamed into `data/` only after their size and xxh3 match the manifest; a process
-crash cannot leave a partial file there. Without `fsync` (the default: it costs ~20% of fetch
-bandwidth) a power loss could, so verification stamps carry the boot id and every file is hashed
-again on first use after a reboot. Pinned entries (`acquire` .. `release`) are never evicted.
+crash cannot leave a partial file there. A cached file is hashed against the caller's xxh3 before
+its first use by each `ShardCache` object (`verify="once"`, the default), so a file damaged on disk
+(even with its size and mtime restored) is evicted and fetched again; `verify="stat"` trusts a
+matching size + mtime + inode stamp recorded by whoever hashed it (faster, opt-in), `"always"`
+hashes on every acquire. Stamps carry the boot id, so after a reboot every file is hashed again.
+Pinned entries (`acquire` .. `release`) are never evicted.
 Soft pins protect prefetched files from other prefetches until they are used; a demand fetch may
 still evict them. A demand fetch that cannot make room waits for other processes to release pins;
 when every pin holder is itself waiting (the budget cannot hold the shards in use at once) it
@@ -41,10 +55,20 @@ import xxhash
 from .formats.errors import ChecksumError
 from .formats.units import format_size, parse_size
 
-__all__ = ["CacheBudgetError", "Download", "ShardCache", "default_cache_dir", "owner_alive", "owner_id"]
+__all__ = [
+    "CacheBudgetError",
+    "CacheStateError",
+    "Download",
+    "ShardCache",
+    "default_cache_dir",
+    "owner_alive",
+    "owner_id",
+]
 
 _SLOTS = ("state.0.json", "state.1.json")
 _LOCK = ".lock"
+_USERS = ".users"
+_PARTS = ("entries", "pins", "soft", "reserved", "waiting", "claims")
 _HEADER_BYTES = 64
 _POLL_S = 0.02
 _VERIFY_MODES = ("stat", "once", "always")
@@ -52,6 +76,10 @@ _VERIFY_MODES = ("stat", "once", "always")
 
 class CacheBudgetError(ValueError):
     """The cache budget cannot hold the shards that must be on disk at the same time."""
+
+
+class CacheStateError(OSError):
+    """The cache's shared state is damaged while other processes use the cache."""
 
 
 def default_cache_dir() -> str:
@@ -81,10 +109,13 @@ def owner_id() -> str:
     return _OWNER[1]
 
 
+_INSTANCES = [0]
+
+
 def owner_alive(owner: str) -> bool:
     """Whether the process named by an owner id still runs (`os.kill(pid, 0)` plus start time)."""
     try:
-        pid_s, start_s = owner.split("-", 1)
+        pid_s, start_s = owner.split("-")[:2]
         pid = int(pid_s)
         os.kill(pid, 0)
     except (ValueError, ProcessLookupError):
@@ -185,7 +216,7 @@ class ShardCache:
         root: str | os.PathLike[str] | None = None,
         *,
         limit: int | str | None = None,
-        verify: str = "stat",
+        verify: str = "once",
         fsync: bool = False,
         wait_timeout: float = 600.0,
         deadlock_grace: float = 2.0,
@@ -217,6 +248,7 @@ class ShardCache:
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("root", "data_dir", "tmp_dir", "verify", "fsync", "wait_timeout", "deadlock_grace", "limit")
+        # a copy in another process is a new owner: it holds no pins, claims or soft pins
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -227,27 +259,48 @@ class ShardCache:
     # -- per-process state (rebuilt after fork) -------------------------------------------------
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
+        _INSTANCES[0] += 1
+        self._owner = f"{owner_id()}-{_INSTANCES[0]}"
         self._mutex = threading.RLock()
         self._lock_fd: int | None = None
+        self._users_fd: int | None = None
         self._slot_fds: list[int] | None = None
-        self._local: dict[str, int] = {}  # key -> pins held by this process
-        self._verified: dict[str, list[int | str]] = {}  # key -> stat stamp hashed in this process
+        self._held: dict[str, int] = {}  # THE pin ledger of this owner: key -> pins (claims in progress too)
+        self._usable: set[str] = set()  # held keys whose file is in place and verified (acquire's fast path)
+        self._verified: dict[str, list[int | str]] = {}  # key -> stat stamp hashed by this owner
         self._inflight: dict[str, threading.Event] = {}  # key -> download running in this process
         self._tmp_seq = 0
+        self._claim = 0
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
             self._reset_process_state()
 
+    def close(self) -> None:
+        """Drop this owner's pins, soft pins, claim and wait, and close its files."""
+        if getattr(self, "_pid", None) != os.getpid() or getattr(self, "_lock_fd", None) is None:
+            return  # never opened, or descriptors inherited over fork that belong to the parent's object
+        with self._mutex:
+            self._held.clear()
+            self._usable.clear()
+            self._claim = 0
+            with contextlib.suppress(OSError, CacheStateError), self._locked() as state:
+                state["soft"] = {k: o for k, o in state["soft"].items() if o != self._owner}
+                state["waiting"].pop(self._owner, None)
+            for fd in (self._lock_fd, self._users_fd, *(self._slot_fds or ())):
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._lock_fd = self._users_fd = self._slot_fds = None
+
     def __del__(self) -> None:
-        if getattr(self, "_pid", None) != os.getpid():
-            return  # descriptors inherited over fork belong to the parent's object
-        for fd in (getattr(self, "_lock_fd", None), *(getattr(self, "_slot_fds", None) or ())):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        with contextlib.suppress(Exception):  # may run during interpreter shutdown
+            self.close()
 
     def _open_files(self) -> None:
+        if self._users_fd is None:
+            self._users_fd = os.open(os.path.join(self.root, _USERS), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(self._users_fd, fcntl.LOCK_SH)
         if self._lock_fd is None:
             self._lock_fd = os.open(os.path.join(self.root, _LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         if self._slot_fds is None:
@@ -266,6 +319,7 @@ class ShardCache:
             try:
                 seq, slot, raw, state = self._load()
                 self._prune(state)
+                self._publish(state)
                 yield state
                 data = json.dumps(state, separators=(",", ":")).encode()
                 if data != raw:
@@ -284,28 +338,54 @@ class ShardCache:
         `.lock` holds a header `<seq> <slot> <length> <xxh3>` naming the slot file with the current
         state; a state is written to the other slot, then the header (one write of 64 bytes) is
         switched to it, so a process killed mid-update leaves the previous state intact. A slot that
-        does not match its header (power loss without fsync) or no header is rebuilt from the directory.
+        does not match its header (power loss without fsync, a new cache) is rebuilt from the directory,
+        but only when no other user has the cache open: their pins live in that state, and a rebuild
+        would let their mapped shards be evicted. Otherwise `CacheStateError` names the damage.
+        This owner's own pins are never lost: `_publish` writes them back from its ledger.
         """
         assert self._lock_fd is not None and self._slot_fds is not None
-        seq, slot = 0, 1
+        seq, slot, why = 0, 1, "no state recorded"
         try:
             head = os.pread(self._lock_fd, _HEADER_BYTES, 0).split()
             if len(head) == 4:
                 seq, slot, length = int(head[0]), int(head[1]), int(head[2])
                 raw = os.pread(self._slot_fds[slot], length, 0) if slot in (0, 1) else b""
-                if len(raw) == length and xxhash.xxh3_64_hexdigest(raw) == head[3].decode():
+                if len(raw) != length or xxhash.xxh3_64_hexdigest(raw) != head[3].decode():
+                    why = f"state.{slot}.json does not match the checksum in .lock"
+                else:
                     state = json.loads(raw)
                     if isinstance(state, dict) and state.get("version") == 1:
-                        for part in ("entries", "pins", "soft", "reserved", "waiting"):
+                        for part in _PARTS:
                             state.setdefault(part, {})
                         return seq, slot, raw, state
-        except (OSError, ValueError):
-            pass  # unreadable state: rebuilt from the directory below
+                    why = f"state.{slot}.json is not a version 1 state"
+            elif head:
+                why = ".lock has no valid header"
+        except (OSError, ValueError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if why != "no state recorded" and not self._sole_user():
+            raise CacheStateError(
+                f"cache {self.root}: the shared state is damaged ({why}) while other users (processes, or other "
+                f"cache objects in this one) have it open; it holds their pins, so it is not rebuilt under them. "
+                f"Stop every process using this cache (the next one rebuilds the state from the directory), "
+                f"or point cache_dir elsewhere."
+            )
         return seq, slot if slot in (0, 1) else 1, b"", self._rebuild()
+
+    def _sole_user(self) -> bool:
+        """Whether no other `ShardCache` (in any process) has this cache open (`.users` flock probe)."""
+        assert self._users_fd is not None
+        try:
+            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            fcntl.flock(self._users_fd, fcntl.LOCK_SH)  # a failed conversion may have dropped the shared lock
+        return True
 
     def _rebuild(self) -> dict[str, Any]:
         """State from the directory listing: complete files are entries, nobody holds pins."""
-        state: dict[str, Any] = {"version": 1, "entries": {}, "pins": {}, "soft": {}, "reserved": {}, "waiting": {}}
+        state: dict[str, Any] = {"version": 1, **{part: {} for part in _PARTS}}
         with os.scandir(self.data_dir) as it:
             for de in it:
                 if de.is_file():
@@ -326,11 +406,11 @@ class ShardCache:
             return json.loads(json.dumps(state))
 
     def _prune(self, state: dict[str, Any]) -> None:
-        """Drop pins, soft pins, reservations and waiters of processes that are gone."""
-        owners = set(state["soft"].values()) | set(state["waiting"])
+        """Drop pins, soft pins, reservations, waiters and claims of processes that are gone."""
+        owners = set(state["soft"].values()) | set(state["waiting"]) | set(state["claims"])
         owners |= {o for pins in state["pins"].values() for o in pins}
         owners |= {r["owner"] for r in state["reserved"].values()}
-        dead = {o for o in owners if o != owner_id() and not owner_alive(o)}
+        dead = {o for o in owners if o != self._owner and not owner_alive(o)}
         if not dead:
             return
         for key in list(state["pins"]):
@@ -341,10 +421,49 @@ class ShardCache:
                 del state["pins"][key]
         state["soft"] = {k: o for k, o in state["soft"].items() if o not in dead}
         state["waiting"] = {o: w for o, w in state["waiting"].items() if o not in dead}
+        state["claims"] = {o: c for o, c in state["claims"].items() if o not in dead}
         for key, res in list(state["reserved"].items()):
             if res["owner"] in dead:
                 _unlink(os.path.join(self.tmp_dir, res["tmp"]))
                 del state["reserved"][key]
+
+    def _publish(self, state: dict[str, Any]) -> None:
+        """Write this owner's pins and budget claim into the state from its ledger (the only source)."""
+        me, pins = self._owner, state["pins"]
+        for key in [k for k, p in pins.items() if me in p and k not in self._held]:
+            del pins[key][me]
+            if not pins[key]:
+                del pins[key]
+        for key, n in self._held.items():
+            pins.setdefault(key, {})[me] = n
+        if self._claim:
+            state["claims"][me] = self._claim
+        else:
+            state["claims"].pop(me, None)
+
+    def _hold(self, state: dict[str, Any], key: str) -> None:
+        """One more pin of `key` by this owner (caller holds the state lock)."""
+        self._held[key] = self._held.get(key, 0) + 1
+        self._publish_key(state, key)
+
+    def _unhold(self, state: dict[str, Any], key: str) -> None:
+        """One pin of `key` fewer (caller holds the state lock)."""
+        n = self._held.get(key, 0) - 1
+        if n > 0:
+            self._held[key] = n
+        else:
+            self._held.pop(key, None)
+            self._usable.discard(key)
+        self._publish_key(state, key)
+
+    def _publish_key(self, state: dict[str, Any], key: str) -> None:
+        n, pins = self._held.get(key, 0), state["pins"]
+        if n:
+            pins.setdefault(key, {})[self._owner] = n
+        elif key in pins:
+            pins[key].pop(self._owner, None)
+            if not pins[key]:
+                del pins[key]
 
     def _sweep_tmp(self, state: dict[str, Any]) -> None:
         """Remove temp files no live reservation accounts for (left by a crash); add stray data files."""
@@ -360,7 +479,6 @@ class ShardCache:
         for key in list(state["entries"]):
             if key not in names:
                 del state["entries"][key]
-                state["pins"].pop(key, None)
         for key in names - set(state["entries"]):
             st = os.stat(os.path.join(self.data_dir, key))
             state["entries"][key] = {"size": st.st_size, "used": st.st_mtime, "stamp": None}
@@ -403,8 +521,8 @@ class ShardCache:
         _check_key(key)
         self._check_pid()
         with self._mutex:
-            if self._local.get(key, 0) > 0:
-                self._local[key] += 1
+            if key in self._usable:  # held and verified by this owner: one more pin, no state update
+                self._held[key] += 1
                 return self.path(key)
         path = self._obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=False)
         assert path is not None
@@ -422,21 +540,20 @@ class ShardCache:
         """Drop one pin taken by `acquire` in this process."""
         self._check_pid()
         with self._mutex:
-            n = self._local.get(key, 0)
+            n = self._held.get(key, 0)
             if n <= 0:
                 return  # e.g. a pin taken before a fork: the parent still holds it
             if n > 1:
-                self._local[key] = n - 1
+                self._held[key] = n - 1
                 return
-            del self._local[key]
             with self._locked() as state:
-                self._unpin(state, key)
+                self._unhold(state, key)
                 if key in state["entries"]:
                     state["entries"][key]["used"] = time.time()
 
     def unsoft(self, keys: list[str] | None = None) -> None:
         """Drop this process's soft pins on `keys` (all of them when None)."""
-        me = owner_id()
+        me = self._owner
         with self._locked() as state:
             for k, o in list(state["soft"].items()):
                 if o == me and (keys is None or k in keys):
@@ -444,15 +561,29 @@ class ShardCache:
 
     def soft_keys(self) -> set[str]:
         """Keys this process prefetched that nobody has acquired (nor evicted) since."""
-        me = owner_id()
+        me = self._owner
         with self._locked() as state:
             return {k for k, o in state["soft"].items() if o == me}
 
     def pinned_keys(self) -> dict[str, int]:
-        """This process's pins (key -> count)."""
+        """This owner's pins (key -> count), acquisitions in progress included."""
         self._check_pid()
         with self._mutex:
-            return dict(self._local)
+            return dict(self._held)
+
+    def claim(self, nbytes: int) -> int:
+        """Record that this owner may pin up to `nbytes` at once; returns the bytes other live owners
+        claim. Claims only inform budget checks (`RemoteStorage` refuses a reader whose claim does
+        not fit next to the others' instead of letting it deadlock later); 0 withdraws the claim."""
+        with self._mutex:
+            self._claim = int(nbytes)
+            with self._locked() as state:
+                return sum(c for o, c in state["claims"].items() if o != self._owner)
+
+    def claimed_by_others(self) -> int:
+        """Bytes that other live owners of this cache have claimed (see `claim`)."""
+        with self._locked() as state:
+            return sum(c for o, c in state["claims"].items() if o != self._owner)
 
     def clear(self) -> None:
         """Delete every unpinned, unreserved file."""
@@ -477,7 +608,7 @@ class ShardCache:
             if event is not None:
                 event.wait()
                 continue
-            me = owner_id()
+            me = self._owner
             wait_since: float | None = None
             stuck_since: float | None = None
             while True:
@@ -489,7 +620,7 @@ class ShardCache:
                                 state["soft"].setdefault(key, me)
                             state["waiting"].pop(me, None)
                             return self.path(key)
-                        self._pin(state, key)
+                        self._hold(state, key)
                         state["soft"].pop(key, None)
                         state["waiting"].pop(me, None)
                         entry["used"] = time.time()
@@ -499,22 +630,29 @@ class ShardCache:
                     if res is not None:
                         if soft:
                             return None
+                        if res["owner"] == me:  # another thread of this owner downloads it: wait for that
+                            event = self._wait_inflight(key)
                         room = _Room(False, waiting_on=f"download of {key} by process {res['owner']}")
                     else:
                         room = self._make_room(state, size, soft=soft)
                         if room.ok:
                             tmp = self._tmp_name(key)
-                            state["reserved"][key] = {"owner": me, "size": size, "tmp": tmp}
+                            state["reserved"][key] = {"owner": me, "size": size, "tmp": tmp, "soft": soft}
                             state["waiting"].pop(me, None)
                             if not soft:
-                                self._pin(state, key)
-                            stamp = None
+                                self._hold(state, key)
+                            event = threading.Event()
+                            self._inflight[key] = event  # under the mutex, with the reservation
                             entry = None
                             break
                         if soft:
                             return None
                         state["waiting"][me] = {"key": key, "size": size}
                     deadlocked = res is None and self._deadlocked(state, me)
+                if event is not None:
+                    event.wait()
+                    event = None
+                    continue
                 now = time.monotonic()
                 wait_since = wait_since or now
                 stuck_since = (stuck_since or now) if deadlocked else None
@@ -530,14 +668,20 @@ class ShardCache:
                 time.sleep(_POLL_S)
             if entry is not None:
                 path = self.path(key)
-                if self._verify_cached(key, path, size=size, xxh3=xxh3, stamp=stamp):
-                    if not soft:
-                        with self._mutex:
-                            self._local[key] = self._local.get(key, 0) + 1
+                try:
+                    ok = self._verify_cached(key, path, size=size, xxh3=xxh3, stamp=stamp)
+                except BaseException:
+                    with self._mutex, self._locked() as state:
+                        self._unhold(state, key)
+                    raise
+                if ok:
+                    with self._mutex:
+                        self._usable.add(key)
                     return path
-                self._drop_corrupt(key, pinned=not soft)
+                self._drop_corrupt(key, pinned=True)
                 continue
-            return self._download(key, tmp, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
+            assert event is not None
+            return self._download(key, tmp, event, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
 
     def _wait_inflight(self, key: str) -> threading.Event | None:
         with self._mutex:
@@ -549,11 +693,17 @@ class ShardCache:
             return f"{key}.{os.getpid()}.{self._tmp_seq}"
 
     def _download(
-        self, key: str, tmp: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str, soft: bool
+        self,
+        key: str,
+        tmp: str,
+        event: threading.Event,
+        *,
+        size: int,
+        xxh3: str,
+        fetch: Callable[[Download], None],
+        where: str,
+        soft: bool,
     ) -> str:
-        event = threading.Event()
-        with self._mutex:
-            self._inflight[key] = event
         tmp_path = os.path.join(self.tmp_dir, tmp)
         final = self.path(key)
         ok = False
@@ -567,24 +717,23 @@ class ShardCache:
                 sink.close()
             os.replace(tmp_path, final)
             stamp = _stamp(os.stat(final))
-            with self._locked() as state:
+            with self._mutex, self._locked() as state:
                 state["reserved"].pop(key, None)
                 state["entries"][key] = {"size": size, "used": time.time(), "stamp": stamp}
                 if soft:
-                    state["soft"][key] = owner_id()
-            with self._mutex:
+                    state["soft"][key] = self._owner
                 self._verified[key] = stamp
                 if not soft:
-                    self._local[key] = self._local.get(key, 0) + 1
+                    self._usable.add(key)
             ok = True
             return final
         finally:
             if not ok:
                 _unlink(tmp_path)
-                with self._locked() as state:
+                with self._mutex, self._locked() as state:
                     state["reserved"].pop(key, None)
                     if not soft:
-                        self._unpin(state, key)
+                        self._unhold(state, key)
             with self._mutex:
                 self._inflight.pop(key, None)
             event.set()
@@ -618,28 +767,13 @@ class ShardCache:
         """Remove a cached file that failed verification (it is fetched again)."""
         with self._mutex:
             self._verified.pop(key, None)
-        with self._locked() as state:
-            if pinned:
-                self._unpin(state, key)
-            # Readers in other processes keep their mapping of the old inode; new opens get the re-fetch.
-            _unlink(self.path(key))
-            state["entries"].pop(key, None)
-            state["soft"].pop(key, None)
-
-    def _pin(self, state: dict[str, Any], key: str) -> None:
-        pins = state["pins"].setdefault(key, {})
-        me = owner_id()
-        pins[me] = pins.get(me, 0) + 1
-
-    def _unpin(self, state: dict[str, Any], key: str) -> None:
-        pins = state["pins"].get(key, {})
-        me = owner_id()
-        if pins.get(me, 0) > 1:
-            pins[me] -= 1
-        else:
-            pins.pop(me, None)
-        if not pins:
-            state["pins"].pop(key, None)
+            with self._locked() as state:
+                if pinned:
+                    self._unhold(state, key)
+                # Readers elsewhere keep their mapping of the old inode; new opens get the re-fetch.
+                _unlink(self.path(key))
+                state["entries"].pop(key, None)
+                state["soft"].pop(key, None)
 
     def _make_room(self, state: dict[str, Any], size: int, *, soft: bool) -> _Room:
         """Evict least recently used unpinned files until `size` more bytes fit; False if they cannot."""
@@ -665,9 +799,10 @@ class ShardCache:
         return _Room(True)
 
     def _deadlocked(self, state: dict[str, Any], me: str) -> bool:
-        """Every process that pins or downloads something is itself waiting for room."""
+        """Every owner that pins or demand-downloads something is itself waiting for room (a prefetch
+        in flight ends on its own and leaves an evictable file, so it holds nobody up for good)."""
         holders = {o for pins in state["pins"].values() for o, n in pins.items() if n > 0}
-        holders |= {r["owner"] for r in state["reserved"].values()}
+        holders |= {r["owner"] for r in state["reserved"].values() if not r.get("soft")}
         return bool(holders) and holders <= set(state["waiting"]) and me in state["waiting"]
 
     def _give_up_wait(self, me: str) -> None:
@@ -681,8 +816,9 @@ class ShardCache:
         return (
             f"{where}: cache_limit={format_size(self.limit)} ({self.root}) cannot hold the shards in use at once: "
             f"{format_size(pinned)} are pinned by process(es) {', '.join(holders) or '-'} and every one of them "
-            f"waits for room for another shard ({format_size(size)}). Raise cache_limit to at least "
-            f"(processes sharing the cache) x (max_open_shards + 1) x (largest shard), or open fewer shards at once."
+            f"waits for room for another shard ({format_size(size)}). Raise cache_limit to at least the sum, "
+            f"over every reader sharing the cache (each dataset object in each process, loader workers "
+            f"included), of (max_open_shards + 1) x (largest shard), or open fewer shards at once."
         )
 
 

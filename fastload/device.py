@@ -17,7 +17,7 @@ import torch
 
 from fastload.collate import flatten, unflatten
 
-__all__ = ["DeviceStage", "resolve_device"]
+__all__ = ["DeviceStage", "DeviceWideFence", "resolve_device", "use_worker_stream", "worker_stream"]
 
 
 def resolve_device(device: str | int | torch.device | None) -> torch.device | None:
@@ -30,6 +30,44 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device | No
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def worker_stream(device_index: int | None, *, cuda: Any = None) -> Any:
+    """The stream the Loader's worker threads run CUDA work on: the current stream on the Loader's
+    device of the thread that starts them (the consumer's, at `iter(loader)`), so kernels a
+    transform launches are queued before the consumer's next ones and memory they allocate belongs
+    to that stream. None without a CUDA device. `cuda` is injectable for tests."""
+    if device_index is None:
+        return None
+    cuda = torch.cuda if cuda is None else cuda
+    return cuda.current_stream(device_index)
+
+
+def use_worker_stream(device_index: int | None, stream: Any, *, cuda: Any = None) -> None:
+    """In a worker thread: make the Loader's device current (not GPU 0) and `stream` its current stream."""
+    if device_index is None:
+        return
+    cuda = torch.cuda if cuda is None else cuda
+    cuda.set_device(device_index)
+    if stream is not None:
+        cuda.set_stream(stream)
+
+
+class DeviceWideFence:
+    """The fence of a pinned host buffer whose copies the Loader did not issue (`pin_memory`
+    without `device`): the user may have copied from it with `non_blocking=True` on any stream of
+    the device, so an event on one stream cannot tell when it is free. `synchronize()` waits for
+    all work queued on the device up to now (`torch.cuda.synchronize`), then the buffer may be
+    rewritten. It runs where the buffer is reused (a worker thread), not in the consumer."""
+
+    __slots__ = ("_cuda", "device_index")
+
+    def __init__(self, device_index: int, *, cuda: Any = None) -> None:
+        self.device_index = device_index
+        self._cuda = torch.cuda if cuda is None else cuda
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize(self.device_index)
 
 
 class DeviceStage:

@@ -52,7 +52,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from fastload.collate import fast_collate
-from fastload.device import DeviceStage, resolve_device
+from fastload.device import DeviceStage, resolve_device, use_worker_stream, worker_stream
 from fastload.fetch import Fetcher
 from fastload.pinned import BufferRing
 from fastload.pipeline import EpochIterator, ThreadProbe
@@ -495,9 +495,12 @@ def _ring_post(ring: BufferRing) -> Callable[[Any, dict[str, float]], tuple[Any,
 
 
 def _thread_init(worker_init_fn: Callable[[int], None] | None, device_index: int | None) -> Callable[[int], None]:
+    """A worker thread's start: the Loader's CUDA device and the starting thread's current stream on
+    it (see `device.worker_stream`), so CUDA work in a transform is ordered before the consumer's."""
+    stream = worker_stream(device_index)
+
     def init(wid: int) -> None:
-        if device_index is not None:
-            torch.cuda.set_device(device_index)
+        use_worker_stream(device_index, stream)
         if worker_init_fn is not None:
             worker_init_fn(wid)
 

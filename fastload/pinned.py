@@ -6,6 +6,11 @@ bounded by `slots` x the largest batch. A slot is reused only when (a) its fence
 event for an H2D copy reading it) has completed and (b) nothing outside the ring still
 references its storage — a batch the user kept is never overwritten: its slot is retired
 from the ring (freed when the user drops it) and a new slot takes its place.
+
+Whether anything still references a slot is read from torch's storage use count
+(`torch._C._storage_Use_Count`, a private API). Where it is missing or fails, nothing can
+tell a kept batch from a dropped one, so every slot is treated as still referenced: it is
+retired, never rewritten (each batch then gets a fresh buffer).
 """
 
 from __future__ import annotations
@@ -18,15 +23,26 @@ import torch
 
 from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten
 
-__all__ = ["BufferRing", "Slot", "storage_refs"]
+__all__ = ["BufferRing", "Slot", "referenced_beyond", "storage_refs"]
 
 
-def storage_refs(t: torch.Tensor) -> int:
-    """How many tensors/arrays share `t`'s storage (+1 for the temporary handle)."""
+def storage_refs(t: torch.Tensor) -> int | None:
+    """How many tensors/arrays share `t`'s storage (+1 for the temporary handle); None when this
+    torch cannot say (no `torch._C._storage_Use_Count`, or it fails)."""
     fn = getattr(torch._C, "_storage_Use_Count", None)
-    if fn is None:  # pragma: no cover - older torch: assume unshared
-        return 0
-    return int(fn(t.untyped_storage()._cdata))
+    if fn is None:
+        return None
+    try:
+        return int(fn(t.untyped_storage()._cdata))
+    except Exception:  # noqa: BLE001 - a private API: any failure means "unknown"
+        return None
+
+
+def referenced_beyond(t: torch.Tensor, baseline: int | None) -> bool:
+    """Whether something besides its owner (whose own count is `baseline`) may still reference
+    `t`'s storage. True whenever the count is unknown: a buffer is reused only when provably free."""
+    refs = storage_refs(t)
+    return baseline is None or refs is None or refs > baseline
 
 
 class Slot:
@@ -40,7 +56,7 @@ class Slot:
         self.fence: Any = None
 
     def in_use(self) -> bool:
-        return storage_refs(self.buf) > self.baseline
+        return referenced_beyond(self.buf, self.baseline)
 
 
 class BufferRing:
@@ -67,33 +83,41 @@ class BufferRing:
         return Slot(buf)
 
     def acquire(self, nbytes: int) -> Slot:
-        """A free slot of at least `nbytes` (blocks while all `slots` are in flight)."""
-        with self._cond:
-            while True:
-                while self._free:
-                    slot = self._free.popleft()
-                    if slot.fence is not None:
-                        slot.fence.synchronize()
-                        slot.fence = None
-                    if slot.in_use():  # the user kept that batch: leave it to them
-                        self._live -= 1
-                        self.retired += 1
-                        continue
-                    if slot.buf.numel() < nbytes:  # too small: replace
-                        self._live -= 1
-                        continue
-                    return slot
-                if self._live < self.capacity:
+        """A free slot of at least `nbytes` (blocks while all `slots` are in flight).
+
+        A slot's fence is waited on outside the ring's lock: other threads keep releasing and
+        taking slots meanwhile (the slot taken is off the free list, so nobody else can take it).
+        """
+        while True:
+            with self._cond:
+                while not self._free and self._live >= self.capacity:
+                    self._cond.wait(1.0)
+                if not self._free:
                     self._live += 1
-                    break
-                self._cond.wait(1.0)
+                    break  # allocate a new slot, outside the lock
+                slot = self._free.popleft()
+            if slot.fence is not None:
+                slot.fence.synchronize()
+                slot.fence = None
+            if slot.in_use():  # the user kept that batch: leave it to them
+                self._drop(retired=True)
+                continue
+            if slot.buf.numel() < nbytes:  # too small: replace
+                self._drop(retired=False)
+                continue
+            return slot
         try:
             return self._alloc(nbytes)
         except BaseException:
-            with self._cond:
-                self._live -= 1
-                self._cond.notify()
+            self._drop(retired=False)
             raise
+
+    def _drop(self, *, retired: bool) -> None:
+        """A slot leaves the ring (kept by the user, too small, or never allocated)."""
+        with self._cond:
+            self._live -= 1
+            self.retired += retired
+            self._cond.notify()
 
     def release(self, slot: Slot, fence: Any = None) -> None:
         """Give a slot back; `fence` (e.g. a CUDA event) must complete before it is rewritten."""

@@ -25,9 +25,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-from fastload.device import DeviceStage
+from fastload.device import DeviceStage, DeviceWideFence
 from fastload.pinned import BufferRing
 from fastload.stats import LoaderStats
 from fastload.workers import InlineSource, ThreadSource
@@ -213,9 +211,8 @@ class EpochIterator:
             if isinstance(owner, BufferRing):
                 if fence is None and owner.pin and owner.device_index is not None:
                     # pin_memory without `device`: the user may have queued non_blocking copies from
-                    # this slot on their stream; it is rewritten only after those have run
-                    fence = torch.cuda.Event()
-                    fence.record(torch.cuda.current_stream(owner.device_index))
+                    # this slot on any stream; it is rewritten only after all of them have run
+                    fence = DeviceWideFence(owner.device_index)
                 owner.release(token, fence)
             else:
                 owner.release(token)

@@ -4,6 +4,13 @@ Shards are fetched whole (one large GET each, several in parallel by prefetch th
 against the manifest's xxh3 while they are written, renamed into the cache and mmapped from there
 by the reader. Transient errors (HTTP 5xx, resets, timeouts, truncated bodies) are retried with
 exponential backoff and full jitter; when retries run out the error names the URL.
+
+Every wait is bounded (defaults in `RetryPolicy` and `network_options`): each request has a connect
+timeout (`connect_timeout`, 5 s) and a read timeout (`read_timeout`, 15 s: no byte for that long
+fails the attempt); the file system's own inner retries are turned off so that `RetryPolicy` alone
+counts attempts, and no attempt starts once its total budget (`RetryPolicy.total`, 30 s) is spent.
+A server that accepts connections and never answers, or one that is gone, therefore ends in a
+`RemoteFetchError` naming the URL and the attempts within about total + connect + read timeout.
 """
 
 from __future__ import annotations
@@ -29,7 +36,19 @@ from .formats.errors import ChecksumError, FormatError
 from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from .formats.units import format_size
 
-__all__ = ["RemoteFetchError", "RemoteStorage", "RetryPolicy", "is_remote_url", "is_transient"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "READ_TIMEOUT_S",
+    "RemoteFetchError",
+    "RemoteStorage",
+    "RetryPolicy",
+    "is_remote_url",
+    "is_transient",
+    "network_options",
+]
+
+CONNECT_TIMEOUT_S = 5.0  # to open a connection
+READ_TIMEOUT_S = 15.0  # with no byte received, per read of a response
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -134,14 +153,44 @@ class RemoteFetchError(OSError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retry `attempts` times in all, sleeping uniform(0, min(cap, base * 2**k)) before retry k."""
+    """At most `attempts` attempts in all, sleeping uniform(0, min(cap, base * 2**k)) before retry k;
+    no attempt starts (and no sleep runs) past `total` seconds after the first one started.
+    Defaults: 10 attempts, base 0.1 s, cap 5 s, total 30 s."""
 
     attempts: int = 10
     base: float = 0.1
     cap: float = 5.0
+    total: float = 30.0
 
     def delay(self, k: int) -> float:
         return random.uniform(0.0, min(self.cap, self.base * (2**k)))
+
+
+def network_options(
+    url: str, options: dict[str, Any], *, connect_timeout: float, read_timeout: float
+) -> dict[str, Any]:
+    """fsspec `storage_options` for `url` with connect/read timeouts and no inner retries added
+    where the caller gave none (s3: botocore's `connect_timeout`, `read_timeout`, one attempt;
+    http(s): an aiohttp `ClientTimeout`; other protocols: `timeout`, when they take one)."""
+    protocol = url.split("://", 1)[0].lower()
+    opts = dict(options)
+    if protocol in ("s3", "s3a"):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", connect_timeout)
+        config.setdefault("read_timeout", read_timeout)
+        config.setdefault("retries", {"total_max_attempts": 1})  # botocore: the first try only
+        opts["config_kwargs"] = config
+    elif protocol in ("http", "https"):
+        import aiohttp
+
+        client = dict(opts.get("client_kwargs") or {})
+        client.setdefault(
+            "timeout", aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
+        )
+        opts["client_kwargs"] = client
+    elif protocol in ("gs", "gcs", "abfs", "az"):
+        opts.setdefault("timeout", connect_timeout + read_timeout)
+    return opts
 
 
 def _status(exc: BaseException) -> int | None:
@@ -209,6 +258,11 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _exact(nbytes: int) -> str:
+    """A budget to recommend: exact bytes (a rounded size could fall short), with the readable size."""
+    return f"{nbytes} ({format_size(nbytes)})"
+
+
 def is_remote_url(path: Any) -> bool:
     """True for "proto://..." strings other than plain local paths."""
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
@@ -216,9 +270,16 @@ def is_remote_url(path: Any) -> bool:
 
 def _retry(fn: Callable[[], T], *, url: str, policy: RetryPolicy, stop: threading.Event | None = None) -> T:
     last: BaseException | None = None
+    start = time.monotonic()
+    deadline = start + policy.total
+    made = 0
     for k in range(max(1, policy.attempts)):
         if k:
-            time.sleep(policy.delay(k - 1))
+            pause = policy.delay(k - 1)
+            if time.monotonic() + pause >= deadline:
+                break
+            time.sleep(pause)
+        made += 1
         try:
             return fn()
         except Exception as exc:
@@ -230,8 +291,10 @@ def _retry(fn: Callable[[], T], *, url: str, policy: RetryPolicy, stop: threadin
             log.debug("transient error on %s (attempt %d/%d): %r", url, k + 1, policy.attempts, exc)
             if stop is not None and stop.is_set():
                 break
+    took = time.monotonic() - start
     raise RemoteFetchError(
-        f"{url}: giving up after {policy.attempts} attempts; last error {type(last).__name__}: {last}"
+        f"{url}: giving up after {made} attempts in {took:.1f}s (retry budget {policy.attempts} attempts, "
+        f"{policy.total:g}s); last error {type(last).__name__}: {last}"
     ) from last
 
 
@@ -243,6 +306,20 @@ class RemoteStorage:
     `CacheBudgetError` otherwise). When None it is chosen from the budget (at most 64).
     `prefetch(names)` hands over the upcoming shard order; `prefetch_depth` shards are kept
     fetched ahead of the last acquired one by `fetch_threads` threads.
+
+    Every reader (this object in each process it is pickled into: loader workers too) claims
+    `(max_open_shards + 1) x largest shard` of the shared cache while it holds shards (from the
+    acquire that pins its first shard to the release of its last); a claim that does not fit next
+    to the other active readers' claims raises `CacheBudgetError` naming the budget needed,
+    instead of a deadlock later. The minimum `cache_limit` for readers sharing one cache
+    directory is the sum of their claims. When `max_open_shards` is None it is chosen from the budget
+    left by the readers that claimed before (at most 64).
+
+    Network waits: `connect_timeout` and `read_timeout` (seconds, defaults `CONNECT_TIMEOUT_S` = 5
+    and `READ_TIMEOUT_S` = 15) are added to `storage_options` where it sets none (see
+    `network_options`); `retry` bounds the attempts and their total time (default `RetryPolicy()`:
+    10 attempts, 30 s). `verify`: see `ShardCache` ("once" by default: every cached shard is hashed
+    against the manifest before its first use in each process).
     """
 
     def __init__(
@@ -256,13 +333,17 @@ class RemoteStorage:
         prefetch_depth: int = 8,
         fetch_threads: int = 4,
         retry: RetryPolicy | None = None,
-        verify: str = "stat",
+        verify: str = "once",
         fsync: bool = False,
         wait_timeout: float = 600.0,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        read_timeout: float = READ_TIMEOUT_S,
     ) -> None:
         self.url = url.rstrip("/")
         self.root = self.url
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = network_options(
+            self.url, dict(storage_options or {}), connect_timeout=connect_timeout, read_timeout=read_timeout
+        )
         self.retry = retry or RetryPolicy()
         self.prefetch_depth = max(0, int(prefetch_depth))
         self.fetch_threads = max(1, int(fetch_threads))
@@ -273,6 +354,8 @@ class RemoteStorage:
         self._reset_process_state()
         manifest = Manifest.loads(self.read_small(MANIFEST_NAME), where=f"{self.url}/{MANIFEST_NAME}")
         self.max_open_shards = self._check_budget(manifest, max_open_shards)
+        self._biggest = max((s.bytes for s in manifest.shards), default=0)
+        self._num_shards = len(manifest.shards)
 
     def _check_budget(self, manifest: Manifest, max_open_shards: int | None) -> int:
         biggest = max((s.bytes for s in manifest.shards), default=0)
@@ -280,12 +363,14 @@ class RemoteStorage:
             return max_open_shards or 1
         limit = self.cache.limit
         if max_open_shards is None:
-            fits = limit // biggest - 1
+            others = self.cache.claimed_by_others()
+            fits = (limit - others) // biggest - 1
             if fits < 1:
                 raise CacheBudgetError(
-                    f"{self.url}: cache_limit={format_size(limit)} is below 2 shards of {format_size(biggest)} "
-                    f"(the reader maps one shard and pins the next while it swaps); "
-                    f"use cache_limit >= {format_size(2 * biggest)}"
+                    f"{self.url}: cache_limit={format_size(limit)} leaves {format_size(max(0, limit - others))} "
+                    f"next to the {format_size(others)} other readers of {self.cache.root} claim, below 2 shards "
+                    f"of {format_size(biggest)} (the reader maps one shard and pins the next while it swaps); "
+                    f"use cache_limit >= {_exact(others + 2 * biggest)}"
                 )
             return int(min(64, fits, len(manifest.shards)))
         need = (int(max_open_shards) + 1) * biggest
@@ -293,7 +378,7 @@ class RemoteStorage:
             raise CacheBudgetError(
                 f"{self.url}: cache_limit={format_size(limit)} cannot hold max_open_shards + 1 = "
                 f"{max_open_shards + 1} shards of up to {format_size(biggest)} that a reader pins at once; "
-                f"use cache_limit >= {format_size(need)} or a smaller max_open_shards"
+                f"use cache_limit >= {_exact(need)} or a smaller max_open_shards"
             )
         return int(max_open_shards)
 
@@ -313,6 +398,8 @@ class RemoteStorage:
             "_id",
             "_small",
             "max_open_shards",
+            "_biggest",
+            "_num_shards",
         )
         return {k: self.__dict__[k] for k in keep}
 
@@ -338,6 +425,7 @@ class RemoteStorage:
         self._taken: set[str] = set()  # plan entries acquired since the plan was set
         self._manifest_cache: dict[str, tuple[int, str]] | None = None
         self._stream_ok = True
+        self._claimed = False
         self.stats = {"fetched": 0, "fetched_bytes": 0, "prefetched": 0, "retries": 0}
 
     def _check_pid(self) -> None:
@@ -348,9 +436,29 @@ class RemoteStorage:
     def fs(self) -> Any:
         self._check_pid()
         if self._fs is None:
-            fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            # an instance of our own: its inner retries are turned off below, which a shared one must keep
+            fs, path = fsspec.core.url_to_fs(self.url, **{"skip_instance_cache": True, **self.storage_options})
+            if isinstance(getattr(fs, "retries", None), int):
+                fs.retries = 1  # s3fs retries some errors itself (5 times): `RetryPolicy` alone counts attempts
             self._fs, self._fs_root = fs, path.rstrip("/")
         return self._fs
+
+    def claim_budget(self) -> None:
+        """Claim this reader's share of the cache (`(max_open_shards + 1) x largest shard`): raises
+        `CacheBudgetError` when it does not fit next to the claims of the other live readers."""
+        need = min(self.max_open_shards + 1, max(1, self._num_shards)) * self._biggest
+        others = self.cache.claim(need)
+        if others + need > self.cache.limit:
+            self.cache.claim(0)
+            raise CacheBudgetError(
+                f"{self.url}: cache_limit={format_size(self.cache.limit)} ({self.cache.root}) cannot hold this "
+                f"reader's {min(self.max_open_shards + 1, self._num_shards)} shards of up to "
+                f"{format_size(self._biggest)} (max_open_shards + 1) next to the {format_size(others)} that other "
+                f"readers sharing the cache claim; use cache_limit >= {_exact(others + need)} (the sum over "
+                f"every reader: each dataset object in each process, loader workers included) or a smaller "
+                f"max_open_shards"
+            )
+        self._claimed = True
 
     def remote_path(self, name: str) -> str:
         """The fsspec path of a dataset-relative name (absolute paths and '..' are refused)."""
@@ -384,6 +492,8 @@ class RemoteStorage:
         """Local path of shard `name` (fetched and verified if needed), pinned until `release`."""
         self._check_pid()
         self.remote_path(name)
+        if not self._claimed:
+            self.claim_budget()
         key = self._key(name, size, xxh3)
         with self._lock:
             self._keys[name] = key
@@ -402,6 +512,9 @@ class RemoteStorage:
             self._cond.notify_all()
         if key is not None:
             self.cache.release(key)
+            if self._claimed and not self.cache.pinned_keys():  # idle now: its share is free for others
+                self._claimed = False
+                self.cache.claim(0)
 
     def prefetch(self, names: list[str], *, sizes: dict[str, tuple[int, str]] | None = None) -> None:
         """Upcoming shards in the order they will be acquired; replaces any earlier plan.

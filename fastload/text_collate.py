@@ -10,6 +10,7 @@ batch on the GPU; results equal the CPU path exactly.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,40 +64,70 @@ def _to_tensor(value: Any) -> Any:
     return value
 
 
-class _PinnedStaging:
-    """A ring of pinned host buffers: pack several arrays, copy them to the device in one transfer."""
+class _Slot:
+    __slots__ = ("buf", "event")
 
-    def __init__(self, *, slots: int = 4) -> None:
-        self._bufs: list[torch.Tensor | None] = [None] * slots
-        self._events: list[Any] = [None] * slots
-        self._next = 0
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.event: Any = None  # the H2D copy out of `buf` (recorded on the copying stream)
+
+
+class _PinnedStaging:
+    """A ring of pinned host buffers: pack several arrays, copy them to the device in one transfer.
+
+    Every CUDA call runs under `cuda.device(device)` (the pinned allocation too: no context lands
+    on GPU 0), the copy and its event go on `device`'s current stream, and a slot's previous copy
+    is waited for outside the ring's lock (the slot is off the free list meanwhile). `cuda` and
+    `pin` are injectable for tests without a GPU.
+    """
+
+    def __init__(self, *, slots: int = 4, cuda: Any = None, pin: bool = True) -> None:
+        self._cuda = torch.cuda if cuda is None else cuda
+        self._pin = pin
+        self._free: deque[_Slot] = deque(_Slot() for _ in range(slots))
+        self._cond = threading.Condition()
 
     def transfer(self, parts: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
         spans, total = [], 0
         for p in parts:
             spans.append((total, p.nbytes))
             total += _pad_up(p.nbytes, 8)  # keep every part 8-byte aligned for the typed views
-        with self._lock:
-            slot = self._next
-            self._next = (slot + 1) % len(self._bufs)
-            if self._events[slot] is not None:
-                self._events[slot].synchronize()  # the previous copy out of this slot has finished
-            buf = self._bufs[slot]
-            if buf is None or buf.numel() < total:
-                buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8, pin_memory=True)
-                self._bufs[slot] = buf
-            host = buf.numpy()
-            for p, (start, nbytes) in zip(parts, spans):
-                host[start : start + nbytes] = np.ascontiguousarray(p).view(np.uint8).reshape(-1)
-            dev = buf[:total].to(device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._events[slot] = event
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            slot = self._free.popleft()
+        try:
+            if slot.event is not None:
+                slot.event.synchronize()  # the previous copy out of this slot has finished
+                slot.event = None
+            cuda = self._cuda
+            with cuda.device(device):
+                if slot.buf is None or slot.buf.numel() < total:
+                    slot.buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8, pin_memory=self._pin)
+                host = slot.buf.numpy()
+                for p, (start, nbytes) in zip(parts, spans):
+                    host[start : start + nbytes] = np.ascontiguousarray(p).view(np.uint8).reshape(-1)
+                stream = cuda.current_stream(device)  # where `.to` below enqueues the copy
+                dev = slot.buf[:total].to(device, non_blocking=True)
+                event = cuda.Event()
+                event.record(stream)
+                slot.event = event
+        finally:
+            with self._cond:
+                self._free.append(slot)
+                self._cond.notify()
         return [
             dev[start : start + nbytes].view(torch.from_numpy(np.empty(0, p.dtype)).dtype).reshape(p.shape)
             for p, (start, nbytes) in zip(parts, spans)
         ]
+
+
+def _check_fits(name: str, value: int, dtype: np.dtype, what: str) -> None:
+    if dtype.kind not in "iu":
+        return
+    info = np.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise ValueError(f"TextCollate: {name}={value} does not fit {what} {dtype} (range {info.min}..{info.max})")
 
 
 class TextCollate:
@@ -151,6 +182,8 @@ class TextCollate:
         self.mask_dtype = mask_dtype
         self._np_mask_dtype = torch.empty(0, dtype=mask_dtype).numpy().dtype
         self.device = torch.device(device) if device is not None else None
+        _check_fits("pad_value", self.pad_value, self._np_dtype, "the output dtype")
+        _check_fits("labels_pad_value", self.labels_pad_value, np.dtype(np.int64), "the labels dtype")
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -292,6 +325,8 @@ class TextCollate:
     # ----------------------------------------------------------------------------- entry
     def __call__(self, batch: Any) -> dict[str, Any]:
         values, offsets, extras = self._split(batch)
+        # the device path pads in the tokens' own dtype: the same check on both paths
+        _check_fits("pad_value", self.pad_value, values.dtype, f"the {self.field!r} tokens' dtype")
         values, offsets, lens = _truncate(values, offsets, self.max_len)
         length = _pad_up(int(lens.max()) if len(lens) else 0, self.pad_to_multiple_of)  # padded mode's L
         if self.mode == "padded":

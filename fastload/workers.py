@@ -34,12 +34,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as torch_worker
 
 from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
-from fastload.pinned import storage_refs
+from fastload.pinned import referenced_beyond, storage_refs
 from fastload.system import usable_cores
 
 __all__ = ["STEAL_MODES", "InlineSource", "ProcessSource", "ThreadPool", "ThreadSource", "WorkerError", "resolve_steal"]
@@ -399,6 +400,32 @@ def _stop_threads(shared: _Shared, num_workers: int) -> None:
 
 
 # ---------------------------------------------------------------- process workers
+PARENT_POLL_S = 0.5  # how often a worker process checks that its parent still runs
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started (None if it does not run, or is a zombie)."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except psutil.Error:
+        return None
+
+
+def _parent_alive(parent_pid: int, parent_start: float | None) -> bool:
+    """Whether the process that started the workers still runs: it is our parent (fork, spawn), or
+    (forkserver: the server is our parent) a process with its pid and start time exists."""
+    if os.getppid() == parent_pid:
+        return True
+    return parent_start is not None and _process_start(parent_pid) == parent_start
+
+
+def _watch_parent(parent_pid: int, parent_start: float | None) -> None:
+    """A worker's watchdog thread: ends the worker process within `PARENT_POLL_S` once its parent is
+    gone (SIGKILLed, crashed), also while the worker's main thread is inside a long transform."""
+    while _parent_alive(parent_pid, parent_start):
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)  # nothing to flush: batches go to a parent that no longer exists
 
 
 def _worker_main(
@@ -413,6 +440,10 @@ def _worker_main(
 ) -> None:
     """Worker process loop: tasks `(gen, j, indices, slot_id, retired_ids)` or None to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns Ctrl-C and shuts us down
+    parent_start = _process_start(parent_pid)
+    threading.Thread(
+        target=_watch_parent, args=(parent_pid, parent_start), name="fastload-watchdog", daemon=True
+    ).start()
     result_q.cancel_join_thread()
     torch.set_num_threads(1)
     seed = base_seed + wid
@@ -433,7 +464,7 @@ def _worker_main(
         try:
             task = task_q.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:
+            if not _parent_alive(parent_pid, parent_start):
                 return
             continue
         if task is None:
@@ -524,7 +555,7 @@ class ProcessSource:
             p.start()
             self.procs.append(p)
         self.gen = 0
-        self._slots: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        self._slots: dict[tuple[int, int], tuple[torch.Tensor, int | None]] = {}
         self._free: list[deque[int]] = [deque() for _ in range(num_workers)]
         self._next_sid = [0] * num_workers
         self._retired: list[list[int]] = [[] for _ in range(num_workers)]
@@ -608,7 +639,7 @@ class ProcessSource:
         if entry is None:
             return
         buf, baseline = entry
-        if storage_refs(buf) > baseline:
+        if referenced_beyond(buf, baseline):
             del self._slots[(w, sid)]
             self._retired[w].append(sid)
         else:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
 import xxhash
 
-from fastload.cache import CacheBudgetError, Download, ShardCache
+from fastload.cache import CacheBudgetError, CacheStateError, Download, ShardCache
 from fastload.formats.errors import ChecksumError
 
 KB = 1000
@@ -140,17 +141,37 @@ def test_truncated_cached_file_is_refetched(tmp_path):
     assert src.fetches == [2, 2]
 
 
+def _damage_state(root) -> None:
+    for name in ("state.0.json", "state.1.json"):
+        with open(os.path.join(root, name), "r+b") as fh:
+            fh.write(b"{not json")
+
+
 def test_state_file_damage_is_rebuilt(tmp_path):
+    """Damage found by the only user (e.g. after a power loss) is rebuilt from the directory."""
     cache, src = ShardCache(tmp_path, limit="1MB"), Source()
     src.acquire(cache, 1)
     cache.release("k1")
-    for name in ("state.0.json", "state.1.json"):
-        with open(os.path.join(tmp_path, name), "r+b") as fh:
-            fh.write(b"{not json")
+    cache.close()
+    _damage_state(tmp_path)
     again = ShardCache(tmp_path, limit="1MB")
     assert again.contains("k1")
     assert read(src.acquire(again, 1)) == blob(1)
     assert src.fetches == [1]
+
+
+def test_state_damage_under_live_pins_fails_clearly_and_keeps_own_pins(tmp_path):
+    holder, src = ShardCache(tmp_path, limit="1MB"), Source()
+    src.acquire(holder, 1)  # pinned by a live user
+    _damage_state(tmp_path)
+    with pytest.raises(CacheStateError, match=r"shared state is damaged .* it holds their pins"):
+        ShardCache(tmp_path, limit="1MB")
+    # alone again, the holder rebuilds the state and writes its own pin back from its ledger
+    assert set(holder.state()["pins"]) == {"k1"}
+    src.acquire(holder, 2)
+    holder.release("k1")
+    holder.release("k2")
+    assert holder.state()["pins"] == {}
 
 
 def test_torn_state_update_leaves_the_previous_state(tmp_path):
@@ -276,3 +297,101 @@ def test_other_process_pins_block_eviction_until_released(tmp_path):
     assert not cache.contains("k1") and cache.contains("k2")
     proc.join(30)
     assert proc.exitcode == 0
+
+
+# -- one pin ledger ----------------------------------------------------------------------------------
+def test_threads_acquiring_one_missing_shard_leave_no_pin(tmp_path):
+
+    cache = ShardCache(tmp_path, limit="1MB")
+    slow = threading.Event()
+
+    def fetch(dl: Download) -> None:
+        slow.wait(5)
+        dl.write(blob(1))
+
+    paths: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: paths.append(cache.acquire("k1", **meta(1), fetch=fetch))) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    slow.set()
+    for t in threads:
+        t.join(10)
+    assert len(paths) == 4 and cache.pinned_keys() == {"k1": 4}
+    assert set(cache.state()["pins"]) == {"k1"}
+    for _ in range(4):
+        cache.release("k1")
+    assert cache.state()["pins"] == {} and cache.pinned_keys() == {}
+    cache.clear()  # evictable again
+    assert not cache.contains("k1")
+
+
+def _stress(root: str, seed: int, rounds: int, threads: int) -> None:
+    import random
+
+    cache = ShardCache(root, limit=1000 * KB, deadlock_grace=30)
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        rng = random.Random(seed * 100 + t)
+        src = Source()
+        try:
+            for _ in range(rounds):
+                keys = rng.sample(range(6), 2) if rng.random() < 0.5 else [0, 0]  # different and the same
+                for i in keys:
+                    assert read(src.acquire(cache, i)) == blob(i)
+                time.sleep(rng.random() * 0.005)
+                for i in keys:
+                    cache.release(f"k{i}")
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    assert cache.pinned_keys() == {}
+
+
+def test_stress_threads_by_processes_leave_no_pin(tmp_path):
+    """4 processes x 4 threads acquire the same and different shards concurrently (16 holders of at
+    most 2 pins over 6 distinct shards fit the 10-shard budget); afterwards no pin, reservation,
+    waiter or temp file is left."""
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_stress, args=(str(tmp_path), seed, 15, 4)) for seed in range(3)]
+    for p in procs:
+        p.start()
+    _stress(str(tmp_path), 9, 15, 4)
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    state = ShardCache(tmp_path, limit=1000 * KB).state()
+    assert state["pins"] == {} and state["reserved"] == {} and state["waiting"] == {}
+    assert os.listdir(os.path.join(tmp_path, "tmp")) == []
+
+
+def test_default_mode_hashes_a_cached_shard_with_its_stamp_restored(tmp_path):
+    """Default settings: a cached file damaged with size and mtime restored (the inode and the recorded
+    stamp match) is hashed before its first use by a new cache object, evicted and fetched again."""
+    src = Source()
+    cache = ShardCache(tmp_path, limit="1MB")
+    assert cache.verify == "once"
+    path = src.acquire(cache, 1)
+    cache.release("k1")
+    cache.close()
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.seek(5000)
+        fh.write(b"\xff\xfe\xfd")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_ino == st.st_ino and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    fresh = ShardCache(tmp_path, limit="1MB")
+    assert read(src.acquire(fresh, 1)) == blob(1)
+    assert src.fetches == [1, 1]
+    fresh.release("k1")
+    assert fresh.state()["pins"] == {}

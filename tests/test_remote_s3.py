@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -391,3 +392,210 @@ def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the
     st._get_into(st.remote_path(info.file), full)  # the connection pool still works
     assert sum(map(len, full.parts)) == info.bytes
     ds.close()
+
+
+# -- budget: bytes on disk, readers sharing one cache --------------------------------------------------
+def _dir_bytes(root: str) -> int:
+    total = 0
+    for sub in ("data", "tmp"):
+        with os.scandir(os.path.join(root, sub)) as it:
+            for de in it:
+                with contextlib.suppress(FileNotFoundError):
+                    total += de.stat().st_size
+    return total
+
+
+def test_disk_bytes_stay_within_budget_at_every_moment(remote, local_ds, proxy, tmp_path):
+    """A 3.2-shard budget with prefetching: a thread samples the bytes in data/ + tmp/ (downloads in
+    flight included) all through two epochs."""
+    local = FastloadDataset(local_ds)
+    biggest = max(s.bytes for s in local.manifest.shards)
+    limit = int(3.2 * biggest)
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=limit, prefetch_depth=2)
+    stop, peak, samples = threading.Event(), [0], [0]
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _dir_bytes(str(tmp_path)))
+            samples[0] += 1
+            time.sleep(0.0005)
+
+    sampler_thread = threading.Thread(target=sample)
+    sampler_thread.start()
+    try:
+        sampler = ShardWindowSampler.from_dataset(ds, window=1, seed=2)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            assert (run_epoch(ds, local, sampler, batch=32)["seen"] == 1).all()
+    finally:
+        stop.set()
+        sampler_thread.join()
+    assert samples[0] > 100 and 0 < peak[0] <= limit, (peak[0] / biggest, samples[0])
+    assert ds.storage.stats["fetched"] > local.num_shards  # evictions happened: the budget was tight
+
+
+def _read_epoch(ds: FastloadDataset, local: FastloadDataset, seed: int, errors: list) -> None:
+    try:
+        out = run_epoch(ds, local, ShardWindowSampler.from_dataset(ds, window=2, seed=seed), batch=32)
+        assert (out["seen"] == 1).all()
+    except BaseException as exc:  # noqa: BLE001 - checked by the test
+        errors.append(exc)
+
+
+def test_two_readers_in_one_process_at_the_documented_minimum(remote, local_ds, proxy, tmp_path):
+    """Minimum = the sum of the readers' (max_open_shards + 1) x largest shard; the error for a third
+    reader names the budget it needs, and that budget works."""
+    local = FastloadDataset(local_ds)
+    biggest = max(s.bytes for s in local.manifest.shards)
+    limit = 2 * (1 + 1) * biggest
+    readers = [
+        open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=limit, max_open_shards=1) for _ in range(2)
+    ]
+    errors: list = []
+    threads = [threading.Thread(target=_read_epoch, args=(ds, local, seed, errors)) for seed, ds in enumerate(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    for ds in readers:  # both reading again: a third reader does not fit next to them
+        ds[0]
+    third = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=limit, max_open_shards=1)
+    with pytest.raises(CacheBudgetError, match=r"use cache_limit >= ") as info:
+        third[0]
+    need = int(info.value.args[0].split("use cache_limit >= ")[1].split(" ")[0])
+    assert need == 3 * 2 * biggest
+    roomy = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit=need, max_open_shards=1)
+    _read_epoch(roomy, local, 5, errors)
+    assert errors == []
+
+
+def _minimum_budget_process(url: str, endpoint: str, cache_dir: str, limit: int, local_dir: str, seed: int, barrier):
+    ds = open_remote(url, endpoint, cache_dir=cache_dir, cache_limit=limit, max_open_shards=1)
+    barrier.wait()
+    errors: list = []
+    _read_epoch(ds, FastloadDataset(local_dir), seed, errors)
+    if errors:
+        raise errors[0]
+
+
+def test_two_processes_at_the_documented_minimum(remote, local_ds, proxy, tmp_path):
+    biggest = max(s.bytes for s in FastloadDataset(local_ds).manifest.shards)
+    limit = 2 * (1 + 1) * biggest
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    args = (remote, proxy.endpoint, str(tmp_path), limit, local_ds)
+    procs = [ctx.Process(target=_minimum_budget_process, args=(*args, seed, barrier)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_cached_shard_damaged_with_stamp_restored_is_refetched(remote, local_ds, proxy, tmp_path):
+    local = FastloadDataset(local_ds)
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB")
+    sampler = ShardWindowSampler.from_dataset(ds, window=2, seed=1)
+    run_epoch(ds, local, sampler)
+    ds.storage.cache.close()
+    data_dir = os.path.join(tmp_path, "data")
+    victim = os.path.join(data_dir, sorted(os.listdir(data_dir))[0])
+    st = os.stat(victim)
+    with open(victim, "r+b") as fh:
+        fh.seek(st.st_size // 2)
+        byte = fh.read(1)
+        fh.seek(st.st_size // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    proxy.reset_counts()
+    again = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB")
+    assert (run_epoch(again, local, sampler)["seen"] == 1).all()
+    assert shard_gets(proxy) == 1  # the damaged shard, and only it, was fetched again
+
+
+# -- bounded waits -------------------------------------------------------------------------------------
+class FrozenServer:
+    """Accepts TCP connections on 127.0.0.1 and never answers."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list = []
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            self.accepted += 1
+
+    def stop(self) -> None:
+        import socket
+
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(5)
+        for c in self.conns:
+            c.close()
+
+
+SHORT_WAITS = {
+    "connect_timeout": 0.5,
+    "read_timeout": 0.5,
+    "retry": RetryPolicy(attempts=4, base=0.05, cap=0.1, total=3),
+}
+
+
+def test_frozen_server_ends_in_a_clear_error(tmp_path):
+    server = FrozenServer()
+    try:
+        opts = storage_options(f"http://127.0.0.1:{server.port}")
+        del opts["config_kwargs"]  # RemoteStorage's own timeouts apply
+        t0 = time.monotonic()
+        pattern = r"s3://data/ds/index\.json: giving up after \d+ attempts in .*ReadTimeoutError"
+        with pytest.raises(RemoteFetchError, match=pattern):
+            RemoteStorage("s3://data/ds", storage_options=opts, cache_dir=tmp_path, cache_limit="10MB", **SHORT_WAITS)
+        took = time.monotonic() - t0
+        assert took < 10, took  # budget 3 s + one attempt (0.5 s connect + 0.5 s read) + client start-up
+        assert server.accepted >= 1  # connected, then each attempt timed out on the read
+    finally:
+        server.stop()
+
+
+def test_server_killed_mid_epoch_ends_in_a_clear_error(local_ds, tmp_path):
+    server = MotoServer().start()
+    try:
+        client = server.client()
+        client.create_bucket(Bucket="data")
+        upload_dir(client, local_ds, "data", "ds")
+        opts = storage_options(server.endpoint)
+        del opts["config_kwargs"]
+        storage = RemoteStorage(
+            "s3://data/ds",
+            storage_options=opts,
+            cache_dir=tmp_path,
+            cache_limit="10MB",
+            prefetch_depth=0,
+            **SHORT_WAITS,
+        )
+        ds = FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
+        assert ds[0]["label"] == 0
+        server.kill()
+        last = ds.manifest.shards[-1].file
+        t0 = time.monotonic()
+        with pytest.raises(RemoteFetchError, match=rf"s3://data/ds/{last}: giving up after \d+ attempts"):
+            ds[len(ds) - 1]
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.kill()

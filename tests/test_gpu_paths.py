@@ -1,0 +1,255 @@
+"""GPU-path choices: the pad_value check on both paths, the staging ring's device guard, stream and
+lock discipline, the ring's fence wait outside its lock, worker threads' device and stream.
+
+CPU tests drive the CUDA-facing code through fakes of `torch.cuda`; the CUDA tests skip without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fastload.device import use_worker_stream, worker_stream
+from fastload.formats.ragged import Ragged
+from fastload.loader import _thread_init
+from fastload.pinned import BufferRing
+from fastload.text_collate import TextCollate, _PinnedStaging
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _tokens(dtype=np.uint16) -> Ragged:
+    return Ragged(np.arange(1, 8, dtype=dtype), np.array([0, 3, 7], dtype=np.int64))
+
+
+# -- pad_value ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", [None, "cpu", "cuda"])
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_pad_value_outside_the_token_dtype_raises_on_every_path(device, mode):
+    """The check runs before the path is chosen: a CUDA collate raises here without touching CUDA."""
+    collate = TextCollate(pad_value=-1, mode=mode, device=device)
+    with pytest.raises(ValueError, match=r"pad_value=-1 does not fit the 'input_ids' tokens' dtype uint16"):
+        collate({"input_ids": _tokens()})
+    assert TextCollate(pad_value=7, mode=mode)({"input_ids": _tokens()})["input_ids"].dtype == torch.int64
+
+
+def test_pad_values_outside_the_output_dtypes_raise_at_construction():
+    with pytest.raises(ValueError, match=r"pad_value=300 does not fit the output dtype uint8"):
+        TextCollate(pad_value=300, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"labels_pad_value=.* does not fit the labels dtype int64"):
+        TextCollate(labels=True, labels_pad_value=2**63)
+
+
+# -- the staging ring through a fake torch.cuda ---------------------------------------------------------
+class FakeStream:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+class FakeCuda:
+    """Records which device is current when each call happens."""
+
+    def __init__(self, lock_free) -> None:
+        self.current: torch.device | None = None
+        self.calls: list[tuple[str, object, object]] = []
+        self.lock_free = lock_free
+        fake = self
+
+        class Event:
+            def record(self, stream) -> None:
+                fake.calls.append(("record", stream.device, fake.current))
+
+            def synchronize(self) -> None:
+                fake.calls.append(("synchronize", fake.lock_free(), fake.current))
+
+        self.Event = Event
+
+    @contextlib.contextmanager
+    def device(self, device):
+        before, self.current = self.current, torch.device(device)
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def current_stream(self, device) -> FakeStream:
+        self.calls.append(("current_stream", torch.device(device), self.current))
+        return FakeStream(torch.device(device))
+
+
+def _free_from_another_thread(cond: threading.Condition) -> bool:
+    got: list[bool] = []
+
+    def probe() -> None:
+        ok = cond.acquire(timeout=0.5)
+        got.append(ok)
+        if ok:
+            cond.release()
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return got[0]
+
+
+def test_staging_guards_the_device_records_on_its_stream_and_waits_outside_the_lock(monkeypatch):
+    staging = _PinnedStaging(slots=1, pin=False, cuda=None)
+    fake = FakeCuda(lambda: _free_from_another_thread(staging._cond))
+    staging._cuda = fake
+    allocated_under: list[object] = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        allocated_under.append(fake.current)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    target = torch.device("meta")  # a device `.to` reaches without a GPU; the fake sees which one is used
+    parts = [np.arange(3, dtype=np.int64), np.arange(5, dtype=np.uint16)]
+    out = staging.transfer(parts, target)
+    assert [t.device for t in out] == [target, target] and [t.shape for t in out] == [(3,), (5,)]
+    assert out[1].dtype == torch.uint16
+    staging.transfer(parts, target)  # the one slot again: its first copy is waited for
+    assert allocated_under == [target]  # the pinned allocation ran under the target device's guard
+    records = [c for c in fake.calls if c[0] == "record"]
+    assert records == [("record", target, target)] * 2  # on the target device's stream, under its guard
+    syncs = [c for c in fake.calls if c[0] == "synchronize"]
+    assert syncs == [("synchronize", True, None)]  # outside the lock, before any device guard
+
+
+def test_staging_round_trips_bytes_on_cpu():
+    staging = _PinnedStaging(slots=2, pin=False, cuda=FakeCuda(lambda: True))
+    staging._cuda.device = lambda d: contextlib.nullcontext()
+    parts = [np.array([0, 5, 9], dtype=np.int64), np.arange(9, dtype=np.int32) * 7]
+    for _ in range(3):
+        out = staging.transfer(parts, torch.device("cpu"))
+        assert [o.numpy().tolist() for o in out] == [p.tolist() for p in parts]
+
+
+# -- the buffer ring waits on a fence outside its lock --------------------------------------------------
+def test_ring_waits_on_a_fence_outside_its_lock():
+    ring = BufferRing(1, pin=False)
+    seen: list[bool] = []
+
+    class Fence:
+        def synchronize(self) -> None:
+            seen.append(_free_from_another_thread(ring._cond))
+
+    first, slot = ring.write({"x": torch.arange(4)})
+    del first  # dropped by the user: the slot may be rewritten once its fence completes
+    ring.release(slot, Fence())
+    out, again = ring.write({"x": torch.arange(4) + 1})
+    assert seen == [True] and again is slot and out["x"].tolist() == [1, 2, 3, 4]
+
+
+# -- worker threads: the Loader's device and the consumer's stream -----------------------------------------
+class FakeThreadCuda:
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.log: list[tuple[str, object, str]] = []
+
+    def current_stream(self, index: int) -> tuple[str, int, str]:
+        return ("stream", index, threading.current_thread().name)
+
+    def set_device(self, index: int) -> None:
+        self.log.append(("set_device", index, threading.current_thread().name))
+
+    def set_stream(self, stream) -> None:
+        self.log.append(("set_stream", stream, threading.current_thread().name))
+
+
+def test_worker_threads_take_the_loaders_device_and_the_starting_threads_stream(monkeypatch):
+    fake = FakeThreadCuda()
+    for name in ("current_stream", "set_device", "set_stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    ran: list[int] = []
+    init = _thread_init(ran.append, 1)  # built by the consumer's thread at iter(loader)
+    consumer = threading.current_thread().name
+    t = threading.Thread(target=init, args=(0,), name="fastload-0")
+    t.start()
+    t.join()
+    assert fake.log == [("set_device", 1, "fastload-0"), ("set_stream", ("stream", 1, consumer), "fastload-0")]
+    assert ran == [0]
+
+
+def test_no_cuda_device_means_no_cuda_calls(monkeypatch):
+    def boom(*_a, **_k):
+        raise AssertionError("no CUDA call expected")
+
+    monkeypatch.setattr(torch.cuda, "set_device", boom)
+    monkeypatch.setattr(torch.cuda, "current_stream", boom)
+    assert worker_stream(None) is None
+    use_worker_stream(None, None)
+    _thread_init(None, None)(0)
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------------
+@cuda_only
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_cuda_collate_equals_cpu_and_checks_pad_value(mode):
+    batch = {"input_ids": _tokens(np.int32)}
+    cpu = TextCollate(mode=mode, pad_value=3, labels=True)(batch)
+    dev = TextCollate(mode=mode, pad_value=3, labels=True, device="cuda")(batch)
+    for k, v in cpu.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(dev[k].cpu(), v), k
+    with pytest.raises(ValueError, match="pad_value=-1"):
+        TextCollate(mode=mode, pad_value=-1, device="cuda")({"input_ids": _tokens()})
+
+
+@cuda_only
+def test_cuda_staging_on_the_last_gpu_records_on_its_stream():
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    staging = _PinnedStaging(slots=1)
+    side = torch.cuda.Stream(last)
+    with torch.cuda.device(last), torch.cuda.stream(side):
+        for i in range(4):
+            out = staging.transfer([np.full(1000, i, dtype=np.int64)], last)
+            assert out[0].device == last and int(out[0].sum()) == 1000 * i
+    assert staging._free[0].event is not None
+
+
+@cuda_only
+def test_cuda_transform_in_worker_threads_is_ordered_before_the_consumer():
+    from fastload import Loader
+
+    class OnGpu(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            x = torch.full((1 << 16,), float(i), device="cuda")
+            for _ in range(20):  # queue enough work that an unordered read would see it unfinished
+                x = x * 1.0
+            return x
+
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        loader = Loader(OnGpu(), batch_size=4, num_workers=2, worker_type="thread", device="cuda")
+        for b, batch in enumerate(loader):
+            expect = torch.arange(4 * b, 4 * b + 4, device="cuda", dtype=torch.float32)
+            assert torch.equal(batch[:, 0], expect)
+
+
+def test_pin_fence_without_a_device_waits_for_every_stream_of_the_device():
+    """pin_memory without `device`: the user's copies may be on any stream, so the slot's fence
+    waits for the whole device (not one stream's event) before the slot is rewritten."""
+    from fastload.device import DeviceWideFence
+
+    calls: list[int] = []
+
+    class Cuda:
+        def synchronize(self, index: int) -> None:
+            calls.append(index)
+
+    ring = BufferRing(1, pin=False)
+    first, slot = ring.write({"x": torch.arange(3)})
+    del first
+    ring.release(slot, DeviceWideFence(2, cuda=Cuda()))
+    assert calls == []
+    ring.write({"x": torch.arange(3)})
+    assert calls == [2]
