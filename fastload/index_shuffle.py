@@ -3,17 +3,19 @@
 The i-th element of a shuffled epoch is `IndexShuffle(n, seed=s, epoch=e)(i)`: a function of
 (seed, epoch, n, i) alone, in O(1) time and memory per position, so a rank (or a worker) maps
 exactly the positions of its own next batches and never materializes the epoch's permutation.
-Like Grain's `index_shuffle` and `tf.random_index_shuffle`, it is a Feistel network over the
-bit-width of `n` with cycle walking:
+Like Grain's `index_shuffle` and `tf.random_index_shuffle`, it is a Feistel network with cycle
+walking, here over a mixed-radix domain rather than a power of two:
 
-* the domain is `[0, 2**k)` with `k = max(2, bit_length(n - 1))`, split into a high half of
-  `ceil(k/2)` bits and a low half of `floor(k/2)` bits; `ROUNDS` alternating rounds xor one half
-  with a keyed hash of the other (each round is its own inverse, so the network is a bijection
-  of the domain whatever the hash);
-* cycle walking: a value that lands at or past `n` is mapped again until it falls in `[0, n)`.
-  That restricts the domain's bijection to `[0, n)` (the walk follows the permutation's cycle
-  back into `[0, n)`); since `2**k < 2n`, at most half the domain is outside, so a position
-  walks twice on average.
+* the domain is `[0, a*b)` with `a = ceil(sqrt(n))`, `b = ceil(n/a)`, so `n <= a*b < n + a`; a
+  value is the pair (`hi`, `lo`) = divmod(x, b); `ROUNDS` alternating rounds add to one half,
+  modulo its radix, a keyed hash of the other (multiply-xorshift-multiply with splitmix64's
+  constants, its high bits scaled to the radix), so each round, and the
+  network, is a bijection of the domain whatever the hash (the numeral Feistel of Black and
+  Rogaway's "FE2");
+* cycle walking: a value that lands at or past `n` is mapped again until it falls in `[0, n)`,
+  which restricts the domain's bijection to `[0, n)` (the walk follows the value's cycle back
+  into `[0, n)`). Fewer than `a` ~ sqrt(n) of the domain's values lie outside, so a position
+  walks with probability below 1/sqrt(n) (a power-of-two domain walks half the time).
 
 The round keys come from `numpy.random.SeedSequence([seed, epoch, stream, tag])`. Everything is
 vectorized over an array of positions; the walk loops only over the positions still outside.
@@ -21,14 +23,18 @@ vectorized over an array of positions; the walk loops only over the positions st
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = ["ROUNDS", "IndexShuffle", "index_shuffle"]
 
 ROUNDS = 8  # alternating half-rounds: 4 full Feistel rounds (Luby-Rackoff's strong PRP needs 4)
 _TAG = 0x1D5F_5EED  # separates these keys from other uses of (seed, epoch) (e.g. workers' seeds)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers
+_M1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's mixer
 _M2 = np.uint64(0x94D049BB133111EB)
+_S29, _S32 = np.uint64(29), np.uint64(32)
+_SMALL_RADIX = np.uint64(1 << 20)  # radixes up to this (n up to 2**40) map a hash to [0, m) with a bias <= 2**-12
 _U64 = (1 << 64) - 1
 _CHUNK = 1 << 15  # positions mapped per pass (their temporaries stay in the CPU caches)
 
@@ -37,7 +43,7 @@ class IndexShuffle:
     """The bijection of `[0, n)` for (seed, epoch, stream): `shuffle(positions) -> indices`,
     `shuffle.inverse(indices) -> positions` (int64 arrays, any shape)."""
 
-    __slots__ = ("_hi_bits", "_keys", "_lo_bits", "_lo_mask", "n")
+    __slots__ = ("_a", "_b", "_keys", "n")
 
     def __init__(self, n: int, *, seed: int, epoch: int = 0, stream: int = 0) -> None:
         n = int(n)
@@ -46,9 +52,8 @@ class IndexShuffle:
         if n > 1 << 62:
             raise ValueError(f"n={n} is past the index shuffle's 2**62 elements")
         self.n = n
-        k = max(2, (n - 1).bit_length())
-        self._hi_bits, self._lo_bits = k - k // 2, k // 2
-        self._lo_mask = np.uint64((1 << self._lo_bits) - 1)
+        a = math.isqrt(n - 1) + 1  # ceil(sqrt(n))
+        self._a, self._b = np.uint64(a), np.uint64(-(-n // a))
         entropy = [int(seed) & _U64, int(epoch) & _U64, int(stream) & _U64, _TAG]
         self._keys = [np.uint64(v) for v in np.random.SeedSequence(entropy).generate_state(ROUNDS, np.uint64)]
 
@@ -79,8 +84,7 @@ class IndexShuffle:
             raise IndexError(f"position {bad} is outside [0, {self.n}) of this index shuffle")
         u = out.view(np.uint64)
         for a in range(0, x.size, _CHUNK):
-            part = x[a : a + _CHUNK].astype(np.uint64)
-            mapped = self._network(part, inverse)
+            mapped = self._network(x[a : a + _CHUNK].astype(np.uint64), inverse)
             walk = np.flatnonzero(mapped >= self.n)
             while walk.size:  # cycle walking, over the values still outside [0, n) only
                 again = self._network(mapped[walk], inverse)
@@ -91,22 +95,33 @@ class IndexShuffle:
 
     def _network(self, x: np.ndarray, inverse: bool) -> np.ndarray:
         """The Feistel network (or its inverse) on domain values `x` (uint64): a new array."""
-        lo_bits, hi_bits = self._lo_bits, self._hi_bits
-        hi = x >> lo_bits
-        lo = x & self._lo_mask
+        a, b = self._a, self._b
+        hi, lo = np.divmod(x, b)
         rounds = range(ROUNDS - 1, -1, -1) if inverse else range(ROUNDS)
-        t = np.empty_like(x)
+        t, u = np.empty_like(x), np.empty_like(x)
         for r in rounds:
-            # even rounds: hi ^= F(lo); odd rounds: lo ^= F(hi). Each is an involution.
-            src, dst, bits = (lo, hi, hi_bits) if r % 2 == 0 else (hi, lo, lo_bits)
+            # even rounds: hi = hi +- F(lo) mod a; odd rounds: lo = lo +- F(hi) mod b
+            src, dst, m = (lo, hi, a) if r % 2 == 0 else (hi, lo, b)
             np.bitwise_xor(src, self._keys[r], out=t)
             t *= _M1
-            t ^= t >> np.uint64(31)
+            t ^= t >> _S29
             t *= _M2
-            t >>= np.uint64(64 - bits)  # the best-mixed high bits
-            dst ^= t
-        hi <<= np.uint64(lo_bits)
-        hi |= lo
+            if m <= _SMALL_RADIX:  # the high 32 bits scaled to [0, m): no division
+                t >>= _S32
+                t *= m
+                t >>= _S32
+            else:
+                t %= m
+            # dst +- t modulo m without a division: of the two candidates, the one that did not wrap
+            if inverse:
+                dst -= t
+                np.add(dst, m, out=u)
+            else:
+                dst += t
+                np.subtract(dst, m, out=u)
+            np.minimum(dst, u, out=dst)
+        hi *= b
+        hi += lo
         return hi
 
 
