@@ -16,7 +16,12 @@ its indices), so what is timed is the order alone:
   n = 10^9 a random sample of positions mapped and checked against the inverse map and against
   the batch of the rank and worker that owns it;
 * beside it, the previous approach (an `np.random` permutation of the whole epoch, drawn by
-  every rank and dealt with `rank_indices`) at the sizes where it still fits here.
+  every rank and dealt with `rank_indices`) at the sizes where it still fits here;
+* length bucketing (`TokenBudgetBatchSampler`, 1,024 ranks, max_tokens 16384, pad to 8) from
+  10^6 samples up to `--bucketing-max` (default 10^8): time and peak memory to the first batch
+  (construction, the lengths' validation, the first window's plan), the time of each further
+  window, and the first window's padding waste and rank imbalance. The lengths array itself
+  (int32, as `ds.lengths()` gives it) is not counted.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from bench.epoch_start import IndexDS
+from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
 from fastload.index_shuffle import IndexShuffle
 from fastload.loader import Loader
 from fastload.sampling import SeededOrder, rank_indices
@@ -153,12 +159,42 @@ def permutation_approach(n: int, rank: int) -> tuple[float, float]:
     return ms, peak
 
 
+def _lengths(n: int) -> np.ndarray:
+    """bench.bucketing's log-normal lengths (median 200, sigma 1, in [16, 2048]) as int32, made in parts."""
+    out = np.empty(n, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for a in range(0, n, 10**7):
+        m = min(n, a + 10**7) - a
+        out[a : a + m] = np.clip(rng.lognormal(np.log(200), 1.0, m), 16, 2048)
+    return out
+
+
+def bucketing_at_scale(n: int) -> dict[str, float]:
+    lengths = _lengths(n)
+
+    def first() -> tuple[TokenBudgetBatchSampler, list[int]]:
+        s = TokenBudgetBatchSampler(lengths, 16384, rank=0, world_size=WORLD, pad_to_multiple_of=8, seed=0)
+        return s, next(iter(s))
+
+    peak, _ = _peak_mb(first)
+    ms, (sampler, _) = _ms(first)
+    out = {"first_s": ms / 1e3, "peak_mb": peak, "windows": sampler.num_windows, "next_window_s": float("nan")}
+    if sampler.num_windows > 1:
+        out["next_window_s"] = _ms(lambda: sampler.window_plan(1))[0] / 1e3
+    plan = sampler.window_plan(0)
+    out["waste"] = padding_stats(lengths, [b for step in plan for b in step], pad_to_multiple_of=8)["waste"]
+    imb = step_imbalance(sampler.step_costs(window=0))
+    out["imb_mean"], out["imb_max"] = float(imb.mean()), float(imb.max())
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="n = 10^8, the permutation up to 10^7")
     p.add_argument("--n", type=int, default=None, help="samples (default 10^9, 10^8 with --quick)")
     p.add_argument("--ranks", type=int, default=9, help="ranks timed to their first batch")
     p.add_argument("--permutation-max", type=int, default=None, help="largest n for the permutation approach")
+    p.add_argument("--bucketing-max", type=int, default=None, help="largest n for length bucketing (default 10^8)")
     args = p.parse_args(argv)
     n = args.n or (10**8 if args.quick else 10**9)
     perm_max = args.permutation_max or (10**7 if args.quick else 10**8)
@@ -203,6 +239,16 @@ def main(argv: list[str] | None = None) -> None:
         else:
             old = f"not run: {8 * size / 2**30:.1f} GiB int64 permutation per rank per epoch | "
         print(f"| {size:.0e} | {old} | {new_ms:,.1f} ms | {new_peak:.1f} MB |")
+        size *= 10
+    print("\n| n (length bucketing, 1,024 ranks) | first batch | its peak memory | each further window | windows"
+          " | window 0: padding waste, rank imbalance mean / max |")
+    print("|---|---|---|---|---|---|")
+    size, top = 10**6, args.bucketing_max or (10**7 if args.quick else 10**8)
+    while size <= top:
+        b = bucketing_at_scale(size)
+        nxt = "" if b["windows"] == 1 else f"{b['next_window_s']:.2f} s"
+        print(f"| {size:.0e} | {b['first_s']:.2f} s | {b['peak_mb']:.0f} MB | {nxt} | {b['windows']} | "
+              f"{b['waste']:.2%}, {b['imb_mean']:.2%} / {b['imb_max']:.2%} |")
         size *= 10
     if not (sim_ok and chk_ok):
         raise SystemExit("exactly-once check FAILED")
