@@ -263,3 +263,27 @@ def test_a_state_from_another_dataset_length_or_order_version_is_refused():
     c = _loader(100)
     c.load_state_dict(state)
     assert [x.tolist() for x in c] == [x.tolist() for x in _loader(100)][2:]
+
+
+def test_a_huge_epoch_is_streamed_not_planned():
+    """An epoch plan needs the rank's whole epoch of indices: it is offered one only while that
+    fits `PLAN_MAX_BYTES`; past it the epoch is streamed and nothing of size n is built."""
+    import tracemalloc
+
+    calls: list[int] = []
+
+    def plan(indices, batch_size, *, install=True):
+        calls.append(len(indices))
+        return None
+
+    kw = dict(batch_size=256, shuffle=True, drop_last=False, seed=0, rank=0, world_size=1)
+    tracemalloc.start()
+    it = SeededOrder(10**9, **kw).epoch(0, plan=plan)[2]
+    batches = [next(it)[0] for _ in range(600)]  # past the first chunks
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert calls == [] and peak < 8 << 20 and all(len(b) == 256 for b in batches)
+    assert len(np.unique(np.concatenate(batches))) == 600 * 256
+    small = SeededOrder(1000, **kw)
+    got = [b for b, _ in small.epoch(0, plan=plan, ahead=False)[2]]
+    assert calls == [1000] and np.array_equal(np.concatenate(got), small.indices(0))
