@@ -211,6 +211,11 @@ class SeededOrder:
 
     def check(self, position: dict[str, Any]) -> None:
         """Raise ValueError unless `position` (a `state_dict()`'s) resumes this order exactly."""
+        if "base" not in position:
+            raise ValueError(
+                "cannot resume: the state's position is not a seeded order's (it was saved by a Loader "
+                "iterating a sampler: torch's order, or a user sampler), this Loader has a seeded order"
+            )
         version = position.get("order", 1)
         if version != ORDER_VERSION:
             raise ValueError(

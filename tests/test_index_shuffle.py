@@ -287,3 +287,11 @@ def test_a_huge_epoch_is_streamed_not_planned():
     small = SeededOrder(1000, **kw)
     got = [b for b, _ in small.epoch(0, plan=plan, ahead=False)[2]]
     assert calls == [1000] and np.array_equal(np.concatenate(got), small.indices(0))
+
+
+def test_a_torch_order_state_is_refused_by_a_seeded_loader():
+    torch_mode = Loader(IdxDS(100), batch_size=4, shuffle=True)
+    it = iter(torch_mode)
+    next(it)
+    with pytest.raises(ValueError, match="not a seeded order's"):
+        _loader(100).load_state_dict(torch_mode.state_dict())
