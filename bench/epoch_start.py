@@ -4,9 +4,11 @@
     python -m bench.epoch_start --quick    # 20k samples (smoke run)
     python -m bench.epoch_start --rounds 16   # and the throughput cost of the background thread
 
-A seeded epoch is a permutation of the whole dataset, dealt to the rank and sorted inside each
-batch, O(n) work before the first batch of the epoch can be read. `fastload.Loader` computes the
-next epoch's order on a background thread while the current epoch runs (`fastload.ahead`). This
+A seeded epoch planned on the direct path (`fastload.plan`) needs the rank's whole epoch of
+indices, O(n) work before the first batch of the epoch can be read; `fastload.Loader` computes the
+next epoch's order on a background thread while the current epoch runs (`fastload.ahead`).
+`IndexDS` below is not on the direct path: its order is streamed batch by batch (see
+docs/order.md), so there both rows time that streamed order and nothing is computed ahead. This
 bench measures the first batch of epochs 2-4 both ways in one run: with the order computed ahead
 (`order_ahead=True`, the default wherever the epoch's fetching leaves a core idle) and computed
 when the epoch starts (`order_ahead=False`).

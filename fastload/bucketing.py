@@ -1,15 +1,20 @@
 """`TokenBudgetBatchSampler`: length-bucketed batches under a token budget, balanced over ranks.
 
-The epoch plan is a pure function of (seed, epoch, lengths, world_size, settings):
+The epoch plan is a pure function of (seed, epoch, lengths, world_size, settings). The epoch's
+order (`fastload.index_shuffle`, seeded by `(seed, epoch)`) is cut into windows of about
+`window` samples (one window up to `window` samples, the default 2**20; bigger datasets get
+`n // window` windows of equal size), and each window is planned alone, in turn, as the
+iteration reaches it, so memory is O(window) whatever the dataset size:
 
-1. Shuffle all indices (seeded by `(seed, epoch)`), cut them into megabatches of
+1. Take the window's samples in the shuffled order, cut them into megabatches of
    `megabatch_size` samples, sort each megabatch by length (longest first) and cut it greedily
    into batches with `batch_size * padded_max_len <= max_tokens`. The unfinished batch at the
    end of a megabatch is carried into the next one, so only the very last batch of the epoch can
    be short.
 2. Make the batch count a multiple of `world_size`: the short last batch and the `k % world_size`
-   batches of shortest sequences are pooled and dealt (snake order, longest first) into
-   `world_size` (or a multiple) batches of near-equal padded cost. If the pool has fewer samples
+   batches of shortest sequences are pooled and dealt into `world_size` (or a multiple) batches
+   of near-equal padded cost (the longest samples head one batch each, sizes in inverse
+   proportion to their lengths). If the pool has fewer samples
    than batches it needs, samples of the pool are repeated (the only duplicates; they happen only
    when fewer than `world_size` samples are left over). With `drop_last=True` those batches are
    dropped instead (their samples are skipped this epoch).
@@ -37,11 +42,17 @@ from typing import Any
 
 import numpy as np
 
+from fastload.index_shuffle import IndexShuffle
 from fastload.sampling import resolve_rank_world
 
-__all__ = ["TokenBudgetBatchSampler", "padding_stats", "step_imbalance"]
+__all__ = ["DEFAULT_WINDOW", "ORDER_VERSION", "TokenBudgetBatchSampler", "padding_stats", "step_imbalance"]
 
 _DEFAULT_MEGABATCH = 32768
+DEFAULT_WINDOW = 1 << 20  # samples planned together (~0.8 s and ~40 MB a window here)
+_SCAN = 1 << 20  # lengths validated per pass at construction
+# The plan's algorithm, recorded in `state_dict()`: 1 drew an np.random permutation of all samples,
+# 2 takes `IndexShuffle`'s order window by window. A state of another version cannot resume exactly.
+ORDER_VERSION = 2
 
 
 def _pad_up(x: np.ndarray | int, m: int) -> Any:
@@ -52,10 +63,12 @@ class TokenBudgetBatchSampler:
     """Batches of similar-length samples with `len(batch) * padded_max_len <= max_tokens`.
 
     `lengths[i]` is the token count of sample i (take it from `ds.lengths(field)`: no data
-    reads). `padded_max_len` is the batch's longest sample rounded up to `pad_to_multiple_of`.
+    reads; kept as given, e.g. int32, and read a window at a time). `padded_max_len` is the
+    batch's longest sample rounded up to `pad_to_multiple_of`.
     A sample longer than `max_tokens` raises `ValueError` naming it; with `truncate=True` it is
     budgeted at `self.max_len` tokens instead, and the collate must cut it (pass
-    `max_len=sampler.max_len` to `TextCollate`).
+    `max_len=sampler.max_len` to `TextCollate`). `window`: samples planned together (see the
+    module docstring).
 
     Yields lists of sample indices. Call `set_epoch(e)` every epoch; `state_dict()` /
     `load_state_dict()` resume mid-epoch exactly (same world size, seed and lengths).
@@ -75,11 +88,12 @@ class TokenBudgetBatchSampler:
         pad_to_multiple_of: int = 1,
         megabatch_size: int | None = None,
         truncate: bool = False,
+        window: int | None = None,
     ) -> None:
         lens = np.asarray(lengths)
         if lens.ndim != 1 or len(lens) == 0:
             raise ValueError("lengths must be a non-empty 1-D sequence of token counts")
-        if not np.issubdtype(lens.dtype, np.integer) or (lens < 0).any():
+        if not np.issubdtype(lens.dtype, np.integer):
             raise ValueError("lengths must be non-negative integers")
         if pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
@@ -87,8 +101,7 @@ class TokenBudgetBatchSampler:
             raise ValueError(f"max_tokens={max_tokens} is smaller than pad_to_multiple_of={pad_to_multiple_of}")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.lengths = lens.astype(np.int64)
-        self._total_tokens = int(self.lengths.sum())
+        self.lengths = lens
         self.max_tokens = int(max_tokens)
         self.max_batch_size = max_batch_size
         self.shuffle = shuffle
@@ -99,22 +112,46 @@ class TokenBudgetBatchSampler:
         self.megabatch_size = int(megabatch_size or _DEFAULT_MEGABATCH)
         if self.megabatch_size < 1:
             raise ValueError(f"megabatch_size must be >= 1, got {megabatch_size}")
+        self.window = int(window or DEFAULT_WINDOW)
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 sample, got {window}")
         self.truncate = truncate
         self.max_len = self.max_tokens // self.pad_to_multiple_of * self.pad_to_multiple_of
-        eff = _pad_up(np.maximum(self.lengths, 1), self.pad_to_multiple_of)
-        too_long = np.flatnonzero(eff > self.max_tokens)
-        if len(too_long) and not truncate:
-            i = int(too_long[0])
+        self._total_tokens = self._validate()
+        n = len(lens)
+        self.num_windows = max(1, n // self.window)
+        self.epoch = 0
+        self._resume: tuple[int, int, int] | None = None  # (batches, window, step) for the next __iter__
+        self._yielded = 0  # batches yielded by this rank in the current epoch
+        self._at = (0, 0)  # (window, step) of the next batch to yield
+        self._cache: tuple[int, int, list[list[np.ndarray]]] | None = None  # (epoch, window, its steps)
+        self._counts: tuple[int, np.ndarray] | None = None  # (epoch, steps per window)
+
+    def _validate(self) -> int:
+        """Check every length (a pass of `_SCAN` at a time, no per-sample temporaries); the total."""
+        lens, total, too_long, first = self.lengths, 0, 0, -1
+        for a in range(0, len(lens), _SCAN):
+            part = lens[a : a + _SCAN].astype(np.int64)
+            if (part < 0).any():
+                raise ValueError("lengths must be non-negative integers")
+            total += int(part.sum())
+            over = np.flatnonzero(_pad_up(np.maximum(part, 1), self.pad_to_multiple_of) > self.max_tokens)
+            if len(over) and first < 0:
+                first = a + int(over[0])
+            too_long += len(over)
+        if too_long and not self.truncate:
+            eff = _pad_up(max(int(lens[first]), 1), self.pad_to_multiple_of)
             raise ValueError(
-                f"sample {i} has {int(self.lengths[i])} tokens (padded {int(eff[i])}), more than "
-                f"max_tokens={self.max_tokens} ({len(too_long)} such samples); raise max_tokens, "
+                f"sample {first} has {int(lens[first])} tokens (padded {eff}), more than "
+                f"max_tokens={self.max_tokens} ({too_long} such samples); raise max_tokens, "
                 "filter them out, or pass truncate=True (and max_len=sampler.max_len to the collate)"
             )
-        self._eff = np.minimum(eff, self.max_len)  # budgeted (padded, truncated) length per sample
-        self.epoch = 0
-        self._resume = 0  # one-shot start offset for the next __iter__ (set by load_state_dict)
-        self._yielded = 0  # batches yielded by this rank in the current epoch
-        self._cache: tuple[int, list[list[np.ndarray]]] | None = None
+        return total
+
+    def _eff(self, ids: np.ndarray) -> np.ndarray:
+        """Budgeted (padded, truncated) lengths of samples `ids`."""
+        eff = _pad_up(np.maximum(self.lengths[ids].astype(np.int64), 1), self.pad_to_multiple_of)
+        return np.minimum(eff, self.max_len)
 
     @classmethod
     def from_dataset(
@@ -128,20 +165,21 @@ class TokenBudgetBatchSampler:
         cap = self.max_tokens // int(eff_first)
         return min(cap, self.max_batch_size) if self.max_batch_size else cap
 
-    def _form_batches(self, order: np.ndarray) -> tuple[list[np.ndarray], np.ndarray | None]:
-        """Greedy batches per megabatch, longest first; returns (full batches, short last batch)."""
+    def _form_batches(self, eff: np.ndarray) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Greedy batches per megabatch of positions `0..len(eff)`, longest first; returns (full
+        batches, short last batch)."""
         batches: list[np.ndarray] = []
         carry = np.zeros(0, dtype=np.int64)
-        n = len(order)
+        n = len(eff)
         for start in range(0, n, self.megabatch_size):
             last = start + self.megabatch_size >= n
-            chunk = np.concatenate([carry, order[start : start + self.megabatch_size]])
-            chunk = chunk[np.argsort(-self._eff[chunk], kind="stable")]
-            eff = self._eff[chunk]
+            chunk = np.concatenate([carry, np.arange(start, min(n, start + self.megabatch_size))])
+            chunk = chunk[np.argsort(-eff[chunk], kind="stable")]
+            ce = eff[chunk]
             carry = chunk[:0]
             i = 0
             while i < len(chunk):
-                cap = self._cap(eff[i])
+                cap = self._cap(ce[i])
                 if i + cap > len(chunk):
                     carry = chunk[i:]
                     break
@@ -151,68 +189,101 @@ class TokenBudgetBatchSampler:
                 return batches, carry
         return batches, None
 
-    def _deal(self, pool: np.ndarray) -> list[np.ndarray]:
-        """Deal `pool` into a multiple of world_size batches of near-equal cost (snake order)."""
+    def _deal(self, pool: np.ndarray, eff: np.ndarray) -> list[np.ndarray]:
+        """Deal `pool` into a multiple of world_size batches of near-equal padded cost: the n_out
+        longest samples head one batch each (every other sample is no longer, so a batch's cost
+        is its size times its head's length), and batch sizes are shared in inverse proportion
+        to those lengths (largest remainders)."""
         w = self.world_size
-        pool = pool[np.argsort(-self._eff[pool], kind="stable")]
+        pool = pool[np.argsort(-eff[pool], kind="stable")]
         n_out = w
         while True:
             if len(pool) < n_out:  # fewer samples than batches: repeat samples (documented padding)
                 pool = np.resize(pool, n_out)
-            pos = np.arange(len(pool))
-            rnd, k = pos // n_out, pos % n_out
-            which = np.where(rnd % 2 == 0, k, n_out - 1 - k)
-            out = [pool[which == b] for b in range(n_out)]
-            if all(len(b) <= self._cap(self._eff[b].max()) for b in out):
-                return out
+            heads = eff[pool[:n_out]].astype(np.float64)
+            share = (1.0 / heads) / (1.0 / heads).sum() * len(pool)
+            counts = np.maximum(np.floor(share).astype(np.int64), 1)
+            while counts.sum() > len(pool):  # a share below 1 was raised to 1: take back elsewhere
+                over = np.where(counts > 1, counts - share, -np.inf)
+                counts[int(np.argmax(over))] -= 1
+            for b in np.argsort(-(share - counts), kind="stable")[: len(pool) - int(counts.sum())]:
+                counts[b] += 1
+            caps = np.array([self._cap(h) for h in heads])
+            if (counts <= caps).all():
+                ends = n_out + np.cumsum(counts - 1)
+                starts = ends - (counts - 1)
+                return [np.concatenate([pool[b : b + 1], pool[starts[b] : ends[b]]]) for b in range(n_out)]
             n_out += w
 
-    def plan(self, epoch: int | None = None) -> list[list[np.ndarray]]:
-        """All ranks' batches for an epoch: `plan[step][rank]` is an int64 index array."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
-        w = self.world_size
-        rng = np.random.default_rng([self.seed, epoch])
+    def _window_ids(self, epoch: int, k: int) -> np.ndarray:
+        """The samples of window `k` of `epoch`, in the epoch's order."""
         n = len(self.lengths)
-        order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
-        full, short = self._form_batches(order)
+        lo, hi = k * n // self.num_windows, (k + 1) * n // self.num_windows
+        pos = np.arange(lo, hi, dtype=np.int64)
+        return IndexShuffle(n, seed=self.seed, epoch=epoch)(pos) if self.shuffle else pos
+
+    def window_plan(self, k: int, epoch: int | None = None) -> list[list[np.ndarray]]:
+        """All ranks' batches of window `k`: `[step][rank]` int64 index arrays."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        cached = self._cache
+        if cached is not None and cached[:2] == (epoch, k):
+            return cached[2]
+        w = self.world_size
+        ids = self._window_ids(epoch, k)
+        eff = self._eff(ids)
+        full, short = self._form_batches(eff)  # positions in the window
         extra = len(full) % w
         tail: list[np.ndarray] = []
         if self.drop_last:
             full = full[: len(full) - extra]
         elif extra or short is not None:
             # pool the short batch with the `extra` batches of shortest sequences (most samples)
-            by_len = np.argsort([self._eff[b[0]] for b in full], kind="stable")
+            by_len = np.argsort([eff[b[0]] for b in full], kind="stable")
             picked = set(by_len[:extra].tolist())
             pool = [full[j] for j in sorted(picked)] + ([short] if short is not None else [])
             full = [b for j, b in enumerate(full) if j not in picked]
-            tail = self._deal(np.concatenate(pool))
-        costs = np.array([len(b) * self._eff[b[0]] for b in full], dtype=np.int64)
+            tail = self._deal(np.concatenate(pool), eff)
+        costs = np.array([len(b) * eff[b[0]] for b in full], dtype=np.int64)
         by_cost = [full[j] for j in np.argsort(costs, kind="stable")]
-        tail_costs = np.array([len(b) * self._eff[b].max() for b in tail], dtype=np.int64)
+        tail_costs = np.array([len(b) * eff[b].max() for b in tail], dtype=np.int64)
         tail = [tail[j] for j in np.argsort(tail_costs, kind="stable")]
-        batches = by_cost + tail
+        batches = [ids[b] for b in by_cost + tail]
         steps = [batches[s : s + w] for s in range(0, len(batches), w)]
         if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, k])
             steps = [steps[j] for j in rng.permutation(len(steps))]
             ranks = rng.permuted(np.tile(np.arange(w), (len(steps), 1)), axis=1)
             steps = [[step[j] for j in perm] for step, perm in zip(steps, ranks)]
-        self._cache = (epoch, steps)
+        self._cache = (epoch, k, steps)
         return steps
 
-    def step_costs(self, epoch: int | None = None) -> np.ndarray:
-        """Padded tokens per `[step, rank]` for an epoch (the cost every rank pays at that step)."""
-        return np.array([[len(b) * self._eff[b].max() for b in step] for step in self.plan(epoch)], dtype=np.int64)
+    def plan(self, epoch: int | None = None) -> list[list[np.ndarray]]:
+        """All ranks' batches for an epoch, every window's: `plan[step][rank]` is an int64 index
+        array (the whole epoch at once: for checks and datasets of a few windows)."""
+        return [step for k in range(self.num_windows) for step in self.window_plan(k, epoch)]
+
+    def steps_per_window(self, epoch: int | None = None) -> np.ndarray:
+        """Steps of each window of an epoch (plans every window once; cached per epoch)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._counts is None or self._counts[0] != epoch:
+            self._counts = (epoch, np.array([len(self.window_plan(k, epoch)) for k in range(self.num_windows)]))
+        return self._counts[1]
+
+    def step_costs(self, epoch: int | None = None, *, window: int | None = None) -> np.ndarray:
+        """Padded tokens per `[step, rank]` for an epoch (or one window of it): what every rank pays at that step."""
+        steps = self.plan(epoch) if window is None else self.window_plan(window, epoch)
+        return np.array([[len(b) * self._eff(b).max() for b in step] for step in steps], dtype=np.int64)
 
     def stats(self) -> dict[str, float]:
-        """The current epoch's plan: padding waste, rank imbalance (mean/max of max/min - 1), steps.
+        """The plan of the window being read (the whole epoch when it is one window): padding
+        waste, rank imbalance (mean/max of max/min - 1), steps.
 
         `fastload.Loader.stats()` merges this in when the sampler is its `batch_sampler`.
         """
-        plan = self.plan()
-        costs = self.step_costs()
-        real = sum(int(self.lengths[b].sum()) for step in plan for b in step)
+        k = min(self._at[0], self.num_windows - 1)
+        plan = self.window_plan(k)
+        costs = self.step_costs(window=k)
+        real = sum(int(self.lengths[b].astype(np.int64).sum()) for step in plan for b in step)
         imbalance = step_imbalance(costs)
         return {
             "bucket_steps": len(plan),
@@ -223,26 +294,32 @@ class TokenBudgetBatchSampler:
 
     # ----------------------------------------------------------------------------- sampler protocol
     def __len__(self) -> int:
-        return len(self.plan())
+        return int(self.steps_per_window().sum())
 
     def __iter__(self) -> Iterator[list[int]]:
-        steps = self.plan()
-        start, self._resume = self._resume, 0
-        self._yielded = start
-        for step in steps[start:]:
-            self._yielded += 1
-            yield step[self.rank].tolist()
+        epoch = self.epoch
+        resume, self._resume = self._resume, None
+        done, k0, j0 = resume if resume is not None else (0, 0, 0)
+        self._yielded, self._at = done, (k0, j0)
+        for k in range(k0, self.num_windows):
+            steps = self.window_plan(k, epoch)
+            for j in range(j0 if k == k0 else 0, len(steps)):
+                self._yielded += 1
+                self._at = (k, j + 1)
+                yield steps[j][self.rank].tolist()
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's plan; a changed epoch also drops any pending resume offset."""
         if int(epoch) != self.epoch:
             self.epoch = int(epoch)
-            self._resume = 0
+            self._resume = None
             self._yielded = 0
+            self._at = (0, 0)
 
     def _fingerprint(self) -> dict[str, Any]:
         # cheap: the Loader snapshots `state_dict()` after every batch it pulls
         return {
+            "order_version": ORDER_VERSION,
             "seed": self.seed,
             "world_size": self.world_size,
             "num_samples": len(self.lengths),
@@ -251,22 +328,39 @@ class TokenBudgetBatchSampler:
             "max_batch_size": self.max_batch_size,
             "pad_to_multiple_of": self.pad_to_multiple_of,
             "megabatch_size": self.megabatch_size,
+            "window": self.window,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """`{epoch, batches_yielded, rank, ...settings}`: enough to continue after the last yielded batch."""
-        return {"epoch": self.epoch, "batches_yielded": self._yielded, "rank": self.rank, **self._fingerprint()}
+        """`{epoch, batches_yielded, at (window, step), rank, ...settings}`: enough to continue
+        after the last yielded batch."""
+        return {
+            "epoch": self.epoch,
+            "batches_yielded": self._yielded,
+            "at": list(self._at),
+            "rank": self.rank,
+            **self._fingerprint(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`: the next `__iter__` starts after its last yielded batch."""
+        if state.get("order_version", 1) != ORDER_VERSION:
+            raise ValueError(
+                f"cannot resume: the state's plan is version {state.get('order_version', 1)}, this sampler "
+                f"computes version {ORDER_VERSION} (another order of each epoch); call set_epoch instead "
+                "to start that epoch over"
+            )
         mine = self._fingerprint()
         diff = {k: (state.get(k), v) for k, v in mine.items() if k in state and state[k] != v}
         if diff:
             raise ValueError(f"cannot resume: sampler settings differ from the saved state {diff} (saved, current)")
         self.epoch = int(state["epoch"])
-        self._resume = self._yielded = int(state["batches_yielded"])
+        k, j = (int(v) for v in state["at"])
+        self._yielded = int(state["batches_yielded"])
+        self._resume = (self._yielded, k, j)
+        self._at = (k, j)
 
 
 def padding_stats(

@@ -240,7 +240,7 @@ class Loader:
             steal = resolve_steal("auto" if may_steal else False, num_workers=threads, timeout=self.timeout)
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = self.num_workers == 0 or self.worker_type == "thread"
-        plan = self._fetcher.plan if self.epoch_plan and in_process else None
+        plan = self._fetcher.plan if self.epoch_plan and in_process and self._fetcher.direct else None
         if isinstance(self._order, SeededOrder):
             ahead = self._order_ahead(threads, steal) if self.order_ahead is None else self.order_ahead
             base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead, plan=plan)
@@ -423,6 +423,8 @@ class Loader:
             self._active = None
         self._epoch = int(state["epoch"])
         if isinstance(self._order, SeededOrder):
+            if state["position"] is not None:
+                self._order.check(state["position"])
             if state.get("seed") is not None:
                 self._order.seed = self.seed = int(state["seed"])
         else:

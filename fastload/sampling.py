@@ -3,11 +3,13 @@
 Two order sources feed the Loader, both yielding `(indices, snapshot)` per batch where
 `snapshot` is what `Loader.state_dict()` stores once the consumer has received that batch:
 
-* `SeededOrder` (``seed=`` given, or a distributed run without a user sampler): the epoch's
-  permutation is a pure function of (seed, epoch, dataset length); ranks are dealt
-  interleaved positions of it like `DistributedSampler` (padding by repetition when
-  ``drop_last=False``). Position state is (base, world_size, batch_size, batches) so a resume
-  with another world size re-deals exactly the unseen rest of the epoch.
+* `SeededOrder` (``seed=`` given, or a distributed run without a user sampler): position `p` of
+  an epoch holds sample `IndexShuffle(n, seed, epoch)(p)` (`fastload.index_shuffle`: a keyed
+  bijection computed per position, so nothing of size n is ever built); ranks are dealt
+  interleaved positions like `DistributedSampler` (padding by repetition when
+  ``drop_last=False``), and each rank maps only the positions of its own next batches. Position
+  state is (order version, n, base, world_size, batch_size, batches) so a resume with another
+  world size re-deals exactly the unseen rest of the epoch. See docs/order.md.
 * `SamplerOrder` (torch semantics): iterates the torch / user (batch) sampler. Resume uses the
   sampler's own `state_dict()` snapshot taken right after each batch was pulled (torchdata
   `Stateful` convention) when it has one, else replays the epoch from the RNG states captured
@@ -26,19 +28,28 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from fastload.ahead import Ahead
+from fastload.index_shuffle import IndexShuffle
+from fastload.plan import PLAN_MAX_BYTES
 
 __all__ = [
     "AHEAD_MAX_BYTES",
+    "ORDER_VERSION",
+    "STREAM_SAMPLES",
     "SamplerOrder",
     "SeededOrder",
     "epoch_permutation",
     "rank_indices",
+    "rank_positions",
     "resolve_rank_world",
     "seed_for",
 ]
 
 
-AHEAD_MAX_BYTES = 256 << 20  # orders up to this size (int64 per sample) are computed an epoch ahead
+AHEAD_MAX_BYTES = 256 << 20  # a rank's epoch (int64 per sample) up to this size is computed an epoch ahead
+STREAM_SAMPLES = 1 << 16  # an epoch that is not planned is mapped in chunks of up to this many positions
+# The seeded order's algorithm, recorded in every position: 1 was an np.random permutation of the
+# whole epoch, 2 is `IndexShuffle`. A state of another version cannot resume exactly.
+ORDER_VERSION = 2
 PlanHook = Callable[..., list[np.ndarray] | None]  # plan(indices, batch_size) -> the batches to yield, or None
 
 
@@ -66,11 +77,11 @@ def seed_for(seed: int, epoch: int) -> int:
 
 
 def epoch_permutation(n: int, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The global order of one epoch: a pure function of (seed, epoch, n)."""
-    if not shuffle:
+    """The global order of one epoch, whole (n int64s: for checks and small n; `SeededOrder`
+    maps only the positions it needs): a pure function of (seed, epoch, n)."""
+    if not shuffle or n == 0:
         return np.arange(n, dtype=np.int64)
-    rng = np.random.Generator(np.random.PCG64([seed & (2**64 - 1), epoch]))
-    return rng.permutation(n).astype(np.int64, copy=False)
+    return IndexShuffle(n, seed=seed, epoch=epoch)(np.arange(n, dtype=np.int64))
 
 
 def _per_rank(remaining: int, world_size: int, drop_last: bool) -> int:
@@ -81,6 +92,42 @@ def _per_rank(remaining: int, world_size: int, drop_last: bool) -> int:
 
 def _num_batches(per_rank: int, batch_size: int, drop_last: bool) -> int:
     return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+
+
+def rank_positions(
+    remaining: int,
+    *,
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    drop_last: bool,
+    batches: range | np.ndarray,
+) -> np.ndarray:
+    """Where rank `rank`'s batches numbered `batches` lie among `remaining` positions of an epoch
+    (relative to the first unseen one), concatenated in that order (int64). Positions are dealt
+    interleaved: the rank's t-th sample sits at `(rank + world_size * t) % remaining` (the wrap is
+    `DistributedSampler`'s padding); its batches are consecutive runs of `batch_size` samples,
+    the last one possibly shorter (none with `drop_last`). O(len(result)) time and memory."""
+    if remaining <= 0:
+        return np.zeros(0, dtype=np.int64)
+    per_rank = _per_rank(remaining, world_size, drop_last)
+    nb = _num_batches(per_rank, batch_size, drop_last)
+    limit = min(per_rank, nb * batch_size)
+    if isinstance(batches, range) and batches.step == 1:
+        lo, hi = max(batches.start, 0) * batch_size, min(batches.stop, nb) * batch_size
+        t = np.arange(lo, min(hi, limit), dtype=np.int64)
+    else:
+        ks = np.asarray(batches, dtype=np.int64).reshape(-1)
+        ks = ks[(ks >= 0) & (ks < nb)]
+        t = (ks[:, None] * batch_size + np.arange(batch_size, dtype=np.int64)).reshape(-1)
+        t = t[t < limit]
+    if world_size == 1:
+        return t  # contiguous: t < per_rank == remaining, no padding is ever needed
+    t *= world_size
+    t += rank
+    if len(t) and int(t.max()) >= remaining:
+        t %= remaining
+    return t
 
 
 def rank_indices(
@@ -94,12 +141,13 @@ def rank_indices(
     skip: int = 0,
     sort: bool = False,
 ) -> np.ndarray:
-    """Rank `rank`'s indices over `order[base:]`, dealt interleaved, without the first `skip`
-    batches; its batches are the consecutive `batch_size` slices (the last one may be shorter).
+    """Rank `rank`'s indices over a whole `order[base:]`, dealt as `rank_positions` says, without
+    the first `skip` batches; its batches are the consecutive `batch_size` slices (the last one
+    may be shorter).
 
     After every rank has taken k batches, exactly `order[base : base + k*batch_size*world_size]`
     has been consumed (clipped to the end), which is what makes re-dealing exact. `sort` sorts
-    the indices inside each batch (one vectorized sort for the whole epoch).
+    the indices inside each batch (one vectorized sort for the whole range).
     """
     remaining = len(order) - base
     if remaining <= 0:
@@ -108,50 +156,86 @@ def rank_indices(
     nb = _num_batches(per_rank, batch_size, drop_last)
     if skip >= nb:
         return order[:0]
-    lo = skip * batch_size
-    if world_size == 1:  # contiguous (no padding is ever needed)
-        mine = order[base + lo : base + per_rank]
+    if world_size == 1:  # contiguous: a view
+        mine = order[base + skip * batch_size : base + min(per_rank, nb * batch_size)]
     else:
-        t = np.arange(lo, per_rank, dtype=np.int64)
-        mine = order[base + (rank + world_size * t) % remaining]  # wrap = DistributedSampler's padding
-    mine = mine[: (nb - skip) * batch_size]  # drop_last: no partial batch
+        kw = dict(world_size=world_size, rank=rank, batch_size=batch_size, drop_last=drop_last)
+        mine = order[base + rank_positions(remaining, batches=range(skip, nb), **kw)]
+    return _sort_batches(mine, batch_size) if sort else mine
+
+
+def _sort_batches(mine: np.ndarray, batch_size: int) -> np.ndarray:
+    """A copy of `mine` with each run of `batch_size` (and the shorter tail) sorted."""
     full = (len(mine) // batch_size) * batch_size
-    if sort:
-        # indices that fit int32 sort as int32: the same result, and for 200k samples this whole
-        # function took 0.8 ms here against 1.8 ms sorting int64 (paid at every epoch start)
-        i32 = np.iinfo(np.int32)
-        narrow = len(mine) > 0 and i32.min <= int(mine.min()) and int(mine.max()) <= i32.max
-        keys = mine.astype(np.int32) if narrow else mine.copy()
-        keys[:full].reshape(-1, batch_size).sort(axis=1)
-        keys[full:].sort()
-        mine = keys.astype(np.int64) if narrow else keys
-    return mine
+    # indices that fit int32 sort as int32: the same result, and for 200k samples this step
+    # took 0.8 ms here against 1.8 ms sorting int64 (paid at every epoch start)
+    i32 = np.iinfo(np.int32)
+    narrow = len(mine) > 0 and i32.min <= int(mine.min()) and int(mine.max()) <= i32.max
+    keys = mine.astype(np.int32) if narrow else mine.copy()
+    keys[:full].reshape(-1, batch_size).sort(axis=1)
+    keys[full:].sort()
+    return keys.astype(np.int64) if narrow else keys
 
 
 class SeededOrder:
     """Seeded, rank-aware, resumable epoch order over `n` samples (batches are int64 arrays).
 
-    With `shuffle`, which samples share a batch is random; inside a batch they are sorted, so
-    a reader gathers them in storage order (no un-permute pass, better locality). While an epoch
-    runs, the next one's indices are computed on a background thread (`fastload.ahead`), so the
-    next epoch starts without that O(n) step, when the permutation (8 bytes a sample) fits in
-    `AHEAD_MAX_BYTES`: a second epoch's order held meanwhile is then the memory it costs. The
-    caller says per epoch whether to (`epoch(..., ahead=)`): the Loader does only when a core is
-    left over by the fetching.
+    With `shuffle`, which samples share a batch is random (`IndexShuffle`); inside a batch they
+    are sorted, so a reader gathers them in storage order. A rank maps only its own positions:
+    unplanned, in chunks of at most `STREAM_SAMPLES` as its batches are asked for (growing from
+    one batch, so the first batch comes at once); with a plan hook (`epoch(plan=)`), its whole
+    epoch at once (the plan reads it all), and, when that fits `AHEAD_MAX_BYTES`, the next
+    epoch's on a background thread during this one (`fastload.ahead`; `epoch(..., ahead=)`).
     """
 
     def __init__(
         self, n: int, *, batch_size: int, shuffle: bool, drop_last: bool, seed: int, rank: int, world_size: int
     ) -> None:
+        if n < 0 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"invalid seeded order: n={n}, batch_size={batch_size}, rank={rank}/{world_size}")
+        if drop_last and 0 < n < world_size:
+            raise ValueError(
+                f"{n} samples cannot be split over {world_size} ranks with drop_last=True (every rank would "
+                "get none); use drop_last=False (samples are repeated to give each rank one) or fewer ranks"
+            )
         self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self._ahead = Ahead(name="fastload-order")  # the next epoch's indices, computed during this one
+        self._shuffle: tuple[int, int, IndexShuffle] | None = None  # (seed, epoch, shuffle) last used
 
     def __len__(self) -> int:
         return _num_batches(_per_rank(self.n, self.world_size, self.drop_last), self.batch_size, self.drop_last)
 
     def base_seed(self, epoch: int) -> int:
         return seed_for(self.seed, epoch)
+
+    def check(self, position: dict[str, Any]) -> None:
+        """Raise ValueError unless `position` (a `state_dict()`'s) resumes this order exactly."""
+        if "base" not in position:
+            raise ValueError(
+                "cannot resume: the state's position is not a seeded order's (it was saved by a Loader "
+                "iterating a sampler: torch's order, or a user sampler), this Loader has a seeded order"
+            )
+        version = position.get("order", 1)
+        if version != ORDER_VERSION:
+            raise ValueError(
+                f"cannot resume: the state's seeded order is version {version!r}, this fastload computes "
+                f"version {ORDER_VERSION} (a different permutation of each epoch), so its unseen samples "
+                "cannot be told apart; to restart that epoch from its beginning under the current order, "
+                "load the state with its 'position' set to None"
+            )
+        if position.get("n") != self.n:
+            raise ValueError(
+                f"cannot resume: the state was saved over a dataset of {position.get('n')} samples, this "
+                f"one has {self.n}"
+            )
+        if position.get("shuffle") != self.shuffle:
+            saved = position.get("shuffle")
+            raise ValueError(f"cannot resume: the state has shuffle={saved}, this order shuffle={self.shuffle}")
+        base, done = int(position["base"]), int(position["batches"])
+        world, bs = int(position["world_size"]), int(position["batch_size"])
+        if not 0 <= base <= self.n or done < 0 or world < 1 or bs < 1:
+            raise ValueError(f"cannot resume: invalid seeded position {position}")
 
     def epoch(
         self,
@@ -162,35 +246,64 @@ class SeededOrder:
         plan: PlanHook | None = None,
     ) -> tuple[int, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
         """`(base_seed, start_position, iterator of (indices, position))` for this rank; `ahead`:
-        compute the next epoch's indices in the background meanwhile (if they fit `AHEAD_MAX_BYTES`);
-        `plan(indices, batch_size)`: called with the array of all the indices to come once it is
-        computed (before the first batch is yielded); it may return the batches to yield (that
+        with `plan`, compute the next epoch's indices in the background meanwhile (if they fit
+        `AHEAD_MAX_BYTES`); `plan(indices, batch_size)`: called with the array of all the indices
+        to come once it is computed (before the first batch is yielded; not when they are past
+        `PLAN_MAX_BYTES`: the epoch is then streamed); it may return the batches to yield (that
         array cut into `batch_size` slices, e.g. ones a fetcher recognises), None to leave it to
         the order. With `ahead`, it is also called on the background thread with the next
         epoch's indices and `install=False`, to prepare what that epoch's call will use."""
         base, skip = 0, 0
         if resume is not None:
+            self.check(resume)
             base, skip = int(resume["base"]), int(resume["batches"])
             if resume["world_size"] != self.world_size or resume["batch_size"] != self.batch_size:
                 consumed = skip * int(resume["batch_size"]) * int(resume["world_size"])
                 base, skip = min(self.n, base + consumed), 0
-        start = {"base": base, "world_size": self.world_size, "batch_size": self.batch_size, "batches": skip}
+        start = self._pos(base, skip)
         return seed_for(self.seed, epoch), start, self._iter(epoch, base, skip, ahead, plan)
 
-    def indices(self, epoch: int, base: int = 0, skip: int = 0) -> np.ndarray:
-        """This rank's indices for `epoch` from position (`base`, `skip`); batches are consecutive
-        `batch_size` slices. Sorted inside each batch when shuffling: readers gather in storage order."""
-        order = epoch_permutation(self.n, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-        return rank_indices(
-            order,
-            base=base,
-            world_size=self.world_size,
-            rank=self.rank,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-            skip=skip,
-            sort=self.shuffle,
-        )
+    def _pos(self, base: int, batches: int) -> dict[str, Any]:
+        return {
+            "order": ORDER_VERSION,
+            "n": self.n,
+            "shuffle": self.shuffle,
+            "base": base,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "batches": batches,
+        }
+
+    def batches_left(self, base: int = 0, skip: int = 0) -> int:
+        """This rank's batches in the rest of an epoch from position (`base`, `skip`)."""
+        per_rank = _per_rank(self.n - base, self.world_size, self.drop_last) if base < self.n else 0
+        return max(0, _num_batches(per_rank, self.batch_size, self.drop_last) - skip)
+
+    def indices(
+        self, epoch: int, base: int = 0, skip: int = 0, stop: int | None = None, step: int = 1
+    ) -> np.ndarray:
+        """This rank's indices for `epoch`, batches `range(skip, stop, step)` of the rest from
+        position `base` (all of them by default; `step`: e.g. one worker's share), concatenated:
+        consecutive `batch_size` slices, the rank's last batch possibly shorter. Sorted inside each
+        batch when shuffling: readers gather in storage order. Costs O(batches asked for)."""
+        remaining = self.n - base
+        nb = self.batches_left(base)
+        stop = nb if stop is None else min(stop, nb)
+        kw = dict(world_size=self.world_size, rank=self.rank, batch_size=self.batch_size, drop_last=self.drop_last)
+        pos = rank_positions(remaining, batches=range(skip, stop, step), **kw)
+        if base:
+            pos += base
+        if not self.shuffle:
+            return pos
+        return _sort_batches(self._shuffler(epoch)(pos), self.batch_size)
+
+    def _shuffler(self, epoch: int) -> IndexShuffle:
+        cached = self._shuffle  # one read: the background thread may replace it meanwhile
+        if cached is not None and cached[0] == self.seed and cached[1] == epoch:
+            return cached[2]
+        shuffle = IndexShuffle(self.n, seed=self.seed, epoch=epoch)
+        self._shuffle = (self.seed, epoch, shuffle)
+        return shuffle
 
     def _indices_ahead(self, epoch: int, plan: PlanHook | None) -> np.ndarray:
         """`indices(epoch)` on the background thread, and its plan prepared (not installed)."""
@@ -207,15 +320,31 @@ class SeededOrder:
         ahead: bool,
         plan: PlanHook | None,
     ) -> Iterator[tuple[Any, dict[str, Any]]]:
-        mine = self._ahead.take((epoch, base, skip))
-        if mine is None:
-            mine = self.indices(epoch, base, skip)
         bs = self.batch_size
-        batches = _cut(mine, bs, plan)
-        if ahead and self.shuffle and self.n * 8 <= AHEAD_MAX_BYTES:  # the next epoch from its start, meanwhile
-            self._ahead.start((epoch + 1, 0, 0), self._indices_ahead, epoch + 1, plan)
+        left = self.batches_left(base, skip)
+        if plan is not None and left * bs * 8 <= PLAN_MAX_BYTES:  # planned: the rank's whole epoch at once
+            mine = self._ahead.take((epoch, base, skip))
+            if mine is None:
+                mine = self.indices(epoch, base, skip)
+            batches: Iterable[np.ndarray] = _cut(mine, bs, plan)
+            if ahead and self.shuffle and len(self) * bs * 8 <= AHEAD_MAX_BYTES:  # the next epoch, meanwhile
+                self._ahead.start((epoch + 1, 0, 0), self._indices_ahead, epoch + 1, plan)
+        else:
+            batches = self._stream(epoch, base, skip, skip + left)
         for k, indices in enumerate(batches, start=skip + 1):
-            yield indices, {"base": base, "world_size": self.world_size, "batch_size": bs, "batches": k}
+            yield indices, self._pos(base, k)
+
+    def _stream(self, epoch: int, base: int, skip: int, stop: int) -> Iterator[np.ndarray]:
+        """Batches `skip..stop` mapped chunk by chunk: 1 batch, then twice as many each time, up
+        to `STREAM_SAMPLES` positions."""
+        bs, step, cap = self.batch_size, 1, max(1, STREAM_SAMPLES // self.batch_size)
+        k = skip
+        while k < stop:
+            end = min(stop, k + step)
+            chunk = self.indices(epoch, base, k, end)
+            for a in range(0, len(chunk), bs):
+                yield chunk[a : a + bs]
+            k, step = end, min(cap, step * 2)
 
 
 def _cut(order: np.ndarray, bs: int, plan: PlanHook | None) -> Iterable[np.ndarray]:

@@ -6,6 +6,10 @@ samples of each window are shuffled together. A batch therefore touches at most 
 shard once instead of every shard for every batch. Ranks get equal contiguous slices of the epoch
 order (padded by wrapping like `DistributedSampler`, or trimmed with `drop_last`), so each rank
 reads its own windows. The order depends only on (seed, epoch): resume is exact.
+
+Both shuffles are `fastload.index_shuffle.IndexShuffle`s (the shards', and one per window over
+its samples), so a position of the epoch maps to its sample in O(1): a rank maps its own slice
+chunk by chunk, holding per-shard and per-window arrays only, never one entry per sample.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ShardWindowSampler", "randomness_report", "shards_in_order"]
+from fastload.index_shuffle import IndexShuffle
+
+__all__ = ["ORDER_VERSION", "ShardWindowSampler", "randomness_report", "shards_in_order"]
+
+# The order's algorithm, recorded in `state_dict()`: 1 was np.random permutations of the shards and
+# of each window's samples, 2 is `IndexShuffle`. A state of another version cannot resume exactly.
+ORDER_VERSION = 2
+_CHUNK = 1 << 16  # positions mapped at a time
 
 
 def shards_in_order(indices: np.ndarray | Sequence[int], shard_starts: np.ndarray | Sequence[int]) -> list[int]:
@@ -71,6 +82,7 @@ class ShardWindowSampler:
         self._consumed = 0
         self._resume = 0
         self._prefetch: tuple[Any, list[str]] | None = None
+        self._windows: tuple[int, int, IndexShuffle] | None = None  # (epoch, window, its shuffle) last used
 
     @classmethod
     def from_dataset(cls, dataset: Any, *, prefetch: bool = True, **kwargs: Any) -> ShardWindowSampler:
@@ -106,49 +118,119 @@ class ShardWindowSampler:
         self.epoch = int(epoch)
 
     # -- orders ---------------------------------------------------------------------------------
-    def global_order(self, epoch: int | None = None) -> np.ndarray:
-        """The whole epoch's order over all ranks (before padding)."""
-        epoch = self.epoch if epoch is None else int(epoch)
+    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard ids in epoch order, each window's first position + the total): per-shard arrays."""
+        n_shards = self.shard_sizes.size
+        perm = IndexShuffle(n_shards, seed=self.seed, epoch=epoch, stream=1)(np.arange(n_shards))
+        sizes = self.shard_sizes[perm]
+        ends = np.cumsum(sizes)[np.minimum(np.arange(self.window, n_shards + self.window, self.window), n_shards) - 1]
+        return perm, np.concatenate([[0], ends]).astype(np.int64)
+
+    def _map(self, epoch: int, lo: int, hi: int, layout: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """The samples at positions `[lo, hi)` of the (unpadded) epoch order."""
         if not self.shuffle:
-            return np.arange(self.num_samples, dtype=np.int64)
-        rng = np.random.default_rng([self.seed, epoch])
-        perm = rng.permutation(self.shard_sizes.size)
-        out = np.empty(self.num_samples, dtype=np.int64)
-        pos = 0
-        for w in range(0, perm.size, self.window):
-            part = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in perm[w : w + self.window]])
-            rng.shuffle(part)
-            out[pos : pos + part.size] = part
-            pos += part.size
+            return np.arange(lo, hi, dtype=np.int64)
+        perm, bounds = layout
+        out = np.empty(hi - lo, dtype=np.int64)
+        first = lo
+        j = int(np.searchsorted(bounds, lo, side="right")) - 1
+        while lo < hi:
+            w_lo, w_hi = int(bounds[j]), int(bounds[j + 1])
+            end = min(hi, w_hi)
+            shards = perm[j * self.window : (j + 1) * self.window]
+            local = self._window_shuffle(epoch, j, w_hi - w_lo)(np.arange(lo - w_lo, end - w_lo))
+            within = np.zeros(shards.size + 1, dtype=np.int64)  # where each shard starts in the window
+            np.cumsum(self.shard_sizes[shards], out=within[1:])
+            k = np.searchsorted(within, local, side="right") - 1
+            out[lo - first : end - first] = self.starts[shards[k]] + (local - within[k])
+            lo, j = end, j + 1
         return out
+
+    def _window_shuffle(self, epoch: int, j: int, size: int) -> IndexShuffle:
+        cached = self._windows
+        if cached is None or cached[:2] != (epoch, j):
+            cached = self._windows = (epoch, j, IndexShuffle(size, seed=self.seed, epoch=epoch, stream=2 + j))
+        return cached[2]
+
+    def _ranges(self, start: int) -> list[tuple[int, int]]:
+        """This rank's positions from its `start`-th on, as ranges of the unpadded order (past the
+        end it wraps around to the beginning, like DistributedSampler's padding)."""
+        lo, hi = self.rank * self.per_rank + start, (self.rank + 1) * self.per_rank
+        out = []
+        while lo < hi:
+            a = lo % self.num_samples
+            b = min(a + (hi - lo), self.num_samples)
+            out.append((a, b))
+            lo += b - a
+        return out
+
+    def _chunks(self, epoch: int, start: int) -> Iterator[np.ndarray]:
+        """This rank's indices from its `start`-th on, in chunks of at most `_CHUNK`."""
+        layout = self._layout(epoch) if self.shuffle else (np.zeros(0, np.int64), np.zeros(1, np.int64))
+        for a, b in self._ranges(start):
+            for lo in range(a, b, _CHUNK):
+                yield self._map(epoch, lo, min(b, lo + _CHUNK), layout)
+
+    def global_order(self, epoch: int | None = None) -> np.ndarray:
+        """The whole epoch's order over all ranks (before padding): one entry per sample, for checks."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        layout = self._layout(epoch) if self.shuffle else None
+        return self._map(epoch, 0, self.num_samples, layout)  # type: ignore[arg-type]
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's indices for an epoch, in order (length `len(self)`)."""
-        order = self.global_order(epoch)
-        total = self.per_rank * self.world_size
-        if total > order.size:
-            order = np.resize(order, total)  # wraps around like DistributedSampler's padding
-        lo = self.rank * self.per_rank
-        return order[lo : lo + self.per_rank]
+        epoch = self.epoch if epoch is None else int(epoch)
+        parts = list(self._chunks(epoch, 0))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def shard_order(self, epoch: int | None = None) -> list[int]:
-        """Shard ids this rank reads in an epoch, in first-use order (feed `storage.prefetch`)."""
-        return shards_in_order(self.indices(epoch), self.starts)
+    def shard_order(self, epoch: int | None = None, start: int = 0) -> list[int]:
+        """Shard ids this rank reads in an epoch from its `start`-th index on, in first-use order
+        (feed `storage.prefetch`). Reads each window's positions only until all its shards are seen."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        order: list[int] = []
+        seen: set[int] = set()
+        if not self.shuffle:
+            for a, b in self._ranges(start):
+                first, last = np.searchsorted(self.starts, [a, b - 1], side="right") - 1
+                order += [s for s in range(int(first), int(last) + 1) if self.shard_sizes[s] and s not in seen]
+                seen.update(order)
+            return order
+        layout = self._layout(epoch)
+        perm, bounds = layout
+        for a, b in self._ranges(start):
+            j = int(np.searchsorted(bounds, a, side="right")) - 1
+            while a < b:
+                end = min(b, int(bounds[j + 1]))
+                shards = perm[j * self.window : (j + 1) * self.window]
+                left = {int(s) for s in shards if self.shard_sizes[s]} - seen
+                lo, step = a, 64
+                while left and lo < end:  # growing scans: most windows show all their shards early
+                    hi = min(end, lo + step)
+                    for s in shards_in_order(self._map(epoch, lo, hi, layout), self.starts):
+                        if s in left:
+                            left.discard(s)
+                            seen.add(s)
+                            order.append(s)
+                    lo, step = hi, min(step * 2, _CHUNK)
+                a, j = end, j + 1
+        return order
 
     def __iter__(self) -> Iterator[int]:
-        order = self.indices()
+        epoch = self.epoch
         start, self._resume = self._resume, 0
         self._consumed = start
         if self._prefetch is not None:
             storage, names = self._prefetch
-            storage.prefetch([names[k] for k in shards_in_order(order[start:], self.starts)])
-        for i in order[start:].tolist():
-            self._consumed += 1
-            yield i
+            storage.prefetch([names[k] for k in self.shard_order(epoch, start)])
+        for chunk in self._chunks(epoch, start):
+            for i in chunk.tolist():
+                self._consumed += 1
+                yield i
 
     # -- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
+            "order_version": ORDER_VERSION,
             "epoch": self.epoch,
             "consumed": self._consumed,
             "seed": self.seed,
@@ -162,6 +244,12 @@ class ShardWindowSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `__iter__` continues `state["epoch"]` after `state["consumed"]` indices."""
+        if state.get("order_version", 1) != ORDER_VERSION:
+            raise ValueError(
+                f"cannot resume: the state's order is version {state.get('order_version', 1)}, this sampler "
+                f"computes version {ORDER_VERSION} (another permutation of each epoch); call set_epoch instead "
+                "to start that epoch over"
+            )
         for k in ("seed", "window", "shuffle", "world_size", "num_samples", "drop_last"):
             if k in state and state[k] != getattr(self, k):
                 raise ValueError(f"cannot resume: sampler {k}={getattr(self, k)!r}, saved state has {state[k]!r}")

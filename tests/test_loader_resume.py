@@ -34,6 +34,19 @@ class IdxDS:
         return {"i": np.asarray(idx, dtype=np.int64)}
 
 
+class DirectIdxDS(IdxDS):
+    """IdxDS on the Loader's direct path (`direct_takes`, `direct_plan`): its seeded order is
+    planned, so the rank's whole epoch is computed at once and the next one ahead."""
+
+    def direct_takes(self, gather=None) -> list:
+        return [("i", lambda idx: np.array(idx, dtype=np.int64))]
+
+    def direct_plan(self, indices, *, max_bytes=None) -> list | None:
+        if max_bytes is not None and len(indices) * 8 > max_bytes:
+            return None
+        return [("i", np.array(indices, dtype=np.int64), None)]
+
+
 class PyDS(IdxDS):
     """Per-sample `__getitem__` only (generic path)."""
 
@@ -263,7 +276,7 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
     """While epoch e runs, epoch e+1's indices are computed on a background thread; the epoch that
     then runs uses them only if it is that epoch from its start (set_epoch elsewhere, or a resume
     mid-epoch, computes its own)."""
-    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
+    loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     fresh = _epoch_of
     first = run(loader)
     ahead = loader._order._ahead
@@ -275,11 +288,11 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
     assert ahead.pending == (8, 0, 0)
     assert first == fresh(0)
     # a resume two batches into epoch 1, on a loader that has epoch 1 from its start computed ahead
-    other = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
+    other = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     it = iter(other)
     next(it), next(it)
     state = other.state_dict()  # epoch 0, two batches in
-    resumed = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
+    resumed = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     run(resumed)
     assert resumed._order._ahead.pending == (1, 0, 0)
     resumed.load_state_dict(state)
@@ -297,45 +310,54 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
 def test_orders_larger_than_the_ahead_budget_are_computed_at_epoch_start(monkeypatch):
     import fastload.sampling
 
-    monkeypatch.setattr(fastload.sampling, "AHEAD_MAX_BYTES", 8 * 102)  # IdxDS() has 103 samples
-    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
+    monkeypatch.setattr(fastload.sampling, "AHEAD_MAX_BYTES", 8 * 102)  # DirectIdxDS() has 103 samples
+    loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     assert run(loader) == _epoch_of(0) and loader._order._ahead.pending is None
     assert run(loader) == _epoch_of(1) and loader._order._ahead.pending is None
 
 
 def _epoch_of(epoch: int) -> list[list[int]]:
-    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=False)
+    loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=False)
     loader.set_epoch(epoch)
     return run(loader)
 
 
 @pytest.mark.parametrize(
-    ("cores", "workers", "worker_type", "expected"),
+    ("extra_cores", "workers", "worker_type", "expected"),
     [
-        (2, 0, "thread", True),  # the consumer fetches sample by sample on one core: one is left over
-        (1, 0, "thread", False),
-        (2, 1, "thread", False),  # one worker and the stealing consumer fill both cores
-        (4, 1, "thread", True),
-        (2, 2, "process", False),
-        (4, 2, "process", True),
+        (1, 0, "thread", True),  # the direct path fetches on torch's intra-op threads: one core more is left over
+        (0, 0, "thread", False),
+        (2 - torch.get_num_threads(), 1, "thread", False),  # 2 cores: one worker and the stealing consumer fill both
+        (4 - torch.get_num_threads(), 1, "thread", True),
     ],
 )
 def test_next_epoch_order_is_computed_ahead_by_default_only_when_a_core_is_left_over(
-    monkeypatch, cores, workers, worker_type, expected
+    monkeypatch, extra_cores, workers, worker_type, expected
 ):
     import fastload.loader
     import fastload.workers
 
+    cores = torch.get_num_threads() + extra_cores
     for module in (fastload.loader, fastload.workers):
         monkeypatch.setattr(module, "usable_cores", lambda: cores)
-    loader = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type=worker_type)
+    loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type=worker_type)
     assert run(loader) == _epoch_of(0)
     assert (loader._order._ahead.pending == (1, 0, 0)) is expected
     assert run(loader) == _epoch_of(1)
     kw = {"num_workers": workers, "worker_type": worker_type}
-    forced = Loader(IdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=not expected, **kw)
+    forced = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=not expected, **kw)
     assert run(forced) == _epoch_of(0)
     assert (forced._order._ahead.pending == (1, 0, 0)) is not expected
+
+
+@pytest.mark.parametrize(("ds", "workers", "worker_type"), [(IdxDS, 0, "auto"), (DirectIdxDS, 2, "process")])
+def test_unplanned_epochs_are_streamed_not_computed_ahead(ds, workers, worker_type):
+    """Without an epoch plan (not the direct path, or batches fetched in other processes) the
+    order maps each rank's positions as its batches are asked for: nothing to compute ahead."""
+    loader = Loader(ds(), batch_size=10, shuffle=True, seed=5, order_ahead=True, num_workers=workers,
+                    worker_type=worker_type)
+    assert run(loader) == _epoch_of(0) and loader._order._ahead.pending is None
+    assert run(loader) == _epoch_of(1) and loader._order._ahead.pending is None
 
 
 def test_ahead_computes_one_value_per_key_and_recomputes_in_the_caller_on_error():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -97,3 +99,48 @@ def test_randomness_against_full_permutation():
     assert 2.5 < reports[4]["labels_per_batch"] < full["labels_per_batch"]
     assert abs(reports[100]["labels_per_batch"] - full["labels_per_batch"]) < 1.0  # window = all shards
     assert reports[16]["batch_label_tv"] < reports[1]["batch_label_tv"]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize(("world", "start"), [(1, 0), (3, 0), (3, 77), (7, 5), (4, 120)])
+def test_shard_order_is_the_first_use_order_of_the_rest(world, start, shuffle):
+    sizes = [*SIZES, 0, 5, 0]  # empty shards are never read
+    for rank in range(world):
+        s = ShardWindowSampler(sizes, window=3, seed=2, rank=rank, world_size=world, shuffle=shuffle)
+        s.set_epoch(3)
+        rest = s.indices()[start:]
+        assert s.shard_order(start=start) == shards_in_order(rest, s.starts)
+        assert np.array_equal(s.global_order(), np.concatenate([s.global_order()]))  # pure
+    assert sorted(ShardWindowSampler(sizes, window=3, seed=2).global_order().tolist()) == list(range(sum(sizes)))
+
+
+def test_a_billion_samples_need_no_per_sample_arrays():
+    """10^9 samples in 10^5 shards, rank 7 of 1,024: its first indices, its shard order and a
+    resume point cost per-shard arrays and a chunk, not one entry per sample."""
+    import tracemalloc
+
+    sizes = np.full(100_000, 10_000)
+    tracemalloc.start()
+    s = ShardWindowSampler(sizes, window=8, seed=1, rank=7, world_size=1024)
+    it = iter(s)
+    head = [next(it) for _ in range(1000)]
+    shards = s.shard_order()
+    s.load_state_dict({**s.state_dict(), "consumed": 500_000})
+    tail = list(itertools.islice(iter(s), 10))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 << 20, peak
+    assert len(set(head)) == 1000 and shards[0] == head[0] // 10_000
+    per_rank = len(s)
+    assert per_rank == 976_563 and shards == shards_in_order(s.indices(0), s.starts)  # 13-14 windows of 8
+    lo = 7 * per_rank + 500_000
+    assert tail == s._map(0, lo, lo + 10, s._layout(0)).tolist()
+
+
+def test_a_state_of_another_order_version_is_refused():
+    s = ShardWindowSampler(SIZES, window=3, seed=9)
+    state = s.state_dict()
+    assert state["order_version"] == 2
+    del state["order_version"]
+    with pytest.raises(ValueError, match="order is version 1"):
+        ShardWindowSampler(SIZES, window=3, seed=9).load_state_dict(state)
