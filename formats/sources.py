@@ -21,7 +21,7 @@ from .writer import BlockSource
 
 __all__ = ["SOURCE_KINDS", "ImageFolder", "JsonLines", "detect_kind", "open_source"]
 
-SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5")
+SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5", "hf")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 _BLOCK_ROWS = 8192
 
@@ -47,6 +47,8 @@ def detect_kind(src: str) -> str:
         entries = os.listdir(src)
         if "data.mdb" in entries:
             return "lmdb"
+        if {"state.json", "dataset_info.json"} <= set(entries) or "dataset_dict.json" in entries:
+            return "hf"  # a Hugging Face `save_to_disk` directory (see hf_datasets.py)
         if entries and all(e.endswith(".npy") for e in entries if not e.startswith(".")):
             return "npy"
         if any(os.path.isdir(os.path.join(src, e)) for e in entries):
@@ -202,6 +204,11 @@ def open_source(src: str, kind: str | None = None) -> tuple[Any, Schema | None, 
         if len(db) == 0:
             raise ValueError(f"{src}: the LMDB database is empty: nothing to convert")
         return db, db.schema, {"source": "lmdb"}
+    if kind == "hf":
+        from .hf_datasets import open_hf_dir
+
+        source = open_hf_dir(src)
+        return source, source.schema, {"source": "hf"}
     if kind == "npy":
         source = _npy_source(src)
         return source, source.schema, {"source": "npy"}
