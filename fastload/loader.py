@@ -27,17 +27,33 @@ and — given the same sampler / generator / global RNG — the same batches in 
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
   `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
 * Order: `seed=` gives an epoch order that is a pure function of (seed, epoch, len(dataset));
-  ranks (`rank`/`world_size`, else `torch.distributed`, else `RANK`/`WORLD_SIZE`) get disjoint,
-  equally long shares (padding by repetition unless `drop_last`), see `fastload.sampling`.
+  ranks get disjoint, equally long shares (padding by repetition unless `drop_last`), see
+  `fastload.sampling`. Rank and world size are resolved at the first `iter()` (`rank`/`world_size`,
+  else `torch.distributed` when initialized, else `RANK` and `WORLD_SIZE`; a partial environment
+  raises), so a Loader built before the process group exists takes the rank the run has.
+* Epochs: once the last batch of an epoch was delivered, the next `iter()` starts the next epoch
+  (a new order), whether or not `StopIteration` was raised (frameworks take `len(loader)` batches
+  and call `iter()` again); a new `iter()` in the middle of an epoch starts that epoch again from
+  its start, as torch re-iterates its sampler. `set_epoch(e)` sets the epoch explicitly and is
+  forwarded to samplers that have it. `len()` is the number of batches the next `iter()` yields.
 * `state_dict()` / `load_state_dict()`: exact mid-epoch resume, counted in batches the consumer
   received (prefetched batches in flight are not counted); a different world size re-deals the
-  unseen rest of the epoch. `set_epoch(e)` is forwarded to samplers that have it.
+  unseen rest of a seeded epoch; a state that cannot apply raises `ValueError`.
+* Frameworks (docs/frameworks/): a Loader pickles its configuration and position (not its workers),
+  so `ddp_spawn` works; under Hugging Face Accelerate its iterator reports `end_of_dataloader`
+  (`fastload.frameworks`). It is not a `DataLoader` subclass: Accelerate's `prepare` would replace
+  it with a torch DataLoader; frameworks use it through duck-typed hooks (`len`, `state_dict`,
+  `sampler.set_epoch`).
+* As torch: a batch's error is raised for that batch and the iterator goes on with the next one;
+  setting `batch_size`, `sampler`, `batch_sampler`, `drop_last`, `dataset` or `persistent_workers`
+  after construction raises `ValueError`; `Loader[T]` is a generic alias; deleting an iterator ends
+  its (non-persistent) workers.
 * `stats()`: see `Loader.stats`.
 
 `IterableDataset`s are passed to a plain torch DataLoader (no fast path, no state).
 Differences from torch, by design: one live iterator per Loader (a new `iter()` closes the
-previous one); `in_order=False` is accepted but batches still come in order; with `seed=` the
-`generator` is not used; `batch_size=None` and user samplers are never rank-split (a user
+previous one; the Loader holds it weakly); `in_order=False` is accepted but batches still come
+in order; with `seed=` the `generator` is not used; `batch_size=None` and user samplers are never rank-split (a user
 sampler is trusted to do its own split, e.g. `DistributedSampler`).
 """
 
