@@ -408,6 +408,8 @@ class Loader(Generic[T_co]):
             gradient_state=gradient_state(),
         )
         self._active_ref, self._active_epoch = weakref.ref(it), self._epoch
+        if expected == 0:  # resumed at the end of an epoch: it is complete already
+            it.epoch_complete()
         return it
 
     def _order_ahead(self, threads: int, steal: str | bool) -> bool:

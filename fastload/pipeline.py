@@ -71,7 +71,7 @@ class EpochIterator:
         self.position = position  # where the consumer is: the position of the last batch it received
         # batches still to deliver (None: unknown, the order's end decides); at 0 the epoch is complete
         self._left = expected
-        self.complete = expected == 0
+        self.complete = False  # the epoch's last batch was delivered (see `epoch_complete`)
         # Accelerate's hooks (see `fastload.frameworks`): set as the last batch is delivered
         self.end_of_dataloader, self.remainder = False, -1
         self._gradient_state = gradient_state
@@ -126,8 +126,7 @@ class EpochIterator:
         if left is not None:
             self._left = left = left - 1
             if left == 0:  # the epoch's last batch: the next iter() starts the next epoch
-                self.complete = self.end_of_dataloader = True
-                self._loader._epoch_done(self)
+                self.epoch_complete()
         t1 = _perf()
         stats.delivered(n, t1 - t0, t1)
         probe = self.probe
@@ -249,10 +248,15 @@ class EpochIterator:
                 owner.release(token)
 
     # ---- shutdown
-    def _finish(self) -> None:
-        if not self._closed and not self.complete:
-            self.complete = True
+    def epoch_complete(self) -> None:
+        """The epoch's last batch was delivered (or it has none left): the Loader moves on."""
+        if not self.complete:
+            self.complete = self.end_of_dataloader = True
             self._loader._epoch_done(self)
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self.epoch_complete()
         self.close()
 
     def close(self) -> None:

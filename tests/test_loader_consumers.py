@@ -345,3 +345,17 @@ def test_no_noise_at_interpreter_exit():
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok"
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_resuming_at_the_end_of_an_epoch_moves_to_the_next():
+    loader = Loader(IdxDS(), batch_size=8, shuffle=True, seed=4)
+    it = iter(loader)
+    for _ in range(len(loader)):
+        next(it)
+    state = loader.state_dict()
+    state["epoch"], state["position"] = 0, it.position  # a state taken at the last batch, before moving on
+    resumed = Loader(IdxDS(), batch_size=8, shuffle=True, seed=4)
+    resumed.load_state_dict(state)
+    assert len(resumed) == 0 and take(resumed, 5) == []
+    assert resumed.epoch == 1
+    assert [ids(b) for b in resumed] == [ids(b) for b in loader]
