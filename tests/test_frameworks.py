@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from fastload import Loader
+
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(400)]
@@ -61,6 +63,20 @@ def test_lightning_ddp_then_mid_epoch_resume_on_one_device(tmp_path):
     rest = _flat(resumed["1"])
     assert len(seen) == 2 * 5 * 8 and sorted(seen + rest) == list(range(N_LIGHTNING))  # no replay, no skip
     assert len(resumed["1"]) == -(-len(rest) // 8)
+    # then a full epoch on one device: the seeded order of epoch 2, every sample once
+    expected = Loader(_Ids(), batch_size=8, shuffle=True, seed=0, rank=0, world_size=1)
+    expected.set_epoch(2)
+    assert resumed["2"] == [b.tolist() for b in expected]
+    expected.set_epoch(1)
+    assert resumed["2"] != [b.tolist() for b in expected]
+
+
+class _Ids:
+    def __len__(self) -> int:
+        return N_LIGHTNING
+
+    def __getitem__(self, i: int) -> int:
+        return i
 
 
 def test_lightning_ddp_spawn(tmp_path):

@@ -72,3 +72,23 @@ def test_nested_varying_lists_are_refused_naming_the_column(tmp_path):
     ds = datasets.Dataset.from_dict({"nested": [[[1.0], [2.0, 3.0]], [[4.0]]]})
     with pytest.raises(FormatError, match="'nested'"):
         write(ds, tmp_path / "out", progress=False)
+
+
+def test_image_and_class_label_columns(tmp_path):
+    from io import BytesIO
+
+    from PIL import Image
+
+    def png(i: int) -> bytes:
+        out = BytesIO()
+        Image.fromarray(np.full((4, 6, 3), i, np.uint8)).save(out, format="PNG")
+        return out.getvalue()
+
+    features = datasets.Features({"img": datasets.Image(), "c": datasets.ClassLabel(names=["a", "b"])})
+    images = [{"bytes": png(i), "path": None} for i in range(5)]
+    ds = datasets.Dataset.from_dict({"img": images, "c": [0, 1, 0, 1, 1]}, features=features)
+    write(ds, tmp_path / "out", progress=False)
+    got = FastloadDataset(str(tmp_path / "out"))
+    assert [(f.name, f.kind) for f in got.schema] == [("img", "image"), ("c", "scalar")]
+    assert [got[i]["img"] for i in range(5)] == [png(i) for i in range(5)]  # the stored bytes, unchanged
+    assert [got[i]["c"] for i in range(5)] == [0, 1, 0, 1, 1]
