@@ -45,6 +45,8 @@ setup(
         "cuda": ["cuda-bindings>=13,<14", "cuda-toolkit[nvrtc,cudart]==13.*"],
         "image": ["simplejpeg", "pillow"],
         "plot": ["matplotlib"],
+        # frameworks driving a Loader, exercised by tests/test_frameworks.py and test_hf_datasets.py
+        "frameworks": ["lightning", "accelerate", "datasets"],
         "dev": [
             "pytest",
             "pytest-timeout",

@@ -129,7 +129,7 @@ def flatten(batch: Any) -> tuple[list[torch.Tensor], Any]:
 
 def _walk(x: Any, leaves: list[torch.Tensor]) -> Any:
     # module-level recursion (no self-referencing closure: its cycle would keep views alive)
-    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.layout == torch.strided:
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.layout == torch.strided and not x.is_nested:
         leaves.append(x)
         return _LEAF
     tx = type(x)

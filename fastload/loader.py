@@ -27,26 +27,42 @@ and — given the same sampler / generator / global RNG — the same batches in 
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
   `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
 * Order: `seed=` gives an epoch order that is a pure function of (seed, epoch, len(dataset));
-  ranks (`rank`/`world_size`, else `torch.distributed`, else `RANK`/`WORLD_SIZE`) get disjoint,
-  equally long shares (padding by repetition unless `drop_last`), see `fastload.sampling`.
+  ranks get disjoint, equally long shares (padding by repetition unless `drop_last`), see
+  `fastload.sampling`. Rank and world size are resolved at the first `iter()` (`rank`/`world_size`,
+  else `torch.distributed` when initialized, else `RANK` and `WORLD_SIZE`; a partial environment
+  raises), so a Loader built before the process group exists takes the rank the run has.
+* Epochs: once the last batch of an epoch was delivered, the next `iter()` starts the next epoch
+  (a new order), whether or not `StopIteration` was raised (frameworks take `len(loader)` batches
+  and call `iter()` again); a new `iter()` in the middle of an epoch starts that epoch again from
+  its start, as torch re-iterates its sampler. `set_epoch(e)` sets the epoch explicitly and is
+  forwarded to samplers that have it. `len()` is the number of batches the next `iter()` yields.
 * `state_dict()` / `load_state_dict()`: exact mid-epoch resume, counted in batches the consumer
   received (prefetched batches in flight are not counted); a different world size re-deals the
-  unseen rest of the epoch. `set_epoch(e)` is forwarded to samplers that have it.
+  unseen rest of a seeded epoch; a state that cannot apply raises `ValueError`.
+* Frameworks (docs/frameworks/): a Loader pickles its configuration and position (not its workers),
+  so `ddp_spawn` works; under Hugging Face Accelerate its iterator reports `end_of_dataloader`
+  (`fastload.frameworks`). It is not a `DataLoader` subclass: Accelerate's `prepare` would replace
+  it with a torch DataLoader; frameworks use it through duck-typed hooks (`len`, `state_dict`,
+  `sampler.set_epoch`).
+* As torch: a batch's error is raised for that batch and the iterator goes on with the next one;
+  setting `batch_size`, `sampler`, `batch_sampler`, `drop_last`, `dataset` or `persistent_workers`
+  after construction raises `ValueError`; `Loader[T]` is a generic alias; deleting an iterator ends
+  its (non-persistent) workers.
 * `stats()`: see `Loader.stats`.
 
 `IterableDataset`s are passed to a plain torch DataLoader (no fast path, no state).
 Differences from torch, by design: one live iterator per Loader (a new `iter()` closes the
-previous one); `in_order=False` is accepted but batches still come in order; with `seed=` the
-`generator` is not used; `batch_size=None` and user samplers are never rank-split (a user
+previous one; the Loader holds it weakly); `in_order=False` is accepted but batches still come
+in order; with `seed=` the `generator` is not used; `batch_size=None` and user samplers are never rank-split (a user
 sampler is trusted to do its own split, e.g. `DistributedSampler`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
@@ -54,9 +70,10 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 from fastload.collate import fast_collate
 from fastload.device import DeviceStage, resolve_device, use_worker_stream, worker_stream
 from fastload.fetch import Fetcher
+from fastload.frameworks import gradient_state
 from fastload.pinned import BufferRing
 from fastload.pipeline import EpochIterator, ThreadProbe
-from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
+from fastload.sampling import SamplerOrder, SeededOrder, batches_left, resolve_rank_world
 from fastload.stats import LoaderStats
 from fastload.system import usable_cores
 from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource, resolve_steal
@@ -64,6 +81,9 @@ from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSour
 __all__ = ["Loader"]
 
 _STATE_VERSION = 1
+T_co = TypeVar("T_co", covariant=True)
+# torch's DataLoader refuses to change these after construction (ValueError); so does the Loader
+FROZEN_ATTRS = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
 WORKER_TYPES = ("auto", "thread", "process")
 STEAL_AHEAD = 2  # thread workers: extra batches in flight that a waiting consumer fetches itself (workers.ThreadSource)
 
@@ -76,7 +96,7 @@ def _scalar_fields(dataset: Any) -> frozenset[str]:
     return frozenset(f.name for f in fields if getattr(f, "kind", None) == "scalar" and hasattr(f, "name"))
 
 
-class Loader:
+class Loader(Generic[T_co]):
     """Drop-in replacement for `torch.utils.data.DataLoader` (see the module docstring).
 
     Extra keyword-only arguments: `device` (move batches there on a side stream), `prefetch`
@@ -129,8 +149,11 @@ class Loader:
         adaptive: bool = True,
         epoch_plan: bool = True,
     ) -> None:
+        init_args = dict(locals())  # the configuration a pickled Loader is rebuilt from
+        del init_args["self"]
+        init_args.pop("__class__", None)
         # torch validates the arguments (same errors) and builds the same default samplers
-        self._dl = DataLoader(
+        dl = DataLoader(
             dataset,
             batch_size,
             shuffle,
@@ -155,7 +178,9 @@ class Loader:
             raise ValueError("prefetch must be >= 1")
         if ring_slots is not None and ring_slots < 3:
             raise ValueError("ring_slots must be >= 3 (one filling, two held by the consumer)")
-        dl = self._dl
+        self._init_args = init_args
+        self._iterable = isinstance(dataset, IterableDataset)
+        self._dl = dl if self._iterable else None  # an IterableDataset is iterated by torch's DataLoader
         self.dataset, self.batch_size, self.drop_last = dl.dataset, dl.batch_size, dl.drop_last
         self.sampler, self.batch_sampler, self.collate_fn = dl.sampler, dl.batch_sampler, dl.collate_fn
         self.num_workers, self.prefetch_factor, self.timeout = dl.num_workers, dl.prefetch_factor, dl.timeout
@@ -164,18 +189,25 @@ class Loader:
         self.in_order = in_order
         self.device = resolve_device(device)
         self.prefetch, self.transform, self.seed = prefetch, transform, seed
-        self.rank, self.world_size = resolve_rank_world(rank, world_size)
-        self._iterable = isinstance(dataset, IterableDataset)
+        # rank/world size: resolved when the run is set up (the first iter()), see `_rank_world`
+        self._rank_arg, self._world_arg = rank, world_size
+        if rank is not None and world_size is not None:
+            resolve_rank_world(rank, world_size)  # invalid arguments fail here
+        self._fixed_rw: tuple[int, int] | None = None
+        self._order_obj: SeededOrder | SamplerOrder | None = None
+        self._order_rw: tuple[int, int] | None = None
         self._stats = LoaderStats()
         self._epoch = 0
         self._position: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
-        self._active: EpochIterator | None = None
+        self._active_ref: weakref.ref[EpochIterator] | None = None  # weak: deleting the iterator ends its workers
         self._active_epoch = 0  # the epoch `_active` runs (`set_epoch` may have moved on since)
         self._pool: ProcessSource | None = None
         self._threads: ThreadPool | None = None  # thread workers kept across epochs (see `_reused_threads`)
         self._probe: ThreadProbe | None = None
+        self._initialized = False
         if self._iterable:
+            self._initialized = True
             return
         batched = self.batch_sampler is not None
         default = collate_fn is None or collate_fn is default_collate
@@ -197,20 +229,8 @@ class Loader:
             transform=transform,
             scalar_fields=_scalar_fields(dataset) if self._mode == "columns" else frozenset(),
         )
-        user_order = sampler is not None or batch_sampler is not None
-        if batched and not user_order and (seed is not None or self.world_size > 1):
-            self._order: SeededOrder | SamplerOrder = SeededOrder(
-                len(dataset),
-                batch_size=self.batch_size,
-                shuffle=bool(shuffle),
-                drop_last=self.drop_last,
-                seed=seed if seed is not None else 0,
-                rank=self.rank,
-                world_size=self.world_size,
-            )
-        else:
-            index_sampler = self.batch_sampler if batched else self.sampler
-            self._order = SamplerOrder(index_sampler, sampler=self.sampler, generator=generator)
+        self._user_order = sampler is not None or batch_sampler is not None
+        self._shuffle = bool(shuffle)
         accel = torch.cuda.is_available()
         self._pinning = (self.pin_memory and accel) or (self.device is not None and self.device.type == "cuda")
         self._use_ring = self._pinning if buffer_ring is None else bool(buffer_ring)
@@ -218,18 +238,94 @@ class Loader:
         self.order_ahead = order_ahead
         self.adaptive = adaptive
         self.epoch_plan = epoch_plan
+        self._initialized = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FROZEN_ATTRS and self.__dict__.get("_initialized"):
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized")
+        super().__setattr__(name, value)
+
+    # ---- rank, world size and the order they decide
+    def _rank_world(self) -> tuple[int, int]:
+        """(rank, world size): fixed at the first `iter()` (or `load_state_dict`); until then
+        resolved afresh at each call, so a Loader built before the process group exists (in a
+        LightningModule's `__init__`) takes the rank the run has when it starts."""
+        if self._fixed_rw is not None:
+            return self._fixed_rw
+        return resolve_rank_world(self._rank_arg, self._world_arg)
+
+    @property
+    def rank(self) -> int:
+        return self._rank_world()[0]
+
+    @property
+    def world_size(self) -> int:
+        return self._rank_world()[1]
+
+    @property
+    def _order(self) -> SeededOrder | SamplerOrder:
+        """The batch order for the current rank/world size (built when first needed)."""
+        rw = self._rank_world()
+        if self._order_obj is None or self._order_rw != rw:
+            self._order_obj, self._order_rw = self._make_order(*rw), rw
+        return self._order_obj
+
+    def _make_order(self, rank: int, world_size: int) -> SeededOrder | SamplerOrder:
+        batched = self.batch_sampler is not None
+        if batched and not self._user_order and (self.seed is not None or world_size > 1):
+            return SeededOrder(
+                len(self.dataset),
+                batch_size=self.batch_size,
+                shuffle=self._shuffle,
+                drop_last=self.drop_last,
+                seed=self.seed if self.seed is not None else 0,
+                rank=rank,
+                world_size=world_size,
+            )
+        index_sampler = self.batch_sampler if batched else self.sampler
+        return SamplerOrder(index_sampler, sampler=self.sampler, generator=self.generator)
+
+    def _batches_from(self, position: dict[str, Any] | None) -> int | None:
+        """Batches an epoch yields from `position` (None: from its start); None if the sampler has no len."""
+        order = self._order
+        try:
+            full = len(order)
+        except TypeError:
+            return None
+        if position is None:
+            return full
+        if isinstance(order, SeededOrder):
+            return batches_left(
+                position, n=order.n, batch_size=order.batch_size, world_size=order.world_size, drop_last=self.drop_last
+            )
+        return max(0, full - int(position["batches"]))
 
     # ---- DataLoader surface
     def __len__(self) -> int:
+        """The number of batches the next `iter()` yields (the rest of the epoch after a resume)."""
         if self._iterable:
             return len(self._dl)
+        if self._resume is not None:
+            left = self._batches_from(self._resume)
+            if left is not None:
+                return left
         return len(self._order)
 
-    def __iter__(self) -> Iterator[Any]:
+    @property
+    def _active(self) -> EpochIterator | None:
+        """The live iterator (held weakly: the consumer owns it)."""
+        return self._active_ref() if self._active_ref is not None else None
+
+    def __iter__(self) -> Iterator[T_co]:
+        """A new epoch's iterator. After the last batch of an epoch was delivered (whether or not
+        `StopIteration` was raised), the next epoch, with its own order; in the middle of an epoch,
+        that epoch again from its start (as torch re-iterates its sampler); after
+        `load_state_dict`, the rest of the saved epoch."""
         if self._iterable:
             return iter(self._dl)
         if self._active is not None:
             self._active.close()
+        self._fixed_rw = self._rank_world()
         resume, self._resume = self._resume, None
         self._fetcher.refresh()
         reuse_pool = self.persistent_workers and self._pool is not None and self.worker_type == "process"
@@ -247,6 +343,7 @@ class Loader:
         else:
             base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume, plan=plan)
         self._position = start
+        expected = self._batches_from(start if resume is not None else None)
         # prefetch_factor batches per worker actually started (fewer threads than num_workers: fewer
         # batches in flight, less memory touched per round)
         depth = 1 if self.num_workers == 0 else threads * max(1, self.prefetch_factor or 1)
@@ -307,8 +404,12 @@ class Loader:
             batched=self.batch_sampler is not None,
             position=start,
             probe=self._thread_probe(),
+            expected=expected,
+            gradient_state=gradient_state(),
         )
-        self._active, self._active_epoch = it, self._epoch
+        self._active_ref, self._active_epoch = weakref.ref(it), self._epoch
+        if expected == 0:  # resumed at the end of an epoch: it is complete already
+            it.epoch_complete()
         return it
 
     def _order_ahead(self, threads: int, steal: str | bool) -> bool:
@@ -369,11 +470,19 @@ class Loader:
             self._threads = None
 
     def _epoch_done(self, it: EpochIterator) -> None:
-        if it is self._active:
+        """`it` delivered its epoch's last batch: the next `iter()` starts the next epoch."""
+        if it is self._active and self._active_epoch == self._epoch:
             self._epoch += 1
             self._position = None
-            self._active = None
             self._fetcher.release_plan()
+
+    def _closed(self, it: EpochIterator) -> None:
+        """`it` stopped (closed, exhausted or deleted): keep where its consumer was."""
+        current = self._active
+        if current is it or current is None:
+            if self._active_epoch == self._epoch and not it.complete:
+                self._position = it.position
+            self._active_ref = None
 
     # ---- epochs and state
     @property
@@ -388,11 +497,15 @@ class Loader:
             self._resume = None
             self._position = None
         self._epoch = epoch
-        if isinstance(getattr(self, "_order", None), SamplerOrder):
-            self._order.set_epoch(epoch)
+        seen: set[int] = set()  # forwarded to the (batch) sampler, each object once
+        for obj in (self.batch_sampler, self.sampler):
+            if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
+                seen.add(id(obj))
+                obj.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the consumer is: epoch + batches received + (sampler) order state."""
+        """Where the consumer is: epoch + batches received + (sampler) order state, and what the
+        order depends on (world size, batch size, dataset length), checked by `load_state_dict`."""
         if self._iterable:
             raise TypeError("state_dict() is not supported for IterableDataset")
         pos = self._resume if self._resume is not None else self._current_position()
@@ -401,26 +514,44 @@ class Loader:
             "epoch": self._epoch,
             "position": pos,
             "seed": self.seed,
-            "world_size": self.world_size,
+            "world_size": self._dealt_world(),
+            "batch_size": self.batch_size,
+            "num_samples": len(self.dataset),
             "batches_yielded": int(pos["batches"]) if pos else 0,
         }
+
+    def _dealt_world(self) -> int:
+        """The number of ranks the order is dealt over: the sampler's own `num_replicas` (e.g. a
+        `DistributedSampler`) when it has one, else the Loader's world size."""
+        for obj in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
+            replicas = getattr(obj, "num_replicas", None)
+            if isinstance(replicas, int):
+                return replicas
+        return self._rank_world()[1]
 
     def _current_position(self) -> dict[str, Any] | None:
         """The position of the last batch the consumer received (the active iterator keeps it),
         unless `set_epoch` has moved to another epoch since that iterator started."""
-        if self._active is not None and self._active_epoch == self._epoch:
-            return self._active.position
+        active = self._active
+        if active is not None and self._active_epoch == self._epoch:
+            return active.position
         return self._position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next `iter()` continues exactly after the last batch received."""
+        """Resume: the next `iter()` continues exactly after the last batch received. A state
+        this Loader cannot continue exactly (another dataset length; a sampler order saved at
+        another world or batch size, which only a seeded order can re-deal; the other kind of
+        order) raises `ValueError`: nothing is replayed or skipped silently."""
         if self._iterable:
             raise TypeError("load_state_dict() is not supported for IterableDataset")
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported Loader state version {state.get('version')!r}")
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+        self._check_state(state)
+        active = self._active
+        if active is not None:
+            active.close()
+        self._active_ref = None
+        self._fixed_rw = self._rank_world()
         self._epoch = int(state["epoch"])
         if isinstance(self._order, SeededOrder):
             if state["position"] is not None:
@@ -428,9 +559,50 @@ class Loader:
             if state.get("seed") is not None:
                 self._order.seed = self.seed = int(state["seed"])
         else:
-            self._order.set_epoch(self._epoch)
+            self.set_epoch(self._epoch)
         self._resume = state["position"]
         self._position = state["position"]
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        pos = state.get("position")
+        saved_n = state.get("num_samples")
+        if pos is None:
+            return
+        if saved_n is not None and saved_n != len(self.dataset):
+            raise ValueError(
+                f"Loader state is for a dataset of {saved_n} samples, this Loader's has {len(self.dataset)}: "
+                "its position does not apply"
+            )
+        seeded = isinstance(self._order, SeededOrder)
+        if seeded != ("base" in pos):
+            saved, here = ("a seeded", "a sampler") if "base" in pos else ("a sampler", "a seeded")
+            raise ValueError(f"Loader state was saved with {saved} order, this Loader has {here} order (see seed=)")
+        if seeded or not int(pos.get("batches", 0)):
+            return  # a seeded order re-deals the rest of the epoch to any world or batch size
+        for key, here in (("world_size", self._dealt_world()), ("batch_size", self.batch_size)):
+            saved = state.get(key)
+            if saved is not None and saved != here:
+                raise ValueError(
+                    f"Loader state was saved mid-epoch at {key}={saved}, this Loader has {key}={here}: a sampler's "
+                    "order cannot be re-dealt (the rest of the epoch would be replayed or skipped); resume at an "
+                    "epoch boundary, or use seed= (a seeded order re-deals exactly)"
+                )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Configuration and position only (no threads, pools or buffers): the copy is rebuilt
+        from the constructor's arguments and continues where this Loader is."""
+        state = None
+        if not self._iterable:
+            pos = self._resume if self._resume is not None else self._current_position()
+            state = {"epoch": self._epoch, "position": pos, "seed": self.seed}
+        return {"init": self._init_args, "state": state}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        self.__init__(**pickled["init"])  # type: ignore[misc]
+        state = pickled["state"]
+        if state is not None:
+            self._epoch, self.seed = int(state["epoch"]), state["seed"]
+            self._resume = self._position = state["position"]
 
     # ---- stats
     def stats(self) -> dict[str, Any]:
@@ -460,19 +632,22 @@ class Loader:
 
     def close(self) -> None:
         """Stop the active iterator and any persistent workers (`state_dict()` still says where it was)."""
-        if self._active is not None:
-            self._active.close()
-            self._position = self._current_position()
-            self._active = None
+        active = self._active
+        if active is not None:
+            active.close()
+        self._active_ref = None
         fetcher = getattr(self, "_fetcher", None)  # none for an IterableDataset
         if fetcher is not None:
             fetcher.release_plan()
         self._stop_workers()
 
     def __del__(self) -> None:
-        if any(getattr(self, name, None) is not None for name in ("_pool", "_threads", "_active")):
-            with contextlib.suppress(Exception):  # may run during interpreter shutdown
+        # no module globals here: at interpreter exit they may already be None
+        try:
+            if self._pool is not None or self._threads is not None or self._active is not None:
                 self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
+            pass
 
 
 def _worker_threads(num_workers: int, *, stealing_allowed: bool) -> int:

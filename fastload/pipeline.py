@@ -19,7 +19,7 @@ Not done with a `timeout`, a `worker_init_fn` (they only mean something in a wor
 
 from __future__ import annotations
 
-import contextlib
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -28,7 +28,7 @@ from typing import Any
 from fastload.device import DeviceStage, DeviceWideFence
 from fastload.pinned import BufferRing
 from fastload.stats import LoaderStats
-from fastload.workers import InlineSource, ThreadSource
+from fastload.workers import InlineSource, ThreadSource, WorkerError
 
 __all__ = ["EpochIterator", "ThreadProbe"]
 
@@ -54,6 +54,8 @@ class EpochIterator:
         batched: bool,
         position: dict[str, Any] | None = None,
         probe: ThreadProbe | None = None,
+        expected: int | None = None,
+        gradient_state: Any = None,
     ) -> None:
         self._loader, self._order, self._source, self._owns_source = loader, order, source, owns_source
         self._depth, self._ring, self._ring_in_source = max(1, depth), ring, ring_in_source
@@ -65,13 +67,23 @@ class EpochIterator:
         self._closed = False
         self._order_done = False
         self.position = position  # where the consumer is: the position of the last batch it received
+        # batches still to deliver (None: unknown, the order's end decides); at 0 the epoch is complete
+        self._left = expected
+        self.complete = False  # the epoch's last batch was delivered (see `epoch_complete`)
+        # Accelerate's hooks (see `fastload.frameworks`): set as the last batch is delivered
+        self.end_of_dataloader, self.remainder = False, -1
+        self._gradient_state = gradient_state
+        if gradient_state is not None:
+            gradient_state._add_dataloader(self)
         # one of three shapes, chosen once: no per-batch checks of which one applies
         if isinstance(source, InlineSource) and ring is None and device is None:
-            self._step = self._next_inline  # nothing in flight, nothing to release
+            # (functions, not bound methods: an attribute holding a bound method is a reference cycle,
+            # and a deleted iterator must end its workers at once, not at the next garbage collection)
+            self._step = EpochIterator._next_inline  # nothing in flight, nothing to release
         elif isinstance(source, ThreadSource) and ring is None and device is None:
-            self._step = self._next_adaptive  # the probe's inline mode as lean as `_next_inline`
+            self._step = EpochIterator._next_adaptive  # the probe's inline mode as lean as `_next_inline`
         else:
-            self._step = self._next_host if device is None else self._next_device
+            self._step = EpochIterator._next_host if device is None else EpochIterator._next_device
         self._full_depth = self._depth
         self.probe = probe if isinstance(source, ThreadSource) else None
         if self.probe is not None:
@@ -90,14 +102,29 @@ class EpochIterator:
         stats = self._stats
         stats.begin(t0)
         try:
-            out, n, self.position = self._step()
+            out, n, self.position = self._step(self)
         except StopIteration:
             self._finish()
+            raise
+        except Exception:
+            # a batch's own error (the dataset, collate_fn, transform): raised for that batch, and the
+            # iterator goes on with the next one, as torch's does; a dead, stuck or unstarted worker ends it
+            if isinstance(self._source, (InlineSource, type(None))) or not (
+                self._source.broken or isinstance(sys.exc_info()[1], WorkerError)
+            ):
+                raise
+            self.close()
+            self._loader._failed(self)
             raise
         except BaseException:
             self.close()
             self._loader._failed(self)
             raise
+        left = self._left
+        if left is not None:
+            self._left = left = left - 1
+            if left == 0:  # the epoch's last batch: the next iter() starts the next epoch
+                self.epoch_complete()
         t1 = _perf()
         stats.delivered(n, t1 - t0, t1)
         probe = self.probe
@@ -218,9 +245,15 @@ class EpochIterator:
                 owner.release(token)
 
     # ---- shutdown
+    def epoch_complete(self) -> None:
+        """The epoch's last batch was delivered (or it has none left): the Loader moves on."""
+        if not self.complete:
+            self.complete = self.end_of_dataloader = True
+            self._loader._epoch_done(self)
+
     def _finish(self) -> None:
         if not self._closed:
-            self._loader._epoch_done(self)
+            self.epoch_complete()
         self.close()
 
     def close(self) -> None:
@@ -237,11 +270,18 @@ class EpochIterator:
             self._source.close()
         self._source = None
         self._order = iter(())
+        if self._gradient_state is not None:
+            self._gradient_state._remove_dataloader(self)
+            self._gradient_state = None
+        self._loader._closed(self)
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            with contextlib.suppress(Exception):  # may run during interpreter shutdown
+        # no module globals here: at interpreter exit they may already be None
+        try:
+            if not self._closed:
                 self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
+            pass
 
 
 class ThreadProbe:

@@ -37,6 +37,7 @@ __all__ = [
     "STREAM_SAMPLES",
     "SamplerOrder",
     "SeededOrder",
+    "batches_left",
     "epoch_permutation",
     "rank_indices",
     "rank_positions",
@@ -54,21 +55,40 @@ PlanHook = Callable[..., list[np.ndarray] | None]  # plan(indices, batch_size) -
 
 
 def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Rank/world size from the arguments, else `torch.distributed`, else `RANK`/`WORLD_SIZE`."""
-    if world_size is None:
+    """Rank/world size from the arguments, else `torch.distributed` (when initialized), else the
+    `RANK`/`WORLD_SIZE` environment (both, or a world of 1). A partial environment (`WORLD_SIZE`
+    > 1 without `RANK`, as in a launcher's child before `init_process_group`) is an error, never
+    a guess: the Loader calls this at its first `iter()`/`len()`, when the run is set up."""
+    if rank is None or world_size is None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            world_size = torch.distributed.get_world_size()
+            world_size = torch.distributed.get_world_size() if world_size is None else world_size
             rank = torch.distributed.get_rank() if rank is None else rank
         else:
-            world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if rank is None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank()
-        else:
-            rank = int(os.environ.get("RANK", "0"))
+            env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+            if world_size is None:
+                world_size = int(env_world) if env_world is not None else 1
+            if rank is None:
+                if env_rank is None and world_size > 1:
+                    raise ValueError(
+                        f"the world size is {world_size} (WORLD_SIZE={env_world}) but no rank is known: RANK is not "
+                        "set and torch.distributed is not initialized; pass rank= and world_size= to the Loader, "
+                        "or initialize torch.distributed before its first iter()"
+                    )
+                rank = int(env_rank) if env_rank is not None else 0
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank {rank} for world_size {world_size}")
     return int(rank), int(world_size)
+
+
+def batches_left(position: dict[str, Any], *, n: int, batch_size: int, world_size: int, drop_last: bool) -> int:
+    """How many batches `SeededOrder.epoch` yields from `position` (a resume state) at this world
+    size and batch size: the rest of the epoch, re-dealt when either changed."""
+    base, skip = int(position["base"]), int(position["batches"])
+    if position["world_size"] != world_size or position["batch_size"] != batch_size:
+        base, skip = min(n, base + skip * int(position["batch_size"]) * int(position["world_size"])), 0
+    if n - base <= 0:
+        return 0
+    return max(0, _num_batches(_per_rank(n - base, world_size, drop_last), batch_size, drop_last) - skip)
 
 
 def seed_for(seed: int, epoch: int) -> int:

@@ -374,6 +374,11 @@ class ThreadSource:
         elapsed = time.perf_counter() - started
         return elapsed <= (1.0 - self.STEAL_MIN_REMAINING) * mean or elapsed >= self.STEAL_OVERDUE * mean
 
+    @property
+    def broken(self) -> bool:
+        """A worker failed to start (its `worker_init_fn` raised): no later batch can come."""
+        return self._shared.init_error is not None
+
     def run_inline(self, indices: Any) -> tuple[Any, dict[str, float], Any]:
         """Fetch in the calling thread (the pipeline's adaptive inline mode: no batch is in flight
         then, so it runs `fetch_alone`)."""
@@ -457,8 +462,11 @@ def _worker_main(
         if init_fn is not None:
             init_fn(wid)
     except Exception:  # noqa: BLE001 - shipped to the main process and re-raised there
+        # flushed before exit (the queue's feeder thread is joined), so the parent reads this error
+        # rather than seeing a worker that exited with code 0
         result_q.put((-1, -1, wid, -1, None, ExceptionWrapper(where=f"in DataLoader worker process {wid}"), None))
         return
+    result_q.cancel_join_thread()  # from here on, exiting never waits on a parent that stopped reading
     slots: dict[int, torch.Tensor] = {}
     while True:
         try:
@@ -535,6 +543,11 @@ class ProcessSource:
         self.num_workers, self.timeout = num_workers, timeout
         self.result_q = ctx.Queue()
         self.task_qs = [ctx.Queue() for _ in range(num_workers)]
+        for q in self.task_qs:
+            # the parent never waits at exit to flush tasks into a full pipe that no worker reads any
+            # more (pytorch issue 48666: a script raising while it holds an iterator would never exit)
+            q.cancel_join_thread()
+        self.broken = False  # a worker's `worker_init_fn` raised
         self.procs = []
         for wid in range(num_workers):
             p = ctx.Process(
@@ -602,8 +615,14 @@ class ProcessSource:
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerError(f"DataLoader timed out after {self.timeout} seconds") from None
             return
+        self._accept(msg)
+
+    def _accept(self, msg: tuple[Any, ...]) -> None:
+        """A worker's message: a batch (kept until its turn), a stale batch (slot freed), or its
+        `worker_init_fn`'s error (raised)."""
         gen, j, w, sid, new, payload, _ = msg
         if gen == -1:  # worker_init_fn failed
+            self.broken = True
             payload.reraise()
         if new is not None:
             self._slots[(w, sid)] = (new, storage_refs(new))
@@ -615,8 +634,18 @@ class ProcessSource:
     def _check_alive(self) -> None:
         dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
         if dead:
+            self._raise_init_error()  # a worker that exited after reporting its worker_init_fn's error
             what = ", ".join(f"worker {i} (pid {p.pid}, {_describe_exit(p.exitcode)})" for i, p in dead)
             raise WorkerError(f"DataLoader worker exited unexpectedly: {what}")
+
+    def _raise_init_error(self) -> None:
+        """Raise a `worker_init_fn` error still in the result queue (other messages are kept)."""
+        while True:
+            try:
+                msg = self.result_q.get(timeout=_POLL)
+            except (queue.Empty, ConnectionError, EOFError, OSError):
+                return
+            self._accept(msg)
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None

@@ -31,7 +31,7 @@ __all__ = [
     "open_source",
 ]
 
-SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5", "fastload")
+SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5", "hf", "fastload")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 _BLOCK_ROWS = 8192
 
@@ -59,6 +59,8 @@ def detect_kind(src: str) -> str:
             return "fastload"
         if "data.mdb" in entries:
             return "lmdb"
+        if {"state.json", "dataset_info.json"} <= set(entries) or "dataset_dict.json" in entries:
+            return "hf"  # a Hugging Face `save_to_disk` directory (see hf_datasets.py)
         if entries and all(e.endswith(".npy") for e in entries if not e.startswith(".")):
             return "npy"
         if any(os.path.isdir(os.path.join(src, e)) for e in entries):
@@ -319,6 +321,11 @@ def open_source(
     if kind == "fastload":
         source = _fastload_source(src)
         return source, source.schema, dict(source.attrs or {})
+    if kind == "hf":
+        from .hf_datasets import open_hf_dir
+
+        source = open_hf_dir(src)
+        return source, source.schema, {"source": "hf"}
     if kind == "npy":
         source = _npy_source(src)
         return source, source.schema, {"source": "npy"}

@@ -248,6 +248,10 @@ def write(
     in `workers` processes) or any iterable of dicts. `schema` is inferred from the first sample when
     omitted (pass it for image fields: raw bytes infer as ``bytes``).
     """
+    from .hf_datasets import hf_block_source, is_hf_dataset  # (imports this module)
+
+    if is_hf_dataset(source):
+        source = hf_block_source(source)  # fixed-shape columns stay fixed fields with their dtypes
     out_dir = os.fspath(out_dir)
     shard_size = parse_size(shard_size)
     if shard_size < 4096:

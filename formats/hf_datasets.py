@@ -1,0 +1,136 @@
+"""Hugging Face `datasets` as a source: a `datasets.Dataset` or a `save_to_disk` directory (Arrow).
+
+Columns map to fields by their Arrow data, not only by their declared feature, so a column
+declared as a variable-length list whose rows all have the same length (what `Dataset.from_dict`
+makes of a 2-D array) is a fixed `ndarray` field: numbers keep their dtype (float32[16] stays a
+float32 (16,) field, int32 stays int32) and reach the model as tensors, not `Ragged`.
+
+* numbers (`Value`, `ClassLabel`): ``scalar`` of that dtype (ClassLabel: int64)
+* lists / `ArrayND` of numbers with one shape in every row: ``ndarray`` of that shape
+* lists of numbers of varying length: ``varray``; `Value("string")`: ``string``;
+  `Value("binary")`: ``bytes``; `Image`: ``image`` (the encoded bytes as stored)
+
+Fixed columns are read as whole Arrow slices (no per-sample Python); other types raise naming
+the column. Requires the `datasets` package (extra ``hf``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .columns import Block, encode_samples
+from .errors import FormatError
+from .schema import Field, Schema
+from .writer import BlockSource
+
+__all__ = ["HF_MARKERS", "hf_block_source", "is_hf_dataset", "open_hf_dir"]
+
+HF_MARKERS = ("state.json", "dataset_info.json")  # what `save_to_disk` writes beside the Arrow files
+_BLOCK_ROWS = 8192
+
+
+def is_hf_dataset(obj: Any) -> bool:
+    """Whether `obj` is a `datasets.Dataset` (checked without importing `datasets`)."""
+    return any(c.__module__.startswith("datasets.") and c.__name__ == "Dataset" for c in type(obj).__mro__)
+
+
+def open_hf_dir(src: str) -> BlockSource:
+    """The `save_to_disk` directory `src` as a `BlockSource` (a `DatasetDict` directory: name a split)."""
+    if os.path.exists(os.path.join(src, "dataset_dict.json")):
+        with open(os.path.join(src, "dataset_dict.json")) as fh:
+            splits = json.load(fh).get("splits", [])
+        raise FormatError(f"{src}: a DatasetDict with splits {splits}; convert one split: {src}/<split>")
+    import datasets
+
+    return hf_block_source(datasets.load_from_disk(src), where=src)
+
+
+def _leaf_dtype(arrow_type: Any, column: str, where: str) -> np.dtype:
+    import pyarrow as pa
+
+    if pa.types.is_boolean(arrow_type) or pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type):
+        return np.dtype(arrow_type.to_pandas_dtype())
+    raise FormatError(f"{where}: column {column!r}: Arrow type {arrow_type} is not supported (numbers, strings, bytes)")
+
+
+def _field_for(name: str, column: Any, feature: Any, where: str) -> Field:
+    """The field for one Arrow column (a ChunkedArray) of the whole dataset."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if type(feature).__name__ == "Image":
+        return Field(name, "image")
+    if type(feature).__name__ == "ClassLabel":
+        return Field(name, "scalar", np.int64)
+    t = column.type
+    if isinstance(t, pa.ExtensionType):  # ArrayND: lists of lists in its storage
+        column = pa.chunked_array([c.storage for c in column.chunks], type=t.storage_type)
+        t = column.type
+    if column.null_count:
+        raise FormatError(f"{where}: column {name!r} has {column.null_count} missing values (nulls)")
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return Field(name, "string")
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return Field(name, "bytes")
+    shape: list[int] = []
+    arr = column
+    while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
+        lengths = pc.list_value_length(arr)
+        lo, hi = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+        if arr.null_count or lo != hi:
+            if shape:  # a list of varying lists
+                raise FormatError(f"{where}: column {name!r}: nested lists of varying length are not supported")
+            return Field(name, "varray", _leaf_dtype(arr.type.value_type, name, where))
+        shape.append(int(lo or 0))
+        arr = pc.list_flatten(arr)
+    dtype = _leaf_dtype(arr.type, name, where)
+    return Field(name, "ndarray", dtype, tuple(shape)) if shape else Field(name, "scalar", dtype)
+
+
+def _fixed_values(column: Any, field: Field, n: int) -> np.ndarray:
+    """An Arrow column slice of a fixed field as an (n, *shape) array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(column.type, pa.ExtensionType):
+        column = pa.chunked_array([c.storage for c in column.chunks], type=column.type.storage_type)
+    for _ in field.shape:
+        column = pc.list_flatten(column)
+    return np.asarray(column.to_numpy(), dtype=field.dtype).reshape((n, *field.shape))
+
+
+def hf_block_source(ds: Any, *, where: str = "datasets.Dataset") -> BlockSource:
+    """`ds` (a `datasets.Dataset`) as a `BlockSource` with the fields described in the module docstring."""
+    table = ds.with_format("arrow")[:] if len(ds) else ds.data.table
+    features = ds.features
+    schema = Schema(tuple(_field_for(name, table.column(name), features.get(name), where) for name in ds.column_names))
+    fixed = [f for f in schema if f.is_fixed]
+    variable = Schema(tuple(f for f in schema if not f.is_fixed))
+    images = [f.name for f in variable if f.kind == "image"]
+    n = len(ds)
+
+    def blocks(start: int) -> Iterator[Block]:
+        for s in range(start, n, _BLOCK_ROWS):
+            e = min(s + _BLOCK_ROWS, n)
+            part = table.slice(s, e - s)
+            cols = {f.name: _fixed_values(part.column(f.name), f, e - s) for f in fixed}
+            hw: dict[str, np.ndarray] = {}
+            if variable.fields:
+                rows = part.select(list(variable.names)).to_pylist()
+                for i, row in enumerate(rows):
+                    for name in images:
+                        value = row[name]
+                        if not isinstance(value, dict) or value.get("bytes") is None:
+                            raise FormatError(f"{where}: sample {s + i}, field {name!r}: the image has no stored bytes")
+                        row[name] = value["bytes"]
+                block = encode_samples(rows, variable, first_index=s)
+                cols.update(block.columns)
+                hw = block.image_hw
+            yield Block(e - s, {f.name: cols[f.name] for f in schema}, hw)
+
+    return BlockSource(schema=schema, num_samples=n, blocks=blocks, attrs={"source": "hf"})
