@@ -58,7 +58,7 @@ from .writer import (
 
 __all__ = ["FastloadDatasink", "FastloadDatasource", "RayWriteResult", "convert_ray", "read_ray", "write_ray"]
 
-_CHUNK = 512  # samples per plan-pass chunk (the local writer's encode chunk)
+_PLAN_CHUNK_MIN, _PLAN_CHUNK_MAX = 512, 8192  # samples per plan-pass chunk (8192: a columnar source's block)
 _TMP_MARK = ".part-"  # shards/<name>.part-<id>: a shard being written by one task attempt
 _INFER_SAMPLES = 64
 _ERRORS = (FormatError, SchemaError, ValueError, FileNotFoundError, FileExistsError)
@@ -412,7 +412,9 @@ def _data_context(*, progress: bool) -> Iterator[Any]:
 def _plan(source: Any, shard_size: int, *, concurrency: int | None) -> list[int]:
     """Sample counts of the shards, cut as `write` cuts them (a Ray pass computing stored sizes)."""
     n = source.num_samples
-    chunks = [(s, min(s + _CHUNK, n)) for s in range(0, n, _CHUNK)]
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    step = min(_PLAN_CHUNK_MAX, max(_PLAN_CHUNK_MIN, -(-n // (4 * cpus))))  # ~4 chunks per CPU
+    chunks = [(s, min(s + step, n)) for s in range(0, n, step)]
     schema = source.schema
 
     def sizes(batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -459,8 +461,13 @@ def _from_dataset(ds: Any, schema: Schema | None, attrs: dict[str, Any]) -> _Ref
                 counts.append(int(meta.num_rows))
     if not refs:
         raise ValueError("the source is empty: nothing to convert")
-    if schema is None:
-        head = _block_rows(BlockAccessor.for_block(ray.get(refs[0])).slice(0, min(counts[0], _INFER_SAMPLES)))
+    if schema is None:  # inferred from the first samples, as the local writer does
+        head: list[dict[str, Any]] = []
+        for ref, count in zip(refs, counts):
+            take = min(count, _INFER_SAMPLES - len(head))
+            head += _block_rows(BlockAccessor.for_block(ray.get(ref)).slice(0, take))
+            if len(head) >= _INFER_SAMPLES:
+                break
         schema = Schema.infer(head)
     return _RefSource(refs, counts, schema, attrs)
 
@@ -520,21 +527,25 @@ def _write(
     counts = None
     if resume:
         recorded = output.read(PROGRESS_NAME)
-        if recorded is not None:
-            try:
-                previous = json.loads(recorded)
-            except json.JSONDecodeError:
-                previous = None
-            current = _settings(schema, shard_size, source.num_samples, None)
-            if isinstance(previous, dict) and {**previous, "counts": None} != current:
-                raise FormatError(
-                    f"{output.root}: cannot resume: the interrupted conversion used other settings "
-                    "(engine/schema/shard size/sample count); remove the directory or use the same settings"
-                )
-            if isinstance(previous, dict) and isinstance(previous.get("counts"), list):
-                counts = [int(c) for c in previous["counts"]]
-                if sum(counts) != source.num_samples or min(counts) <= 0:
-                    counts = None
+        try:
+            previous = json.loads(recorded) if recorded is not None else None
+        except json.JSONDecodeError:
+            previous = None
+        if not isinstance(previous, dict):
+            resume = False  # nothing says what the files there belong to: start over
+        elif {**previous, "counts": None} != _settings(schema, shard_size, source.num_samples, None):
+            raise FormatError(
+                f"{output.root}: cannot resume: the interrupted conversion used other settings "
+                "(engine/schema/shard size/sample count); remove the directory or use the same settings"
+            )
+        else:
+            recorded_counts = previous.get("counts")
+            if (
+                isinstance(recorded_counts, list)
+                and all(isinstance(c, int) and c > 0 for c in recorded_counts)
+                and sum(recorded_counts) == source.num_samples
+            ):
+                counts = list(recorded_counts)
     if counts is None:
         counts = _plan(source, shard_size, concurrency=concurrency)
     starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
