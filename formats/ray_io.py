@@ -100,6 +100,8 @@ class _PathSource:
         source = self._source()
         if not isinstance(source, BlockSource):
             return encode_samples([source[i] for i in range(start, stop)], self.schema, first_index=start)
+        if source.block is not None:
+            return source.block(start, stop)
         parts, pos = [], start
         for b in source.blocks(start):
             take = min(b.num_samples, stop - pos)

@@ -160,12 +160,14 @@ def _npy_source(src: str) -> BlockSource:
         )
     )
 
+    def block(s: int, e: int) -> Block:
+        return Block(e - s, {k: np.ascontiguousarray(a[s:e]) for k, a in arrays.items()})
+
     def blocks(start: int) -> Iterator[Block]:
         for s in range(start, n, _BLOCK_ROWS):
-            e = min(s + _BLOCK_ROWS, n)
-            yield Block(e - s, {k: np.ascontiguousarray(a[s:e]) for k, a in arrays.items()})
+            yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=schema, num_samples=n, blocks=blocks)
+    return BlockSource(schema=schema, num_samples=n, blocks=blocks, block=block)
 
 
 def _hdf5_source(src: str) -> BlockSource | Any:
@@ -174,12 +176,14 @@ def _hdf5_source(src: str) -> BlockSource | Any:
     ds = HDF5Dataset(src)
     n = len(ds)
 
+    def block(s: int, e: int) -> Block:
+        return Block(e - s, ds.get_batch(np.arange(s, e)))
+
     def blocks(start: int) -> Iterator[Block]:
         for s in range(start, n, _BLOCK_ROWS):
-            e = min(s + _BLOCK_ROWS, n)
-            yield Block(e - s, ds.get_batch(np.arange(s, e)))
+            yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks)
+    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks, block=block)
 
 
 def open_source(src: str, kind: str | None = None) -> tuple[Any, Schema | None, dict[str, Any]]:

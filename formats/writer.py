@@ -52,12 +52,16 @@ _INFER_SAMPLES = 64  # samples looked at when inferring a schema
 
 @dataclass
 class BlockSource:
-    """A columnar source: `schema`, `num_samples`, and `blocks(start)` yielding Blocks from sample `start` on."""
+    """A columnar source: `schema`, `num_samples`, and `blocks(start)` yielding Blocks from sample `start` on.
+
+    `block(start, stop)`, when given, returns samples [start, stop) as one Block (random access).
+    """
 
     schema: Schema
     num_samples: int
     blocks: Any  # Callable[[int], Iterator[Block]]
     attrs: dict[str, Any] | None = None
+    block: Any = None  # Callable[[int, int], Block] | None
 
 
 def shard_name(k: int) -> str:
