@@ -47,7 +47,7 @@ def _convert_ray(args: argparse.Namespace) -> int:
 
     result = convert_ray(
         args.src, args.out, kind=args.kind, address=args.address, shard_size=args.shard_size,
-        resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
+        resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, concurrency=args.workers,
     )
     manifest = result.manifest
     total = sum(s.bytes for s in manifest.shards)
@@ -133,10 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
     p.add_argument("src", help="source path (image folder, .npy file/dir, .jsonl, LMDB dir, HDF5 file; with "
                    "--engine ray also Parquet files or any fsspec URL of Parquet / JSON lines)")
-    p.add_argument("out", help="output dataset directory")
+    p.add_argument("out", help="output dataset directory (with --engine ray also an fsspec URL, e.g. s3://b/ds)")
     p.add_argument("--kind", choices=SOURCE_KINDS, help="source kind (detected when omitted)")
     p.add_argument("--shard-size", default="64MiB", help="target shard size, e.g. 64MiB (default)")
-    p.add_argument("--workers", type=int, default=None, help="encoder processes / writer threads")
+    p.add_argument("--workers", type=int, default=None,
+                   help="encoder processes / writer threads (--engine ray: Ray tasks at a time)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
