@@ -12,7 +12,7 @@ $(STAMP): setup.py
 	$(PIP) install --upgrade pip setuptools wheel
 	# torch first, pinned: the local CPU wheel; nothing may pull a CUDA build later.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev,dali,image,plot,frameworks]' torch==2.13.0
+	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray]' torch==2.13.0
 	touch $(STAMP)
 
 install: $(STAMP)

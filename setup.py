@@ -47,6 +47,7 @@ setup(
         "plot": ["matplotlib"],
         # frameworks driving a Loader, exercised by tests/test_frameworks.py and test_hf_datasets.py
         "frameworks": ["lightning", "accelerate", "datasets"],
+        "ray": ["ray[data]>=2.40"],  # write_ray / read_ray / `fastload convert --engine ray`
         "dev": [
             "pytest",
             "pytest-timeout",

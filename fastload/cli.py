@@ -13,6 +13,10 @@ __all__ = ["main"]
 
 
 def _convert(args: argparse.Namespace) -> int:
+    if args.engine == "ray":
+        return _convert_ray(args)
+    if args.address is not None:
+        raise ValueError("--address needs --engine ray")
     from fastload.formats import write
     from fastload.formats.sources import open_source
     from fastload.formats.units import format_size
@@ -45,6 +49,28 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"skipped {len(skipping.skipped)} input(s) that failed to read; reasons in {report}", file=sys.stderr)
     total = sum(s.bytes for s in manifest.shards)
     print(f"wrote {manifest.num_samples} samples in {len(manifest.shards)} shards ({format_size(total)}) to {args.out}")
+    return 0
+
+
+def _convert_ray(args: argparse.Namespace) -> int:
+    try:
+        from fastload.formats.ray_io import convert_ray
+    except ImportError as exc:
+        print(f"fastload convert: error: {exc}", file=sys.stderr)
+        return 2
+    from fastload.formats.units import format_size
+
+    result = convert_ray(
+        args.src, args.out, kind=args.kind, address=args.address, shard_size=args.shard_size,
+        resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, concurrency=args.workers,
+    )
+    manifest = result.manifest
+    total = sum(s.bytes for s in manifest.shards)
+    print(
+        f"wrote {manifest.num_samples} samples in {len(manifest.shards)} shards ({format_size(total)}) to {args.out}"
+        f" on Ray: {len(manifest.shards) - result.kept} shards written by tasks on {len(result.shards_per_node)}"
+        f" node(s), {result.kept} kept from the interrupted run"
+    )
     return 0
 
 
@@ -122,11 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
-    p.add_argument("src", help="source path (image folder, .npy file/dir, .jsonl, LMDB dir, HDF5 file)")
-    p.add_argument("out", help="output dataset directory")
+    p.add_argument("src", help="source path (image folder, .npy file/dir, .jsonl, LMDB dir, HDF5 file; with "
+                   "--engine ray also Parquet files or any fsspec URL of Parquet / JSON lines)")
+    p.add_argument("out", help="output dataset directory (with --engine ray also an fsspec URL, e.g. s3://b/ds)")
     p.add_argument("--kind", choices=SOURCE_KINDS, help="source kind (detected when omitted)")
     p.add_argument("--shard-size", default="64MiB", help="target shard size, e.g. 64MiB (default)")
-    p.add_argument("--workers", type=int, default=None, help="encoder processes / writer threads")
+    p.add_argument("--workers", type=int, default=None,
+                   help="encoder processes / writer threads (--engine ray: Ray tasks at a time)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -143,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         "in OUT/skipped-inputs.jsonl",
     )
     p.add_argument("--no-decode-check", action="store_true", help="do not decode every image fully while converting")
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local processes (default) or Ray Data tasks on a cluster (needs fastload[ray])")
+    p.add_argument("--address", default=None, help="Ray cluster address for --engine ray (default: start Ray here)")
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("inspect", help="print schema, counts, sizes and length histograms")

@@ -33,7 +33,9 @@ __all__ = [
     "SchemaError",
     "Storage",
     "parse_size",
+    "read_ray",
     "write",
+    "write_ray",
 ]
 
 
@@ -47,4 +49,8 @@ def __getattr__(name: str) -> Any:
         from .hdf5_dataset import HDF5Dataset
 
         return HDF5Dataset
+    if name in ("write_ray", "read_ray"):  # Ray Data is imported only when these are used (fastload[ray])
+        from . import ray_io
+
+        return getattr(ray_io, name)
     raise AttributeError(f"module 'fastload.formats' has no attribute {name!r}")

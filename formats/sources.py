@@ -242,12 +242,14 @@ def _npy_source(src: str) -> BlockSource:
         )
     )
 
+    def block(s: int, e: int) -> Block:
+        return Block(e - s, {k: np.ascontiguousarray(a[s:e]) for k, a in arrays.items()})
+
     def blocks(start: int) -> Iterator[Block]:
         for s in range(start, n, _BLOCK_ROWS):
-            e = min(s + _BLOCK_ROWS, n)
-            yield Block(e - s, {k: np.ascontiguousarray(a[s:e]) for k, a in arrays.items()})
+            yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=schema, num_samples=n, blocks=blocks)
+    return BlockSource(schema=schema, num_samples=n, blocks=blocks, block=block)
 
 
 def _hdf5_source(src: str) -> BlockSource | Any:
@@ -256,12 +258,14 @@ def _hdf5_source(src: str) -> BlockSource | Any:
     ds = HDF5Dataset(src)
     n = len(ds)
 
+    def block(s: int, e: int) -> Block:
+        return Block(e - s, ds.get_batch(np.arange(s, e)))
+
     def blocks(start: int) -> Iterator[Block]:
         for s in range(start, n, _BLOCK_ROWS):
-            e = min(s + _BLOCK_ROWS, n)
-            yield Block(e - s, ds.get_batch(np.arange(s, e)))
+            yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks)
+    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks, block=block)
 
 
 def decode_images(ds: Any, *, batch: int = 256) -> list[str]:

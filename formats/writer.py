@@ -33,7 +33,17 @@ from .schema import Schema
 from .shard import ShardIdentity, ShardInfo, ShardReader, file_xxh3, write_shard
 from .units import parse_size
 
-__all__ = ["DEFAULT_SHARD_SIZE", "BlockSource", "fsync_path", "write"]
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "PROGRESS_NAME",
+    "BlockSource",
+    "cut_points",
+    "fsync_path",
+    "pack_meta",
+    "shard_meta",
+    "shard_name",
+    "write",
+]
 
 DEFAULT_SHARD_SIZE = 64 << 20
 PROGRESS_NAME = ".fastload-progress.json"
@@ -43,16 +53,24 @@ _INFER_SAMPLES = 64  # samples looked at when inferring a schema
 
 @dataclass
 class BlockSource:
-    """A columnar source: `schema`, `num_samples`, and `blocks(start)` yielding Blocks from sample `start` on."""
+    """A columnar source: `schema`, `num_samples`, and `blocks(start)` yielding Blocks from sample `start` on.
+
+    `block(start, stop)`, when given, returns samples [start, stop) as one Block (random access).
+    """
 
     schema: Schema
     num_samples: int
     blocks: Any  # Callable[[int], Iterator[Block]]
     attrs: dict[str, Any] | None = None
+    block: Any = None  # Callable[[int, int], Block] | None
 
 
-def _shard_name(k: int) -> str:
+def shard_name(k: int) -> str:
+    """Relative path of shard `k` in a dataset directory."""
     return f"shards/shard-{k:05d}.fls"
+
+
+_shard_name = shard_name
 
 
 _WORKER_SOURCE: tuple[Any, Schema] | None = None
@@ -115,29 +133,48 @@ class _ShardCutter:
     def add(self, block: Block, first_index: int) -> Iterator[list[Block]]:
         sizes = block.sample_bytes(self.schema)
         self.total_bytes += int(sizes.sum())
-        too_big = np.flatnonzero(sizes > self.shard_size)
-        if too_big.size:
-            i = int(too_big[0])
-            raise SchemaError(
-                f"sample {first_index + i} is {int(sizes[i])} bytes, larger than the shard size {self.shard_size}: "
-                "raise --shard-size"
-            )
+        cuts, pending = cut_points(sizes, self.shard_size, pending_bytes=self.pending_bytes, first_index=first_index)
         pos = 0
-        while pos < block.num_samples:
-            cum = np.cumsum(sizes[pos:]) + self.pending_bytes
-            fit = int(np.searchsorted(cum, self.shard_size, side="right"))
-            if fit == block.num_samples - pos:
-                self.pending.append(block.slice(pos, block.num_samples) if pos else block)
-                self.pending_bytes = int(cum[-1])
-                return
-            if fit:
-                self.pending.append(block.slice(pos, pos + fit))
-            pos += fit
+        for cut in cuts:
+            if cut > pos:
+                self.pending.append(block.slice(pos, cut))
+            pos = cut
             yield self.flush()
+        if pos < block.num_samples:
+            self.pending.append(block.slice(pos, block.num_samples) if pos else block)
+        self.pending_bytes = pending
 
     def flush(self) -> list[Block]:
         out, self.pending, self.pending_bytes = self.pending, [], 0
         return out
+
+
+def cut_points(
+    sizes: np.ndarray, shard_size: int, *, pending_bytes: int = 0, first_index: int = 0
+) -> tuple[list[int], int]:
+    """Where `write` cuts shards in a run of samples with stored `sizes` (as `Block.sample_bytes` gives).
+
+    `pending_bytes` are already in the open shard. Returns the positions in `sizes` at which a shard
+    closes (samples before the position go in it) and the bytes left in the open shard.
+    """
+    too_big = np.flatnonzero(sizes > shard_size)
+    if too_big.size:
+        i = int(too_big[0])
+        raise SchemaError(
+            f"sample {first_index + i} is {int(sizes[i])} bytes, larger than the shard size {shard_size}: "
+            "raise --shard-size"
+        )
+    cuts: list[int] = []
+    pos, n = 0, len(sizes)
+    while pos < n:
+        cum = np.cumsum(sizes[pos:]) + pending_bytes
+        fit = int(np.searchsorted(cum, shard_size, side="right"))
+        if fit == n - pos:
+            return cuts, int(cum[-1])
+        pos += fit
+        cuts.append(pos)
+        pending_bytes = 0
+    return cuts, pending_bytes
 
 
 def _settings(schema: Schema, shard_size: int, num_samples: int | None) -> dict[str, Any]:
@@ -188,28 +225,40 @@ def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema, datase
     return kept
 
 
-def _meta_from_shards(out_dir: str, schema: Schema, shards: list[ShardInfo]) -> tuple[bytes, list[MetaColumn]]:
-    """Per-sample lengths and image sizes for meta.bin, read back from the shards' offset tables."""
-    pieces: dict[str, list[np.ndarray]] = {}
-    for info in shards:
-        reader = ShardReader(os.path.join(out_dir, info.file), schema, num_samples=info.num_samples, nbytes=info.bytes)
-        for f in schema:
-            if not f.is_fixed:
-                pieces.setdefault(f"{f.name}.length", []).append(np.diff(reader.ragged[f.name][0]).astype("<i8"))
-            if f.kind == "image":
-                pieces.setdefault(f"{f.name}.hw", []).append(np.array(reader.image_hw[f.name], dtype="<u4"))
-        reader.close()
+def shard_meta(reader: ShardReader, schema: Schema) -> dict[str, np.ndarray]:
+    """One shard's part of meta.bin: per-sample lengths of variable fields and image sizes."""
+    out = {}
+    for f in schema:
+        if not f.is_fixed:
+            out[f"{f.name}.length"] = np.diff(reader.ragged[f.name][0]).astype("<i8")
+        if f.kind == "image":
+            out[f"{f.name}.hw"] = np.array(reader.image_hw[f.name], dtype="<u4")
+    return out
+
+
+def pack_meta(schema: Schema, parts: list[dict[str, np.ndarray]]) -> tuple[bytes, list[MetaColumn]]:
+    """meta.bin's bytes and column table from every shard's `shard_meta`, in shard order."""
     columns, chunks, offset = [], [], 0
     for f in schema:
         for key in ([f"{f.name}.length"] if not f.is_fixed else []) + ([f"{f.name}.hw"] if f.kind == "image" else []):
-            parts = pieces.get(key) or [
+            pieces = [p[key] for p in parts if key in p] or [
                 np.zeros((0, 2) if key.endswith(".hw") else 0, "<u4" if key.endswith(".hw") else "<i8")
             ]
-            arr = np.ascontiguousarray(np.concatenate(parts))
+            arr = np.ascontiguousarray(np.concatenate(pieces))
             columns.append(MetaColumn(name=key, dtype=arr.dtype.str, shape=arr.shape, offset=offset))
             chunks.append(arr.tobytes())
             offset += arr.nbytes
     return b"".join(chunks), columns
+
+
+def _meta_from_shards(out_dir: str, schema: Schema, shards: list[ShardInfo]) -> tuple[bytes, list[MetaColumn]]:
+    """Per-sample lengths and image sizes for meta.bin, read back from the shards' offset tables."""
+    parts = []
+    for info in shards:
+        reader = ShardReader(os.path.join(out_dir, info.file), schema, num_samples=info.num_samples, nbytes=info.bytes)
+        parts.append(shard_meta(reader, schema))
+        reader.close()
+    return pack_meta(schema, parts)
 
 
 def _write_atomic(path: str, data: bytes) -> None:

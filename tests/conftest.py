@@ -1,4 +1,4 @@
-"""pytest configuration shared by the test modules: marker registration."""
+"""Pytest configuration shared by the test modules: marker registration (deselect a group with `-m "not NAME"`)."""
 
 from __future__ import annotations
 
@@ -9,3 +9,4 @@ def pytest_configure(config) -> None:
         "frameworks: runs real training frameworks (Lightning, Accelerate, torchrun, HF datasets); "
         "deselect with -m 'not frameworks'",
     )
+    config.addinivalue_line("markers", "ray: needs Ray Data (fastload[ray]); starts local Ray clusters")

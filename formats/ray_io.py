@@ -1,0 +1,700 @@
+"""fastload on Ray Data: `write_ray` converts on a cluster, `read_ray` opens a dataset as a `ray.data.Dataset`.
+
+Conversion runs in two Ray Data passes over the same source:
+
+1. plan: tasks encode chunks of samples and return their stored sizes; the driver cuts shards with
+   the local writer's `cut_points`, so shard boundaries equal those of `fastload.formats.write`;
+2. write: a `FastloadDatasink` gets one row per shard; each write task encodes that shard's samples
+   with the local encoder and writes it with the local `write_shard` (temporary name, then rename;
+   on an fsspec URL a single PUT of the finished file), so shards are byte-identical to a local run.
+
+The driver writes `meta.bin` and then `index.json` last, in `on_write_complete`: a failed or
+cancelled job leaves no directory that opens as a dataset. A progress file holds the settings and
+the shard plan, so `resume=True` keeps every finished shard (each re-checked) and writes the rest.
+A Ray task that dies is retried by Ray; it rewrites the same shard, so no sample is lost or doubled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import xxhash
+
+try:
+    import ray
+    import ray.data
+    from ray.data.block import BlockAccessor, BlockMetadata
+    from ray.data.datasource import Datasink, Datasource, ReadTask
+except ImportError as exc:  # pragma: no cover - exercised without the extra installed
+    raise ImportError(
+        "fastload's Ray support needs Ray Data, which is not installed: pip install 'fastload[ray]'"
+    ) from exc
+
+from .columns import Block, encode_samples
+from .errors import FormatError, SchemaError
+from .manifest import MANIFEST_NAME, META_NAME, Manifest
+from .schema import Schema
+from .shard import ShardInfo, ShardReader, file_xxh3, write_shard
+from .units import parse_size
+from .writer import (
+    DEFAULT_SHARD_SIZE,
+    PROGRESS_NAME,
+    BlockSource,
+    cut_points,
+    fsync_path,
+    pack_meta,
+    shard_meta,
+    shard_name,
+)
+
+__all__ = ["FastloadDatasink", "FastloadDatasource", "RayWriteResult", "convert_ray", "read_ray", "write_ray"]
+
+_PLAN_CHUNK_MIN, _PLAN_CHUNK_MAX = 512, 8192  # samples per plan-pass chunk (8192: a columnar source's block)
+_TMP_MARK = ".part-"  # shards/<name>.part-<id>: a shard being written by one task attempt
+_INFER_SAMPLES = 64
+_ERRORS = (FormatError, SchemaError, ValueError, FileNotFoundError, FileExistsError)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+# ---------------------------------------------------------------- sources: samples [start, stop) as a Block
+
+
+class _PathSource:
+    """A source the local converter opens (`open_source(src, kind)`), reopened once in each Ray worker."""
+
+    _opened: ClassVar[dict[tuple[str, str | None], tuple[Any, Schema | None, dict[str, Any]]]] = {}
+
+    def __init__(self, src: str, kind: str | None) -> None:
+        from .sources import open_source
+
+        self.src, self.kind = src, kind
+        source, schema, attrs = open_source(src, kind)
+        self.schema = schema
+        if schema is None:  # pragma: no cover - every source kind names its schema
+            raise SchemaError(f"{src}: the source has no schema")
+        self.attrs = dict(attrs)
+        self.num_samples = source.num_samples if isinstance(source, BlockSource) else len(source)
+        self._opened[(src, kind)] = (source, schema, attrs)
+
+    def _source(self) -> Any:
+        key = (self.src, self.kind)
+        if key not in self._opened:
+            from .sources import open_source
+
+            self._opened[key] = open_source(self.src, self.kind)
+        return self._opened[key][0]
+
+    def block(self, start: int, stop: int) -> Block:
+        source = self._source()
+        if not isinstance(source, BlockSource):
+            return encode_samples([source[i] for i in range(start, stop)], self.schema, first_index=start)
+        if source.block is not None:
+            return source.block(start, stop)
+        parts, pos = [], start
+        for b in source.blocks(start):
+            take = min(b.num_samples, stop - pos)
+            parts.append(b if take == b.num_samples else b.slice(0, take))
+            pos += take
+            if pos >= stop:
+                break
+        if pos != stop:
+            raise FormatError(f"{self.src}: source ended at sample {pos}, expected {stop} samples")
+        return _concat(parts, self.schema)
+
+
+def _concat(parts: list[Block], schema: Schema) -> Block:
+    if len(parts) == 1:
+        return parts[0]
+    from .ragged import Ragged
+
+    cols: dict[str, Any] = {}
+    for f in schema:
+        cs = [p.columns[f.name] for p in parts]
+        if isinstance(cs[0], Ragged):
+            offsets, base = [np.zeros(1, np.int64)], 0
+            for c in cs:
+                offsets.append(np.asarray(c.offsets[1:], np.int64) - int(c.offsets[0]) + base)
+                base += int(c.offsets[-1] - c.offsets[0])
+            values = np.concatenate([c.values[int(c.offsets[0]) : int(c.offsets[-1])] for c in cs])
+            cols[f.name] = Ragged(values, np.concatenate(offsets), cs[0].kind)
+        else:
+            cols[f.name] = np.concatenate(cs)
+    hw = {name: np.concatenate([p.image_hw[name] for p in parts]) for name in parts[0].image_hw}
+    return Block(sum(p.num_samples for p in parts), cols, hw)
+
+
+class _RefSource:
+    """A materialized `ray.data.Dataset`: its blocks in order, read in tasks as sample dicts and encoded."""
+
+    def __init__(self, refs: list[Any], counts: list[int], schema: Schema, attrs: dict[str, Any]) -> None:
+        self.refs, self.schema, self.attrs = refs, schema, attrs
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.num_samples = int(self.starts[-1])
+
+    def rows(self, start: int, stop: int) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        for k in range(first, len(self.refs)):
+            lo, hi = int(self.starts[k]), int(self.starts[k + 1])
+            if lo >= stop:
+                break
+            a, b = max(start, lo) - lo, min(stop, hi) - lo
+            if a >= b:
+                continue
+            block = ray.get(self.refs[k])
+            out += _block_rows(BlockAccessor.for_block(block).slice(a, b, copy=False))
+        return out
+
+    def block(self, start: int, stop: int) -> Block:
+        return encode_samples(self.rows(start, stop), self.schema, first_index=start)
+
+
+def _block_rows(block: Any) -> list[dict[str, Any]]:
+    """Rows of a Ray block as dicts of numpy values (binary -> bytes, lists -> 1-D arrays)."""
+    columns = BlockAccessor.for_block(block).to_numpy()
+    if not isinstance(columns, dict):
+        columns = {"item": columns}
+    n = len(next(iter(columns.values()))) if columns else 0
+    return [{name: _plain(col[i]) for name, col in columns.items()} for i in range(n)]
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, np.ndarray) and v.dtype == object:
+        return np.asarray(list(v))
+    return v
+
+
+# ---------------------------------------------------------------- output location (local directory or fsspec URL)
+
+
+@dataclass
+class _Output:
+    """Where the dataset goes: a local directory (fsync + rename) or an fsspec URL (one PUT per file)."""
+
+    root: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def remote(self) -> bool:
+        return _is_url(self.root)
+
+    def fs(self) -> Any:
+        import fsspec
+
+        return fsspec.core.url_to_fs(self.root, **self.storage_options)[0]
+
+    def path(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}" if self.remote else os.path.join(self.root, name)
+
+    def exists(self, name: str) -> bool:
+        return self.fs().exists(self.path(name)) if self.remote else os.path.exists(self.path(name))
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            if self.remote:
+                return self.fs().cat_file(self.path(name))
+            with open(self.path(name), "rb") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        if self.remote:
+            self.fs().pipe_file(self.path(name), data)
+            return
+        tmp = f"{self.path(name)}{_TMP_MARK}{uuid.uuid4().hex}"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path(name))
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if self.remote:
+                self.fs().rm_file(self.path(name))
+            else:
+                os.remove(self.path(name))
+
+    def shard_files(self) -> list[str]:
+        """Names under shards/ (relative to the root)."""
+        if self.remote:
+            fs = self.fs()
+            try:
+                listing = fs.ls(self.path("shards"), detail=False)
+            except FileNotFoundError:
+                return []
+            return [f"shards/{p.rstrip('/').rsplit('/', 1)[-1]}" for p in listing]
+        d = self.path("shards")
+        return [f"shards/{n}" for n in os.listdir(d)] if os.path.isdir(d) else []
+
+    def prepare(self, *, resume: bool) -> None:
+        """Make shards/ and drop the files of an earlier run unless resuming (then only partial ones)."""
+        if not self.remote:
+            os.makedirs(self.path("shards"), exist_ok=True)
+        for name in self.shard_files():
+            if not resume or _TMP_MARK in name or name.endswith(".tmp"):
+                self.remove(name)
+
+    def finish(self) -> None:
+        """Partial files of failed attempts go; a local directory is fsynced."""
+        for name in self.shard_files():
+            if _TMP_MARK in name or name.endswith(".tmp"):
+                self.remove(name)
+        if not self.remote:
+            fsync_path(self.path("shards"))
+
+
+# ---------------------------------------------------------------- the sink
+
+
+@dataclass(frozen=True)
+class _ShardDone:
+    k: int
+    info: ShardInfo
+    meta: dict[str, np.ndarray]
+    node: str
+    kept: bool  # a finished shard of an interrupted run, checked and kept
+
+
+class FastloadDatasink(Datasink):
+    """Writes the shards of a planned conversion: one input row per shard (`k`, `start`, `stop`)."""
+
+    def __init__(
+        self,
+        *,
+        source: Any,
+        output: _Output,
+        schema: Schema,
+        counts: list[int],
+        settings: dict[str, Any],
+        resume: bool,
+        attrs: dict[str, Any],
+    ) -> None:
+        self.source, self.output, self.schema = source, output, schema
+        self.counts, self.settings, self.resume, self.attrs = counts, settings, resume, attrs
+        self.manifest: Manifest | None = None
+        self.done: list[_ShardDone] = []
+
+    def get_name(self) -> str:
+        return "Fastload"
+
+    def on_write_start(self, schema: Any = None) -> None:
+        self.output.prepare(resume=self.resume)
+        self.output.put_bytes(PROGRESS_NAME, json.dumps(self.settings).encode())
+
+    def write(self, blocks: Iterable[Any], ctx: Any) -> list[_ShardDone]:
+        node = ray.get_runtime_context().get_node_id()
+        out = []
+        for block in blocks:
+            cols = BlockAccessor.for_block(block).to_numpy()
+            for k, start, stop in zip(cols["k"].tolist(), cols["start"].tolist(), cols["stop"].tolist()):
+                out.append(self._shard(int(k), int(start), int(stop), node))
+        return out
+
+    def _shard(self, k: int, start: int, stop: int, node: str) -> _ShardDone:
+        name = shard_name(k)
+        if self.resume:
+            kept = self._kept(name, stop - start)
+            if kept is not None:
+                return _ShardDone(k, kept[0], kept[1], node, True)
+        block = self.source.block(start, stop)
+        if block.num_samples != stop - start:
+            raise FormatError(f"shard {k}: source gave {block.num_samples} samples for [{start}, {stop})")
+        part = f"{_TMP_MARK}{uuid.uuid4().hex}"
+        if not self.output.remote:
+            final = self.output.path(name)
+            info = write_shard(final + part, [block], self.schema, name=name)
+            meta = self._meta(final + part, info)
+            os.replace(final + part, final)
+            return _ShardDone(k, info, meta, node, False)
+        with tempfile.TemporaryDirectory(prefix="fastload-ray-") as tmp:
+            local = os.path.join(tmp, "shard.fls")
+            info = write_shard(local, [block], self.schema, name=name)
+            meta = self._meta(local, info)
+            self.output.fs().put_file(local, self.output.path(name))  # one PUT: the object appears whole
+        return _ShardDone(k, info, meta, node, False)
+
+    def _meta(self, path: str, info: ShardInfo) -> dict[str, np.ndarray]:
+        reader = ShardReader(path, self.schema, num_samples=info.num_samples, nbytes=info.bytes)
+        try:
+            return {key: np.array(v) for key, v in shard_meta(reader, self.schema).items()}
+        finally:
+            reader.close()
+
+    def _kept(self, name: str, n: int) -> tuple[ShardInfo, dict[str, np.ndarray]] | None:
+        """A finished shard of the interrupted run, when its header, offsets and sample count check out."""
+        if not self.output.exists(name):
+            return None
+        with tempfile.TemporaryDirectory(prefix="fastload-ray-") as tmp:
+            path = self.output.path(name)
+            if self.output.remote:
+                path = os.path.join(tmp, "shard.fls")
+                self.output.fs().get_file(self.output.path(name), path)
+            size = os.path.getsize(path)
+            try:
+                reader = ShardReader(path, self.schema, num_samples=n, nbytes=size)
+                reader.close()
+            except (FormatError, ValueError):
+                return None
+            info = ShardInfo(file=name, num_samples=n, bytes=size, xxh3=file_xxh3(path))
+            return info, self._meta(path, info)
+
+    def on_write_complete(self, write_result: Any) -> None:
+        done = sorted((d for ret in write_result.write_returns for d in ret), key=lambda d: d.k)
+        if [d.k for d in done] != list(range(len(self.counts))):
+            ks = [d.k for d in done]
+            missing = sorted(set(range(len(self.counts))) - set(ks))
+            doubled = sorted({k for k in ks if ks.count(k) > 1})
+            raise FormatError(f"{self.output.root}: write tasks returned shards missing {missing}, doubled {doubled}")
+        for d in done:
+            if d.info.num_samples != self.counts[d.k]:
+                raise FormatError(f"{d.info.file}: {d.info.num_samples} samples, the plan says {self.counts[d.k]}")
+        self.done = done
+        infos = [d.info for d in done]
+        meta, columns = pack_meta(self.schema, [d.meta for d in done])
+        self.output.put_bytes(META_NAME, meta)
+        self.output.finish()
+        manifest = Manifest(
+            schema=self.schema,
+            shards=infos,
+            meta_bytes=len(meta),
+            meta_xxh3=xxhash.xxh3_64_hexdigest(meta),
+            meta_columns=columns,
+            attrs=dict(self.attrs),
+        )
+        self.output.put_bytes(MANIFEST_NAME, manifest.dumps())
+        self.output.remove(PROGRESS_NAME)
+        if not self.output.remote:
+            fsync_path(self.output.root)
+        self.manifest = manifest
+
+    def on_write_failed(self, error: Exception) -> None:
+        # Finished shards and the progress file stay for resume=True; no manifest is written.
+        with contextlib.suppress(OSError):
+            self.output.finish()
+
+
+# ---------------------------------------------------------------- driver
+
+
+@dataclass
+class RayWriteResult:
+    """What `write_ray` did: the manifest, shards per Ray node, and how many shards a resume kept."""
+
+    manifest: Manifest
+    shards_per_node: dict[str, int]
+    kept: int
+
+
+@contextlib.contextmanager
+def _data_context(*, progress: bool) -> Iterator[Any]:
+    ctx = ray.data.DataContext.get_current()
+    saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars)
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = progress
+    try:
+        yield ctx
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
+
+
+def _plan(source: Any, shard_size: int, *, concurrency: int | None) -> list[int]:
+    """Sample counts of the shards, cut as `write` cuts them (a Ray pass computing stored sizes)."""
+    n = source.num_samples
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    step = min(_PLAN_CHUNK_MAX, max(_PLAN_CHUNK_MIN, -(-n // (4 * cpus))))  # ~4 chunks per CPU
+    chunks = [(s, min(s + step, n)) for s in range(0, n, step)]
+    schema = source.schema
+
+    def sizes(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        # A bad record is returned, not raised (Ray would keep only its text): the driver raises the
+        # error of the first bad chunk in sample order, the one the local converter stops at.
+        out = np.empty(len(batch["start"]), dtype=object)
+        errors = np.full(len(batch["start"]), "", dtype=object)
+        for i, (s, e) in enumerate(zip(batch["start"].tolist(), batch["stop"].tolist())):
+            try:
+                out[i] = source.block(s, e).sample_bytes(schema)
+            except _ERRORS as exc:
+                out[i], errors[i] = np.zeros(0, np.int64), f"{type(exc).__name__}:{exc}"
+        return {"start": batch["start"], "sizes": out, "error": errors}
+
+    items = [{"start": s, "stop": e} for s, e in chunks]
+    ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 256)))
+    rows = ds.map_batches(sizes, batch_size=None, batch_format="numpy", concurrency=concurrency).take_all()
+    rows.sort(key=lambda r: int(r["start"]))
+    if [int(r["start"]) for r in rows] != [s for s, _ in chunks]:
+        raise FormatError("the plan pass lost or repeated chunks of samples")
+    for r in rows:
+        if r["error"]:
+            name, _, message = str(r["error"]).partition(":")
+            raise {cls.__name__: cls for cls in _ERRORS}.get(name, FormatError)(message)
+    all_sizes = np.concatenate([np.asarray(r["sizes"], dtype=np.int64) for r in rows])
+    cuts, _ = cut_points(all_sizes, shard_size)
+    bounds = [0, *cuts, n]
+    return [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _settings(schema: Schema, shard_size: int, num_samples: int, counts: list[int] | None) -> dict[str, Any]:
+    return {"engine": "ray", "schema": schema.to_json(), "shard_size": shard_size, "num_samples": num_samples,
+            "counts": counts}
+
+
+def _from_dataset(ds: Any, schema: Schema | None, attrs: dict[str, Any]) -> _RefSource:
+    bundles = list(ds.materialize().iter_internal_ref_bundles())
+    refs, counts = [], []
+    for bundle in bundles:
+        for entry in bundle.blocks:
+            ref, meta = (entry.ref, entry.metadata) if hasattr(entry, "ref") else entry
+            if meta.num_rows:
+                refs.append(ref)
+                counts.append(int(meta.num_rows))
+    if not refs:
+        raise ValueError("the source is empty: nothing to convert")
+    if schema is None:  # inferred from the first samples, as the local writer does
+        head: list[dict[str, Any]] = []
+        for ref, count in zip(refs, counts):
+            take = min(count, _INFER_SAMPLES - len(head))
+            head += _block_rows(BlockAccessor.for_block(ray.get(ref)).slice(0, take))
+            if len(head) >= _INFER_SAMPLES:
+                break
+        schema = Schema.infer(head)
+    return _RefSource(refs, counts, schema, attrs)
+
+
+def write_ray(
+    ds: Any,
+    out: str | os.PathLike[str],
+    *,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    schema: Schema | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = False,
+    attrs: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    concurrency: int | None = None,
+) -> RayWriteResult:
+    """Write a `ray.data.Dataset` (or a source `fastload convert` opens) as a fastload dataset at `out`.
+
+    `out` is a local directory or an fsspec URL (`storage_options` go to fsspec). The shards equal
+    those `fastload.formats.write` makes from the same samples in the same order with the same
+    `shard_size`. `schema` is inferred from the first samples when omitted (pass it for images).
+    `concurrency` caps the Ray tasks of each pass (default: Ray's choice).
+    """
+    shard_size = parse_size(shard_size)
+    if shard_size < 4096:
+        raise ValueError(f"shard_size must be at least 4096 bytes, got {shard_size}")
+    output = _Output(os.fspath(out), dict(storage_options or {}))
+    if output.exists(MANIFEST_NAME):
+        if not overwrite:
+            if resume:  # a finished run (possibly killed before removing its progress file)
+                data = output.read(MANIFEST_NAME) or b""
+                output.remove(PROGRESS_NAME)
+                return RayWriteResult(Manifest.loads(data, where=output.path(MANIFEST_NAME)), {}, 0)
+            raise FileExistsError(
+                f"{output.root} already holds a dataset; pass overwrite=True (--overwrite) to replace it"
+            )
+        output.remove(MANIFEST_NAME)
+        if not output.remote and os.path.isdir(output.root):
+            shutil.rmtree(output.root)
+        resume = False
+    with _data_context(progress=progress):
+        return _write(ds, output, shard_size, schema, resume, attrs or {}, concurrency)
+
+
+def _write(
+    ds: Any, output: _Output, shard_size: int, schema: Schema | None, resume: bool, attrs: dict[str, Any],
+    concurrency: int | None,
+) -> RayWriteResult:
+    source = ds if isinstance(ds, _PathSource) else _from_dataset(ds, schema, dict(attrs))
+    if isinstance(ds, _PathSource):
+        attrs = {**ds.attrs, **attrs}
+    schema = schema or source.schema
+    source.schema = schema
+    if source.num_samples == 0:
+        raise ValueError("the source is empty: nothing to convert")
+    counts = None
+    if resume:
+        recorded = output.read(PROGRESS_NAME)
+        try:
+            previous = json.loads(recorded) if recorded is not None else None
+        except json.JSONDecodeError:
+            previous = None
+        if not isinstance(previous, dict):
+            resume = False  # nothing says what the files there belong to: start over
+        elif {**previous, "counts": None} != _settings(schema, shard_size, source.num_samples, None):
+            raise FormatError(
+                f"{output.root}: cannot resume: the interrupted conversion used other settings "
+                "(engine/schema/shard size/sample count); remove the directory or use the same settings"
+            )
+        else:
+            recorded_counts = previous.get("counts")
+            if (
+                isinstance(recorded_counts, list)
+                and all(isinstance(c, int) and c > 0 for c in recorded_counts)
+                and sum(recorded_counts) == source.num_samples
+            ):
+                counts = list(recorded_counts)
+    if counts is None:
+        counts = _plan(source, shard_size, concurrency=concurrency)
+    starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    sink = FastloadDatasink(
+        source=source, output=output, schema=schema, counts=counts,
+        settings=_settings(schema, shard_size, source.num_samples, counts), resume=resume, attrs=attrs,
+    )
+    rows = [{"k": k, "start": starts[k], "stop": starts[k + 1]} for k in range(len(counts))]
+    shards = ray.data.from_items(rows, override_num_blocks=len(rows))
+    shards.write_datasink(sink, concurrency=concurrency)
+    assert sink.manifest is not None
+    per_node: dict[str, int] = {}
+    for d in sink.done:
+        if not d.kept:
+            per_node[d.node] = per_node.get(d.node, 0) + 1
+    return RayWriteResult(sink.manifest, per_node, sum(d.kept for d in sink.done))
+
+
+def _connect(address: str | None) -> bool:
+    """Join the cluster at `address` (or start a local one); True when this call started Ray."""
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    return True
+
+
+def _ray_readable(src: str) -> bool:
+    return _is_url(src) or src.lower().endswith(".parquet") or (
+        os.path.isdir(src) and any(n.lower().endswith(".parquet") for n in os.listdir(src))
+    )
+
+
+def convert_ray(
+    src: str,
+    out: str,
+    *,
+    kind: str | None = None,
+    address: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> RayWriteResult:
+    """`fastload convert --engine ray`: a local-converter source, or Parquet / JSON lines Ray Data reads."""
+    started = _connect(address)
+    try:
+        if kind is None and _ray_readable(src):
+            lower = src.lower().rstrip("/")
+            if lower.endswith((".jsonl", ".json", ".ndjson")):
+                ds = ray.data.read_json(src, lines=True, filesystem=_arrow_fs(src, storage_options))
+            else:
+                ds = ray.data.read_parquet(src, filesystem=_arrow_fs(src, storage_options))
+            kwargs.setdefault("attrs", {"source": "ray"})
+            return write_ray(ds, out, storage_options=storage_options, **kwargs)
+        return write_ray(_PathSource(src, kind), out, storage_options=storage_options, **kwargs)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _arrow_fs(src: str, storage_options: dict[str, Any] | None) -> Any:
+    if not _is_url(src) or not storage_options:
+        return None
+    import fsspec
+    import pyarrow.fs
+
+    fs = fsspec.core.url_to_fs(src, **storage_options)[0]
+    return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
+
+
+# ---------------------------------------------------------------- reading
+
+
+class FastloadDatasource(Datasource):
+    """A fastload dataset (directory or fsspec URL) as Ray read tasks, each reading whole shards."""
+
+    def __init__(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        from fastload.dataset import open_dataset
+
+        self.path, self.storage_options = os.fspath(path), storage_options
+        ds = open_dataset(self.path, storage_options=storage_options)
+        try:
+            self.bounds = [int(b) for b in ds.shard_boundaries]
+            self.shard_bytes = [int(s.bytes) for s in ds.manifest.shards]
+        finally:
+            ds.close()
+
+    def estimate_inmemory_data_size(self) -> int:
+        return sum(self.shard_bytes)
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                       data_context: Any = None) -> list[ReadTask]:
+        n = len(self.shard_bytes)
+        groups = np.array_split(np.arange(n), max(1, min(parallelism, n)))
+        tasks = []
+        for group in groups:
+            if not len(group):
+                continue
+            shards = group.tolist()
+            rows = self.bounds[shards[-1] + 1] - self.bounds[shards[0]]
+            meta = BlockMetadata(num_rows=rows, size_bytes=sum(self.shard_bytes[k] for k in shards),
+                                 input_files=None, exec_stats=None)
+            tasks.append(ReadTask(self._reader(shards), meta, per_task_row_limit=per_task_row_limit))
+        return tasks
+
+    def _reader(self, shards: list[int]) -> Any:
+        path, options, bounds = self.path, self.storage_options, self.bounds
+
+        def read() -> Iterator[Any]:
+            from fastload.dataset import open_dataset
+
+            ds = open_dataset(path, storage_options=options)
+            try:
+                for k in shards:
+                    yield _to_ray_block(ds, bounds[k], bounds[k + 1], f"{path}: shard {k}")
+            finally:
+                ds.close()
+
+        return read
+
+
+def _to_ray_block(ds: Any, start: int, stop: int, where: str) -> Any:
+    batch = ds.get_batch(np.arange(start, stop))
+    columns: dict[str, Any] = {}
+    for f in ds.schema:
+        col = batch[f.name]
+        if f.is_fixed:
+            columns[f.name] = col
+            continue
+        try:
+            items = col.to_list()
+        except UnicodeDecodeError as exc:
+            raise FormatError(
+                f"{where}, field {f.name!r}: invalid UTF-8 (corrupt shard? run `fastload verify`)"
+            ) from exc
+        arr = np.empty(len(items), dtype=object)
+        arr[:] = items
+        columns[f.name] = arr
+    return BlockAccessor.batch_to_block(columns)
+
+
+def read_ray(path_or_url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,
+             override_num_blocks: int | None = None) -> Any:
+    """A fastload dataset as a `ray.data.Dataset` of its samples, in dataset order.
+
+    Each read task reads a run of whole shards and yields one block per shard;
+    `override_num_blocks` sets the number of tasks (at most one per shard).
+    """
+    return ray.data.read_datasource(
+        FastloadDatasource(os.fspath(path_or_url), storage_options=storage_options),
+        override_num_blocks=override_num_blocks,
+    )

@@ -1,0 +1,81 @@
+"""`fastload convert --engine ray` on a real two-node Ray cluster on this machine (two raylets), and
+packaging: nothing imports Ray unless asked, and a clear error names the extra when Ray is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastload.formats import write
+from fastload.formats.sources import open_source
+from fastload.formats.verify import verify_dataset
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ray
+def test_two_raylets_write_shards_byte_identical_to_local(tmp_path):
+    pytest.importorskip("ray")
+    rng = np.random.default_rng(1)
+    src = tmp_path / "a.jsonl"
+    with open(src, "w") as fh:
+        for i in range(1500):
+            fh.write(json.dumps({"ids": rng.integers(0, 9, int(rng.integers(1, 90))).tolist(), "label": i}) + "\n")
+    source, schema, attrs = open_source(str(src))
+    write(source, tmp_path / "local", schema=schema, attrs=attrs, shard_size="16KiB", progress=False)
+
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = {**os.environ, **RAY_ENV}
+    port = _free_port()
+    small = ["--num-cpus=1", "--object-store-memory=78643200"]
+    try:
+        subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
+                        "--disable-usage-stats", *small], env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run([ray_bin, "start", f"--address=127.0.0.1:{port}", *small], env=env, check=True,
+                       capture_output=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "fastload.cli", "convert", str(src), str(tmp_path / "ray"), "--engine", "ray",
+             "--address", f"127.0.0.1:{port}", "--shard-size", "16KiB", "--quiet"],
+            env=env, capture_output=True, text=True, timeout=240,
+        )
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "written by tasks on 2 node(s)" in out.stdout, out.stdout
+    names = sorted(os.listdir(tmp_path / "local" / "shards"))
+    assert len(names) >= 4 and names == sorted(os.listdir(tmp_path / "ray" / "shards"))
+    for name in ["index.json", "meta.bin"] + [f"shards/{n}" for n in names]:
+        assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "ray" / name).read_bytes(), name
+    assert verify_dataset(tmp_path / "ray") == []
+
+
+def test_ray_is_imported_only_when_used_and_missing_ray_names_the_extra():
+    code = """
+import sys
+import fastload, fastload.formats, fastload.cli
+fastload.cli.build_parser()
+assert "ray" not in sys.modules, "importing fastload imported ray"
+sys.modules["ray"] = None  # as if Ray were not installed
+try:
+    fastload.formats.write_ray
+except ImportError as exc:
+    assert "pip install 'fastload[ray]'" in str(exc), exc
+else:
+    raise AssertionError("no ImportError without ray")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
