@@ -5,7 +5,28 @@ install as `fastload.formats` and `fastload.cuda_ops`, so no generic top-level n
 lands in site-packages.
 """
 
-from setuptools import find_packages, setup
+import os
+import sysconfig
+
+from setuptools import Extension, find_packages, setup
+
+
+def _jpeg_extensions() -> list[Extension]:
+    """fastload.vision._jpegwin (windowed JPEG decode) when libjpeg-turbo's headers are present
+    (Debian: libjpeg62-turbo-dev, installed by .ci/run); without them the image preset decodes
+    whole images with simplejpeg."""
+    dirs = [sysconfig.get_config_var("INCLUDEDIR") or "/usr/include", "/usr/include", "/usr/local/include"]
+    if not any(os.path.exists(os.path.join(d, "jpeglib.h")) for d in dirs):
+        return []
+    return [
+        Extension(
+            "fastload.vision._jpegwin",
+            ["fastload/vision/_jpegwin.c"],
+            libraries=["jpeg"],
+            extra_compile_args=["-O2"],
+        )
+    ]
+
 
 setup(
     name="fastload",
@@ -57,5 +78,6 @@ setup(
             "nvidia-cuda-nvrtc>=13,<14",
         ],
     },
+    ext_modules=_jpeg_extensions(),
     entry_points={"console_scripts": ["fastload=fastload.cli:main"]},
 )

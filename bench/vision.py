@@ -34,8 +34,10 @@ from fastload.vision import ImagePreset, dali_available
 __all__ = ["main", "make_jpegs"]
 
 
-def make_jpegs(n: int, *, height: int = 375, width: int = 500, quality: int = 90, seed: int = 0) -> list[bytes]:
-    """`n` photo-like JPEGs: upsampled low-frequency noise plus mild grain."""
+def make_jpegs(
+    n: int, *, height: int = 375, width: int = 500, quality: int = 90, grain: float = 6.0, seed: int = 0
+) -> list[bytes]:
+    """`n` photo-like JPEGs: upsampled low-frequency noise plus grain (its std sets the file size)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -43,7 +45,7 @@ def make_jpegs(n: int, *, height: int = 375, width: int = 500, quality: int = 90
     for _ in range(n):
         low = (rng.random((height // 24 + 2, width // 24 + 2, 3)) * 255).astype(np.uint8)
         img = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), dtype=np.int16)
-        img = np.clip(img + rng.normal(0, 6, img.shape), 0, 255).astype(np.uint8)
+        img = np.clip(img + rng.normal(0, grain, img.shape), 0, 255).astype(np.uint8)
         buf = io.BytesIO()
         Image.fromarray(img).save(buf, format="JPEG", quality=quality)
         out.append(buf.getvalue())

@@ -164,6 +164,9 @@ class Loader:
         self.in_order = in_order
         self.device = resolve_device(device)
         self.prefetch, self.transform, self.seed = prefetch, transform, seed
+        for stage in (transform, collate_fn):  # e.g. ImagePreset: its threads follow num_workers
+            if callable(getattr(stage, "bind_workers", None)):
+                stage.bind_workers(self.num_workers)
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self._iterable = isinstance(dataset, IterableDataset)
         self._stats = LoaderStats()

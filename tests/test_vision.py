@@ -184,14 +184,37 @@ def test_resume_is_exact_whatever_the_batch(images: list[bytes]) -> None:
     assert not torch.equal(moved, part)
 
 
-def test_dct_downscale_is_close_to_full_decode() -> None:
-    big = [encode(480, 640, seed=30), encode(400, 300, seed=31)]
-    batch = make_batch(big, [0, 1])
-    kw = {"kind": "eval", "size": 64, "backend": "cpu", "std": (58.0,) * 3}
-    fast = ImagePreset(dct_downscale=True, **kw)(batch)["image"]
-    full = ImagePreset(**kw)(batch)["image"]
-    assert fast.shape == full.shape
-    assert _mean_abs_255(fast, full).max() < 10.0  # busy test images; sub-pixel shift + DCT filter
+def test_dct_downscale_decodes_at_num_over_8() -> None:
+    """dct_downscale: the pixels of a num/8-scale decode (simplejpeg), window rounded to the scaled
+    grid, resized; and close to the full-size pipeline on a smooth photo-like image."""
+    import simplejpeg
+
+    from fastload.vision.cpu_decode import dct_nums, scaled_windows
+
+    big = [encode(480, 640, seed=30), encode(400, 300, seed=31), encode(333, 517, seed=32)]
+    sizes = np.array([[480, 640], [400, 300], [333, 517]])
+    kw = {"kind": "train", "size": 64, "backend": "cpu", "normalize": False, "seed": 3}
+    fast = ImagePreset(dct_downscale=True, **kw)(make_batch(big, [0, 1, 2]))["image"]
+    windows = random_resized_crop(sizes, seed=3, epoch=0, indices=np.arange(3))
+    flips = random_flips(seed=3, epoch=0, indices=np.arange(3))
+    nums = dct_nums(windows, (64, 64))
+    assert (nums < 8).any()
+    for i, (num, (y0, x0, h, w)) in enumerate(zip(nums, scaled_windows(sizes, windows, nums), strict=True)):
+        H, W = sizes[i]
+        img = simplejpeg.decode_jpeg(big[i], min_height=-(-H * num // 8), min_width=-(-W * num // 8), min_factor=1)
+        assert img.shape[:2] == (-(-H * num // 8), -(-W * num // 8))
+        crop = torch.from_numpy(np.ascontiguousarray(img[y0 : y0 + h, x0 : x0 + w])).permute(2, 0, 1)[None]
+        ref = torch.nn.functional.interpolate(crop, size=(64, 64), mode="bilinear", antialias=True)[0]
+        ref = ref.permute(1, 2, 0)
+        torch.testing.assert_close(fast[i], ref.flip(1) if flips[i] else ref, atol=0, rtol=0)
+    yy, xx = np.mgrid[0:480, 0:640]
+    smooth = np.stack([128 + 100 * np.sin(yy / 40 + c) * np.cos(xx / 55) for c in range(3)], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(smooth).save(buf, format="JPEG", quality=90)
+    one = make_batch([buf.getvalue()], [0])
+    a = ImagePreset(dct_downscale=True, **kw)(one)["image"].float()
+    b = ImagePreset(**kw)(one)["image"].float()
+    assert (a - b).abs().mean() < 2.0  # sub-pixel window rounding + the DCT's filter
 
 
 def _reference_resize(buf: bytes, window: np.ndarray, out_hw: tuple[int, int]) -> torch.Tensor:
@@ -209,7 +232,7 @@ def test_resize_into_matches_interpolate_for_any_target_strides() -> None:
     from fastload.vision.cpu_decode import crop_resize, decode_rgb, resize_into
 
     buf = encode(150, 200, seed=40)
-    img, _ = decode_rgb(buf)
+    img = decode_rgb(buf)
     window = np.array([10, 25, 120, 130])
     ref = _reference_resize(buf, window, (48, 40))
     hwc = torch.empty((48, 40, 3), dtype=torch.uint8)  # contiguous = channels-last
