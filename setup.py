@@ -11,21 +11,23 @@ import sysconfig
 from setuptools import Extension, find_packages, setup
 
 
-def _jpeg_extensions() -> list[Extension]:
-    """fastload.vision._jpegwin (windowed JPEG decode) when libjpeg-turbo's headers are present
-    (Debian: libjpeg62-turbo-dev, installed by .ci/run); without them the image preset decodes
-    whole images with simplejpeg."""
+def _vision_extensions() -> list[Extension]:
+    """The image preset's C stages: fastload.vision._lut (the normalising lookup), and
+    fastload.vision._jpegwin (windowed JPEG decode) when libjpeg-turbo's headers are present
+    (Debian: libjpeg62-turbo-dev, installed by .ci/run); without it the preset decodes whole
+    images with simplejpeg (same pixels, slower)."""
+    exts = [Extension("fastload.vision._lut", ["fastload/vision/_lut.c"], extra_compile_args=["-O3"])]
     dirs = [sysconfig.get_config_var("INCLUDEDIR") or "/usr/include", "/usr/include", "/usr/local/include"]
-    if not any(os.path.exists(os.path.join(d, "jpeglib.h")) for d in dirs):
-        return []
-    return [
-        Extension(
-            "fastload.vision._jpegwin",
-            ["fastload/vision/_jpegwin.c"],
-            libraries=["jpeg"],
-            extra_compile_args=["-O2"],
+    if any(os.path.exists(os.path.join(d, "jpeglib.h")) for d in dirs):
+        exts.append(
+            Extension(
+                "fastload.vision._jpegwin",
+                ["fastload/vision/_jpegwin.c"],
+                libraries=["jpeg"],
+                extra_compile_args=["-O2"],
+            )
         )
-    ]
+    return exts
 
 
 setup(
@@ -78,6 +80,6 @@ setup(
             "nvidia-cuda-nvrtc>=13,<14",
         ],
     },
-    ext_modules=_jpeg_extensions(),
+    ext_modules=_vision_extensions(),
     entry_points={"console_scripts": ["fastload=fastload.cli:main"]},
 )

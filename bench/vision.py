@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -140,8 +141,11 @@ def _write_dataset(jpegs: list[bytes], root: str) -> None:
     write(({"image": j, "label": i} for i, j in enumerate(jpegs)), root, schema=schema, progress=False)
 
 
-def _full_decode_crop_pass(jpegs: list[bytes], decoder: str, size: int) -> Callable[[], int]:
-    """One thread: full decode + centre crop `size` (a contiguous copy), simplejpeg or Pillow."""
+def _full_decode_crop_pass(
+    jpegs: list[bytes], decoder: str, size: int, pool: ThreadPoolExecutor | None = None
+) -> Callable[[], int]:
+    """Full decode + centre crop `size` (a contiguous copy), simplejpeg or Pillow; on `pool`'s
+    threads, else on the calling thread."""
     import simplejpeg
     from PIL import Image
 
@@ -151,12 +155,14 @@ def _full_decode_crop_pass(jpegs: list[bytes], decoder: str, size: int) -> Calla
         with Image.open(io.BytesIO(j)) as im:
             return np.asarray(im.convert("RGB"))
 
+    def one(j: bytes) -> int:
+        img = decode(j)
+        y0, x0 = (img.shape[0] - size) // 2, (img.shape[1] - size) // 2
+        np.ascontiguousarray(img[y0 : y0 + size, x0 : x0 + size])
+        return 1
+
     def one_pass() -> int:
-        for j in jpegs:
-            img = decode(j)
-            y0, x0 = (img.shape[0] - size) // 2, (img.shape[1] - size) // 2
-            np.ascontiguousarray(img[y0 : y0 + size, x0 : x0 + size])
-        return len(jpegs)
+        return sum(pool.map(one, jpegs)) if pool is not None else sum(map(one, jpegs))
 
     return one_pass
 
@@ -224,9 +230,11 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
     kb = np.mean([len(j) for j in jpegs]) / 1e3
     print(f"\n## {name}: {n_img} JPEGs, mean {kb:.0f} KB; {cores} cores; batch {bs}; {rounds} interleaved rounds")
 
+    pool = ThreadPoolExecutor(cores)
     fns: dict[str, Callable[[], int]] = {
         "full decode + crop, simplejpeg, 1 thread": _full_decode_crop_pass(jpegs, "simplejpeg", size),
         "full decode + crop, Pillow, 1 thread": _full_decode_crop_pass(jpegs, "pillow", size),
+        f"full decode + crop, simplejpeg, {cores} threads": _full_decode_crop_pass(jpegs, "simplejpeg", size, pool),
     }
     rows = [
         ("eval crop-only uint8 NHWC", {"kind": "eval", "resize": None, "normalize": False}),
@@ -237,6 +245,9 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
     ]
     for label, kw in rows:
         fns[f"cpu preset {label}"] = _preset_pass(ImagePreset(size=size, backend="cpu", threads=cores, **kw), batches)
+    for label, kw in rows[0:1] + rows[2:3]:
+        preset = ImagePreset(size=size, backend="cpu", threads=1, **kw)
+        fns[f"cpu preset {label}, 1 thread"] = _preset_pass(preset, batches)
     if dali_available():
         for kind in ("eval", "train"):
             preset = ImagePreset(kind=kind, size=size, backend="dali", threads=cores, normalize=False)
@@ -259,20 +270,30 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
 
     sj = np.array(rates.pop("full decode + crop, simplejpeg, 1 thread"))
     pil = np.array(rates.pop("full decode + crop, Pillow, 1 thread"))
-    ceiling = np.maximum(sj, pil) * cores
-    print(f"{'row':<58} {'img/s (median, min-max)':>24} {'x ceiling (median, min-max)':>28}")
+    single = np.maximum(sj, pil)
+    ceiling = single * cores
+    multi = np.array(rates.pop(f"full decode + crop, simplejpeg, {cores} threads"))
+    print(
+        f"ratios per round: A = row / ceiling ({cores} x the best 1-thread full decode + crop); "
+        f"B = row / the same full decode + crop measured on {cores} threads (the parallelism this "
+        "run really had); 1-thread rows: C = row / the best 1-thread full decode + crop"
+    )
+    print(f"{'row':<56} {'img/s median (min-max)':>22} {'A median (min-max)':>20} {'B / C median (min-max)':>24}")
+
+    def cell(x: np.ndarray, digits: int) -> str:
+        return f"{np.median(x):.{digits}f} ({x.min():.{digits}f}-{x.max():.{digits}f})"
 
     def line(label: str, r: np.ndarray) -> None:
-        x = r / ceiling
-        spread = f"{np.median(r):.0f} ({r.min():.0f}-{r.max():.0f})"
-        ratio = f"{np.median(x):.2f} ({x.min():.2f}-{x.max():.2f})"
-        print(f"{label:<58} {spread:>24} {ratio:>28}")
+        other = r / single if label.endswith("1 thread") else r / multi
+        print(f"{label:<56} {cell(r, 0):>22} {cell(r / ceiling, 2):>20} {cell(other, 2):>24}")
 
-    line("1 thread full decode + crop, simplejpeg", sj)
-    line("1 thread full decode + crop, Pillow", pil)
-    line(f"full-decode ceiling (best 1-thread x {cores} cores)", ceiling)
+    line("full decode + crop, simplejpeg, 1 thread", sj)
+    line("full decode + crop, Pillow, 1 thread", pil)
+    line(f"full-decode ceiling (best 1-thread x {cores})", ceiling)
+    line(f"full decode + crop, simplejpeg, {cores} threads", multi)
     for label, r in rates.items():
         line(label, np.array(r))
+    pool.shutdown()
     for w, f in first.items():
         print(
             f"Loader num_workers={w}, fresh process: first batch {1e3 * f['first_batch_s']:.0f} ms after the "

@@ -637,3 +637,22 @@ def test_threads_rule_and_results_independent_of_it(images: list[bytes]) -> None
     assert three.threads == 3
     with pytest.raises(ValueError, match="threads"):
         ImagePreset(threads=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_lut_extension_matches_reference(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    from fastload.vision import normalize as norm
+
+    u8 = np.random.default_rng(80).integers(0, 256, (3, 5, 7, 3), dtype=np.uint8)
+    lut = norm.ChannelLUT(mean=(10.0, 20.0, 30.0), std=(2.0, 3.0, 5.0), dtype=dtype)
+    ref = ((torch.from_numpy(u8).float() - torch.tensor([10.0, 20.0, 30.0])) / torch.tensor([2.0, 3.0, 5.0])).to(dtype)
+    for layout, shape in (("NCHW", (3, 3, 5, 7)), ("NHWC", (3, 5, 7, 3))):
+        got = lut.empty(shape)
+        lut.apply_batch(u8, got, layout=layout)
+        want = ref.permute(0, 3, 1, 2) if layout == "NCHW" else ref
+        torch.testing.assert_close(lut.to_tensor(got), want, atol=0, rtol=0)
+        monkeypatch.setattr(norm, "_lut_apply", None)  # the numpy fallback: the same bits
+        again = lut.empty(shape)
+        lut.apply_batch(u8, again, layout=layout)
+        np.testing.assert_array_equal(again, got)
+        monkeypatch.undo()

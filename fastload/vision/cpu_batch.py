@@ -5,7 +5,7 @@ Per chunk, one call of the window decoder (`cpu_decode.decode_windows`, GIL rele
 every JPEG's crop window (DCT-downscaled when asked): straight into the uint8 batch buffer,
 mirrored in the decoder, when the window is the output size (crop only); otherwise into one
 chunk scratch buffer that torch's antialiased resize then reads. The normalising lookup table
-then writes the chunk's output in three calls (one per channel). Python runs per chunk, except
+then writes the chunk's output in one call. Python runs per chunk, except
 one resize call per resized image and the fallbacks: non-JPEG images (Pillow), CMYK/YCCK JPEGs
 and builds without the extension decode whole images (`decode_rgb`) and are cropped after,
 with the same pixels.
@@ -108,10 +108,7 @@ def _chunk(
         except (ValueError, OSError, RuntimeError) as e:
             failed[i] = f"{type(e).__name__}: {e}"
     if job.lut is not None:
-        table = job.lut.table
-        for c in range(3):
-            dst = job.normalized[lo:hi, c] if job.layout == "NCHW" else job.normalized[lo:hi, ..., c]
-            np.take(table[c], job.images[lo:hi, ..., c], out=dst, mode="clip")
+        job.lut.apply_batch(job.images[lo:hi], job.normalized[lo:hi], layout=job.layout)
 
 
 def _decode_whole(job: BatchJob, i: int, num: int, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

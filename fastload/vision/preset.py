@@ -370,7 +370,10 @@ class ImagePreset:
         on_host = self.device.type == "cpu"
         lut = self._lut if on_host else None
         pin = not on_host and torch.cuda.is_available()
-        staging = torch.empty((n, oh, ow, 3), dtype=torch.uint8, pin_memory=pin)
+        if lut is not None:  # internal: this thread's reused pixel block (only the output is returned)
+            staging = _staging(n, oh, ow)
+        else:  # returned (or copied to the device without waiting): a fresh one every batch
+            staging = torch.empty((n, oh, ow, 3), dtype=torch.uint8, pin_memory=pin)
         shape = (n, 3, oh, ow) if self.layout == "NCHW" else (n, oh, ow, 3)
         job = BatchJob(
             arrays=arrays,
@@ -485,6 +488,17 @@ class ImagePreset:
             "vision_seconds": s["seconds"],
             "vision_images_per_s": s["images"] / s["seconds"] if s["seconds"] > 0 else 0.0,
         }
+
+
+_STAGING = threading.local()
+
+
+def _staging(n: int, oh: int, ow: int) -> torch.Tensor:
+    """This thread's (n, oh, ow, 3) uint8 block for pixels that are normalised before returning."""
+    t = getattr(_STAGING, "t", None)
+    if t is None or t.shape != (n, oh, ow, 3):
+        t = _STAGING.t = torch.empty((n, oh, ow, 3), dtype=torch.uint8)
+    return t
 
 
 def _encoded_list(value: Any) -> list[np.ndarray]:
