@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test install lint clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py fastload/vision/_jpegwin.c fastload/vision/_lut.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	# torch first, pinned: the local CPU wheel; nothing may pull a CUDA build later.

@@ -5,7 +5,30 @@ install as `fastload.formats` and `fastload.cuda_ops`, so no generic top-level n
 lands in site-packages.
 """
 
-from setuptools import find_packages, setup
+import os
+import sysconfig
+
+from setuptools import Extension, find_packages, setup
+
+
+def _vision_extensions() -> list[Extension]:
+    """The image preset's C stages: fastload.vision._lut (the normalising lookup), and
+    fastload.vision._jpegwin (windowed JPEG decode) when libjpeg-turbo's headers are present
+    (Debian: libjpeg62-turbo-dev, installed by .ci/run); without it the preset decodes whole
+    images with simplejpeg (same pixels, slower)."""
+    exts = [Extension("fastload.vision._lut", ["fastload/vision/_lut.c"], extra_compile_args=["-O3"])]
+    dirs = [sysconfig.get_config_var("INCLUDEDIR") or "/usr/include", "/usr/include", "/usr/local/include"]
+    if any(os.path.exists(os.path.join(d, "jpeglib.h")) for d in dirs):
+        exts.append(
+            Extension(
+                "fastload.vision._jpegwin",
+                ["fastload/vision/_jpegwin.c"],
+                libraries=["jpeg"],
+                extra_compile_args=["-O2"],
+            )
+        )
+    return exts
+
 
 setup(
     name="fastload",
@@ -60,5 +83,6 @@ setup(
             "nvidia-cuda-nvrtc>=13,<14",
         ],
     },
+    ext_modules=_vision_extensions(),
     entry_points={"console_scripts": ["fastload=fastload.cli:main"]},
 )

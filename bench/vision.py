@@ -1,23 +1,31 @@
-"""Image preset throughput vs the JPEG decode ceiling: `python -m bench.vision [--quick]`.
+"""Image preset throughput vs the full-decode ceiling: `python -m bench.vision [--quick]`.
 
-Generates ~500x375 quality-90 JPEGs (smooth noise), then measures in one run:
-- the decode ceiling: single-thread simplejpeg decode rate x usable cores;
-- the same decode on a thread pool, and decode + centre crop-resize to 224 on it (uint8, nothing
-  else): what any CPU pipeline producing 224 crops must do, so a bound on every preset row;
-- the CPU-decoder preset (eval and train, normalised fp16 NCHW and uint8 NHWC output);
-- the DALI CPU-only pipeline (eval and train), when DALI is installed;
-- on a CUDA machine: the DALI mixed (nvJPEG) pipeline, and the data stall of a
-  prefetching loop against a simulated training step.
-Each row prints images/s and the percentage of the decode ceiling.
+Two sets of generated photo-like JPEGs (q90): 400x300 (~38 KB) and 500x375 (~110 KB). Per set,
+in one run, rounds interleaved (the rows take turns, so load from other users of the machine
+hits them alike):
+- the full-decode ceiling: single-thread full decode + centre crop 224 with the best decoder
+  (simplejpeg or Pillow, whichever is faster in that round) x usable cores;
+- the CPU preset called directly on ready batches (threads = usable cores): eval crop only
+  (centre 224, `resize=None`) and train (RandomResizedCrop 224 + flip), uint8 NHWC and fp16
+  NCHW; train also with `dct_downscale=True`; the DALI CPU pipeline when DALI is installed;
+- `fastload.Loader` over a fastload dataset of the set, eval crop-only preset as `transform`,
+  num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
+- on a CUDA machine: the DALI mixed (nvJPEG) rows and the data stall of a prefetching loop.
+Each row prints the median images/s over rounds and its ratio to the same round's ceiling
+(median, min-max). Then, per num_workers, a fresh process times the Loader's first batch and
+reads its peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import queue
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,11 +39,19 @@ from fastload.formats.ragged import Ragged
 from fastload.system import usable_cores
 from fastload.vision import ImagePreset, dali_available
 
-__all__ = ["main", "make_jpegs"]
+__all__ = ["SETS", "main", "make_jpegs"]
+
+# name -> make_jpegs arguments
+SETS = {
+    "400x300 q90": {"height": 300, "width": 400, "grain": 7.0},
+    "500x375 q90": {"height": 375, "width": 500, "grain": 23.0},
+}
 
 
-def make_jpegs(n: int, *, height: int = 375, width: int = 500, quality: int = 90, seed: int = 0) -> list[bytes]:
-    """`n` photo-like JPEGs: upsampled low-frequency noise plus mild grain."""
+def make_jpegs(
+    n: int, *, height: int = 375, width: int = 500, quality: int = 90, grain: float = 6.0, seed: int = 0
+) -> list[bytes]:
+    """`n` photo-like JPEGs: upsampled low-frequency noise plus grain (its std sets the file size)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -43,7 +59,7 @@ def make_jpegs(n: int, *, height: int = 375, width: int = 500, quality: int = 90
     for _ in range(n):
         low = (rng.random((height // 24 + 2, width // 24 + 2, 3)) * 255).astype(np.uint8)
         img = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), dtype=np.int16)
-        img = np.clip(img + rng.normal(0, 6, img.shape), 0, 255).astype(np.uint8)
+        img = np.clip(img + rng.normal(0, grain, img.shape), 0, 255).astype(np.uint8)
         buf = io.BytesIO()
         Image.fromarray(img).save(buf, format="JPEG", quality=quality)
         out.append(buf.getvalue())
@@ -60,15 +76,15 @@ def _rate(fn: Callable[[], int], *, min_time: float) -> float:
             return n / dt
 
 
-def _best_of(fns: dict[str, Callable[[], int]], *, rounds: int, min_time: float) -> dict[str, float]:
-    """Interleaved rounds, best rate per entry: fair when the machine is shared."""
+def _rounds(fns: dict[str, Callable[[], int]], *, rounds: int, min_time: float) -> dict[str, list[float]]:
+    """Interleaved rounds: every entry once per round, in turn; the rates of every round."""
     for fn in fns.values():
         fn()  # warm-up: thread pools, pipeline build
-    best = dict.fromkeys(fns, 0.0)
+    rates: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            best[name] = max(best[name], _rate(fn, min_time=min_time))
-    return best
+            rates[name].append(_rate(fn, min_time=min_time))
+    return rates
 
 
 def _batches(jpegs: list[bytes], batch_size: int) -> list[dict]:
@@ -97,12 +113,20 @@ def _preset_pass(preset: ImagePreset, batches: list[dict]) -> Callable[[], int]:
     return one_pass
 
 
-def _loader_pass(root: str, preset: ImagePreset, batch_size: int) -> Callable[[], int]:
+def _loader_pass(root: str, preset: ImagePreset, batch_size: int, workers: int) -> Callable[[], int]:
     """One epoch of `fastload.Loader` over a fastload dataset of the JPEGs, decoded by `preset`."""
     from fastload import Loader, open_dataset
     from fastload.vision import with_indices
 
-    loader = Loader(with_indices(open_dataset(root)), batch_size=batch_size, drop_last=True, transform=preset, seed=0)
+    loader = Loader(
+        with_indices(open_dataset(root)),
+        batch_size=batch_size,
+        drop_last=True,
+        transform=preset,
+        seed=0,
+        num_workers=workers,
+        adaptive=False,
+    )
 
     def one_pass() -> int:
         return sum(int(b["image"].shape[0]) for b in loader)
@@ -117,33 +141,28 @@ def _write_dataset(jpegs: list[bytes], root: str) -> None:
     write(({"image": j, "label": i} for i, j in enumerate(jpegs)), root, schema=schema, progress=False)
 
 
-def _decode_pass(jpegs: list[bytes], pool: ThreadPoolExecutor | None) -> Callable[[], int]:
+def _full_decode_crop_pass(
+    jpegs: list[bytes], decoder: str, size: int, pool: ThreadPoolExecutor | None = None
+) -> Callable[[], int]:
+    """Full decode + centre crop `size` (a contiguous copy), simplejpeg or Pillow; on `pool`'s
+    threads, else on the calling thread."""
     import simplejpeg
+    from PIL import Image
 
-    def one_pass() -> int:
-        if pool is None:
-            return sum(simplejpeg.decode_jpeg(j).shape[0] > 0 for j in jpegs)
-        return sum(a.shape[0] > 0 for a in pool.map(simplejpeg.decode_jpeg, jpegs))
+    def decode(j: bytes) -> np.ndarray:
+        if decoder == "simplejpeg":
+            return simplejpeg.decode_jpeg(j)
+        with Image.open(io.BytesIO(j)) as im:
+            return np.asarray(im.convert("RGB"))
 
-    return one_pass
-
-
-def _decode_resize_pass(jpegs: list[bytes], pool: ThreadPoolExecutor, size: int) -> Callable[[], int]:
-    """Decode + eval centre crop resized to `size` (uint8, no normalise, no collate): the least work
-    any CPU pipeline producing 224 crops must do per image; its rate bounds every preset row."""
-    from fastload.vision.cpu_decode import decode_rgb, probe_size, resize_into
-    from fastload.vision.params import center_crop
-
-    windows = center_crop(np.array([probe_size(j) for j in jpegs], dtype=np.int64), size=(size, size))
-
-    def one(i: int) -> int:
-        img, scale = decode_rgb(jpegs[i])
-        out = torch.empty((size, size, 3), dtype=torch.uint8)
-        resize_into(img, windows[i], out, scale=scale)
+    def one(j: bytes) -> int:
+        img = decode(j)
+        y0, x0 = (img.shape[0] - size) // 2, (img.shape[1] - size) // 2
+        np.ascontiguousarray(img[y0 : y0 + size, x0 : x0 + size])
         return 1
 
     def one_pass() -> int:
-        return sum(pool.map(one, range(len(jpegs))))
+        return sum(pool.map(one, jpegs)) if pool is not None else sum(map(one, jpegs))
 
     return one_pass
 
@@ -171,68 +190,137 @@ def _stall(preset: ImagePreset, batches: list[dict], *, step_s: float, steps: in
     return waited / (time.perf_counter() - t0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer images, shorter timings (~20 s)")
-    ap.add_argument(
-        "--images",
-        type=int,
-        default=None,
-        help="JPEGs to generate (default 192; 64 quick)",
-    )
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--size", type=int, default=224)
-    args = ap.parse_args(argv)
-    n_img = args.images or (64 if args.quick else 192)
-    min_time = 0.5 if args.quick else 1.2
-    rounds = 1 if args.quick else 3
-    cores = usable_cores()
-    bs = min(args.batch_size, n_img)
+_CHILD = """
+import json, resource, sys, time
+t0 = time.perf_counter()
+from fastload import Loader, open_dataset
+from fastload.vision import ImagePreset, with_indices
+root, workers, size, bs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+preset = ImagePreset(kind="eval", size=size, resize=None, backend="cpu", normalize=False)
+loader = Loader(with_indices(open_dataset(root)), batch_size=bs, drop_last=True, transform=preset,
+                num_workers=workers, seed=0, adaptive=False)
+t1 = time.perf_counter()
+it = iter(loader)
+next(it)
+t2 = time.perf_counter()
+for _ in it:
+    pass
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"import_s": t1 - t0, "first_batch_s": t2 - t1, "peak_rss": rss}))
+"""
 
-    jpegs = make_jpegs(n_img)
+
+def _first_batch(root: str, workers: int, size: int, bs: int) -> dict:
+    """A fresh process: Loader + eval crop-only preset; time to its first batch and peak RSS."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, root, str(workers), str(size), str(bs)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min_time: float) -> None:
+    size, n_img = args.size, args.images or (128 if args.quick else 384)
+    jpegs = make_jpegs(n_img, **SETS[name])
+    bs = min(args.batch_size, n_img)
     batches = _batches(jpegs, bs)
     kb = np.mean([len(j) for j in jpegs]) / 1e3
-    print(f"{n_img} JPEGs 500x375 q90, mean {kb:.0f} KB; {cores} cores; batch {bs}; best of {rounds} rounds")
+    print(f"\n## {name}: {n_img} JPEGs, mean {kb:.0f} KB; {cores} cores; batch {bs}; {rounds} interleaved rounds")
 
     pool = ThreadPoolExecutor(cores)
     fns: dict[str, Callable[[], int]] = {
-        "decode 1 thread": _decode_pass(jpegs, None),
-        f"decode only, {cores}-thread pool": _decode_pass(jpegs, pool),
-        f"decode + crop-resize only, {cores}-thread pool": _decode_resize_pass(jpegs, pool, args.size),
+        "full decode + crop, simplejpeg, 1 thread": _full_decode_crop_pass(jpegs, "simplejpeg", size),
+        "full decode + crop, Pillow, 1 thread": _full_decode_crop_pass(jpegs, "pillow", size),
+        f"full decode + crop, simplejpeg, {cores} threads": _full_decode_crop_pass(jpegs, "simplejpeg", size, pool),
     }
-    for kind in ("eval", "train"):
-        variants = [("fp16 NCHW", {}), ("uint8 NHWC", {"normalize": False})]
-        for label, extra in variants:
-            preset = ImagePreset(kind=kind, size=args.size, backend="cpu", threads=cores, **extra)
-            fns[f"cpu preset {kind} {label}"] = _preset_pass(preset, batches)
-        if dali_available():
-            preset = ImagePreset(kind=kind, size=args.size, backend="dali", threads=cores)
-            fns[f"dali-cpu {kind} fp16 NCHW"] = _preset_pass(preset, batches)
-    with_loader = tempfile.mkdtemp(prefix="fastload-bench-vision-")
-    _write_dataset(jpegs, os.path.join(with_loader, "ds"))
-    eval_preset = ImagePreset(kind="eval", size=args.size, backend="cpu", threads=cores)
-    fns["fastload.Loader + cpu preset eval fp16 NCHW"] = _loader_pass(os.path.join(with_loader, "ds"), eval_preset, bs)
+    rows = [
+        ("eval crop-only uint8 NHWC", {"kind": "eval", "resize": None, "normalize": False}),
+        ("eval crop-only fp16 NCHW", {"kind": "eval", "resize": None}),
+        ("train RRC+flip uint8 NHWC", {"kind": "train", "normalize": False}),
+        ("train RRC+flip uint8 NHWC dct_downscale", {"kind": "train", "normalize": False, "dct_downscale": True}),
+        ("train RRC+flip fp16 NCHW", {"kind": "train"}),
+    ]
+    for label, kw in rows:
+        fns[f"cpu preset {label}"] = _preset_pass(ImagePreset(size=size, backend="cpu", threads=cores, **kw), batches)
+    for label, kw in rows[0:1] + rows[2:3]:
+        preset = ImagePreset(size=size, backend="cpu", threads=1, **kw)
+        fns[f"cpu preset {label}, 1 thread"] = _preset_pass(preset, batches)
+    if dali_available():
+        for kind in ("eval", "train"):
+            preset = ImagePreset(kind=kind, size=size, backend="dali", threads=cores, normalize=False)
+            fns[f"dali-cpu {kind} uint8 NHWC"] = _preset_pass(preset, batches)
     if torch.cuda.is_available() and dali_available():
         for kind in ("eval", "train"):
-            preset = ImagePreset(kind=kind, size=args.size, backend="dali", device="cuda", threads=cores)
+            preset = ImagePreset(kind=kind, size=size, backend="dali", device="cuda", threads=cores)
             fns[f"dali-mixed {kind} fp16 NCHW (GPU)"] = _preset_pass(preset, batches)
+    tmp = tempfile.mkdtemp(prefix="fastload-bench-vision-")
+    root = os.path.join(tmp, "ds")
     try:
-        rates = _best_of(fns, rounds=rounds, min_time=min_time)
+        _write_dataset(jpegs, root)
+        for workers in (0, 1, 2):
+            preset = ImagePreset(kind="eval", size=size, resize=None, backend="cpu", normalize=False)
+            fns[f"Loader eval crop-only uint8, num_workers={workers}"] = _loader_pass(root, preset, bs, workers)
+        rates = _rounds(fns, rounds=rounds, min_time=min_time)
+        first = {w: _first_batch(root, w, size, bs) for w in (0, 1, 2)}
     finally:
-        shutil.rmtree(with_loader, ignore_errors=True)
-    single = rates.pop("decode 1 thread")
-    ceiling = single * cores
+        shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"{'pipeline':<52} {'images/s':>10} {'% ceiling':>10}")
-    print(f"{f'decode ceiling (1 thread {single:.0f}/s x {cores} cores)':<52} {ceiling:>10.0f} {100.0:>9.1f}%")
-    for name, r in rates.items():
-        print(f"{name:<52} {r:>10.0f} {100 * r / ceiling:>9.1f}%")
+    sj = np.array(rates.pop("full decode + crop, simplejpeg, 1 thread"))
+    pil = np.array(rates.pop("full decode + crop, Pillow, 1 thread"))
+    single = np.maximum(sj, pil)
+    ceiling = single * cores
+    multi = np.array(rates.pop(f"full decode + crop, simplejpeg, {cores} threads"))
+    print(
+        f"ratios per round: A = row / ceiling ({cores} x the best 1-thread full decode + crop); "
+        f"B = row / the same full decode + crop measured on {cores} threads (the parallelism this "
+        "run really had); 1-thread rows: C = row / the best 1-thread full decode + crop"
+    )
+    print(f"{'row':<56} {'img/s median (min-max)':>22} {'A median (min-max)':>20} {'B / C median (min-max)':>24}")
+
+    def cell(x: np.ndarray, digits: int) -> str:
+        return f"{np.median(x):.{digits}f} ({x.min():.{digits}f}-{x.max():.{digits}f})"
+
+    def line(label: str, r: np.ndarray) -> None:
+        other = r / single if label.endswith("1 thread") else r / multi
+        print(f"{label:<56} {cell(r, 0):>22} {cell(r / ceiling, 2):>20} {cell(other, 2):>24}")
+
+    line("full decode + crop, simplejpeg, 1 thread", sj)
+    line("full decode + crop, Pillow, 1 thread", pil)
+    line(f"full-decode ceiling (best 1-thread x {cores})", ceiling)
+    line(f"full decode + crop, simplejpeg, {cores} threads", multi)
+    for label, r in rates.items():
+        line(label, np.array(r))
+    pool.shutdown()
+    for w, f in first.items():
+        print(
+            f"Loader num_workers={w}, fresh process: first batch {1e3 * f['first_batch_s']:.0f} ms after the "
+            f"Loader was built (imports {f['import_s']:.1f} s); peak RSS {f['peak_rss'] / 2**20:.0f} MiB"
+        )
     if torch.cuda.is_available() and dali_available():
-        preset = ImagePreset(kind="train", size=args.size, backend="dali", device="cuda", threads=cores)
+        preset = ImagePreset(kind="train", size=size, backend="dali", device="cuda", threads=cores)
         for step_ms in (20.0, 50.0):
             stall = _stall(preset, batches, step_s=step_ms / 1e3, steps=20 if args.quick else 60)
             print(f"data stall, dali-mixed train, {step_ms:.0f} ms step, batch {bs}: {100 * stall:.2f}%")
-    else:
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer images, one short round per row")
+    ap.add_argument("--images", type=int, default=None, help="JPEGs per set (default 384; 128 quick)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; 1 quick)")
+    ap.add_argument("--set", choices=sorted(SETS), action="append", help="only this set (repeatable)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--size", type=int, default=224)
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 5)
+    min_time = 0.5 if args.quick else 1.0
+    cores = usable_cores()
+    for name in args.set or list(SETS):
+        _bench_set(name, args, cores, rounds, min_time)
+    if not (torch.cuda.is_available() and dali_available()):
         print("mixed (nvJPEG) rows and the data-stall check need CUDA + DALI: skipped")
 
 

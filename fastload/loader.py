@@ -189,6 +189,9 @@ class Loader(Generic[T_co]):
         self.in_order = in_order
         self.device = resolve_device(device)
         self.prefetch, self.transform, self.seed = prefetch, transform, seed
+        for stage in (transform, collate_fn):  # e.g. ImagePreset: its threads follow num_workers
+            if callable(getattr(stage, "bind_workers", None)):
+                stage.bind_workers(self.num_workers)
         # rank/world size: resolved when the run is set up (the first iter()), see `_rank_world`
         self._rank_arg, self._world_arg = rank, world_size
         if rank is not None and world_size is not None:

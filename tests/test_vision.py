@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import subprocess
 import sys
@@ -17,12 +18,15 @@ from fastload.vision import (
     CorruptImageError,
     ImagePreset,
     center_crop,
+    center_window,
     dali_available,
     eval_preset,
     random_flips,
     random_resized_crop,
+    random_window,
     train_preset,
 )
+from fastload.vision.cpu_decode import decode_windows
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -184,14 +188,37 @@ def test_resume_is_exact_whatever_the_batch(images: list[bytes]) -> None:
     assert not torch.equal(moved, part)
 
 
-def test_dct_downscale_is_close_to_full_decode() -> None:
-    big = [encode(480, 640, seed=30), encode(400, 300, seed=31)]
-    batch = make_batch(big, [0, 1])
-    kw = {"kind": "eval", "size": 64, "backend": "cpu", "std": (58.0,) * 3}
-    fast = ImagePreset(dct_downscale=True, **kw)(batch)["image"]
-    full = ImagePreset(**kw)(batch)["image"]
-    assert fast.shape == full.shape
-    assert _mean_abs_255(fast, full).max() < 10.0  # busy test images; sub-pixel shift + DCT filter
+def test_dct_downscale_decodes_at_num_over_8() -> None:
+    """dct_downscale: the pixels of a num/8-scale decode (simplejpeg), window rounded to the scaled
+    grid, resized; and close to the full-size pipeline on a smooth photo-like image."""
+    import simplejpeg
+
+    from fastload.vision.cpu_decode import dct_nums, scaled_windows
+
+    big = [encode(480, 640, seed=30), encode(400, 300, seed=31), encode(333, 517, seed=32)]
+    sizes = np.array([[480, 640], [400, 300], [333, 517]])
+    kw = {"kind": "train", "size": 64, "backend": "cpu", "normalize": False, "seed": 3}
+    fast = ImagePreset(dct_downscale=True, **kw)(make_batch(big, [0, 1, 2]))["image"]
+    windows = random_resized_crop(sizes, seed=3, epoch=0, indices=np.arange(3))
+    flips = random_flips(seed=3, epoch=0, indices=np.arange(3))
+    nums = dct_nums(windows, (64, 64))
+    assert (nums < 8).any()
+    for i, (num, (y0, x0, h, w)) in enumerate(zip(nums, scaled_windows(sizes, windows, nums), strict=True)):
+        H, W = sizes[i]
+        img = simplejpeg.decode_jpeg(big[i], min_height=-(-H * num // 8), min_width=-(-W * num // 8), min_factor=1)
+        assert img.shape[:2] == (-(-H * num // 8), -(-W * num // 8))
+        crop = torch.from_numpy(np.ascontiguousarray(img[y0 : y0 + h, x0 : x0 + w])).permute(2, 0, 1)[None]
+        ref = torch.nn.functional.interpolate(crop, size=(64, 64), mode="bilinear", antialias=True)[0]
+        ref = ref.permute(1, 2, 0)
+        torch.testing.assert_close(fast[i], ref.flip(1) if flips[i] else ref, atol=0, rtol=0)
+    yy, xx = np.mgrid[0:480, 0:640]
+    smooth = np.stack([128 + 100 * np.sin(yy / 40 + c) * np.cos(xx / 55) for c in range(3)], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(smooth).save(buf, format="JPEG", quality=90)
+    one = make_batch([buf.getvalue()], [0])
+    a = ImagePreset(dct_downscale=True, **kw)(one)["image"].float()
+    b = ImagePreset(**kw)(one)["image"].float()
+    assert (a - b).abs().mean() < 2.0  # sub-pixel window rounding + the DCT's filter
 
 
 def _reference_resize(buf: bytes, window: np.ndarray, out_hw: tuple[int, int]) -> torch.Tensor:
@@ -209,7 +236,7 @@ def test_resize_into_matches_interpolate_for_any_target_strides() -> None:
     from fastload.vision.cpu_decode import crop_resize, decode_rgb, resize_into
 
     buf = encode(150, 200, seed=40)
-    img, _ = decode_rgb(buf)
+    img = decode_rgb(buf)
     window = np.array([10, 25, 120, 130])
     ref = _reference_resize(buf, window, (48, 40))
     hwc = torch.empty((48, 40, 3), dtype=torch.uint8)  # contiguous = channels-last
@@ -449,3 +476,183 @@ def test_loader_order_resume_and_stats(image_dataset) -> None:
     for a, b in zip(rest, batches[2:], strict=True):
         torch.testing.assert_close(a["image"], b["image"], atol=0, rtol=0)
         torch.testing.assert_close(a["label"], b["label"])
+    assert ref.stats()["vision_threads"] == 1  # the Loader's 2 workers are the parallelism
+
+
+# -- window decode (the _jpegwin extension) ----------------------------------------------------
+
+needs_window_decoder = pytest.mark.skipif(
+    decode_windows is None, reason="fastload.vision._jpegwin not built (libjpeg-turbo headers missing)"
+)
+
+
+def test_window_decoder_is_built_in_ci() -> None:
+    """CI installs libjpeg62-turbo-dev (.ci/run): there the extension must exist, not be skipped."""
+    if os.environ.get("CI"):
+        assert decode_windows is not None
+
+
+def _jpeg_variants() -> list[bytes]:
+    """4:2:0, 4:4:4, 4:2:2, progressive, grayscale, odd sizes (partial iMCUs at the edges)."""
+    rng = np.random.default_rng(60)
+    yy, xx = np.mgrid[0:77, 0:113]
+    base = np.stack([(yy * 3 + xx * c) % 256 for c in (1, 2, 5)], -1).astype(np.int16)
+    rgb = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    out = []
+    for kw, mode in [
+        ({"subsampling": 2}, "RGB"),
+        ({"subsampling": 0}, "RGB"),
+        ({"subsampling": 1}, "RGB"),
+        ({"subsampling": 2, "progressive": True}, "RGB"),
+        ({}, "L"),
+    ]:
+        buf = io.BytesIO()
+        Image.fromarray(rgb).convert(mode).save(buf, format="JPEG", quality=90, **kw)
+        out.append(buf.getvalue())
+    return out
+
+
+@needs_window_decoder
+def test_window_decode_is_full_decode_then_crop() -> None:
+    """Any window, mirrored or not, at any num/8 scale: pixel-identical to simplejpeg's decode at
+    that scale, cropped (the documented tolerance is zero)."""
+    import simplejpeg
+
+    rng = np.random.default_rng(61)
+    for buf in _jpeg_variants():
+        H, W = simplejpeg.decode_jpeg_header(buf)[:2]
+        for num in (8, 7, 5, 4, 2, 1):
+            sh, sw = -(-H * num // 8), -(-W * num // 8)
+            ref = simplejpeg.decode_jpeg(buf, colorspace="RGB", min_height=sh, min_width=sw, min_factor=1)
+            assert ref.shape[:2] == (sh, sw)
+            corners = [(0, 0, sh, sw), (sh - 1, sw - 1, 1, 1), (0, sw - 1, sh, 1), (sh - 1, 0, 1, sw)]
+            rand = []
+            for _ in range(12):
+                h, w = int(rng.integers(1, sh + 1)), int(rng.integers(1, sw + 1))
+                rand.append((int(rng.integers(0, sh - h + 1)), int(rng.integers(0, sw - w + 1)), h, w))
+            windows = corners + rand
+            flips = rng.integers(0, 2, len(windows))
+            params = np.array([[*win, num, f] for win, f in zip(windows, flips, strict=True)], dtype=np.int64)
+            outs = [np.empty((h, w, 3), dtype=np.uint8) for _, _, h, w in windows]
+            assert decode_windows([buf] * len(windows), params, outs) == [None] * len(windows)
+            for (y0, x0, h, w), f, out in zip(windows, flips, outs, strict=True):
+                want = ref[y0 : y0 + h, x0 : x0 + w]
+                np.testing.assert_array_equal(out, want[:, ::-1] if f else want)
+
+
+@needs_window_decoder
+def test_window_decode_errors() -> None:
+    good = encode(60, 80, seed=62)
+    cmyk = encode(40, 40, mode="CMYK", seed=63)
+    truncated = good[: len(good) // 2]
+    out = [np.zeros((20, 20, 3), dtype=np.uint8) for _ in range(5)]
+    params = np.array([[0, 0, 20, 20, 8, 0]] * 4 + [[50, 70, 20, 20, 8, 0]], dtype=np.int64)
+    res = decode_windows([good, truncated, b"\xff\xd8\xff" + b"\x00" * 50, cmyk, good], params, out)
+    assert res[0] is None
+    assert res[1][0] == 1 and "JPEG" in res[1][1]  # a premature end is an error, not grey rows
+    assert res[2][0] == 1
+    assert res[3][0] == 2  # CMYK: left to Pillow
+    assert res[4][0] == 1 and "outside" in res[4][1]
+    with pytest.raises(ValueError, match="bytes"):
+        decode_windows([good], params[:1], [np.zeros((20, 21, 3), dtype=np.uint8)])
+    with pytest.raises(ValueError, match="num"):
+        decode_windows([good], np.array([[0, 0, 20, 20, 9, 0]], dtype=np.int64), out[:1])
+    with pytest.raises(ValueError, match="one"):
+        decode_windows([good, good], params[:1], out[:2])
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        decode_windows([good], params[:1], [np.zeros((20, 40, 3), dtype=np.uint8)[:, ::2]])
+
+
+def test_fallback_decoder_gives_the_same_pixels(monkeypatch: pytest.MonkeyPatch, images: list[bytes]) -> None:
+    """Without the extension (or for CMYK) whole-image decode + crop: the same pixels."""
+    from fastload.vision import cpu_decode
+
+    batch = make_batch(images, list(range(len(images))))
+    kw = {"kind": "train", "size": 32, "backend": "cpu", "normalize": False, "seed": 8, "dct_downscale": True}
+    a = ImagePreset(**kw)(batch)["image"]
+    monkeypatch.setattr(cpu_decode, "decode_windows", None)
+    b = ImagePreset(**kw)(batch)["image"]
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# -- crop only, layouts, threads -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["eval", "train"])
+def test_crop_only_is_the_window_itself(kind: str) -> None:
+    import simplejpeg
+
+    items = [encode(70 + 9 * i, 90 - 5 * i, seed=70 + i) for i in range(6)] + [encode(30, 50, seed=76)]
+    idx = np.arange(300, 307)
+    preset = ImagePreset(kind=kind, size=(40, 48), resize=None, backend="cpu", normalize=False, seed=4, threads=2)
+    out = preset(make_batch(items, list(idx)))["image"]
+    assert out.shape == (7, 40, 48, 3) and out.dtype == torch.uint8
+    sizes = np.array([simplejpeg.decode_jpeg_header(b)[:2] for b in items])
+    if kind == "eval":
+        windows, flips = center_window(sizes, size=(40, 48)), np.zeros(7, dtype=bool)
+    else:
+        windows = random_window(sizes, size=(40, 48), seed=4, epoch=0, indices=idx)
+        flips = random_flips(seed=4, epoch=0, indices=idx)
+        assert 0 < flips.sum() < 7 and len({tuple(w[:2]) for w in windows}) > 3
+    for i in range(6):
+        y0, x0, h, w = windows[i]
+        assert (h, w) == (40, 48)
+        want = simplejpeg.decode_jpeg(items[i], colorspace="RGB")[y0 : y0 + h, x0 : x0 + w]
+        np.testing.assert_array_equal(out[i].numpy(), want[:, ::-1] if flips[i] else want)
+    assert windows[6][2] == 30 and out[6].float().std() > 1  # smaller than the crop: resized up to it
+
+
+def test_uint8_dtype_and_layout_apply(images: list[bytes]) -> None:
+    batch = make_batch(images, list(range(len(images))))
+    nhwc = eval_preset(size=32, backend="cpu", normalize=False)(batch)["image"]
+    as_dtype = eval_preset(size=32, backend="cpu", dtype=torch.uint8)(batch)["image"]
+    nchw_preset = eval_preset(size=32, backend="cpu", dtype=torch.uint8, layout="NCHW")
+    nchw = nchw_preset(batch)["image"]
+    assert nhwc.shape == (len(images), 32, 32, 3) and nchw.shape == (len(images), 3, 32, 32)
+    torch.testing.assert_close(as_dtype, nhwc, atol=0, rtol=0)
+    torch.testing.assert_close(nchw, nhwc.permute(0, 3, 1, 2), atol=0, rtol=0)
+    assert nchw.is_contiguous()
+    full = eval_preset(size=32, backend="cpu", layout="NCHW")(batch)["image"]
+    torch.testing.assert_close(nchw_preset.normalize(nchw), full, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="resize"):
+        ImagePreset(resize="nearest")
+
+
+def test_threads_rule_and_results_independent_of_it(images: list[bytes]) -> None:
+    from fastload.system import usable_cores
+
+    batch = make_batch(images, list(range(len(images))))
+    kw = {"kind": "train", "size": 32, "backend": "cpu", "seed": 6}
+    alone = ImagePreset(**kw)
+    assert alone.threads == usable_cores() and alone.stats()["vision_threads_rule"] == "usable cores"
+    one, three = ImagePreset(threads=1, **kw), ImagePreset(threads=3, **kw)
+    assert three.threads == 3
+    ref = one(batch)["image"]
+    torch.testing.assert_close(three(batch)["image"], ref, atol=0, rtol=0)
+    torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
+    alone.bind_workers(0)  # what the Loader does: one thread per batch, num_workers batches at once
+    assert alone.threads == 1 and "num_workers=0" in alone.stats()["vision_threads_rule"]
+    torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
+    three.bind_workers(4)  # an explicit threads= wins
+    assert three.threads == 3
+    with pytest.raises(ValueError, match="threads"):
+        ImagePreset(threads=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_lut_extension_matches_reference(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    from fastload.vision import normalize as norm
+
+    u8 = np.random.default_rng(80).integers(0, 256, (3, 5, 7, 3), dtype=np.uint8)
+    lut = norm.ChannelLUT(mean=(10.0, 20.0, 30.0), std=(2.0, 3.0, 5.0), dtype=dtype)
+    ref = ((torch.from_numpy(u8).float() - torch.tensor([10.0, 20.0, 30.0])) / torch.tensor([2.0, 3.0, 5.0])).to(dtype)
+    for layout, shape in (("NCHW", (3, 3, 5, 7)), ("NHWC", (3, 5, 7, 3))):
+        got = lut.empty(shape)
+        lut.apply_batch(u8, got, layout=layout)
+        want = ref.permute(0, 3, 1, 2) if layout == "NCHW" else ref
+        torch.testing.assert_close(lut.to_tensor(got), want, atol=0, rtol=0)
+        monkeypatch.setattr(norm, "_lut_apply", None)  # the numpy fallback: the same bits
+        again = lut.empty(shape)
+        lut.apply_batch(u8, again, layout=layout)
+        np.testing.assert_array_equal(again, got)
+        monkeypatch.undo()

@@ -1,15 +1,16 @@
 """Image presets: encoded images from any fastload source -> augmented, normalised tensors.
 
-`ImagePreset` runs as the Loader's `collate_fn` (or directly on a `ds.get_batch` dict) with a
-DALI backend (nvJPEG 'mixed' decode on a GPU, DALI CPU operators otherwise) or a CPU decoder
-(simplejpeg / Pillow in GIL-free threads); both produce the same shapes and dtypes and apply
-the same host-computed crops and flips. Importing this package never imports DALI.
+`ImagePreset` runs as the Loader's `transform` or `collate_fn` (or directly on a `ds.get_batch`
+dict) with a DALI backend (nvJPEG 'mixed' decode on a GPU, DALI CPU operators otherwise) or the
+CPU backend (libjpeg-turbo decoding only each crop window, straight into the batch, in GIL-free
+threads; Pillow for other formats); both produce the same shapes and dtypes and apply the same
+host-computed crops and flips. Importing this package never imports DALI. See docs/vision.md.
 """
 
 from fastload.vision.cpu_decode import CorruptImageError
 from fastload.vision.dali_pipeline import DALI_MISSING, dali_available
 from fastload.vision.indexed import IndexedDataset, with_indices
-from fastload.vision.params import center_crop, random_flips, random_resized_crop
+from fastload.vision.params import center_crop, center_window, random_flips, random_resized_crop, random_window
 from fastload.vision.preset import (
     EPOCH_KEY,
     IMAGENET_MEAN,
@@ -28,10 +29,12 @@ __all__ = [
     "ImagePreset",
     "IndexedDataset",
     "center_crop",
+    "center_window",
     "dali_available",
     "eval_preset",
     "random_flips",
     "random_resized_crop",
+    "random_window",
     "train_preset",
     "with_indices",
 ]

@@ -1,7 +1,10 @@
 """Host-side image decode: header probing, JPEG via simplejpeg, everything else via Pillow.
 
-All heavy calls (simplejpeg decode, Pillow decode, torch resize) release the GIL, so a
-thread pool scales across cores. Images come out as RGB uint8 HWC: grayscale is expanded,
+`decode_windows` (the `_jpegwin` extension, libjpeg-turbo, built when its headers are present)
+decodes only a crop window of a JPEG, optionally DCT-downscaled by num/8, straight into the
+caller's buffers: the same pixels as `decode_rgb(buf, num=num)` cropped to the window.
+All heavy calls (the window decoder, simplejpeg, Pillow decode, torch resize) release the
+GIL, so a thread pool scales across cores. Images come out as RGB uint8 HWC: grayscale is expanded,
 CMYK converted, an alpha channel dropped (not composited). EXIF orientation is not applied
 (the DALI backend is configured the same way).
 """
@@ -25,7 +28,26 @@ try:
 except ImportError:  # pragma: no cover - pillow is in the `image` extra
     Image = None
 
-__all__ = ["CorruptImageError", "crop_resize", "decode_rgb", "is_jpeg", "probe_size", "resize_into"]
+try:
+    from fastload.vision._jpegwin import decode_windows
+except ImportError:  # built by setup.py only where libjpeg-turbo's headers are installed
+    decode_windows = None
+
+__all__ = [
+    "UNSUPPORTED",
+    "CorruptImageError",
+    "crop_resize",
+    "dct_nums",
+    "decode_rgb",
+    "decode_windows",
+    "is_jpeg",
+    "probe_size",
+    "resize_hwc",
+    "resize_into",
+    "scaled_windows",
+]
+
+UNSUPPORTED = 2  # `decode_windows` error code: a colour space it leaves to `decode_rgb` (CMYK/YCCK)
 
 _PNG_SIG = b"\x89PNG\r\n\x1a\n"
 
@@ -71,63 +93,55 @@ def probe_size(buf: np.ndarray | bytes) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def _dct_factor(hw: tuple[int, int], window: np.ndarray, out_hw: tuple[int, int]) -> int:
-    """Largest power-of-two JPEG DCT downscale (<= 8) that keeps the crop >= the output size."""
-    _, _, ch, cw = (int(v) for v in window)
-    f = 1
-    while f < 8 and ch >= 2 * f * out_hw[0] and cw >= 2 * f * out_hw[1]:
-        f *= 2
-    return f
+def dct_nums(windows: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
+    """Per window, the smallest num in 1..8 such that decoding at num/8 scale (libjpeg-turbo's
+    DCT scaling) keeps the window at least one pixel larger than `out_hw` in both dimensions."""
+    w = np.asarray(windows, dtype=np.int64).reshape(-1, 4)
+    need = np.maximum(-(-8 * (out_hw[0] + 1) // w[:, 2]), -(-8 * (out_hw[1] + 1) // w[:, 3]))
+    return np.clip(need, 1, 8)
 
 
-def decode_rgb(
-    buf: np.ndarray | bytes,
-    *,
-    hw: tuple[int, int] | None = None,
-    window: np.ndarray | None = None,
-    out_hw: tuple[int, int] | None = None,
-) -> tuple[np.ndarray, float]:
-    """Decode to RGB uint8 (H, W, 3); returns (image, scale) where scale = decoded/original size.
+def scaled_windows(sizes: np.ndarray, windows: np.ndarray, nums: np.ndarray) -> np.ndarray:
+    """Windows (y0, x0, h, w) of original images of `sizes` (H, W) in pixels of the same images
+    decoded at nums/8: edges rounded to the nearest scaled pixel (half up), at least 1 pixel, and
+    within the scaled image (ceil(H * num / 8) by ceil(W * num / 8), libjpeg's output size)."""
+    s = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+    w = np.asarray(windows, dtype=np.int64).reshape(-1, 4)
+    k = np.asarray(nums, dtype=np.int64).reshape(-1, 1)
+    full = (s * k + 7) // 8
+    lo = (2 * w[:, 0:2] * k + 8) // 16
+    hi = (2 * (w[:, 0:2] + w[:, 2:4]) * k + 8) // 16
+    lo = np.minimum(lo, full - 1)
+    hi = np.clip(hi, lo + 1, full)
+    return np.concatenate([lo, hi - lo], axis=1)
 
-    With `hw`, `window` and `out_hw`, a JPEG whose crop window is at least twice the output
-    size is decoded at 1/2, 1/4 or 1/8 scale in the DCT (libjpeg-turbo scaling): much less
-    work, and itself an anti-aliasing downscale.
-    """
+
+def decode_rgb(buf: np.ndarray | bytes, *, hw: tuple[int, int] | None = None, num: int = 8) -> np.ndarray:
+    """Decode to RGB uint8 (H, W, 3). A JPEG with `hw` (its size) and num < 8 is decoded at
+    num/8 scale in the DCT (libjpeg-turbo scaling): ceil(H * num / 8) by ceil(W * num / 8)."""
     if is_jpeg(buf) and simplejpeg is not None:
         kw = {}
-        if hw is not None and window is not None and out_hw is not None:
-            f = _dct_factor(hw, window, out_hw)
-            if f > 1:
-                kw = {
-                    "min_height": -(-hw[0] // f),
-                    "min_width": -(-hw[1] // f),
-                    "min_factor": float(f),
-                }
+        if hw is not None and num < 8:
+            kw = {"min_height": -(-hw[0] * num // 8), "min_width": -(-hw[1] * num // 8), "min_factor": 1.0}
         try:
-            img = simplejpeg.decode_jpeg(memoryview(buf), colorspace="RGB", **kw)
-            scale = img.shape[0] / hw[0] if hw is not None else 1.0
-            return img, scale
+            return simplejpeg.decode_jpeg(memoryview(buf), colorspace="RGB", **kw)
         except ValueError:
-            pass  # CMYK / YCCK / odd JPEGs: Pillow below (and a real error if it fails too)
+            if num < 8:
+                raise
+            # CMYK / YCCK / odd JPEGs: Pillow below (and a real error if it fails too)
+    elif num < 8:
+        raise ValueError("DCT-domain downscaling needs a JPEG")
     with _pil_open(buf) as im:
         im.load()
         if im.mode != "RGB":
             im = im.convert("RGB")
-        img = np.asarray(im)
-    return img, 1.0
+        return np.asarray(im)
 
 
-def _crop(img: np.ndarray, window: np.ndarray, scale: float) -> np.ndarray:
-    """The `window` (y0, x0, h, w in original pixels) of `img`; `scale` maps to decoded pixels."""
+def _crop(img: np.ndarray, window: np.ndarray) -> np.ndarray:
+    """The `window` (y0, x0, h, w in pixels of `img`) of `img`: a view."""
     y0, x0, h, w = (int(v) for v in window)
-    if scale != 1.0:
-        y1, x1 = round((y0 + h) * scale), round((x0 + w) * scale)
-        y0, x0 = round(y0 * scale), round(x0 * scale)
-        y1 = min(max(y1, y0 + 1), img.shape[0])
-        x1 = min(max(x1, x0 + 1), img.shape[1])
-    else:
-        y1, x1 = y0 + h, x0 + w
-    return img[y0:y1, x0:x1]
+    return img[y0 : y0 + h, x0 : x0 + w]
 
 
 def _resize_aa_out(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -143,27 +157,30 @@ def _resize_aa_out(x: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(F.interpolate(x, size=tuple(out.shape[2:]), mode="bilinear", antialias=True, align_corners=False))
 
 
-def resize_into(img: np.ndarray, window: np.ndarray, out: torch.Tensor, *, scale: float = 1.0) -> None:
-    """Crop `window` of `img` (H, W, 3 uint8) and resize it with antialiased bilinear (torch's
-    uint8 kernel) into `out`, a (h, w, 3) uint8 CPU tensor (any strides; a contiguous one,
-    i.e. channels-last, is the fast case). No per-image temporaries beyond the crop copy."""
-    crop = _crop(img, window, scale)
-    if crop.shape[:2] == tuple(out.shape[:2]):
-        np.copyto(out.numpy(), crop)
+def resize_hwc(src: np.ndarray, out: torch.Tensor) -> None:
+    """Resize `src` (h, w, 3 uint8) with antialiased bilinear (torch's uint8 kernel) into `out`, a
+    (H, W, 3) uint8 CPU tensor (any strides; a contiguous one, i.e. channels-last, is the fast
+    case). A same-size `src` is copied."""
+    if src.shape[:2] == tuple(out.shape[:2]):
+        np.copyto(out.numpy(), src)
         return
-    if not crop.flags.writeable or not crop.flags.c_contiguous:
-        crop = np.array(crop)  # contiguous: torch reads 3-channel pixels without unpacking
-    x = torch.from_numpy(crop).permute(2, 0, 1).unsqueeze(0)
+    if not src.flags.writeable or not src.flags.c_contiguous:
+        src = np.array(src)  # contiguous: torch reads 3-channel pixels without unpacking
+    x = torch.from_numpy(src).permute(2, 0, 1).unsqueeze(0)
     _resize_aa_out(x, out.permute(2, 0, 1).unsqueeze(0))
 
 
-def crop_resize(img: np.ndarray, window: np.ndarray, out_hw: tuple[int, int], *, scale: float = 1.0) -> np.ndarray:
-    """Crop `window` (y0, x0, h, w in original pixels; `scale` maps to decoded pixels) and
-    resize to `out_hw` with antialiased bilinear (torch's uint8 channels-last kernel).
+def resize_into(img: np.ndarray, window: np.ndarray, out: torch.Tensor) -> None:
+    """Crop `window` (y0, x0, h, w) of `img` (H, W, 3 uint8) and `resize_hwc` it into `out`."""
+    resize_hwc(_crop(img, window), out)
+
+
+def crop_resize(img: np.ndarray, window: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
+    """Crop `window` (y0, x0, h, w) of `img` and resize to `out_hw` with antialiased bilinear.
     Returns a (H, W, 3) uint8 array (possibly a view of `img` or of a torch tensor)."""
-    crop = _crop(img, window, scale)
+    crop = _crop(img, window)
     if crop.shape[:2] == tuple(out_hw):
         return crop
     out = torch.empty((*out_hw, 3), dtype=torch.uint8)
-    resize_into(img, window, out, scale=scale)
+    resize_hwc(crop, out)
     return out.numpy()

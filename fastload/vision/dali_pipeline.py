@@ -3,12 +3,11 @@
 Inputs per sample: the encoded bytes (uint8 1-D), the crop window as `roi_start`/`roi_end`
 (float32 (y, x), absolute pixels) and the flip flag (int32 scalar): all computed on the host
 by `fastload.vision.params`, so DALI applies the same crop and flip as the CPU backend and
-nothing depends on DALI's per-pipeline RNG. Graph: on a GPU ('mixed' = nvJPEG),
-`decoders.image` -> `resize` of the ROI to the output size (antialiased linear); on the CPU
-(`device_id=None`), `decoders.image_slice` (decodes only the window) -> `resize`
-of the whole slice. Then `crop_mirror_normalize` (mean/std, mirror, layout; fp16 on the GPU,
-float32 on the CPU, where torch rounds it to fp16/bf16 while copying out of DALI's buffer) or,
-for uint8 output, `flip`.
+nothing depends on DALI's per-pipeline RNG. Graph: `decoders.image_slice` (decodes only the
+window: nvJPEG on a GPU, 'mixed'; libjpeg-turbo on the CPU, `device_id=None`) -> `resize` of the
+whole slice to the output size (antialiased linear). Then `crop_mirror_normalize` (mean/std,
+mirror, layout; fp16 on the GPU, float32 on the CPU, where torch rounds it to fp16/bf16 while
+copying out of DALI's buffer) or, for uint8 output, `flip`.
 """
 
 from __future__ import annotations
@@ -84,38 +83,21 @@ class DaliRunner:
             roi_start = fn.external_source(name="roi_start", dtype=types.FLOAT, ndim=1)
             roi_end = fn.external_source(name="roi_end", dtype=types.FLOAT, ndim=1)
             flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
-            if self.mode == "cpu":
-                # ROI decode (nvImageCodec's libjpeg-turbo backend decodes only the window; the
-                # same pixels as a full decode + crop, ~20% less decode time for a 224-eval
-                # window of a 500x375 JPEG), then the window is resized whole.
-                img = fn.decoders.image_slice(
-                    enc,
-                    roi_start,
-                    roi_end - roi_start,
-                    device="cpu",
-                    output_type=types.RGB,
-                    adjust_orientation=False,
-                    normalized_anchor=False,
-                    normalized_shape=False,
-                    axis_names="HW",
-                )
-                img = fn.resize(img, size=list(self.out_hw), antialias=True)
-            else:
-                img = fn.decoders.image(
-                    enc,
-                    device=self.mode,
-                    output_type=types.RGB,
-                    adjust_orientation=False,
-                    jpeg_fancy_upsampling=True,
-                )
-                img = fn.resize(
-                    img,
-                    size=list(self.out_hw),
-                    roi_start=roi_start,
-                    roi_end=roi_end,
-                    roi_relative=False,
-                    antialias=True,
-                )
+            # ROI decode: nvJPEG ('mixed', via nvImageCodec) or libjpeg-turbo (CPU) decodes only
+            # the window (the same pixels as a full decode + crop), which is then resized whole.
+            img = fn.decoders.image_slice(
+                enc,
+                roi_start,
+                roi_end - roi_start,
+                device=self.mode,
+                output_type=types.RGB,
+                adjust_orientation=False,
+                normalized_anchor=False,
+                normalized_shape=False,
+                axis_names="HW",
+                jpeg_fancy_upsampling=True,  # nvJPEG upsamples chroma as libjpeg-turbo does
+            )
+            img = fn.resize(img, size=list(self.out_hw), antialias=True)
             if self.normalize:
                 out = fn.crop_mirror_normalize(
                     img,

@@ -1,9 +1,9 @@
 """(x - mean) / std into the output dtype and layout.
 
 On the host: a per-channel 256-entry lookup table of the output dtype's bit patterns, applied
-per image (numpy `take`, GIL-free) while writing the batch: one pass, no float temporaries,
-and bf16 costs the same as fp16. On a CUDA device: `fastload.cuda_ops.normalize_batch`
-(the fused kernel) when it is available, else plain torch ops.
+to a run of images in one GIL-free pass (the `_lut` extension; numpy `take` per channel where it
+is not built): no float temporaries, and bf16 costs the same as fp16. On a CUDA device:
+`fastload.cuda_ops.normalize_batch` (the fused kernel) when it is available, else torch ops.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+try:
+    from fastload.vision._lut import apply as _lut_apply
+except ImportError:  # not built: numpy's take, per channel
+    _lut_apply = None
 
 __all__ = ["BITS_DTYPE", "ChannelLUT", "normalize_on_device"]
 
@@ -45,6 +50,17 @@ class ChannelLUT:
         for c in range(3):
             dst = out[c] if layout == "NCHW" else out[..., c]
             np.take(self.table[c], img[..., c], out=dst, mode="clip")
+
+    def apply_batch(self, images: np.ndarray, out: np.ndarray, *, layout: str) -> None:
+        """Write normalised `images` ((n, H, W, 3) uint8, C-contiguous) into `out` ((n, 3, H, W)
+        or (n, H, W, 3) bits, C-contiguous) in one pass."""
+        n, h, w, _ = images.shape
+        if _lut_apply is not None:
+            _lut_apply(images, self.table, out, n, h * w, layout == "NCHW")
+            return
+        for c in range(3):
+            dst = out[:, c] if layout == "NCHW" else out[..., c]
+            np.take(self.table[c], images[..., c], out=dst, mode="clip")
 
     def to_tensor(self, bits: np.ndarray) -> torch.Tensor:
         """Reinterpret a bit-pattern array as a torch tensor of the output dtype (no copy)."""

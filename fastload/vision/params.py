@@ -17,9 +17,11 @@ import numpy as np
 
 __all__ = [
     "center_crop",
+    "center_window",
     "output_hw",
     "random_flips",
     "random_resized_crop",
+    "random_window",
     "uniforms",
 ]
 
@@ -132,3 +134,26 @@ def random_flips(*, seed: int, epoch: int, indices: np.ndarray, p: float = 0.5) 
     """`(B,)` bool horizontal-flip flags with probability `p` (a draw separate from the crop's)."""
     u = uniforms(seed=seed ^ 0x5F1A5, epoch=epoch, indices=indices, draws=1)[:, 0]
     return u < p
+
+
+def center_window(sizes: np.ndarray, *, size: int | tuple[int, int]) -> np.ndarray:
+    """Crop-only eval window `(B, 4)` int64: `size` pixels centred (torchvision `CenterCrop`
+    offsets); an image smaller than `size` in a dimension gives its whole extent there."""
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+    out = np.asarray(output_hw(size), dtype=np.int64).reshape(1, 2)
+    hw = np.minimum(sizes, out)
+    y0x0 = np.rint((sizes - hw) / 2).astype(np.int64)
+    return np.concatenate([y0x0, hw], axis=1)
+
+
+def random_window(
+    sizes: np.ndarray, *, size: int | tuple[int, int], seed: int, epoch: int, indices: np.ndarray
+) -> np.ndarray:
+    """Crop-only train window `(B, 4)` int64 (`RandomCrop(size)`): `size` pixels at a uniform
+    position; an image smaller than `size` in a dimension gives its whole extent there."""
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+    out = np.asarray(output_hw(size), dtype=np.int64).reshape(1, 2)
+    hw = np.minimum(sizes, out)
+    u = uniforms(seed=seed ^ 0xC20B, epoch=epoch, indices=indices, draws=2)
+    y0x0 = np.floor(u * (sizes - hw + 1)).astype(np.int64)
+    return np.concatenate([y0x0, hw], axis=1)

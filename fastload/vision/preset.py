@@ -27,12 +27,8 @@ from torch.utils.data import default_collate
 
 from fastload.system import usable_cores
 from fastload.vision import params
-from fastload.vision.cpu_decode import (
-    CorruptImageError,
-    decode_rgb,
-    probe_size,
-    resize_into,
-)
+from fastload.vision.cpu_batch import BatchJob, run_batch
+from fastload.vision.cpu_decode import CorruptImageError, decode_rgb, decode_windows, probe_size
 from fastload.vision.dali_pipeline import DALI_MISSING, DaliRunner, dali_available
 from fastload.vision.indexed import INDEX_KEY
 from fastload.vision.normalize import ChannelLUT, normalize_on_device
@@ -45,6 +41,7 @@ INDICES_KEY = "__indices__"
 EPOCH_KEY = "__epoch__"
 
 _BACKENDS = ("auto", "cpu", "dali")
+_RESIZE = ("bilinear", None)
 
 
 class ImagePreset:
@@ -53,20 +50,39 @@ class ImagePreset:
     Use: `Loader(with_indices(ds), batch_size=64, transform=preset)` (columnar fast path),
     `Loader(with_indices(ds), batch_size=64, collate_fn=preset)`, or `preset(ds.get_batch(idx))`.
 
-    kind='train': RandomResizedCrop(size, scale, ratio) + horizontal flip with `flip_p`.
-    kind='eval': centre crop of `crop_fraction` of the largest output-shaped window (for a
-    square output: resize shorter side to size / 0.875, centre-crop size), resized to size.
-    backend: 'cpu' (simplejpeg/Pillow in a thread pool), 'dali' (DALI: nvJPEG 'mixed' decode
-    on a CUDA `device`, DALI CPU operators otherwise) or 'auto' (DALI on a CUDA device when
-    DALI is installed, else the CPU decoder). DALI missing -> a warning and the CPU decoder.
-    mean/std are in 0..255 units. With normalize=False the output is uint8 NHWC (flip applied)
-    and `preset.normalize(x)` finishes the job later, e.g. on the GPU after the H2D copy.
-    dct_downscale=True (CPU backend) decodes a JPEG at 1/2, 1/4 or 1/8 scale in libjpeg-turbo
-    when its crop window is at least twice the output: much faster for large photos, but the
-    crop shifts by up to half a decoded pixel and the filter differs from DALI's (off by
-    default so that the backends match).
-    on_error='raise' names the dataset sample that is not a decodable image; 'skip' drops it
-    from the batch (all fields) and counts it in `stats()['vision_skipped']`.
+    Options (defaults in brackets):
+    - kind ['train']: 'train' = RandomResizedCrop(size, scale, ratio) + horizontal flip with
+      `flip_p` [0.5]; 'eval' = centre crop of `crop_fraction` [0.875] of the largest
+      output-shaped window (for a square output: resize the shorter side to size / 0.875,
+      centre-crop size), resized to size, no flip.
+    - resize ['bilinear']: antialiased bilinear resize of the crop window to `size`. None: crop
+      only, no resampling: 'eval' takes the centre `size` pixels (`CenterCrop`), 'train' `size`
+      pixels at a random position (`RandomCrop`) + flip; an image smaller than `size` in a
+      dimension is resized up to it there (the batch keeps one shape).
+    - dtype [torch.float16] and layout [None = 'NCHW' for normalised output, 'NHWC' for uint8]:
+      normalised output is (x - mean) / std (mean/std in 0..255 units) in float16, bfloat16,
+      float32 or float64. dtype=torch.uint8 (same as normalize=False) returns the uint8 pixels
+      (flip applied); `preset.normalize(x)` finishes them later, e.g. on the GPU after the copy.
+    - backend ['auto']: 'cpu' (the fused CPU stage below), 'dali' (DALI: nvJPEG 'mixed' decode
+      with ROI on a CUDA `device`, DALI CPU operators otherwise) or 'auto' (DALI on a CUDA device
+      when DALI is installed, else 'cpu'). DALI missing -> a warning and 'cpu'.
+    - threads [None]: threads that decode one batch (the calling thread is one of them). None
+      follows the Loader: a Loader given this preset (`transform=` or `collate_fn=`) calls
+      `bind_workers(num_workers)`, and then each batch decodes on the thread that asks for it
+      (num_workers=N: N batches decode at once, in N thread or process workers; num_workers=0:
+      one thread, the training loop's, as in torch). A preset used on its own uses every
+      usable core. `stats()['vision_threads']` says which applies.
+    - dct_downscale [False]: (CPU backend) decode a JPEG at num/8 scale in libjpeg-turbo's
+      IDCT, the smallest that keeps the crop window larger than the output: much less work for
+      crops well above the output size (RandomResizedCrop on photos), but the window edges
+      round to the scaled pixel grid and the filter differs from DALI's (off by default so
+      that the backends match).
+    - on_error ['raise']: 'raise' names the dataset sample that is not a decodable image;
+      'skip' drops it from the batch (all fields) and counts it in `stats()['vision_skipped']`.
+
+    The CPU backend decodes only each JPEG's crop window (libjpeg-turbo partial decompression
+    through the `_jpegwin` extension): the same pixels as a full decode then crop. A crop-only
+    window is decoded straight into the batch; see `fastload.vision.cpu_batch`.
     """
 
     def __init__(
@@ -77,7 +93,7 @@ class ImagePreset:
         backend: str = "auto",
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
-        layout: str = "NCHW",
+        layout: str | None = None,
         dtype: torch.dtype = torch.float16,
         device: str | torch.device | None = None,
         seed: int = 0,
@@ -90,13 +106,20 @@ class ImagePreset:
         crop_fraction: float = 0.875,
         on_error: str = "raise",
         dct_downscale: bool = False,
+        resize: str | None = "bilinear",
     ) -> None:
         if kind not in ("train", "eval"):
             raise ValueError(f"kind must be 'train' or 'eval', got {kind!r}")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        if layout not in ("NCHW", "NHWC"):
-            raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        if layout not in ("NCHW", "NHWC", None):
+            raise ValueError(f"layout must be 'NCHW', 'NHWC' or None, got {layout!r}")
+        if resize not in _RESIZE:
+            raise ValueError(f"resize must be one of {_RESIZE}, got {resize!r}")
+        if threads is not None and int(threads) < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads!r}")
+        if dtype == torch.uint8:
+            normalize = False
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if len(mean) != 3 or len(std) != 3:
@@ -105,13 +128,16 @@ class ImagePreset:
         self.out_hw = params.output_hw(size)
         self.mean = tuple(float(v) for v in mean)
         self.std = tuple(float(v) for v in std)
-        self.layout = layout
-        self.dtype = dtype
+        self.layout = layout or ("NCHW" if normalize else "NHWC")
+        self.dtype = dtype if normalize else torch.uint8
+        # What `normalize()` produces for a uint8 preset: the dtype / layout given, else fp16 NCHW.
+        self._finish = (layout or "NCHW", dtype if dtype != torch.uint8 else torch.float16)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.seed = int(seed)
         self.epoch = 0
         self.image_field = image_field
-        self.threads = int(threads) if threads else usable_cores()
+        self.threads_requested = int(threads) if threads is not None else None
+        self.loader_workers: int | None = None  # set by `bind_workers`
         self.normalize_output = normalize
         self.scale = scale
         self.ratio = ratio
@@ -119,6 +145,7 @@ class ImagePreset:
         self.crop_fraction = crop_fraction
         self.on_error = on_error
         self.dct_downscale = dct_downscale
+        self.resize = resize
         self.backend = self._resolve_backend(backend)
         self._lut = ChannelLUT(mean=self.mean, std=self.std, dtype=dtype) if normalize else None
         self._dali: DaliRunner | None = None
@@ -141,6 +168,22 @@ class ImagePreset:
             return "dali-mixed" if on_gpu else "dali-cpu"
         return "dali-mixed" if on_gpu else "cpu"
 
+    @property
+    def threads(self) -> int:
+        """Threads that decode one batch: `threads` if given, 1 on a Loader (`bind_workers`),
+        else every usable core."""
+        if self.threads_requested is not None:
+            return self.threads_requested
+        return 1 if self.loader_workers is not None else usable_cores()
+
+    def bind_workers(self, num_workers: int) -> None:
+        """Called by `fastload.Loader`: the Loader's `num_workers` are the parallelism (each
+        batch decodes on the thread or process that fetched it; `threads=` overrides)."""
+        self.loader_workers = int(num_workers)
+        if self.threads_requested is None and self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
     def set_epoch(self, epoch: int) -> None:
         """The epoch that keys random crops/flips (a batch's `__epoch__` entry overrides it)."""
         self.epoch = int(epoch)
@@ -148,7 +191,8 @@ class ImagePreset:
     def __repr__(self) -> str:
         return (
             f"ImagePreset(kind={self.kind!r}, size={self.out_hw}, backend={self.backend!r}, "
-            f"layout={self.layout!r}, dtype={self.dtype}, device={str(self.device)!r})"
+            f"resize={self.resize!r}, layout={self.layout!r}, dtype={self.dtype}, threads={self.threads}, "
+            f"device={str(self.device)!r})"
         )
 
     def __getstate__(self) -> dict:
@@ -250,6 +294,8 @@ class ImagePreset:
             images, failed = self._run_cpu(arrays, sizes, windows, flips, skip=set(errors))
         else:
             images, failed = self._run_dali(arrays, windows, flips, skip=set(errors))
+            if not self.normalize_output and self.layout == "NCHW":
+                images = images.permute(0, 3, 1, 2).contiguous()
         errors.update(failed)
         self._check_errors(errors, names, keys if indices is not None else None)
         keep = None
@@ -266,7 +312,11 @@ class ImagePreset:
         return images, keep
 
     def _parameters(self, sizes: np.ndarray, keys: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.kind == "train":
+        if self.resize is None and self.kind == "train":
+            windows = params.random_window(sizes, size=self.out_hw, seed=self.seed, epoch=epoch, indices=keys)
+        elif self.resize is None:
+            windows = params.center_window(sizes, size=self.out_hw)
+        elif self.kind == "train":
             windows = params.random_resized_crop(
                 sizes,
                 seed=self.seed,
@@ -295,9 +345,15 @@ class ImagePreset:
 
     # -- CPU backend ---------------------------------------------------------------------
 
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastload-vision")
+    def _executor(self) -> ThreadPoolExecutor | None:
+        """Helpers for the calling thread: `threads - 1` of them (none for one thread)."""
+        helpers = self.threads - 1
+        if helpers < 1:
+            return None
+        if self._pool is None or self._pool._max_workers != helpers:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="fastload-vision")
         return self._pool
 
     def _run_cpu(
@@ -313,62 +369,35 @@ class ImagePreset:
         oh, ow = self.out_hw
         on_host = self.device.type == "cpu"
         lut = self._lut if on_host else None
-        staging_t: torch.Tensor | None = None
-        if lut is not None:
-            shape = (n, 3, oh, ow) if self.layout == "NCHW" else (n, oh, ow, 3)
-            out = lut.empty(shape)
-        else:
-            pin = not on_host and torch.cuda.is_available()
+        pin = not on_host and torch.cuda.is_available()
+        if lut is not None:  # internal: this thread's reused pixel block (only the output is returned)
+            staging = _staging(n, oh, ow)
+        else:  # returned (or copied to the device without waiting): a fresh one every batch
             staging = torch.empty((n, oh, ow, 3), dtype=torch.uint8, pin_memory=pin)
-            out = staging.numpy()
-            staging_t = staging
-        failed: dict[int, str] = {}
-
-        def work(i: int) -> None:
-            if i in skip:
-                return
-            # Resize straight into the uint8 batch when nothing follows; else into a per-thread
-            # (oh, ow, 3) scratch that the flip / the normalising LUT then reads.
-            direct = staging_t is not None and not flips[i]
-            dst = staging_t[i] if direct else _scratch(oh, ow)
-            try:
-                hw = (int(sizes[i, 0]), int(sizes[i, 1]))
-                img, s = decode_rgb(
-                    arrays[i],
-                    hw=hw,
-                    window=windows[i] if self.dct_downscale else None,
-                    out_hw=self.out_hw,
-                )
-                resize_into(img, windows[i], dst, scale=s)
-            except (ValueError, OSError, RuntimeError) as e:
-                failed[i] = f"{type(e).__name__}: {e}"
-                return
-            if direct:
-                return
-            res = dst.numpy()
-            if flips[i]:
-                res = res[:, ::-1]
-            if lut is not None:
-                lut.apply(res, out[i], layout=self.layout)
-            else:
-                out[i] = res
-
-        if n <= 1 or self.threads <= 1:
-            for i in range(n):
-                work(i)
-        else:
-            list(self._executor().map(work, range(n)))
+        shape = (n, 3, oh, ow) if self.layout == "NCHW" else (n, oh, ow, 3)
+        job = BatchJob(
+            arrays=arrays,
+            sizes=sizes,
+            windows=windows,
+            flips=flips,
+            skip=skip,
+            out_hw=self.out_hw,
+            dct_downscale=self.dct_downscale,
+            images=staging.numpy(),
+            lut=lut,
+            normalized=lut.empty(shape) if lut is not None else None,
+            layout=self.layout,
+        )
+        with self._lock:
+            executor = self._executor()
+        failed = run_batch(job, threads=self.threads, executor=executor)
         if lut is not None:
-            return lut.to_tensor(out), failed
+            return lut.to_tensor(job.normalized), failed
         images = staging if on_host else staging.to(self.device, non_blocking=True)
         if self.normalize_output:
-            images = normalize_on_device(
-                images,
-                mean=self.mean,
-                std=self.std,
-                layout=self.layout,
-                dtype=self.dtype,
-            )
+            return self.normalize(images), failed
+        if self.layout == "NCHW":
+            images = images.permute(0, 3, 1, 2).contiguous()
         return images, failed
 
     # -- DALI backend --------------------------------------------------------------------
@@ -424,17 +453,19 @@ class ImagePreset:
 
     def _empty(self) -> torch.Tensor:
         oh, ow = self.out_hw
-        if not self.normalize_output:
-            return torch.empty((0, oh, ow, 3), dtype=torch.uint8, device=self.device)
         shape = (0, 3, oh, ow) if self.layout == "NCHW" else (0, oh, ow, 3)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     # -- after the H2D copy, and stats -----------------------------------------------------
 
     def normalize(self, images_u8: torch.Tensor) -> torch.Tensor:
-        """Finish a normalize=False batch (uint8 NHWC, flipped) on `self.device`."""
+        """Normalise a uint8 batch (NHWC, or NCHW as a uint8 preset with layout='NCHW' returns it)
+        on `self.device`: into the layout and dtype this preset was given (fp16 NCHW if none)."""
+        layout, dtype = (self.layout, self.dtype) if self.normalize_output else self._finish
         x = images_u8.to(self.device, non_blocking=True)
-        return normalize_on_device(x, mean=self.mean, std=self.std, layout=self.layout, dtype=self.dtype)
+        if x.ndim == 4 and x.shape[1] == 3 and x.shape[-1] != 3:  # NCHW uint8
+            x = x.permute(0, 2, 3, 1)
+        return normalize_on_device(x, mean=self.mean, std=self.std, layout=layout, dtype=dtype)
 
     def stats(self) -> dict[str, Any]:
         """Counters for `loader.stats()`: images, skipped, batches, seconds, images/s, backend."""
@@ -442,6 +473,15 @@ class ImagePreset:
             s = dict(self._stats)
         return {
             "vision_backend": self.backend,
+            "vision_threads": self.threads,
+            "vision_threads_rule": (
+                "threads="
+                if self.threads_requested is not None
+                else f"Loader num_workers={self.loader_workers}: one per batch"
+                if self.loader_workers is not None
+                else "usable cores"
+            ),
+            "vision_window_decode": decode_windows is not None,
             "vision_images": s["images"],
             "vision_skipped": s["skipped"],
             "vision_batches": s["batches"],
@@ -450,14 +490,14 @@ class ImagePreset:
         }
 
 
-_SCRATCH = threading.local()
+_STAGING = threading.local()
 
 
-def _scratch(oh: int, ow: int) -> torch.Tensor:
-    """This thread's (oh, ow, 3) uint8 resize target (reused: no per-image allocation)."""
-    t = getattr(_SCRATCH, "t", None)
-    if t is None or t.shape[0] != oh or t.shape[1] != ow:
-        t = _SCRATCH.t = torch.empty((oh, ow, 3), dtype=torch.uint8)
+def _staging(n: int, oh: int, ow: int) -> torch.Tensor:
+    """This thread's (n, oh, ow, 3) uint8 block for pixels that are normalised before returning."""
+    t = getattr(_STAGING, "t", None)
+    if t is None or t.shape != (n, oh, ow, 3):
+        t = _STAGING.t = torch.empty((n, oh, ow, 3), dtype=torch.uint8)
     return t
 
 

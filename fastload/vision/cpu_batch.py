@@ -1,0 +1,132 @@
+"""The CPU backend's batch stage: decode, crop, resize, flip, normalise and lay out one batch.
+
+A batch is cut into one contiguous chunk per thread (the calling thread takes the first).
+Per chunk, one call of the window decoder (`cpu_decode.decode_windows`, GIL released) decodes
+every JPEG's crop window (DCT-downscaled when asked): straight into the uint8 batch buffer,
+mirrored in the decoder, when the window is the output size (crop only); otherwise into one
+chunk scratch buffer that torch's antialiased resize then reads. The normalising lookup table
+then writes the chunk's output in one call. Python runs per chunk, except
+one resize call per resized image and the fallbacks: non-JPEG images (Pillow), CMYK/YCCK JPEGs
+and builds without the extension decode whole images (`decode_rgb`) and are cropped after,
+with the same pixels.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastload.vision import cpu_decode
+from fastload.vision.normalize import ChannelLUT
+
+__all__ = ["BatchJob", "run_batch"]
+
+
+@dataclass
+class BatchJob:
+    """One batch: encoded images, their (H, W) sizes, crop windows (original pixels), flips."""
+
+    arrays: list[np.ndarray]
+    sizes: np.ndarray
+    windows: np.ndarray
+    flips: np.ndarray
+    skip: set[int]
+    out_hw: tuple[int, int]
+    dct_downscale: bool
+    images: np.ndarray  # (n, oh, ow, 3) uint8: the final pixels (flipped), normalised or returned
+    lut: ChannelLUT | None = None  # normalise `images` into `normalized` when set
+    normalized: np.ndarray | None = None  # (n, 3, oh, ow) or (n, oh, ow, 3) bit patterns
+    layout: str = "NCHW"
+
+
+def run_batch(job: BatchJob, *, threads: int, executor: Executor | None) -> dict[int, str]:
+    """Fill `job.images` (and `job.normalized`); returns {position: error} for images that failed."""
+    n = len(job.arrays)
+    nums = np.full(n, 8, dtype=np.int64)
+    resized = (job.windows[:, 2] != job.out_hw[0]) | (job.windows[:, 3] != job.out_hw[1])
+    if job.dct_downscale:
+        jpeg = np.array([cpu_decode.is_jpeg(a) for a in job.arrays], dtype=bool)
+        scale = resized & jpeg  # a crop-only window, or a PNG, is decoded at full size
+        nums[scale] = cpu_decode.dct_nums(job.windows[scale], job.out_hw)
+    scaled = cpu_decode.scaled_windows(job.sizes, job.windows, nums)
+    bounds = np.linspace(0, n, min(max(threads, 1), max(n, 1)) + 1).astype(np.int64)
+    chunks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    failed: dict[int, str] = {}
+    futures = []
+    if executor is not None:
+        futures = [executor.submit(_chunk, job, lo, hi, nums, scaled, resized, failed) for lo, hi in chunks[1:]]
+        chunks = chunks[:1]
+    for lo, hi in chunks:
+        _chunk(job, lo, hi, nums, scaled, resized, failed)
+    for f in futures:
+        f.result()
+    return failed
+
+
+def _chunk(
+    job: BatchJob,
+    lo: int,
+    hi: int,
+    nums: np.ndarray,
+    scaled: np.ndarray,
+    resized: np.ndarray,
+    failed: dict[int, str],
+) -> None:
+    todo = [i for i in range(lo, hi) if i not in job.skip]
+    windowed = [i for i in todo if cpu_decode.decode_windows is not None and cpu_decode.is_jpeg(job.arrays[i])]
+    whole = sorted(set(todo) - set(windowed))
+    if windowed:
+        # Resized images land in one scratch block (per-image views); crop-only ones in the batch.
+        need = [int(scaled[i, 2] * scaled[i, 3] * 3) if resized[i] else 0 for i in windowed]
+        scratch = np.empty(sum(need), dtype=np.uint8)
+        outs, at = [], 0
+        for i, k in zip(windowed, need, strict=True):
+            outs.append(scratch[at : at + k] if k else job.images[i])
+            at += k
+        params = np.empty((len(windowed), 6), dtype=np.int64)
+        params[:, 0:4] = scaled[windowed]
+        params[:, 4] = nums[windowed]
+        params[:, 5] = job.flips[windowed] & ~resized[windowed]  # mirrored by the decoder
+        results = cpu_decode.decode_windows([job.arrays[i] for i in windowed], params, outs)
+        for i, out, res in zip(windowed, outs, results, strict=True):
+            if res is not None:
+                if res[0] == cpu_decode.UNSUPPORTED:
+                    whole.append(i)
+                else:
+                    failed[i] = f"ValueError: {res[1]}"
+            elif resized[i]:
+                h, w = int(scaled[i, 2]), int(scaled[i, 3])
+                _resize_flip(out.reshape(h, w, 3), job.images[i], bool(job.flips[i]))
+    for i in whole:
+        try:
+            img, window = _decode_whole(job, i, int(nums[i]), scaled[i])
+            y0, x0, h, w = (int(v) for v in window)
+            _resize_flip(img[y0 : y0 + h, x0 : x0 + w], job.images[i], bool(job.flips[i]))
+        except (ValueError, OSError, RuntimeError) as e:
+            failed[i] = f"{type(e).__name__}: {e}"
+    if job.lut is not None:
+        job.lut.apply_batch(job.images[lo:hi], job.normalized[lo:hi], layout=job.layout)
+
+
+def _decode_whole(job: BatchJob, i: int, num: int, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Image i decoded whole (at num/8 when it can be) and its window in the decoded pixels."""
+    hw = (int(job.sizes[i, 0]), int(job.sizes[i, 1]))
+    if num < 8:
+        try:
+            return cpu_decode.decode_rgb(job.arrays[i], hw=hw, num=num), scaled
+        except ValueError:
+            pass  # CMYK/YCCK: no scaled decode there, the full-size one below
+    return cpu_decode.decode_rgb(job.arrays[i]), job.windows[i]
+
+
+def _resize_flip(src: np.ndarray, dst: np.ndarray, flip: bool) -> None:
+    """`src` (h, w, 3) resized (or copied) into `dst` (oh, ow, 3), then mirrored if `flip`."""
+    if not flip:
+        cpu_decode.resize_hwc(src, torch.from_numpy(dst))
+        return
+    tmp = torch.empty(dst.shape, dtype=torch.uint8)
+    cpu_decode.resize_hwc(src, tmp)
+    np.copyto(dst, tmp.numpy()[:, ::-1])
