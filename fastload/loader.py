@@ -59,12 +59,12 @@ from fastload.pipeline import EpochIterator, ThreadProbe
 from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
 from fastload.stats import LoaderStats
 from fastload.system import usable_cores
+from fastload.validate import validate_loader_args
 from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource, resolve_steal
 
 __all__ = ["Loader"]
 
 _STATE_VERSION = 1
-WORKER_TYPES = ("auto", "thread", "process")
 STEAL_AHEAD = 2  # thread workers: extra batches in flight that a waiting consumer fetches itself (workers.ThreadSource)
 
 
@@ -149,12 +149,8 @@ class Loader:
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        if worker_type not in WORKER_TYPES:
-            raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
-        if prefetch < 1:
-            raise ValueError("prefetch must be >= 1")
-        if ring_slots is not None and ring_slots < 3:
-            raise ValueError("ring_slots must be >= 3 (one filling, two held by the consumer)")
+        validate_loader_args(num_workers=num_workers, seed=seed, device=device, rank=rank, world_size=world_size,
+                             prefetch=prefetch, ring_slots=ring_slots, worker_type=worker_type)
         dl = self._dl
         self.dataset, self.batch_size, self.drop_last = dl.dataset, dl.batch_size, dl.drop_last
         self.sampler, self.batch_sampler, self.collate_fn = dl.sampler, dl.batch_sampler, dl.collate_fn
