@@ -24,6 +24,7 @@ setup(
         "fastload.cuda_ops": "cuda_ops",
     },
     package_data={
+        "fastload": ["py.typed"],
         "fastload.formats": ["FORMAT.md"],
         "fastload.cuda_ops": ["kernels/*.cu"],
     },
@@ -45,6 +46,8 @@ setup(
         "cuda": ["cuda-bindings>=13,<14", "cuda-toolkit[nvrtc,cudart]==13.*"],
         "image": ["simplejpeg", "pillow"],
         "plot": ["matplotlib"],
+        # `make docs`: the API reference (mkdocs + mkdocstrings, strict); `make test` builds it and type-checks.
+        "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mypy>=1.10"],
         "dev": [
             "pytest",
             "pytest-timeout",

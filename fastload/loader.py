@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
@@ -197,7 +197,7 @@ class Loader:
         if batched and not user_order and (seed is not None or self.world_size > 1):
             self._order: SeededOrder | SamplerOrder = SeededOrder(
                 len(dataset),
-                batch_size=self.batch_size,
+                batch_size=cast(int, self.batch_size),  # a batch sampler implies a batch size
                 shuffle=bool(shuffle),
                 drop_last=self.drop_last,
                 seed=seed if seed is not None else 0,
@@ -205,7 +205,7 @@ class Loader:
                 world_size=self.world_size,
             )
         else:
-            index_sampler = self.batch_sampler if batched else self.sampler
+            index_sampler = self.batch_sampler if self.batch_sampler is not None else self.sampler
             self._order = SamplerOrder(index_sampler, sampler=self.sampler, generator=generator)
         accel = torch.cuda.is_available()
         self._pinning = (self.pin_memory and accel) or (self.device is not None and self.device.type == "cuda")
@@ -229,7 +229,8 @@ class Loader:
         resume, self._resume = self._resume, None
         self._fetcher.refresh()
         reuse_pool = self.persistent_workers and self._pool is not None and self.worker_type == "process"
-        steal, threads = False, self.num_workers
+        steal: str | bool = False
+        threads = self.num_workers
         if self.num_workers and self.worker_type == "thread":
             may_steal = self.worker_init_fn is None and not self.timeout
             threads = _worker_threads(self.num_workers, stealing_allowed=may_steal)
@@ -237,6 +238,7 @@ class Loader:
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = self.num_workers == 0 or self.worker_type == "thread"
         plan = self._fetcher.plan if self.epoch_plan and in_process else None
+        base_seed: int | None
         if isinstance(self._order, SeededOrder):
             ahead = self._order_ahead(threads, steal) if self.order_ahead is None else self.order_ahead
             base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead, plan=plan)
@@ -384,8 +386,9 @@ class Loader:
             self._resume = None
             self._position = None
         self._epoch = epoch
-        if isinstance(getattr(self, "_order", None), SamplerOrder):
-            self._order.set_epoch(epoch)
+        order = getattr(self, "_order", None)
+        if isinstance(order, SamplerOrder):
+            order.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the consumer is: epoch + batches received + (sampler) order state."""

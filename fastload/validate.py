@@ -11,7 +11,7 @@ import numbers
 import os
 from typing import Any
 
-__all__ = ["WORKER_TYPES", "check_device", "check_int", "validate_loader_args"]
+__all__ = ["WORKER_TYPES", "check_device", "check_int", "cuda_status", "validate_loader_args"]
 
 WORKER_TYPES = ("auto", "thread", "process")
 
@@ -26,14 +26,18 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, optional: bo
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _cuda_found() -> str:
+def cuda_status() -> tuple[bool, str]:
+    """`(usable, description)`: the CUDA devices this process sees, or what was found instead."""
     import torch
 
     if torch.version.cuda is None:
-        return f"this torch ({torch.__version__}) is a CPU-only build"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    where = f" with CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
-    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device{where}"
+        return False, f"this torch ({torch.__version__}) is a CPU-only build"
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" with CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+        return False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device{where}"
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return True, f"{names} (torch {torch.__version__}, CUDA {torch.version.cuda})"
 
 
 def check_device(name: str, device: Any) -> None:
@@ -54,8 +58,9 @@ def check_device(name: str, device: Any) -> None:
         raise ValueError(f"{name}={device!r} is not a device: {exc}") from exc
     if dev.type != "cuda":
         return
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"{name}={device!r} needs CUDA, but {_cuda_found()}; use {name}='cpu' or None")
+    usable, found = cuda_status()
+    if not usable:
+        raise RuntimeError(f"{name}={device!r} needs CUDA, but {found}; use {name}='cpu' or None")
     count = torch.cuda.device_count()
     if dev.index is not None and dev.index >= count:
         raise ValueError(f"{name}={device!r}: {count} CUDA device{'s' if count != 1 else ''} visible (0..{count - 1})")

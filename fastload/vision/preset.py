@@ -330,7 +330,7 @@ class ImagePreset:
             # Resize straight into the uint8 batch when nothing follows; else into a per-thread
             # (oh, ow, 3) scratch that the flip / the normalising LUT then reads.
             direct = staging_t is not None and not flips[i]
-            dst = staging_t[i] if direct else _scratch(oh, ow)
+            dst = staging_t[i] if direct and staging_t is not None else _scratch(oh, ow)
             try:
                 hw = (int(sizes[i, 0]), int(sizes[i, 1]))
                 img, s = decode_rgb(
