@@ -10,15 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["build_parser", "main", "plural"]
+__all__ = ["build_parser", "main"]
 
 # Every import of numpy, torch and fastload's modules is inside the command that needs it, so
 # `fastload --help`, `--version` and `inspect` start without loading torch.
-
-
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """`'1 shard'`, `'2 shards'` (`many` for irregular plurals)."""
-    return f"{n:,} {word if n == 1 else (many or word + 's')}"
 
 
 def _count(text: str) -> int:
@@ -35,7 +30,7 @@ def _count(text: str) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from fastload.formats import write
     from fastload.formats.sources import open_source
-    from fastload.formats.units import format_size
+    from fastload.formats.units import format_size, plural
 
     source, schema, attrs = open_source(args.src, args.kind)
     manifest = write(
@@ -106,6 +101,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from fastload.formats.units import plural
     from fastload.formats.verify import verify_dataset
 
     problems = verify_dataset(args.dataset)

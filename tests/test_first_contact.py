@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fastload
-from fastload.cli import main, plural
+from fastload.cli import main
 from fastload.formats import write
+from fastload.formats.units import plural
 
 # Runs the CLI in a fresh interpreter and reports whether torch got imported.
 _PROBE = (
