@@ -4,28 +4,60 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
+DEMO_OUT   := demo_out
+# The public API modules the type checker reads (from build/docs-pkg, the installed layout).
+TYPED := __init__ loader dataset validate stats bucketing text_collate shard_shuffle remote cache cli \
+	formats/__init__ formats/reader formats/writer formats/schema formats/ragged formats/errors \
+	formats/lmdb_dataset formats/hdf5_dataset formats/sources formats/verify \
+	vision/__init__ vision/preset vision/indexed vision/params cuda_ops/__init__ benchmark/__init__
 
-.PHONY: demo test install lint clean
+.PHONY: demo test install lint typecheck docs gpu-check examples clean
 
-$(STAMP): setup.py fastload/vision/_jpegwin.c fastload/vision/_lut.c
+$(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	# torch first, pinned: the local CPU wheel; nothing may pull a CUDA build later.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray]' torch==2.13.0
+	touch $@
+
+$(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c
+	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs]' torch==2.13.0
 	touch $(STAMP)
+
+# The demo needs only the image decoder (its synthetic JPEGs) and matplotlib (bench.png).
+$(DEMO_STAMP): setup.py $(VENV)/.torch
+	$(PIP) install -e '.[image,plot]' torch==2.13.0
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/fastload bench
+demo: $(DEMO_STAMP)
+	mkdir -p $(DEMO_OUT)
+	$(VENV)/bin/fastload bench --plot $(DEMO_OUT)/bench.png --json $(DEMO_OUT)/bench.json | tee $(DEMO_OUT)/bench.txt
+	@echo "chart: $(CURDIR)/$(DEMO_OUT)/bench.png (table: $(DEMO_OUT)/bench.txt, full results: $(DEMO_OUT)/bench.json)"
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(MAKE) --no-print-directory typecheck docs
 	$(PY) -m pytest -q tests --timeout=900 -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+typecheck: $(STAMP)
+	$(PY) docs/hooks.py
+	$(PY) -m mypy $(foreach m,$(TYPED),build/docs-pkg/fastload/$(m).py) examples
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
+	@echo "docs: $(CURDIR)/site/index.html"
+
+examples: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m examples tests
+
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site $(DEMO_OUT) *.egg-info

@@ -47,6 +47,7 @@ setup(
         "fastload.cuda_ops": "cuda_ops",
     },
     package_data={
+        "fastload": ["py.typed"],
         "fastload.formats": ["FORMAT.md"],
         "fastload.cuda_ops": ["kernels/*.cu"],
     },
@@ -71,6 +72,8 @@ setup(
         # frameworks driving a Loader, exercised by tests/test_frameworks.py and test_hf_datasets.py
         "frameworks": ["lightning", "accelerate", "datasets"],
         "ray": ["ray[data]>=2.40"],  # write_ray / read_ray / `fastload convert --engine ray`
+        # `make docs`: the API reference (mkdocs + mkdocstrings, strict); `make test` builds it and type-checks.
+        "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mypy>=1.10"],
         "dev": [
             "pytest",
             "pytest-timeout",

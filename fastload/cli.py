@@ -6,10 +6,26 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+# Every import of numpy, torch and fastload's modules is inside the command that needs it, so
+# `fastload --help`, `--version` and `inspect` start without loading torch.
+
+
+def _count(text: str) -> int:
+    """argparse type: an int >= 0 (worker counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -19,7 +35,7 @@ def _convert(args: argparse.Namespace) -> int:
         raise ValueError("--address needs --engine ray")
     from fastload.formats import write
     from fastload.formats.sources import open_source
-    from fastload.formats.units import format_size
+    from fastload.formats.units import format_size, plural
 
     source, schema, attrs = open_source(
         args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check
@@ -48,7 +64,8 @@ def _convert(args: argparse.Namespace) -> int:
         skipping.report(report)
         print(f"skipped {len(skipping.skipped)} input(s) that failed to read; reasons in {report}", file=sys.stderr)
     total = sum(s.bytes for s in manifest.shards)
-    print(f"wrote {manifest.num_samples} samples in {len(manifest.shards)} shards ({format_size(total)}) to {args.out}")
+    print(f"wrote {plural(manifest.num_samples, 'sample')} in {plural(len(manifest.shards), 'shard')} "
+          f"({format_size(total)}) to {args.out}")
     return 0
 
 
@@ -75,6 +92,8 @@ def _convert_ray(args: argparse.Namespace) -> int:
 
 
 def _histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
+    import numpy as np
+
     if len(lengths) == 0:
         return ["    (no samples)"]
     top = int(lengths.max())
@@ -89,6 +108,8 @@ def _histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from fastload.dataset import open_dataset
     from fastload.formats.units import format_size
 
@@ -123,13 +144,14 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from fastload.formats.units import plural
     from fastload.formats.verify import verify_dataset
 
     problems = verify_dataset(args.dataset, decode=args.decode)
     if problems:
         for p in problems:
             print(f"BAD  {p}", file=sys.stderr)
-        print(f"{len(problems)} problem(s) found in {args.dataset}", file=sys.stderr)
+        print(f"{plural(len(problems), 'problem')} found in {args.dataset}", file=sys.stderr)
         return 1
     print(f"OK   {args.dataset}: every checksum and offsets table is intact")
     return 0
@@ -141,19 +163,28 @@ def _bench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from fastload.formats.sources import SOURCE_KINDS
+def _version() -> str:
+    from fastload import __version__
 
+    return f"fastload {__version__}"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `fastload` argument parser; `bench`'s own options (which import torch) only when `command` is 'bench'."""
     parser = argparse.ArgumentParser(prog="fastload", description="fastload: keep GPUs fed.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
     p.add_argument("src", help="source path (image folder, .npy file/dir, .jsonl, LMDB dir, HDF5 file; with "
                    "--engine ray also Parquet files or any fsspec URL of Parquet / JSON lines)")
     p.add_argument("out", help="output dataset directory (with --engine ray also an fsspec URL, e.g. s3://b/ds)")
-    p.add_argument("--kind", choices=SOURCE_KINDS, help="source kind (detected when omitted)")
+    if command == "convert":  # the source kinds live in fastload.formats, which imports numpy
+        from fastload.formats.sources import SOURCE_KINDS
+
+        p.add_argument("--kind", choices=SOURCE_KINDS, help="source kind (detected when omitted)")
     p.add_argument("--shard-size", default="64MiB", help="target shard size, e.g. 64MiB (default)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_count, default=None,
                    help="encoder processes / writer threads (--engine ray: Ray tasks at a time)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
@@ -186,23 +217,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("bench", help="I/O throughput benchmark vs the PyTorch DataLoader and the raw limits")
-    try:
+    if command == "bench":
         from fastload.benchmark import add_arguments
-    except ImportError:  # the benchmark module is optional while it is being built
-        add_arguments = None
-    if add_arguments is not None:
+
         add_arguments(p)
     p.set_defaults(func=_bench)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in `argv` (the first word that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the `fastload` command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     from fastload.formats.errors import FormatError, SchemaError
 
     try:
         return int(args.func(args) or 0)
-    except (FormatError, SchemaError, FileNotFoundError, FileExistsError, ValueError) as exc:
+    except (FormatError, SchemaError, FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
         print(f"fastload {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

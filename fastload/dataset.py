@@ -16,6 +16,46 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+# Reading in place, where a class exists; every kind converts with `fastload convert SRC OUT`.
+_IN_PLACE = {".h5": "fastload.HDF5Dataset", ".hdf5": "fastload.HDF5Dataset", ".mdb": "fastload.LMDBDataset"}
+# fsspec protocols whose package is an extra of fastload
+_EXTRAS = {"s3": "s3", "s3a": "s3"}
+
+
+def _check_local(path: str) -> None:
+    """A clear error for a local path that is not a fastload dataset directory (a file, an LMDB, ...)."""
+    if os.path.isfile(path) and os.path.basename(path) == "index.json":
+        raise FileNotFoundError(f"{path!r} is a dataset's manifest; open its directory: {os.path.dirname(path)!r}")
+    if os.path.isfile(path):
+        ext = os.path.splitext(path)[1].lower()
+        reader = _IN_PLACE.get(ext)
+        read = f"read it in place with {reader}({path!r}), or " if reader else ""
+        raise FileNotFoundError(
+            f"{path!r} is a file, not a fastload dataset directory; {read}convert it first: "
+            f"fastload convert {path} OUT_DIR"
+        )
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "data.mdb")):
+        raise FileNotFoundError(
+            f"{path!r} is an LMDB environment, not a fastload dataset; read it in place with "
+            f"fastload.LMDBDataset({path!r}), or convert it: fastload convert {path} OUT_DIR"
+        )
+
+
+def _check_protocol(url: str) -> None:
+    """Raise naming the package (and fastload's extra) when the URL's fsspec protocol is not installed."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        extra = _EXTRAS.get(protocol)
+        hint = f"pip install 'fastload[{extra}]'" if extra else str(exc)
+        raise ImportError(f"reading {url!r} needs the fsspec backend for {protocol}://: {hint}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{url!r}: unknown storage protocol {protocol!r} ({exc})") from exc
+
+
 def open_dataset(
     path: str | os.PathLike[str],
     *,
@@ -36,9 +76,11 @@ def open_dataset(
     if text.startswith("file://"):
         text = text[len("file://") :]
     if not is_url(text):
+        _check_local(text)
         return FastloadDataset(
             text, verify=verify, verify_checksums=verify_checksums, max_open_shards=max_open_shards or 64
         )
+    _check_protocol(text)
     from fastload.remote import RemoteStorage
 
     # The remote storage sizes the number of pinned shards from the cache budget when not given.

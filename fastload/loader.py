@@ -62,7 +62,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
@@ -76,6 +76,7 @@ from fastload.pipeline import EpochIterator, ThreadProbe
 from fastload.sampling import SamplerOrder, SeededOrder, batches_left, resolve_rank_world
 from fastload.stats import LoaderStats
 from fastload.system import usable_cores
+from fastload.validate import validate_loader_args
 from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource, resolve_steal
 
 __all__ = ["Loader"]
@@ -84,7 +85,6 @@ _STATE_VERSION = 1
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these after construction (ValueError); so does the Loader
 FROZEN_ATTRS = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
-WORKER_TYPES = ("auto", "thread", "process")
 STEAL_AHEAD = 2  # thread workers: extra batches in flight that a waiting consumer fetches itself (workers.ThreadSource)
 
 
@@ -172,12 +172,8 @@ class Loader(Generic[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        if worker_type not in WORKER_TYPES:
-            raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
-        if prefetch < 1:
-            raise ValueError("prefetch must be >= 1")
-        if ring_slots is not None and ring_slots < 3:
-            raise ValueError("ring_slots must be >= 3 (one filling, two held by the consumer)")
+        validate_loader_args(num_workers=num_workers, seed=seed, device=device, rank=rank, world_size=world_size,
+                             prefetch=prefetch, ring_slots=ring_slots, worker_type=worker_type)
         self._init_args = init_args
         self._iterable = isinstance(dataset, IterableDataset)
         self._dl = dl if self._iterable else None  # an IterableDataset is iterated by torch's DataLoader
@@ -332,7 +328,8 @@ class Loader(Generic[T_co]):
         resume, self._resume = self._resume, None
         self._fetcher.refresh()
         reuse_pool = self.persistent_workers and self._pool is not None and self.worker_type == "process"
-        steal, threads = False, self.num_workers
+        steal: str | bool = False
+        threads = self.num_workers
         if self.num_workers and self.worker_type == "thread":
             may_steal = self.worker_init_fn is None and not self.timeout
             threads = _worker_threads(self.num_workers, stealing_allowed=may_steal)
@@ -340,6 +337,7 @@ class Loader(Generic[T_co]):
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = self.num_workers == 0 or self.worker_type == "thread"
         plan = self._fetcher.plan if self.epoch_plan and in_process and self._fetcher.direct else None
+        base_seed: int | None
         if isinstance(self._order, SeededOrder):
             ahead = self._order_ahead(threads, steal) if self.order_ahead is None else self.order_ahead
             base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead, plan=plan)

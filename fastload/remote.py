@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Self, TypeVar
 
 import fsspec
@@ -668,7 +669,7 @@ class RemoteStorage:
                 with self._lock:
                     self._keys.setdefault(name, key)
                 ok = self.cache.prefetch(
-                    key, size=size, xxh3=xxh3, fetch=lambda dl, n=name: self._fetch(n, dl), where=f"{self.url}/{name}"
+                    key, size=size, xxh3=xxh3, fetch=partial(self._fetch, name), where=f"{self.url}/{name}"
                 )
             except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
                 log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)

@@ -28,6 +28,7 @@ class LoaderStats:
         self.reset()
 
     def reset(self) -> None:
+        """Zero every counter (stage times, waits, batch counts)."""
         with self._lock:
             self.stage = dict.fromkeys(STAGES, 0.0)
             self.wait = 0.0

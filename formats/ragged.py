@@ -72,7 +72,7 @@ class Ragged:
         if self.kind == "varray":
             values = self.values
             return [values[a:b] for a, b in zip(starts, ends)]
-        view = memoryview(np.ascontiguousarray(self.values, dtype=np.uint8))
+        view = np.ascontiguousarray(self.values, dtype=np.uint8).data
         if self.kind == "string":
             try:
                 return [str(view[a:b], "utf-8") for a, b in zip(starts, ends)]

@@ -69,7 +69,7 @@ def gather_ragged(
     if len(lengths) == 0 or offsets[-1] == 0:
         return np.empty(int(offsets[-1]), dtype=dtype), offsets
     size = dtype.itemsize
-    views = [memoryview(src.view(np.uint8)) for src in sources]
+    views = [src.view(np.uint8).data for src in sources]
     byte_starts = (starts * size).tolist()
     byte_ends = ((starts + lengths) * size).tolist()
     if len(views) == 1:
@@ -466,7 +466,7 @@ class FastloadDataset:
         for name, take in direct:
             column = spliced.get(name)
             engine = gather(column.rows) if column is not None else None
-            if engine is not None:
+            if engine is not None and column is not None:
                 take = partial(_gather_rows, engine, column.row_numbers)
             takes.append((name, take))
         return takes

@@ -137,7 +137,7 @@ class Schema:
         for name, value in samples[0].items():
             f = infer_field(name, value)
             if f.kind == "ndarray" and len(f.shape) == 1:
-                shapes = {np.shape(s.get(name)) for s in samples if isinstance(s, dict)}
+                shapes = {np.shape(s.get(name)) for s in samples if isinstance(s, dict)}  # type: ignore[arg-type]
                 if len(shapes) > 1:
                     f = Field(name, "varray", f.dtype)
             fields.append(f)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["format_size", "parse_size", "plural"]
 
 _UNITS = {
     "": 1,
@@ -45,3 +45,8 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`'1 shard'`, `'2 shards'`, `'1,000 samples'` (`many` for irregular plurals)."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"

@@ -10,3 +10,4 @@ def pytest_configure(config) -> None:
         "deselect with -m 'not frameworks'",
     )
     config.addinivalue_line("markers", "ray: needs Ray Data (fastload[ray]); starts local Ray clusters")
+    config.addinivalue_line("markers", "examples: runs the scripts in examples/ (torchrun on CPU included)")

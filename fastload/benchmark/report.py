@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+from fastload.formats.units import plural
+
 __all__ = ["format_table", "write_json", "write_plot"]
 
 MB = 1e6
@@ -142,8 +144,20 @@ def write_json(res: dict[str, Any], path: str) -> None:
         fh.write("\n")
 
 
+_COLORS = {"fastload": "#4c72b0", "torch": "#dd8452", "torch-batched": "#c9a26b"}
+
+
+def _bar_note(row: dict[str, Any]) -> str:
+    """The text beside a bar: samples/s, and for loaders the ratio to the best torch row."""
+    note = f"{row['samples_per_s']['median']:,.0f} samples/s"
+    if row.get("vs_torch") is not None:
+        note += f"  ({row['vs_torch']:.2f}x torch)"
+    return note
+
+
 def write_plot(res: dict[str, Any], path: str) -> None:
-    """Horizontal bars of MB/s (median, min-max whiskers) with the raw limits as lines (needs matplotlib)."""
+    """Horizontal bars of MB/s (median, min-max whiskers), each labelled with its samples/s (and
+    for loaders its ratio to the best torch row), with the raw read limits drawn as lines (needs matplotlib)."""
     try:
         import matplotlib
 
@@ -152,25 +166,34 @@ def write_plot(res: dict[str, Any], path: str) -> None:
     except ImportError as exc:
         raise ImportError("--plot needs matplotlib: pip install 'fastload[plot]'") from exc
     groups = [
-        ("backends (1 thread)", [(f"{b['backend']} {b['cache']}", b["bytes_per_s"]) for b in res["backends"]]),
-        ("loaders", [(f"{r['loader']} w={r['num_workers']}", r["bytes_per_s"]) for r in res["loaders"]]),
+        ("storage backends alone (1 thread, shuffled batches)",
+         [(f"{b['backend']} {b['cache']}", b, b["backend"]) for b in res["backends"]]),
+        ("loaders (shuffled epochs; what a training loop sees)",
+         [(f"{r['loader']}, {plural(r['num_workers'], 'worker')}", r, r["loader"]) for r in res["loaders"]]),
     ]
     groups = [g for g in groups if g[1]]
-    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 1.2 + 0.45 * sum(len(g[1]) for g in groups) + len(groups)),
+    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 1.4 + 0.45 * sum(len(g[1]) for g in groups) + len(groups)),
                              squeeze=False)
     limits = res["limits"]
+    top = max([b[1]["bytes_per_s"]["max"] / MB for g in groups for b in g[1]]
+              + [limits[k]["bytes_per_s"]["median"] / MB for k in ("read_warm", "read_cold") if limits.get(k)])
     for ax, (title, bars) in zip(axes[:, 0], groups):
         labels = [b[0] for b in bars]
-        med = [b[1]["median"] / MB for b in bars]
-        err = [[m - b[1]["min"] / MB for m, b in zip(med, bars)], [b[1]["max"] / MB - m for m, b in zip(med, bars)]]
-        ax.barh(labels, med, xerr=err, color="#4c72b0", capsize=3)
+        stats = [b[1]["bytes_per_s"] for b in bars]
+        med = [st["median"] / MB for st in stats]
+        err = [[m - st["min"] / MB for m, st in zip(med, stats)], [st["max"] / MB - m for m, st in zip(med, stats)]]
+        colors = [_COLORS.get(b[2], "#55a868") for b in bars]
+        ax.barh(labels, med, xerr=err, color=colors, capsize=3)
+        for y, (st, b) in enumerate(zip(stats, bars)):  # beside the whisker's end
+            ax.text(st["max"] / MB + top * 0.01, y, _bar_note(b[1]), va="center", ha="left", fontsize=8)
         ax.invert_yaxis()
         for key, style in (("read_warm", "--"), ("read_cold", ":")):
             if limits.get(key):
-                ax.axvline(limits[key]["bytes_per_s"]["median"] / MB, color="#c44e52", ls=style,
-                           label=key.replace("_", " "))
-        ax.set_title(title)
-        ax.set_xlabel("MB/s")
+                value = limits[key]["bytes_per_s"]["median"] / MB
+                ax.axvline(value, color="#c44e52", ls=style, label=f"raw read limit, {key[5:]}: {value:,.0f} MB/s")
+        ax.set_xlim(0, top * 1.05)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("MB/s of payload (bar: median; whiskers: min-max over repeats)")
         ax.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"fastload bench: {res['dataset']['description']}", fontsize=10)
     fig.tight_layout()

@@ -19,6 +19,7 @@ from fastload.benchmark import limits as lim
 from fastload.benchmark.backends import Backend, measure_backend, open_backend, read_epoch, release, remote_epochs
 from fastload.benchmark.loaders import LOADER_KINDS, Step, bottleneck, run_loader
 from fastload.benchmark.measure import payload_bytes, summarize
+from fastload.formats.units import plural
 from fastload.system import usable_cores
 
 __all__ = ["SCHEMA_VERSION", "BenchConfig", "run_benchmark"]
@@ -283,11 +284,12 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
     tb = best.get("torch") or best.get("torch-batched")
     if fl:
         out["fastload_pct_of_read_warm"] = fl["pct_of_limit"]
-        text = f"fastload.Loader ({fl['num_workers']} workers): {fl['samples_per_s']['median']:,.0f} samples/s"
+        workers = plural(fl["num_workers"], "worker")
+        text = f"fastload.Loader ({workers}): {fl['samples_per_s']['median']:,.0f} samples/s"
         if tb:
             out["fastload_vs_torch"] = fl["vs_torch"]
             text += (f" = {fl['vs_torch']:.2f}x the torch DataLoader ({tb['loader']}, "
-                     f"{tb['num_workers']} workers: {tb['samples_per_s']['median']:,.0f} samples/s)")
+                     f"{plural(tb['num_workers'], 'worker')}: {tb['samples_per_s']['median']:,.0f} samples/s)")
         lines.append(text + f"; {100 * fl['pct_of_limit']:.0f}% of the warm sequential-read limit.")
     bs = res["config"]["batch_size"]
     for name, r in best.items():
@@ -298,7 +300,8 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
             continue
         where = s["bottleneck"] or "no per-stage stats"
         verdict = f"input-bound (bottleneck: {where})" if s["input_bound"] else "not input-bound"
-        lines.append(f"with a {res['step']['step_ms']:g} ms step, {s['loader']} ({s['num_workers']} workers) stalls "
+        workers = plural(s["num_workers"], "worker")
+        lines.append(f"with a {res['step']['step_ms']:g} ms step, {s['loader']} ({workers}) stalls "
                      f"{100 * s['data_stall']['median']:.0f}% of the time: {verdict}.")
     out["lines"] = lines
     return out

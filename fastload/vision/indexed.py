@@ -36,6 +36,7 @@ class IndexedDataset:
         return [{**s, INDEX_KEY: int(i)} for s, i in zip(items, indices, strict=True)]
 
     def get_batch(self, indices: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped dataset's batch plus `__indices__`: the dataset indices of its samples (int64)."""
         batch = dict(self.dataset.get_batch(indices, **kwargs))
         batch["__indices__"] = np.asarray(indices, dtype=np.int64).reshape(-1)
         return batch
