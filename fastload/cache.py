@@ -110,6 +110,12 @@ def owner_id() -> str:
 
 
 _INSTANCES = [0]
+_COLLECTED: set[str] = set()  # owners of this process whose ShardCache was garbage collected
+
+
+def _collected(owner: str) -> bool:
+    """An owner of this process (its ids start with this pid) whose cache object is gone."""
+    return owner in _COLLECTED and owner.split("-", 1)[0] == str(os.getpid())
 
 
 def owner_alive(owner: str) -> bool:
@@ -287,15 +293,24 @@ class ShardCache:
             with contextlib.suppress(OSError, CacheStateError), self._locked() as state:
                 state["soft"] = {k: o for k, o in state["soft"].items() if o != self._owner}
                 state["waiting"].pop(self._owner, None)
-            for fd in (self._lock_fd, self._users_fd, *(self._slot_fds or ())):
-                if fd is not None:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-            self._lock_fd = self._users_fd = self._slot_fds = None
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for fd in (self._lock_fd, self._users_fd, *(self._slot_fds or ())):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._lock_fd = self._users_fd = self._slot_fds = None
 
     def __del__(self) -> None:
+        # The garbage collector may run this inside another cache object's update in this thread,
+        # whose flock it would wait for forever: no lock here. The owner is marked collected; the
+        # next update by any cache object of this process drops its pins, soft pins and claim.
+        if getattr(self, "_pid", None) != os.getpid() or getattr(self, "_lock_fd", None) is None:
+            return
         with contextlib.suppress(Exception):  # may run during interpreter shutdown
-            self.close()
+            _COLLECTED.add(self._owner)
+            self._close_files()
 
     def _open_files(self) -> None:
         if self._users_fd is None:
@@ -410,7 +425,7 @@ class ShardCache:
         owners = set(state["soft"].values()) | set(state["waiting"]) | set(state["claims"])
         owners |= {o for pins in state["pins"].values() for o in pins}
         owners |= {r["owner"] for r in state["reserved"].values()}
-        dead = {o for o in owners if o != self._owner and not owner_alive(o)}
+        dead = {o for o in owners if o != self._owner and (_collected(o) or not owner_alive(o))}
         if not dead:
             return
         for key in list(state["pins"]):

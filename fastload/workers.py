@@ -409,12 +409,15 @@ PARENT_POLL_S = 0.5  # how often a worker process checks that its parent still r
 
 
 def _process_start(pid: int) -> float | None:
-    """When process `pid` started (None if it does not run, or is a zombie)."""
+    """When process `pid` started (None if it does not run, or is a zombie; -1.0 if it runs but
+    cannot be inspected)."""
     try:
         proc = psutil.Process(pid)
         return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
-    except psutil.Error:
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
+    except psutil.Error:
+        return -1.0
 
 
 def _parent_alive(parent_pid: int, parent_start: float | None) -> bool:

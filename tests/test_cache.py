@@ -395,3 +395,16 @@ def test_default_mode_hashes_a_cached_shard_with_its_stamp_restored(tmp_path):
     assert src.fetches == [1, 1]
     fresh.release("k1")
     assert fresh.state()["pins"] == {}
+
+
+def test_a_collected_cache_objects_pins_are_dropped_without_locking_in_del(tmp_path):
+    """`__del__` may run inside another cache object's update (garbage collection): it takes no
+    lock; the next update of any cache object in the process drops the collected owner's pins."""
+    other = ShardCache(tmp_path, limit="1MB")
+    gone, src = ShardCache(tmp_path, limit="1MB"), Source()
+    src.acquire(gone, 1)
+    assert set(other.state()["pins"]) == {"k1"}
+    with other._locked():  # an update in progress while the collector runs __del__
+        gone.__del__()
+    del gone
+    assert other.state()["pins"] == {}
