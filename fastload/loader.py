@@ -62,7 +62,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
