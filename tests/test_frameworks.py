@@ -57,7 +57,7 @@ def test_lightning_ddp_then_mid_epoch_resume_on_one_device(tmp_path):
     _run([script, "--out", str(ddp), "--devices", "2", "--strategy", "ddp", "--epochs", "2", "--save", ckpt])
     ranks = _ranks(ddp, 2)
     _check_epochs(ranks, 2)
-    _run([script, "--out", str(one), "--devices", "1", "--epochs", "2", "--resume", ckpt])
+    _run([script, "--out", str(one), "--devices", "1", "--epochs", "3", "--resume", ckpt])
     resumed = _ranks(one, 1)[0]["epochs"]
     seen = [i for r in ranks for i in _flat(r["epochs"]["1"][:5])]
     rest = _flat(resumed["1"])

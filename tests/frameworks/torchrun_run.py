@@ -87,6 +87,7 @@ def with_accelerate(report: dict) -> None:
     it = iter(loader)
     head = [next(it)["i"].tolist() for _ in range(5)]
     accelerator.save_state(ckpt[0])
+    accelerator.wait_for_everyone()  # the main process writes the files: the others load them after it
     out["rest"] = [b["i"].tolist() for b in it]
     out["head"] = head
     fresh = Loader(IdsDataset(), batch_size=BATCH, shuffle=True, seed=0)
