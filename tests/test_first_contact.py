@@ -157,3 +157,13 @@ def test_text_collate_unknown_field_names_the_fields(tmp_path):
     with pytest.raises(KeyError) as err:
         next(iter(loader))
     assert "TextCollate(field='tokens'): no such field in the batch (fields: ['input_ids', 'y'])" in str(err.value)
+
+
+def test_inspect_quantiles_match_numpy():
+    from fastload.cli import _quantile
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 10, 101, 5000):
+        v = rng.integers(0, 10**6, n)
+        for q in (0.5, 0.99):
+            assert _quantile(v, q) == int(np.percentile(v, 100 * q))
