@@ -46,8 +46,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
-	$(PY) docs/hooks.py
-	$(PY) -m mypy $(foreach m,$(TYPED),build/docs-pkg/fastload/$(m).py) examples
+	@$(PY) docs/hooks.py
+	@echo "mypy: $(words $(TYPED)) public API modules + examples/ (mypy.ini)"
+	@$(PY) -m mypy $(foreach m,$(TYPED),build/docs-pkg/fastload/$(m).py) examples
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --quiet

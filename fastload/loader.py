@@ -17,7 +17,7 @@ and — given the same sampler / generator / global RNG — the same batches in 
   epoch only with a `worker_init_fn` and no `persistent_workers`, as torch runs it), and are
   A/B-tested against inline fetching, the faster kept (see `fastload.pipeline`; `adaptive=False`
   turns that off), so adding workers does not lose to `num_workers=0` over runs longer than the
-  probe's windows (see README: short runs).
+  probe's windows (bench/RESULTS.md, "Loader").
   A consumer that would wait for its batch fetches a later one itself (`STEAL_AHEAD` more batches
   are in flight for that; where CUDA is available, only when its own batch is far from ready; see
   `workers.ThreadSource`), so with `num_workers` at or above the usable cores one worker thread

@@ -311,7 +311,7 @@ class ThreadProbe:
     1.1, and every other path compared the modes from its first batches. A trial costs its run
     the slower mode's rate and the switches (on `bench.loader`'s data, 5-7% of a 3-epoch run of
     150-180 ms); since the epoch plan, inline reads as fast as the workers there, so the first
-    trial waits (README, "Loader").
+    trial waits (bench/RESULTS.md, "Loader").
     """
 
     WINDOW, MARGIN, WATCH, FILL = 24, 1.05, 64, 32

@@ -207,6 +207,8 @@ class TextCollate:
         if isinstance(batch, Ragged):
             return _as_numpy(batch.values), _as_numpy(batch.offsets), {}
         if isinstance(batch, Mapping):
+            if self.field not in batch:
+                raise KeyError(f"TextCollate(field={self.field!r}): no such field in the batch (fields: {list(batch)})")
             col = batch[self.field]
             extras = {k: _to_tensor(v) for k, v in batch.items() if k != self.field}
             if isinstance(col, Ragged):

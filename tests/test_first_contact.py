@@ -147,3 +147,23 @@ def test_missing_s3_backend_names_the_extra(monkeypatch):
 def test_unknown_protocol():
     with pytest.raises(ValueError, match="unknown storage protocol 'nosuch'"):
         fastload.open_dataset("nosuch://bucket/ds")
+
+
+def test_text_collate_unknown_field_names_the_fields(tmp_path):
+    write(({"input_ids": np.arange(i % 5 + 1, dtype=np.int32), "y": i} for i in range(20)), str(tmp_path / "t"),
+          progress=False)
+    ds = fastload.open_dataset(tmp_path / "t")
+    loader = fastload.Loader(ds, batch_size=4, transform=fastload.TextCollate(field="tokens"))
+    with pytest.raises(KeyError) as err:
+        next(iter(loader))
+    assert "TextCollate(field='tokens'): no such field in the batch (fields: ['input_ids', 'y'])" in str(err.value)
+
+
+def test_inspect_quantiles_match_numpy():
+    from fastload.cli import _quantile
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 10, 101, 5000):
+        v = rng.integers(0, 10**6, n)
+        for q in (0.5, 0.99):
+            assert _quantile(v, q) == int(np.percentile(v, 100 * q))
