@@ -86,7 +86,8 @@ def _convert_ray(args: argparse.Namespace) -> int:
     print(
         f"wrote {plural(manifest.num_samples, 'sample')} in {plural(len(manifest.shards), 'shard')} "
         f"({format_size(total)}) to {args.out} on Ray: {plural(len(manifest.shards) - result.kept, 'shard')} "
-        f"written by tasks on {plural(len(result.shards_per_node), 'node')}, {result.kept} kept from the interrupted run"
+        f"written by tasks on {plural(len(result.shards_per_node), 'node')}, "
+        f"{result.kept} kept from the interrupted run"
     )
     return 0
 
