@@ -45,7 +45,7 @@ setup(
         "cuda": ["cuda-bindings>=13,<14", "cuda-toolkit[nvrtc,cudart]==13.*"],
         "image": ["simplejpeg", "pillow"],
         "plot": ["matplotlib"],
-        "ray": ["ray[data]>=2.40"],  # write_ray / read_ray / `fastload convert --engine ray`
+        "ray": ["ray[data]>=2.60,<3"],  # the Ray version tested; write_ray / read_ray / `fastload convert --engine ray`
         "dev": [
             "pytest",
             "pytest-timeout",
