@@ -471,7 +471,13 @@ def _settings(schema: Schema, shard_size: int, num_samples: int, counts: list[in
 
 
 def _from_dataset(ds: Any, schema: Schema | None, attrs: dict[str, Any]) -> _RefSource:
-    bundles = list(ds.materialize().iter_internal_ref_bundles())
+    # A Dataset runs with the DataContext it was made with: its blocks must come out in its order.
+    options = ds.context.execution_options
+    saved, options.preserve_order = options.preserve_order, True
+    try:
+        bundles = list(ds.materialize().iter_internal_ref_bundles())
+    finally:
+        options.preserve_order = saved
     refs, counts = [], []
     for bundle in bundles:
         for entry in bundle.blocks:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -39,6 +40,17 @@ def _wait_nodes(ray_bin, port, count, env, timeout=120.0):
             return
         time.sleep(0.5)
     raise TimeoutError(f"the Ray cluster on port {port} has fewer than {count} nodes after {timeout}s")
+
+
+def _forget_cluster(port):
+    """Remove Ray's pointer to the stopped test cluster (what `ray stop` does), so `ray.init()` starts afresh."""
+    marker = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    try:
+        with open(marker) as fh:
+            if fh.read().strip().endswith(f":{port}"):
+                os.remove(marker)
+    except OSError:
+        pass
 
 
 def _processes_of(port):
@@ -94,6 +106,7 @@ def test_two_raylets_write_shards_byte_identical_to_local(tmp_path):
                 node.wait()
         for proc in _processes_of(port):
             proc.kill()
+        _forget_cluster(port)
     assert not _processes_of(port), "Ray processes of the test cluster outlived it"
     assert out.returncode == 0, out.stderr[-3000:]
     assert "written by tasks on 2 node(s)" in out.stdout, out.stdout
