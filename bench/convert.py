@@ -76,6 +76,18 @@ def _wait_port(port: int, timeout: float = 300.0) -> None:
     raise TimeoutError(f"no Ray head on 127.0.0.1:{port} after {timeout}s")
 
 
+def _forget_cluster(port: int) -> None:
+    """Remove Ray's pointer to our stopped cluster (`ray stop` would), so a later `ray.init()` starts afresh."""
+    marker = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    try:
+        with open(marker) as fh:
+            stale = fh.read().strip().endswith(f":{port}")
+        if stale:
+            os.remove(marker)
+    except OSError:
+        pass
+
+
 def _jpeg_folder(root: str, count: int) -> str:
     from fastload.benchmark.synthetic import make_jpegs
 
@@ -113,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     root = tempfile.mkdtemp(prefix="fastload-bench-convert-")
     head: subprocess.Popen[bytes] | None = None
+    port = 26000 + os.getpid() % 3000
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     env = {**os.environ, **RAY_ENV}
     try:
@@ -120,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         assert demo.hdf5 is not None
         inputs = {"demo (HDF5 copy)": (demo.hdf5, "hdf5"), f"JPEG folder ({args.jpegs})": (
             _jpeg_folder(root, args.jpegs), "imagefolder")}
-        port = 26000 + os.getpid() % 3000
         # In the foreground (--block) and terminated below: `ray stop` would stop every Ray on the machine.
         head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={args.cpus}",
                                  "--include-dashboard=false", "--disable-usage-stats", "--block"], env=env,
@@ -140,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if head is not None:
             head.terminate()
             head.wait(120)
+            _forget_cluster(port)
         shutil.rmtree(root, ignore_errors=True)
 
     print(f"\nshard size {args.shard_size}, {args.rounds} interleaved round(s), medians; Ray node: {args.cpus} CPUs")
