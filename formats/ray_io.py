@@ -511,7 +511,9 @@ def write_ray(
     storage_options: dict[str, Any] | None = None,
     concurrency: int | None = None,
 ) -> RayWriteResult:
-    """Write a `ray.data.Dataset` (or a source `fastload convert` opens) as a fastload dataset at `out`.
+    """Write a `ray.data.Dataset` as a fastload dataset at `out`, in the Dataset's order.
+
+    (`convert_ray` passes a path source of `fastload convert` here instead of a Dataset.)
 
     `out` is a local directory or an fsspec URL (`storage_options` go to fsspec). The shards equal
     those `fastload.formats.write` makes from the same samples in the same order with the same

@@ -32,6 +32,12 @@ def _free_port():
 def _wait_nodes(ray_bin, port, count, env, timeout=120.0):
     """Until `count` nodes are alive in the cluster at 127.0.0.1:port."""
     deadline = time.monotonic() + timeout
+    # Cheap first: the raylets' processes exist (a `ray status` call costs a Python start-up each).
+    def raylets():
+        return sum("raylet" in " ".join(p.info["cmdline"] or []) for p in _processes_of(port))
+
+    while time.monotonic() < deadline and raylets() < count:
+        time.sleep(0.2)
     while time.monotonic() < deadline:
         res = subprocess.run([ray_bin, "status", f"--address=127.0.0.1:{port}"], env=env, capture_output=True,
                              text=True, timeout=60)
