@@ -71,7 +71,7 @@ setup(
         "plot": ["matplotlib"],
         # frameworks driving a Loader, exercised by tests/test_frameworks.py and test_hf_datasets.py
         "frameworks": ["lightning", "accelerate", "datasets"],
-        "ray": ["ray[data]>=2.40"],  # write_ray / read_ray / `fastload convert --engine ray`
+        "ray": ["ray[data]>=2.60,<3"],  # the Ray version tested; write_ray / read_ray / `fastload convert --engine ray`
         # `make docs`: the API reference (mkdocs + mkdocstrings, strict); `make test` builds it and type-checks.
         "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mypy>=1.10"],
         "dev": [

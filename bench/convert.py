@@ -6,7 +6,7 @@
 Inputs: the embedded default that `fastload bench` builds (its HDF5 copy, read as `--kind hdf5`) and
 a folder of JPEGs (`root/<class>/<n>.jpg`). Rounds interleave the engines (local, ray, local, ...),
 each conversion in a fresh process, so both pay the same start-up and neither inherits caches
-from the other. Ray runs against a cluster started once here (`ray start --head --num-cpus=N`);
+from the other. Ray runs against a cluster started once here (`ray start --head --num-cpus=N --block`);
 "job" time includes the driver's connect to it, "convert" time starts after the connect.
 MB/s counts the bytes of the written shards. Prints a table and the arithmetic for a cluster.
 """
@@ -63,6 +63,31 @@ def _run(engine: str, src: str, out: str, kind: str, shard_size: str, address: s
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _wait_port(port: int, timeout: float = 300.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"no Ray head on 127.0.0.1:{port} after {timeout}s")
+
+
+def _forget_cluster(port: int) -> None:
+    """Remove Ray's pointer to our stopped cluster (`ray stop` would), so a later `ray.init()` starts afresh."""
+    marker = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    try:
+        with open(marker) as fh:
+            stale = fh.read().strip().endswith(f":{port}")
+        if stale:
+            os.remove(marker)
+    except OSError:
+        pass
+
+
 def _jpeg_folder(root: str, count: int) -> str:
     from fastload.benchmark.synthetic import make_jpegs
 
@@ -99,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     from fastload.formats.units import parse_size
 
     root = tempfile.mkdtemp(prefix="fastload-bench-convert-")
+    head: subprocess.Popen[bytes] | None = None
+    port = 26000 + os.getpid() % 3000
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     env = {**os.environ, **RAY_ENV}
     try:
@@ -106,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         assert demo.hdf5 is not None
         inputs = {"demo (HDF5 copy)": (demo.hdf5, "hdf5"), f"JPEG folder ({args.jpegs})": (
             _jpeg_folder(root, args.jpegs), "imagefolder")}
-        port = 26000 + os.getpid() % 3000
-        subprocess.run([ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={args.cpus}",
-                        "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True,
-                       capture_output=True, timeout=300)
+        # In the foreground (--block) and terminated below: `ray stop` would stop every Ray on the machine.
+        head = subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", f"--num-cpus={args.cpus}",
+                                 "--include-dashboard=false", "--disable-usage-stats", "--block"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         address = f"127.0.0.1:{port}"
+        _wait_port(port)
         results: dict[str, dict[str, list[dict[str, float]]]] = {}
         for r in range(args.rounds):
             for name, (src, kind) in inputs.items():
@@ -121,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {r + 1} {name:<22} {engine:<5} warm {res['warm_s']:.2f}s "
                           f"cold {res['cold_s']:.2f}s job {res['job_s']:.2f}s", flush=True)
     finally:
-        subprocess.run([ray_bin, "stop"], env=env, capture_output=True, timeout=300)
+        if head is not None:
+            head.terminate()
+            head.wait(120)
+            _forget_cluster(port)
         shutil.rmtree(root, ignore_errors=True)
 
     print(f"\nshard size {args.shard_size}, {args.rounds} interleaved round(s), medians; Ray node: {args.cpus} CPUs")

@@ -116,6 +116,13 @@ class Loader(Generic[T_co]):
     plan's memory, at most `fastload.plan.PLAN_MAX_BYTES`).
     """
 
+    # the drop-in attributes hold the user's objects as given (torch types them more narrowly)
+    dataset: Any
+    sampler: Any
+    batch_sampler: Any
+    batch_size: Any
+    _dl: Any
+
     def __init__(
         self,
         dataset: Any,
@@ -186,8 +193,9 @@ class Loader(Generic[T_co]):
         self.device = resolve_device(device)
         self.prefetch, self.transform, self.seed = prefetch, transform, seed
         for stage in (transform, collate_fn):  # e.g. ImagePreset: its threads follow num_workers
-            if callable(getattr(stage, "bind_workers", None)):
-                stage.bind_workers(self.num_workers)
+            bind_workers = getattr(stage, "bind_workers", None)
+            if callable(bind_workers):
+                bind_workers(self.num_workers)
         # rank/world size: resolved when the run is set up (the first iter()), see `_rank_world`
         self._rank_arg, self._world_arg = rank, world_size
         if rank is not None and world_size is not None:
@@ -580,11 +588,11 @@ class Loader(Generic[T_co]):
             raise ValueError(f"Loader state was saved with {saved} order, this Loader has {here} order (see seed=)")
         if seeded or not int(pos.get("batches", 0)):
             return  # a seeded order re-deals the rest of the epoch to any world or batch size
-        for key, here in (("world_size", self._dealt_world()), ("batch_size", self.batch_size)):
+        for key, current in (("world_size", self._dealt_world()), ("batch_size", self.batch_size)):
             saved = state.get(key)
-            if saved is not None and saved != here:
+            if saved is not None and saved != current:
                 raise ValueError(
-                    f"Loader state was saved mid-epoch at {key}={saved}, this Loader has {key}={here}: a sampler's "
+                    f"Loader state was saved mid-epoch at {key}={saved}, this Loader has {key}={current}: a sampler's "
                     "order cannot be re-dealt (the rest of the epoch would be replayed or skipped); resume at an "
                     "epoch boundary, or use seed= (a seeded order re-deals exactly)"
                 )

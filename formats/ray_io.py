@@ -72,29 +72,43 @@ def _is_url(path: str) -> bool:
 
 
 class _PathSource:
-    """A source the local converter opens (`open_source(src, kind)`), reopened once in each Ray worker."""
+    """A source the local converter opens (`open_source(src, kind)`), reopened once per job in each Ray worker.
 
-    _opened: ClassVar[dict[tuple[str, str | None], tuple[Any, Schema | None, dict[str, Any]]]] = {}
+    Workers outlive jobs, so the open copy is keyed by this object's token: a later job over the same
+    path (perhaps changed since) opens it afresh.
+    """
+
+    _opened: ClassVar[dict[str, Any]] = {}  # token -> the open source; one entry per process
 
     def __init__(self, src: str, kind: str | None) -> None:
         from .sources import open_source
 
-        self.src, self.kind = src, kind
+        self.src, self.kind, self.token = src, kind, uuid.uuid4().hex
         source, schema, attrs = open_source(src, kind)
-        self.schema = schema
         if schema is None:  # pragma: no cover - every source kind names its schema
             raise SchemaError(f"{src}: the source has no schema")
-        self.attrs = dict(attrs)
-        self.num_samples = source.num_samples if isinstance(source, BlockSource) else len(source)
-        self._opened[(src, kind)] = (source, schema, attrs)
+        self.schema, self.attrs = schema, dict(attrs)
+        self.num_samples = _length(source)
+        self._opened.clear()
+        self._opened[self.token] = source
+
+    def forget(self) -> None:
+        """Drop this process's open copy of the source (the driver's, once the job is done)."""
+        self._opened.pop(self.token, None)
 
     def _source(self) -> Any:
-        key = (self.src, self.kind)
-        if key not in self._opened:
+        if self.token not in self._opened:
             from .sources import open_source
 
-            self._opened[key] = open_source(self.src, self.kind)
-        return self._opened[key][0]
+            source = open_source(self.src, self.kind)[0]
+            if _length(source) != self.num_samples:
+                raise FormatError(
+                    f"{self.src}: {_length(source)} samples on this node, {self.num_samples} when the job was planned "
+                    "(the source changed, or differs between nodes)"
+                )
+            self._opened.clear()
+            self._opened[self.token] = source
+        return self._opened[self.token]
 
     def block(self, start: int, stop: int) -> Block:
         source = self._source()
@@ -112,6 +126,10 @@ class _PathSource:
         if pos != stop:
             raise FormatError(f"{self.src}: source ended at sample {pos}, expected {stop} samples")
         return _concat(parts, self.schema)
+
+
+def _length(source: Any) -> int:
+    return source.num_samples if isinstance(source, BlockSource) else len(source)
 
 
 def _concat(parts: list[Block], schema: Schema) -> Block:
@@ -453,7 +471,13 @@ def _settings(schema: Schema, shard_size: int, num_samples: int, counts: list[in
 
 
 def _from_dataset(ds: Any, schema: Schema | None, attrs: dict[str, Any]) -> _RefSource:
-    bundles = list(ds.materialize().iter_internal_ref_bundles())
+    # A Dataset runs with the DataContext it was made with: its blocks must come out in its order.
+    options = ds.context.execution_options
+    saved, options.preserve_order = options.preserve_order, True
+    try:
+        bundles = list(ds.materialize().iter_internal_ref_bundles())
+    finally:
+        options.preserve_order = saved
     refs, counts = [], []
     for bundle in bundles:
         for entry in bundle.blocks:
@@ -487,7 +511,9 @@ def write_ray(
     storage_options: dict[str, Any] | None = None,
     concurrency: int | None = None,
 ) -> RayWriteResult:
-    """Write a `ray.data.Dataset` (or a source `fastload convert` opens) as a fastload dataset at `out`.
+    """Write a `ray.data.Dataset` as a fastload dataset at `out`, in the Dataset's order.
+
+    (`convert_ray` passes a path source of `fastload convert` here instead of a Dataset.)
 
     `out` is a local directory or an fsspec URL (`storage_options` go to fsspec). The shards equal
     those `fastload.formats.write` makes from the same samples in the same order with the same
@@ -512,7 +538,11 @@ def write_ray(
             shutil.rmtree(output.root)
         resume = False
     with _data_context(progress=progress):
-        return _write(ds, output, shard_size, schema, resume, attrs or {}, concurrency)
+        try:
+            return _write(ds, output, shard_size, schema, resume, attrs or {}, concurrency)
+        finally:
+            if isinstance(ds, _PathSource):
+                ds.forget()
 
 
 def _write(
@@ -648,7 +678,8 @@ class FastloadDatasource(Datasource):
             rows = self.bounds[shards[-1] + 1] - self.bounds[shards[0]]
             meta = BlockMetadata(num_rows=rows, size_bytes=sum(self.shard_bytes[k] for k in shards),
                                  input_files=None, exec_stats=None)
-            tasks.append(ReadTask(self._reader(shards), meta, per_task_row_limit=per_task_row_limit))
+            extra = {} if per_task_row_limit is None else {"per_task_row_limit": per_task_row_limit}
+            tasks.append(ReadTask(self._reader(shards), meta, **extra))
         return tasks
 
     def _reader(self, shards: list[int]) -> Any:

@@ -35,8 +35,8 @@ def ray_session():
     """A 2-CPU local Ray cluster shared by the module's tests (small object store, no dashboard)."""
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ.update(RAY_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, logging_level="WARNING",
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
+             logging_level="WARNING", log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -265,11 +265,10 @@ def test_parquet_source(ray_session, tmp_path):
     from fastload.formats.ray_io import convert_ray
 
     table = pa.table({"a": np.arange(900, dtype=np.int64), "s": [f"r{i}" for i in range(900)]})
-    pq.write_table(table.slice(0, 500), tmp_path / "p0.parquet")
-    pq.write_table(table.slice(500), tmp_path / "p1.parquet")
     (tmp_path / "pq").mkdir()
-    os.replace(tmp_path / "p0.parquet", tmp_path / "pq" / "p0.parquet")
-    os.replace(tmp_path / "p1.parquet", tmp_path / "pq" / "p1.parquet")
+    cuts = [0, 400, 430, 600, 610, 900]  # files of unequal sizes: the order must still be the files' order
+    for k, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        pq.write_table(table.slice(lo, hi - lo), tmp_path / "pq" / f"p{k}.parquet")
     result = convert_ray(str(tmp_path / "pq"), str(tmp_path / "out"), shard_size="8KiB")
     ds = FastloadDataset(tmp_path / "out")
     assert len(ds) == 900 and len(result.manifest.shards) >= 2

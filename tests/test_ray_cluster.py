@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +29,49 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _wait_nodes(ray_bin, port, count, env, timeout=120.0):
+    """Until `count` nodes are alive in the cluster at 127.0.0.1:port."""
+    deadline = time.monotonic() + timeout
+    # Cheap first: the raylets' processes exist (a `ray status` call costs a Python start-up each).
+    def raylets():
+        return sum("raylet" in " ".join(p.info["cmdline"] or []) for p in _processes_of(port))
+
+    while time.monotonic() < deadline and raylets() < count:
+        time.sleep(0.2)
+    while time.monotonic() < deadline:
+        res = subprocess.run([ray_bin, "status", f"--address=127.0.0.1:{port}"], env=env, capture_output=True,
+                             text=True, timeout=60)
+        active = res.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in res.stdout else ""
+        if active.count("node_") >= count:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the Ray cluster on port {port} has fewer than {count} nodes after {timeout}s")
+
+
+def _forget_cluster(port):
+    """Remove Ray's pointer to the stopped test cluster (what `ray stop` does), so `ray.init()` starts afresh."""
+    marker = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    try:
+        with open(marker) as fh:
+            if fh.read().strip().endswith(f":{port}"):
+                os.remove(marker)
+    except OSError:
+        pass
+
+
+def _processes_of(port):
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if f"{port}" in " ".join(p.info["cmdline"] or []) and "ray" in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
 @pytest.mark.ray
 def test_two_raylets_write_shards_byte_identical_to_local(tmp_path):
     pytest.importorskip("ray")
@@ -40,19 +86,34 @@ def test_two_raylets_write_shards_byte_identical_to_local(tmp_path):
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     env = {**os.environ, **RAY_ENV}
     port = _free_port()
-    small = ["--num-cpus=1", "--object-store-memory=78643200"]
+    small = ["--num-cpus=1", "--object-store-memory=78643200", "--block"]
+    # `ray start --block` in the foreground, one per node, each terminated by this test: it stops that
+    # node's processes (`ray stop` would stop every Ray process on the machine, other users' too).
+    nodes = [subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
+                               "--disable-usage-stats", *small], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
-        subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                        "--disable-usage-stats", *small], env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([ray_bin, "start", f"--address=127.0.0.1:{port}", *small], env=env, check=True,
-                       capture_output=True, timeout=120)
+        _wait_nodes(ray_bin, port, 1, env)
+        nodes.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *small], env=env,
+                                      start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        _wait_nodes(ray_bin, port, 2, env)
         out = subprocess.run(
             [sys.executable, "-m", "fastload.cli", "convert", str(src), str(tmp_path / "ray"), "--engine", "ray",
              "--address", f"127.0.0.1:{port}", "--shard-size", "16KiB", "--quiet"],
             env=env, capture_output=True, text=True, timeout=240,
         )
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        for node in reversed(nodes):
+            node.terminate()
+            try:
+                node.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+        for proc in _processes_of(port):
+            proc.kill()
+        _forget_cluster(port)
+    assert not _processes_of(port), "Ray processes of the test cluster outlived it"
     assert out.returncode == 0, out.stderr[-3000:]
     assert "written by tasks on 2 node(s)" in out.stdout, out.stdout
     names = sorted(os.listdir(tmp_path / "local" / "shards"))

@@ -391,7 +391,7 @@ class ImagePreset:
         with self._lock:
             executor = self._executor()
         failed = run_batch(job, threads=self.threads, executor=executor)
-        if lut is not None:
+        if lut is not None and job.normalized is not None:
             return lut.to_tensor(job.normalized), failed
         images = staging if on_host else staging.to(self.device, non_blocking=True)
         if self.normalize_output:
