@@ -589,10 +589,10 @@ class Loader(Generic[T_co]):
         if seeded or not int(pos.get("batches", 0)):
             return  # a seeded order re-deals the rest of the epoch to any world or batch size
         for key, current in (("world_size", self._dealt_world()), ("batch_size", self.batch_size)):
-            saved = state.get(key)
-            if saved is not None and saved != current:
+            saved_value = state.get(key)
+            if saved_value is not None and saved_value != current:
                 raise ValueError(
-                    f"Loader state was saved mid-epoch at {key}={saved}, this Loader has {key}={current}: a sampler's "
+                    f"Loader state was saved mid-epoch at {key}={saved_value}, this Loader has {key}={current}: a sampler's "
                     "order cannot be re-dealt (the rest of the epoch would be replayed or skipped); resume at an "
                     "epoch boundary, or use seed= (a seeded order re-deals exactly)"
                 )
