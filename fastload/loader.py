@@ -593,8 +593,8 @@ class Loader(Generic[T_co]):
             if saved_value is not None and saved_value != current:
                 raise ValueError(
                     f"Loader state was saved mid-epoch at {key}={saved_value}, this Loader has {key}={current}: "
-                    "a sampler's order cannot be re-dealt (the rest of the epoch would be replayed or skipped); resume at an "
-                    "epoch boundary, or use seed= (a seeded order re-deals exactly)"
+                    "a sampler's order cannot be re-dealt (the rest of the epoch would be replayed or skipped); "
+                    "resume at an epoch boundary, or use seed= (a seeded order re-deals exactly)"
                 )
 
     def __getstate__(self) -> dict[str, Any]:
