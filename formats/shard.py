@@ -167,7 +167,7 @@ def _section(buf: np.ndarray, offset: int, size: int, what: str, where: str) -> 
     return buf[offset : offset + size]
 
 
-def _open_map(path: str, nbytes: int, where: str) -> mmap.mmap:
+def _open_map(path: str, nbytes: int, where: str) -> tuple[mmap.mmap, os.stat_result]:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as exc:
@@ -182,7 +182,7 @@ def _open_map(path: str, nbytes: int, where: str) -> mmap.mmap:
             raise FormatError(f"{where}: file is {st.st_size} bytes, manifest says {nbytes} (truncated or replaced?)")
         if st.st_size < HEADER_DTYPE.itemsize:
             raise FormatError(f"{where}: file too small for a shard header ({st.st_size} bytes)")
-        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st
     finally:
         os.close(fd)
 
@@ -216,7 +216,9 @@ class ShardReader:
         self.path, self.schema = path, schema
         where = where or path
         self.where = where
-        self._mmap = _open_map(path, nbytes, where)
+        self._mmap, st = _open_map(path, nbytes, where)
+        # the mapped file's identity: a file rewritten or replaced since has another
+        self.file_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         size = nbytes
         buf = np.frombuffer(self._mmap, dtype=np.uint8)
         header = buf[: HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]
