@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .blocks import BlockLedger, ColumnGuard, share_verified
+from .blocks import BlockLedger, ColumnGuard
 from .columns import Block
 from .errors import ChecksumError, FormatError
 from .manifest import MANIFEST_NAME, Manifest
@@ -293,8 +293,6 @@ class FastloadDataset:
         if whole and reader.content_xxh3() != info.xxh3:
             reader.close()
             raise ChecksumError(f"{where}: checksum mismatch (corrupt shard; run `fastload verify`)")
-        if self._ledger is not None and reader.table is not None:
-            share_verified((*reader.file_key, info.blocks_xxh3), self._ledger.shard_bits(k))
         return reader
 
     def close(self) -> None:
