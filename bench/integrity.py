@@ -117,10 +117,10 @@ def _ratio_line(name: str, runs: dict[str, list[float]]) -> str:
     )
 
 
-def _embedded_rows() -> None:
+def _embedded_rows(rounds: int) -> None:
     with tempfile.TemporaryDirectory() as workdir:
         runs: dict[str, list[float]] = {mode: [] for mode in MODES}
-        for r in range(2):
+        for r in range(rounds):
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
                 t0 = time.perf_counter()
                 runs[mode].append(_bench_best(mode, workdir))
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dataset {ds_dir}: {args.samples} x 3 KiB; {args.rounds} paired rounds; {os.cpu_count()} cores (shared)")
 
     if args.only_bench:
-        _embedded_rows()
+        _embedded_rows(args.rounds)
         return 0
     kept = {mode: FastloadDataset(ds_dir, verify=mode) for mode in MODES}
     for ds in kept.values():  # verified and mapped before the kept rows are timed
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     if not args.skip_bench:
-        _embedded_rows()
+        _embedded_rows(args.rounds)
     return 0
 
 
