@@ -221,6 +221,9 @@ class ShardReader:
         self.file_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         size = nbytes
         buf = np.frombuffer(self._mmap, dtype=np.uint8)
+        # the bytes verification reads: kept past close(), like the views handed out (a reader
+        # thread may still verify what it is about to read after another thread closed this reader)
+        self._bytes = memoryview(buf)
         header = buf[: HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]
         if bytes(header["magic"]) != SHARD_MAGIC:
             raise FormatError(f"{where}: bad magic {bytes(header['magic'])!r}, not a fastload shard")
@@ -350,8 +353,7 @@ class ShardReader:
 
     def content_xxh3(self) -> str:
         """xxh3-64 (hex) of the whole mapped file, as the manifest records it."""
-        assert self._mmap is not None
-        return xxhash.xxh3_64_hexdigest(memoryview(self._mmap))
+        return xxhash.xxh3_64_hexdigest(self._bytes)
 
     # -- verified reads ----------------------------------------------------------------------------
     @property
@@ -361,15 +363,15 @@ class ShardReader:
 
     def verify_blocks(self, ids: np.ndarray) -> None:
         """Verify the blocks `ids` (unique, local) now, whatever their bits say."""
-        assert self.table is not None and self.bits is not None and self._mmap is not None
-        verify_blocks(memoryview(self._mmap)[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
+        assert self.table is not None and self.bits is not None
+        verify_blocks(self._bytes[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
 
     def verify_all_blocks(self) -> None:
         """Verify every block of a version-2 shard (whatever this process verified before)."""
-        if self.table is not None and self._mmap is not None:
+        if self.table is not None:
             scratch = np.zeros(len(self.table), dtype=bool)
             ids = np.arange(len(self.table))
-            verify_blocks(memoryview(self._mmap)[: self.sections_end], self.table, scratch, ids, self.shift, self.where)
+            verify_blocks(self._bytes[: self.sections_end], self.table, scratch, ids, self.shift, self.where)
 
     def ensure_bytes(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Verify every not-yet-verified block that the byte ranges [lo[i], hi[i]) touch."""
