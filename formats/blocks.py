@@ -8,6 +8,7 @@ bitmap lookup per batch, and nothing once every block a column spans is verified
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -15,22 +16,26 @@ import xxhash
 
 from .errors import ChecksumError
 
-__all__ = ["BlockLedger", "ColumnGuard", "block_checksums", "block_ids", "hash_blocks", "verify_blocks"]
+__all__ = ["BlockLedger", "ColumnGuard", "block_ids", "share_verified", "verify_blocks"]
 
 
-def hash_blocks(view: memoryview, shift: int) -> np.ndarray:
-    """xxh3-64 of each `1 << shift`-byte block of `view` (the last one may be shorter), as `<u8`."""
-    size = 1 << shift
-    n = -(-len(view) // size)
-    return np.fromiter(
-        (xxhash.xxh3_64_intdigest(view[j * size : (j + 1) * size]) for j in range(n)), dtype="<u8", count=n
-    )
+_SEEN: dict[tuple, np.ndarray] = {}  # file identity + table checksum -> the latest ledger bits of that file
+_SEEN_LOCK = threading.Lock()  # guards _SEEN (the bit arrays themselves are monotone, see BlockLedger)
 
 
-def block_checksums(path: str, end: int, shift: int) -> np.ndarray:
-    """The block checksum table of bytes [0, end) of the file at `path`."""
-    with open(path, "rb") as fh:
-        return hash_blocks(memoryview(fh.read(end)), shift)
+def share_verified(key: tuple, bits: np.ndarray) -> None:
+    """Take into `bits` (a shard's part of a ledger) what this process verified of the same file
+    through other datasets, and make `bits` the record later ones take from.
+
+    `key`: the file's (device, inode, size, mtime, ctime) and its table's checksum, so a file
+    rewritten or replaced since is verified again. Within a process only: a forked worker
+    inherits the record as of the fork (the same mapped pages), a spawned one starts empty.
+    """
+    with _SEEN_LOCK:
+        seen = _SEEN.get(key)
+        if seen is not None and seen is not bits and seen.shape == bits.shape:
+            np.logical_or(bits, seen, out=bits)
+        _SEEN[key] = bits
 
 
 def block_ids(lo: np.ndarray, hi: np.ndarray, shift: int) -> np.ndarray:

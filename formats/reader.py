@@ -119,7 +119,7 @@ class FastloadDataset:
     one spliced mapping of that column across every shard (`spliced.py`), small ones from a copy
     kept in memory: one gather per field for any batch.
 
-    `verify` (FORMAT.md, "Verification"): "auto" (default) checks every byte it returns: each
+    `verify` (FORMAT.md, "Reading and verification"): "auto" (default) checks every byte it returns: each
     64 KiB block of a version-2 shard against its checksum when a read first touches it (once per
     process), a version-1 shard whole when it is opened; "full" also hashes every shard whole when
     opened; "none" checks structure only. `verify_checksums=True` / `False` mean "full" / "none".

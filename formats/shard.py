@@ -15,7 +15,7 @@ from typing import BinaryIO
 import numpy as np
 import xxhash
 
-from .blocks import block_ids, verify_blocks
+from .blocks import block_ids, share_verified, verify_blocks
 from .columns import Block
 from .errors import ChecksumError, FormatError
 from .layout import (
@@ -167,7 +167,7 @@ def _section(buf: np.ndarray, offset: int, size: int, what: str, where: str) -> 
     return buf[offset : offset + size]
 
 
-def _open_map(path: str, nbytes: int, where: str) -> mmap.mmap:
+def _open_map(path: str, nbytes: int, where: str) -> tuple[mmap.mmap, os.stat_result]:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as exc:
@@ -182,7 +182,7 @@ def _open_map(path: str, nbytes: int, where: str) -> mmap.mmap:
             raise FormatError(f"{where}: file is {st.st_size} bytes, manifest says {nbytes} (truncated or replaced?)")
         if st.st_size < HEADER_DTYPE.itemsize:
             raise FormatError(f"{where}: file too small for a shard header ({st.st_size} bytes)")
-        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st
     finally:
         os.close(fd)
 
@@ -216,9 +216,14 @@ class ShardReader:
         self.path, self.schema = path, schema
         where = where or path
         self.where = where
-        self._mmap = _open_map(path, nbytes, where)
+        self._mmap, st = _open_map(path, nbytes, where)
+        # the mapped file's identity: a file rewritten or replaced since has another
+        self.file_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         size = nbytes
         buf = np.frombuffer(self._mmap, dtype=np.uint8)
+        # the bytes verification reads: kept past close(), like the views handed out (a reader
+        # thread may still verify what it is about to read after another thread closed this reader)
+        self._bytes = memoryview(buf)
         header = buf[: HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]
         if bytes(header["magic"]) != SHARD_MAGIC:
             raise FormatError(f"{where}: bad magic {bytes(header['magic'])!r}, not a fastload shard")
@@ -226,6 +231,8 @@ class ShardReader:
         if self.version not in READ_VERSIONS:
             raise FormatError(f"{where}: format version {self.version}, this reader supports {list(READ_VERSIONS)}")
         self.table: np.ndarray | None = None  # block checksums (version 2)
+        self._all_verified = False  # every block verified: reads skip the per-read check
+        self._calls = 0
         self.shift = BLOCK_LOG2
         self.bits = None
         end = size
@@ -235,6 +242,8 @@ class ShardReader:
             self.bits = bits
             if bits is not None and len(bits) < len(self.table):
                 raise FormatError(f"{where}: {len(self.table)} checksum blocks, more than its size allows")
+            if bits is not None and blocks_xxh3 is not None:  # what this process verified of this very file
+                share_verified((*self.file_key, blocks_xxh3), bits)
             self._verify_range(0, HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema))
             if identity is not None:
                 got = ShardIdentity(int(header["dataset_id"]), int(header["shard_index"]), int(header["first_sample"]))
@@ -344,8 +353,7 @@ class ShardReader:
 
     def content_xxh3(self) -> str:
         """xxh3-64 (hex) of the whole mapped file, as the manifest records it."""
-        assert self._mmap is not None
-        return xxhash.xxh3_64_hexdigest(memoryview(self._mmap))
+        return xxhash.xxh3_64_hexdigest(self._bytes)
 
     # -- verified reads ----------------------------------------------------------------------------
     @property
@@ -355,25 +363,29 @@ class ShardReader:
 
     def verify_blocks(self, ids: np.ndarray) -> None:
         """Verify the blocks `ids` (unique, local) now, whatever their bits say."""
-        assert self.table is not None and self.bits is not None and self._mmap is not None
-        verify_blocks(memoryview(self._mmap)[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
+        assert self.table is not None and self.bits is not None
+        verify_blocks(self._bytes[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
 
     def verify_all_blocks(self) -> None:
         """Verify every block of a version-2 shard (whatever this process verified before)."""
-        if self.table is not None and self._mmap is not None:
+        if self.table is not None:
             scratch = np.zeros(len(self.table), dtype=bool)
             ids = np.arange(len(self.table))
-            verify_blocks(memoryview(self._mmap)[: self.sections_end], self.table, scratch, ids, self.shift, self.where)
+            verify_blocks(self._bytes[: self.sections_end], self.table, scratch, ids, self.shift, self.where)
 
     def ensure_bytes(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Verify every not-yet-verified block that the byte ranges [lo[i], hi[i]) touch."""
         bits = self.bits
-        if bits is None:
+        if bits is None or self._all_verified:
             return
         ids = block_ids(lo, hi, self.shift)
         missing = ids[~bits[ids]]
+        self._calls += 1
         if missing.size:
             self.verify_blocks(np.unique(missing))
+        if missing.size or self._calls % 64 == 1:  # other readers of the file may have verified the rest
+            assert self.table is not None
+            self._all_verified = bool(bits[: len(self.table)].all())
 
     def _verify_range(self, lo: int, hi: int) -> None:
         if self.bits is not None:
@@ -381,14 +393,14 @@ class ShardReader:
 
     def ensure_rows(self, name: str, rows: np.ndarray) -> None:
         """Verify the blocks holding rows `rows` of fixed field `name`."""
-        if self.bits is not None:
+        if self.bits is not None and not self._all_verified:
             item = self.fixed[name].strides[0] if self.fixed[name].ndim else self.fixed[name].itemsize
             lo = self.fixed_offset[name] + rows.astype(np.int64, copy=False) * item
             self.ensure_bytes(lo, lo + item)
 
     def ensure_items(self, name: str, starts: np.ndarray, lengths: np.ndarray) -> None:
         """Verify the blocks holding items [starts[i], starts[i] + lengths[i]) of variable field `name`."""
-        if self.bits is not None:
+        if self.bits is not None and not self._all_verified:
             size = self.ragged[name][1].itemsize
             lo = self.blob_offset[name] + starts * size
             self.ensure_bytes(lo, lo + lengths * size)

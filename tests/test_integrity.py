@@ -333,9 +333,10 @@ def test_checksum_error_names_file_shard_and_bytes(pristine, tmp_path):
     assert got.shape == (len(ds), 1000)
 
 
-def test_warm_reads_skip_verification(pristine):
+def test_warm_reads_skip_verification(pristine, tmp_path):
     """Once every block under a column is verified, the spliced column's check is dropped."""
-    ds = FastloadDataset(pristine["fixed"][0])
+    shutil.copytree(pristine["fixed"][0], tmp_path / "ds")  # files this process has not verified yet
+    ds = FastloadDataset(tmp_path / "ds")
     ds.get_batch(np.arange(10))
     column = ds._spliced["x"]
     assert column.check is not None
@@ -528,7 +529,8 @@ def test_reader_threads_share_the_ledger_and_all_see_a_bad_block(pristine, tmp_p
     from concurrent.futures import ThreadPoolExecutor
 
     src, expected = pristine["fixed"]
-    ds = FastloadDataset(src)
+    shutil.copytree(src, tmp_path / "fresh")  # files this process has not verified yet
+    ds = FastloadDataset(tmp_path / "fresh")
     n = len(ds)
     orders = [np.random.default_rng(s).permutation(n) for s in range(4)]
 
@@ -569,3 +571,20 @@ def test_process_workers_raise_the_checksum_error(pristine, tmp_path):
     loader = Loader(FastloadDataset(path), batch_size=100, num_workers=1, worker_type="process")
     with pytest.raises(FormatError, match=r"shard-00000\.fls \(shard 0\): bytes \[131072, 196608\)"):
         list(loader)
+
+
+def test_a_second_dataset_on_the_same_files_reuses_verification_until_a_file_changes(pristine, tmp_path):
+    path = tmp_path / "ds"
+    shutil.copytree(pristine["fixed"][0], path)
+    first = FastloadDataset(path)
+    first.get_batch(np.arange(len(first)))
+    second = FastloadDataset(path)
+    second.get_batch(np.arange(3))
+    assert second._spliced["x"].check is None  # nothing left to verify in this process
+    shard = path / "shards" / "shard-00000.fls"
+    raw = bytearray(shard.read_bytes())
+    raw[100_000] ^= 1
+    os.replace(shard, tmp_path / "old.fls")  # a rewritten file is another file: verified again
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match=r"shard-00000\.fls \(shard 0\): bytes \[65536, 131072\)"):
+        FastloadDataset(path).get_batch(np.arange(len(first)))
