@@ -43,14 +43,16 @@ from .columns import Block, encode_samples
 from .errors import FormatError, SchemaError
 from .manifest import MANIFEST_NAME, META_NAME, Manifest
 from .schema import Schema
-from .shard import ShardInfo, ShardReader, file_xxh3, write_shard
+from .shard import ShardIdentity, ShardInfo, ShardReader, write_shard
 from .units import parse_size
 from .writer import (
     DEFAULT_SHARD_SIZE,
     PROGRESS_NAME,
     BlockSource,
     cut_points,
+    dataset_id_for,
     fsync_path,
+    kept_shard,
     pack_meta,
     shard_meta,
     shard_name,
@@ -300,9 +302,11 @@ class FastloadDatasink(Datasink):
         settings: dict[str, Any],
         resume: bool,
         attrs: dict[str, Any],
+        dataset_id: int,
     ) -> None:
         self.source, self.output, self.schema = source, output, schema
         self.counts, self.settings, self.resume, self.attrs = counts, settings, resume, attrs
+        self.dataset_id = dataset_id  # what the local converter records for the same settings
         self.manifest: Manifest | None = None
         self.done: list[_ShardDone] = []
 
@@ -324,8 +328,9 @@ class FastloadDatasink(Datasink):
 
     def _shard(self, k: int, start: int, stop: int, node: str) -> _ShardDone:
         name = shard_name(k)
+        identity = ShardIdentity(self.dataset_id, k, start)
         if self.resume:
-            kept = self._kept(name, stop - start)
+            kept = self._kept(name, stop - start, identity)
             if kept is not None:
                 return _ShardDone(k, kept[0], kept[1], node, True)
         block = self.source.block(start, stop)
@@ -334,26 +339,29 @@ class FastloadDatasink(Datasink):
         part = f"{_TMP_MARK}{uuid.uuid4().hex}"
         if not self.output.remote:
             final = self.output.path(name)
-            info = write_shard(final + part, [block], self.schema, name=name)
-            meta = self._meta(final + part, info)
+            info = write_shard(final + part, [block], self.schema, name=name, identity=identity)
+            meta = self._meta(final + part, info, identity)
             os.replace(final + part, final)
             return _ShardDone(k, info, meta, node, False)
         with tempfile.TemporaryDirectory(prefix="fastload-ray-") as tmp:
             local = os.path.join(tmp, "shard.fls")
-            info = write_shard(local, [block], self.schema, name=name)
-            meta = self._meta(local, info)
+            info = write_shard(local, [block], self.schema, name=name, identity=identity)
+            meta = self._meta(local, info, identity)
             self.output.fs().put_file(local, self.output.path(name))  # one PUT: the object appears whole
         return _ShardDone(k, info, meta, node, False)
 
-    def _meta(self, path: str, info: ShardInfo) -> dict[str, np.ndarray]:
-        reader = ShardReader(path, self.schema, num_samples=info.num_samples, nbytes=info.bytes)
+    def _meta(self, path: str, info: ShardInfo, identity: ShardIdentity) -> dict[str, np.ndarray]:
+        reader = ShardReader(path, self.schema, num_samples=info.num_samples, nbytes=info.bytes, identity=identity)
         try:
             return {key: np.array(v) for key, v in shard_meta(reader, self.schema).items()}
         finally:
             reader.close()
 
-    def _kept(self, name: str, n: int) -> tuple[ShardInfo, dict[str, np.ndarray]] | None:
-        """A finished shard of the interrupted run, when its header, offsets and sample count check out."""
+    def _kept(
+        self, name: str, n: int, identity: ShardIdentity
+    ) -> tuple[ShardInfo, dict[str, np.ndarray]] | None:
+        """A finished shard of the interrupted run: kept when it is `identity` with `n` samples and
+        every block checks out (`writer.kept_shard`, as the local converter's resume)."""
         if not self.output.exists(name):
             return None
         with tempfile.TemporaryDirectory(prefix="fastload-ray-") as tmp:
@@ -361,14 +369,10 @@ class FastloadDatasink(Datasink):
             if self.output.remote:
                 path = os.path.join(tmp, "shard.fls")
                 self.output.fs().get_file(self.output.path(name), path)
-            size = os.path.getsize(path)
-            try:
-                reader = ShardReader(path, self.schema, num_samples=n, nbytes=size)
-                reader.close()
-            except (FormatError, ValueError):
+            info = kept_shard(path, self.schema, name=name, identity=identity)
+            if info is None or info.num_samples != n:
                 return None
-            info = ShardInfo(file=name, num_samples=n, bytes=size, xxh3=file_xxh3(path))
-            return info, self._meta(path, info)
+            return info, self._meta(path, info, identity)
 
     def on_write_complete(self, write_result: Any) -> None:
         done = sorted((d for ret in write_result.write_returns for d in ret), key=lambda d: d.k)
@@ -392,6 +396,7 @@ class FastloadDatasink(Datasink):
             meta_xxh3=xxhash.xxh3_64_hexdigest(meta),
             meta_columns=columns,
             attrs=dict(self.attrs),
+            dataset_id=self.dataset_id,
         )
         self.output.put_bytes(MANIFEST_NAME, manifest.dumps())
         self.output.remove(PROGRESS_NAME)
@@ -584,6 +589,7 @@ def _write(
     sink = FastloadDatasink(
         source=source, output=output, schema=schema, counts=counts,
         settings=_settings(schema, shard_size, source.num_samples, counts), resume=resume, attrs=attrs,
+        dataset_id=dataset_id_for(schema, shard_size, source.num_samples, attrs),
     )
     rows = [{"k": k, "start": starts[k], "stop": starts[k + 1]} for k in range(len(counts))]
     shards = ray.data.from_items(rows, override_num_blocks=len(rows))

@@ -38,7 +38,9 @@ __all__ = [
     "PROGRESS_NAME",
     "BlockSource",
     "cut_points",
+    "dataset_id_for",
     "fsync_path",
+    "kept_shard",
     "pack_meta",
     "shard_meta",
     "shard_name",
@@ -186,6 +188,33 @@ def _dataset_id(settings: dict[str, Any], attrs: dict[str, Any]) -> int:
     return xxhash.xxh3_64_intdigest(json.dumps([settings, attrs], sort_keys=True, default=str).encode())
 
 
+def dataset_id_for(schema: Schema, shard_size: int, num_samples: int | None, attrs: dict[str, Any]) -> int:
+    """The dataset id `write` records for these settings (other engines use it to write the same bytes)."""
+    return _dataset_id(_settings(schema, shard_size, num_samples), dict(attrs))
+
+
+def kept_shard(path: str, schema: Schema, *, name: str, identity: ShardIdentity) -> ShardInfo | None:
+    """The manifest entry of a finished shard an interrupted run can keep: a version-2 shard that
+    is `identity` and whose every block checks out; None when it cannot be kept."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as fh:
+            header = np.frombuffer(fh.read(64), dtype=np.uint8)
+        n = int(header[16:24].view("<u8")[0]) if len(header) == 64 else -1
+        bits = np.zeros(-(-size >> BLOCK_LOG2), dtype=bool)
+        reader = ShardReader(path, schema, num_samples=n, nbytes=size, identity=identity, bits=bits)
+        try:
+            if reader.table is None:  # a version-1 shard: convert again
+                return None
+            reader.verify_blocks(np.arange(len(reader.table)))
+            blocks_xxh3 = xxhash.xxh3_64_hexdigest(reader.table.tobytes())
+        finally:
+            reader.close()
+    except (FormatError, ValueError, IndexError):
+        return None
+    return ShardInfo(file=name, num_samples=n, bytes=size, xxh3=file_xxh3(path), blocks_xxh3=blocks_xxh3)
+
+
 def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema, dataset_id: int) -> list[ShardInfo]:
     """Finished shards of an interrupted run that can be kept (a consecutive prefix), or [] to start over."""
     progress_path = os.path.join(out_dir, PROGRESS_NAME)
@@ -204,24 +233,11 @@ def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema, datase
         path = os.path.join(out_dir, _shard_name(k))
         if not os.path.exists(path):
             break
-        size = os.path.getsize(path)
-        try:
-            with open(path, "rb") as fh:
-                header = np.frombuffer(fh.read(64), dtype=np.uint8)
-            n = int(header[16:24].view("<u8")[0]) if len(header) == 64 else -1
-            identity = ShardIdentity(dataset_id, k, sum(s.num_samples for s in kept))
-            bits = np.zeros(-(-size >> BLOCK_LOG2), dtype=bool)
-            reader = ShardReader(path, schema, num_samples=n, nbytes=size, identity=identity, bits=bits)
-            if reader.table is None:  # a version-1 shard: convert again
-                break
-            reader.verify_blocks(np.arange(len(reader.table)))
-            blocks_xxh3 = xxhash.xxh3_64_hexdigest(reader.table.tobytes())
-            reader.close()
-        except (FormatError, ValueError, IndexError):
+        identity = ShardIdentity(dataset_id, k, sum(s.num_samples for s in kept))
+        info = kept_shard(path, schema, name=_shard_name(k), identity=identity)
+        if info is None:
             break
-        kept.append(
-            ShardInfo(file=_shard_name(k), num_samples=n, bytes=size, xxh3=file_xxh3(path), blocks_xxh3=blocks_xxh3)
-        )
+        kept.append(info)
     return kept
 
 

@@ -115,7 +115,7 @@ def test_two_raylets_write_shards_byte_identical_to_local(tmp_path):
         _forget_cluster(port)
     assert not _processes_of(port), "Ray processes of the test cluster outlived it"
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "written by tasks on 2 node(s)" in out.stdout, out.stdout
+    assert "written by tasks on 2 nodes," in out.stdout, out.stdout
     names = sorted(os.listdir(tmp_path / "local" / "shards"))
     assert len(names) >= 4 and names == sorted(os.listdir(tmp_path / "ray" / "shards"))
     for name in ["index.json", "meta.bin"] + [f"shards/{n}" for n in names]:
