@@ -8,7 +8,8 @@ into one chunk scratch buffer that torch's antialiased resize then reads. The no
 then writes the chunk's output in one call. Python runs per chunk, except
 one resize call per resized image and the fallbacks: non-JPEG images (Pillow), CMYK/YCCK JPEGs
 and builds without the extension decode whole images (`decode_rgb`) and are cropped after,
-with the same pixels.
+with the same pixels; so does a JPEG the window decoder rejects as corrupt (it treats every
+corrupt-data warning as an error), which then fails unless simplejpeg or Pillow decode it.
 """
 
 from __future__ import annotations
@@ -92,11 +93,8 @@ def _chunk(
         params[:, 5] = job.flips[windowed]  # mirrored by the decoder (see `_resize`)
         results = cpu_decode.decode_windows([job.arrays[i] for i in windowed], params, outs)
         for i, out, res in zip(windowed, outs, results, strict=True):
-            if res is not None:
-                if res[0] == cpu_decode.UNSUPPORTED:
-                    whole.append(i)
-                else:
-                    failed[i] = f"ValueError: {res[1]}"
+            if res is not None:  # CMYK/YCCK, or corrupt data: the whole-image decoders decide
+                whole.append(i)
             elif resized[i]:
                 h, w = int(scaled[i, 2]), int(scaled[i, 3])
                 _resize(out.reshape(h, w, 3), job.images[i])
