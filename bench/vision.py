@@ -66,14 +66,15 @@ def make_jpegs(
     return out
 
 
-def _rate(fn: Callable[[], int], *, min_time: float) -> float:
-    """Calls `fn` (returns images processed) until `min_time` has passed; images/s."""
-    n, t0 = 0, time.perf_counter()
+def _rate(fn: Callable[[], int], *, min_time: float) -> tuple[float, float]:
+    """Calls `fn` (returns images processed) until `min_time` has passed: (images per second,
+    images per CPU-second of this process, all its threads)."""
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while True:
         n += fn()
         dt = time.perf_counter() - t0
         if dt >= min_time:
-            return n / dt
+            return n / dt, n / max(time.process_time() - c0, 1e-9)
 
 
 def _paired_rounds(
@@ -85,10 +86,11 @@ def _paired_rounds(
 ) -> dict[str, np.ndarray]:
     """Rounds in which every row is measured right after the baselines (`base`, in order): the
     ratios of a row to its own baselines, seconds apart, cancel most of the load that other users
-    of the machine put on it. Returns, per row, a (rounds, 1 + len(base)) array of rates."""
+    of the machine put on it. Returns, per row, a (rounds, 1 + len(base), 2) array of
+    (images/s, images per CPU-second)."""
     for fn in [*base.values(), *fns.values()]:
         fn()  # warm-up: thread pools, pipeline build
-    out: dict[str, list[list[float]]] = {name: [] for name in fns}
+    out: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             b = [_rate(f, min_time=min_time) for f in base.values()]
@@ -274,7 +276,7 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
         _write_dataset(jpegs, root)
         for workers in (0, 1, 2):
             preset = ImagePreset(kind="eval", size=size, resize=None, backend="cpu", normalize=False)
-            fns[f"Loader eval crop-only uint8, num_workers={workers}"] = _loader_pass(root, preset, bs, workers)
+            fns[f"Loader eval crop-only, num_workers={workers}"] = _loader_pass(root, preset, bs, workers)
         rates = _paired_rounds(fns, base, rounds=rounds, min_time=min_time)
         first = {w: _first_batch(root, w, size, bs) for w in (0, 1, 2)}
     finally:
@@ -284,19 +286,26 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
         f"each row measured right after its baselines, {rounds} rounds; ratios per measurement, median "
         f"(min-max): A = row / ceiling, ceiling = {cores} x 1-thread simplejpeg full decode + centre crop "
         f"(the faster 1-thread decoder: see the Pillow row); B = row / that full decode + crop on {cores} "
-        "threads (the parallelism this run really had); 1-thread rows: C = row / the 1-thread full decode + crop"
+        "threads (the parallelism this run really had); 1-thread rows: C = row / the 1-thread full decode + "
+        "crop; CPU = images per CPU-second (all threads) / the 1-thread full decode + crop's: the work per "
+        "image, which load from other processes does not change (A's bound on idle cores when the row keeps "
+        f"{cores} cores busy: {cores} x CPU / {cores})"
     )
-    print(f"{'row':<56} {'img/s median (min-max)':>22} {'A':>18} {'B or C':>18}")
+    print(f"{'row':<50} {'img/s median (min-max)':>22} {'A':>17} {'B or C':>17} {'CPU':>17}")
 
     def cell(x: np.ndarray, digits: int) -> str:
         return f"{np.median(x):.{digits}f} ({x.min():.{digits}f}-{x.max():.{digits}f})"
 
-    sj = np.concatenate([r[:, 1] for r in rates.values()])
-    print(f"{'full decode + crop, simplejpeg, 1 thread (every baseline)':<56} {cell(sj, 0):>22}")
+    sj = np.concatenate([r[:, 1, 0] for r in rates.values()])
+    print(f"{'full decode + crop, simplejpeg, 1 thread (baselines)':<50} {cell(sj, 0):>22}")
     for label, r in rates.items():
-        rate, single, multi = r[:, 0], r[:, 1], r[:, 2]
+        rate, single, multi = r[:, 0, 0], r[:, 1, 0], r[:, 2, 0]
         other = rate / single if label.endswith("1 thread") else rate / multi
-        print(f"{label:<56} {cell(rate, 0):>22} {cell(rate / (cores * single), 2):>18} {cell(other, 2):>18}")
+        cpu = r[:, 0, 1] / r[:, 1, 1]
+        print(
+            f"{label:<50} {cell(rate, 0):>22} {cell(rate / (cores * single), 2):>17} {cell(other, 2):>17} "
+            f"{cell(cpu, 2):>17}"
+        )
     pool.shutdown()
     for w, f in first.items():
         print(

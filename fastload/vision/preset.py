@@ -72,8 +72,8 @@ class ImagePreset:
       (num_workers=N: N batches decode at once, in N thread or process workers; num_workers=0:
       one thread, the training loop's, as in torch). A preset used on its own uses every
       usable core. `stats()['vision_threads']` says which applies.
-    - dct_downscale [False]: (CPU backend) decode a JPEG at num/8 scale in libjpeg-turbo's
-      IDCT, the smallest that keeps the crop window larger than the output: much less work for
+    - dct_downscale [False]: (CPU backend) decode a JPEG at 1/2, 1/4 or 1/8 scale in
+      libjpeg-turbo's IDCT, the smallest that keeps the crop window larger than the output: much less work for
       crops well above the output size (RandomResizedCrop on photos), but the window edges
       round to the scaled pixel grid and the filter differs from DALI's (off by default so
       that the backends match).
