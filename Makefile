@@ -61,4 +61,4 @@ gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check
 
 clean:
-	rm -rf $(VENV) build site $(DEMO_OUT) *.egg-info
+	rm -rf $(VENV) build site $(DEMO_OUT) *.egg-info fastload/vision/*.so

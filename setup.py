@@ -9,6 +9,18 @@ import os
 import sysconfig
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+
+class _OptionalBuildExt(build_ext):
+    """The vision extensions speed up stages that also run without them (same output): a failed
+    build (no C compiler or Python headers) warns and installs fastload without them."""
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001 - CCompilerError, DistutilsExecError, missing headers
+            print(f"WARNING: could not build {ext.name} ({e}); fastload runs without it, slower")
 
 
 def _vision_extensions() -> list[Extension]:
@@ -87,5 +99,6 @@ setup(
         ],
     },
     ext_modules=_vision_extensions(),
+    cmdclass={"build_ext": _OptionalBuildExt},
     entry_points={"console_scripts": ["fastload=fastload.cli:main"]},
 )

@@ -1,8 +1,8 @@
 """Image preset throughput vs the full-decode ceiling: `python -m bench.vision [--quick]`.
 
 Two sets of generated photo-like JPEGs (q90): 400x300 (~38 KB) and 500x375 (~110 KB). Per set,
-in one run, rounds interleaved (the rows take turns, so load from other users of the machine
-hits them alike):
+in one run, each row is measured right after its baselines, in rounds (so load from other users
+of the machine hits a row and its baselines alike):
 - the full-decode ceiling: single-thread full decode + centre crop 224 with the best decoder
   (simplejpeg or Pillow, whichever is faster in that round) x usable cores;
 - the CPU preset called directly on ready batches (threads = usable cores): eval crop only
@@ -11,8 +11,8 @@ hits them alike):
 - `fastload.Loader` over a fastload dataset of the set, eval crop-only preset as `transform`,
   num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
 - on a CUDA machine: the DALI mixed (nvJPEG) rows and the data stall of a prefetching loop.
-Each row prints the median images/s over rounds and its ratio to the same round's ceiling
-(median, min-max). Then, per num_workers, a fresh process times the Loader's first batch and
+Each row prints the median images/s over rounds and its ratios to the baselines measured just
+before it (median, min-max). Then, per num_workers, a fresh process times the Loader's first batch and
 reads its peak RSS.
 """
 
@@ -66,25 +66,36 @@ def make_jpegs(
     return out
 
 
-def _rate(fn: Callable[[], int], *, min_time: float) -> float:
-    """Calls `fn` (returns images processed) until `min_time` has passed; images/s."""
-    n, t0 = 0, time.perf_counter()
+def _rate(fn: Callable[[], int], *, min_time: float) -> tuple[float, float]:
+    """Calls `fn` (returns images processed) until `min_time` has passed: (images per second,
+    images per CPU-second of this process, all its threads)."""
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while True:
         n += fn()
         dt = time.perf_counter() - t0
         if dt >= min_time:
-            return n / dt
+            return n / dt, n / max(time.process_time() - c0, 1e-9)
 
 
-def _rounds(fns: dict[str, Callable[[], int]], *, rounds: int, min_time: float) -> dict[str, list[float]]:
-    """Interleaved rounds: every entry once per round, in turn; the rates of every round."""
-    for fn in fns.values():
+def _paired_rounds(
+    fns: dict[str, Callable[[], int]],
+    base: dict[str, Callable[[], int]],
+    *,
+    rounds: int,
+    min_time: float,
+) -> dict[str, np.ndarray]:
+    """Rounds in which every row is measured right after the baselines (`base`, in order): the
+    ratios of a row to its own baselines, seconds apart, cancel most of the load that other users
+    of the machine put on it. Returns, per row, a (rounds, 1 + len(base), 2) array of
+    (images/s, images per CPU-second)."""
+    for fn in [*base.values(), *fns.values()]:
         fn()  # warm-up: thread pools, pipeline build
-    rates: dict[str, list[float]] = {name: [] for name in fns}
+    out: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            rates[name].append(_rate(fn, min_time=min_time))
-    return rates
+            b = [_rate(f, min_time=min_time) for f in base.values()]
+            out[name].append([_rate(fn, min_time=min_time), *b])
+    return {name: np.array(v) for name, v in out.items()}
 
 
 def _batches(jpegs: list[bytes], batch_size: int) -> list[dict]:
@@ -205,7 +216,11 @@ next(it)
 t2 = time.perf_counter()
 for _ in it:
     pass
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+try:  # this process's own peak (ru_maxrss keeps the forking parent's peak across exec)
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+except (OSError, StopIteration):
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"import_s": t1 - t0, "first_batch_s": t2 - t1, "peak_rss": rss}))
 """
 
@@ -223,18 +238,21 @@ def _first_batch(root: str, workers: int, size: int, bs: int) -> dict:
 
 
 def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min_time: float) -> None:
-    size, n_img = args.size, args.images or (128 if args.quick else 384)
+    size, n_img = args.size, args.images or (64 if args.quick else 192)
     jpegs = make_jpegs(n_img, **SETS[name])
     bs = min(args.batch_size, n_img)
     batches = _batches(jpegs, bs)
     kb = np.mean([len(j) for j in jpegs]) / 1e3
-    print(f"\n## {name}: {n_img} JPEGs, mean {kb:.0f} KB; {cores} cores; batch {bs}; {rounds} interleaved rounds")
+    print(f"\n## {name}: {n_img} JPEGs, mean {kb:.0f} KB; {cores} cores; batch {bs}")
 
     pool = ThreadPoolExecutor(cores)
+    base = {
+        "sj1": _full_decode_crop_pass(jpegs, "simplejpeg", size),
+        "sjN": _full_decode_crop_pass(jpegs, "simplejpeg", size, pool),
+    }
     fns: dict[str, Callable[[], int]] = {
-        "full decode + crop, simplejpeg, 1 thread": _full_decode_crop_pass(jpegs, "simplejpeg", size),
         "full decode + crop, Pillow, 1 thread": _full_decode_crop_pass(jpegs, "pillow", size),
-        f"full decode + crop, simplejpeg, {cores} threads": _full_decode_crop_pass(jpegs, "simplejpeg", size, pool),
+        f"full decode + crop, simplejpeg, {cores} threads": base["sjN"],
     }
     rows = [
         ("eval crop-only uint8 NHWC", {"kind": "eval", "resize": None, "normalize": False}),
@@ -262,37 +280,36 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
         _write_dataset(jpegs, root)
         for workers in (0, 1, 2):
             preset = ImagePreset(kind="eval", size=size, resize=None, backend="cpu", normalize=False)
-            fns[f"Loader eval crop-only uint8, num_workers={workers}"] = _loader_pass(root, preset, bs, workers)
-        rates = _rounds(fns, rounds=rounds, min_time=min_time)
+            fns[f"Loader eval crop-only, num_workers={workers}"] = _loader_pass(root, preset, bs, workers)
+        rates = _paired_rounds(fns, base, rounds=rounds, min_time=min_time)
         first = {w: _first_batch(root, w, size, bs) for w in (0, 1, 2)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    sj = np.array(rates.pop("full decode + crop, simplejpeg, 1 thread"))
-    pil = np.array(rates.pop("full decode + crop, Pillow, 1 thread"))
-    single = np.maximum(sj, pil)
-    ceiling = single * cores
-    multi = np.array(rates.pop(f"full decode + crop, simplejpeg, {cores} threads"))
     print(
-        f"ratios per round: A = row / ceiling ({cores} x the best 1-thread full decode + crop); "
-        f"B = row / the same full decode + crop measured on {cores} threads (the parallelism this "
-        "run really had); 1-thread rows: C = row / the best 1-thread full decode + crop"
+        f"each row measured right after its baselines, {rounds} rounds; ratios per measurement, median "
+        f"(min-max): A = row / ceiling, ceiling = {cores} x 1-thread simplejpeg full decode + centre crop "
+        f"(the faster 1-thread decoder: see the Pillow row); B = row / that full decode + crop on {cores} "
+        "threads (the parallelism this run really had); 1-thread rows: C = row / the 1-thread full decode + "
+        "crop; CPU = images per CPU-second (all threads) / the 1-thread full decode + crop's: the work per "
+        "image, which load from other processes does not change (A's bound on idle cores when the row keeps "
+        f"{cores} cores busy: {cores} x CPU / {cores})"
     )
-    print(f"{'row':<56} {'img/s median (min-max)':>22} {'A median (min-max)':>20} {'B / C median (min-max)':>24}")
+    print(f"{'row':<50} {'img/s median (min-max)':>22} {'A':>17} {'B or C':>17} {'CPU':>17}")
 
     def cell(x: np.ndarray, digits: int) -> str:
         return f"{np.median(x):.{digits}f} ({x.min():.{digits}f}-{x.max():.{digits}f})"
 
-    def line(label: str, r: np.ndarray) -> None:
-        other = r / single if label.endswith("1 thread") else r / multi
-        print(f"{label:<56} {cell(r, 0):>22} {cell(r / ceiling, 2):>20} {cell(other, 2):>24}")
-
-    line("full decode + crop, simplejpeg, 1 thread", sj)
-    line("full decode + crop, Pillow, 1 thread", pil)
-    line(f"full-decode ceiling (best 1-thread x {cores})", ceiling)
-    line(f"full decode + crop, simplejpeg, {cores} threads", multi)
+    sj = np.concatenate([r[:, 1, 0] for r in rates.values()])
+    print(f"{'full decode + crop, simplejpeg, 1 thread (baselines)':<50} {cell(sj, 0):>22}")
     for label, r in rates.items():
-        line(label, np.array(r))
+        rate, single, multi = r[:, 0, 0], r[:, 1, 0], r[:, 2, 0]
+        other = rate / single if label.endswith("1 thread") else rate / multi
+        cpu = r[:, 0, 1] / r[:, 1, 1]
+        print(
+            f"{label:<50} {cell(rate, 0):>22} {cell(rate / (cores * single), 2):>17} {cell(other, 2):>17} "
+            f"{cell(cpu, 2):>17}"
+        )
     pool.shutdown()
     for w, f in first.items():
         print(
@@ -309,14 +326,14 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer images, one short round per row")
-    ap.add_argument("--images", type=int, default=None, help="JPEGs per set (default 384; 128 quick)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; 1 quick)")
+    ap.add_argument("--images", type=int, default=None, help="JPEGs per set (default 192; 64 quick)")
+    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (default 4; 1 quick)")
     ap.add_argument("--set", choices=sorted(SETS), action="append", help="only this set (repeatable)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--size", type=int, default=224)
     args = ap.parse_args(argv)
-    rounds = args.rounds or (1 if args.quick else 5)
-    min_time = 0.5 if args.quick else 1.0
+    rounds = args.rounds or (1 if args.quick else 4)
+    min_time = 0.3 if args.quick else 0.5
     cores = usable_cores()
     for name in args.set or list(SETS):
         _bench_set(name, args, cores, rounds, min_time)

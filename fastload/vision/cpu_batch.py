@@ -2,13 +2,14 @@
 
 A batch is cut into one contiguous chunk per thread (the calling thread takes the first).
 Per chunk, one call of the window decoder (`cpu_decode.decode_windows`, GIL released) decodes
-every JPEG's crop window (DCT-downscaled when asked): straight into the uint8 batch buffer,
-mirrored in the decoder, when the window is the output size (crop only); otherwise into one
-chunk scratch buffer that torch's antialiased resize then reads. The normalising lookup table
+every JPEG's crop window (DCT-downscaled when asked), mirrored in the decoder when flipped:
+straight into the uint8 batch buffer when the window is the output size (crop only), otherwise
+into one chunk scratch buffer that torch's antialiased resize then reads. The normalising lookup table
 then writes the chunk's output in one call. Python runs per chunk, except
 one resize call per resized image and the fallbacks: non-JPEG images (Pillow), CMYK/YCCK JPEGs
 and builds without the extension decode whole images (`decode_rgb`) and are cropped after,
-with the same pixels.
+with the same pixels; so does a JPEG the window decoder rejects as corrupt (it treats every
+corrupt-data warning as an error), which then fails unless simplejpeg or Pillow decode it.
 """
 
 from __future__ import annotations
@@ -89,22 +90,20 @@ def _chunk(
         params = np.empty((len(windowed), 6), dtype=np.int64)
         params[:, 0:4] = scaled[windowed]
         params[:, 4] = nums[windowed]
-        params[:, 5] = job.flips[windowed] & ~resized[windowed]  # mirrored by the decoder
+        params[:, 5] = job.flips[windowed]  # mirrored by the decoder (see `_resize`)
         results = cpu_decode.decode_windows([job.arrays[i] for i in windowed], params, outs)
         for i, out, res in zip(windowed, outs, results, strict=True):
-            if res is not None:
-                if res[0] == cpu_decode.UNSUPPORTED:
-                    whole.append(i)
-                else:
-                    failed[i] = f"ValueError: {res[1]}"
+            if res is not None:  # CMYK/YCCK, or corrupt data: the whole-image decoders decide
+                whole.append(i)
             elif resized[i]:
                 h, w = int(scaled[i, 2]), int(scaled[i, 3])
-                _resize_flip(out.reshape(h, w, 3), job.images[i], bool(job.flips[i]))
+                _resize(out.reshape(h, w, 3), job.images[i])
     for i in whole:
         try:
             img, window = _decode_whole(job, i, int(nums[i]), scaled[i])
             y0, x0, h, w = (int(v) for v in window)
-            _resize_flip(img[y0 : y0 + h, x0 : x0 + w], job.images[i], bool(job.flips[i]))
+            crop = img[y0 : y0 + h, x0 : x0 + w]
+            _resize(crop[:, ::-1] if job.flips[i] else crop, job.images[i])
         except (ValueError, OSError, RuntimeError) as e:
             failed[i] = f"{type(e).__name__}: {e}"
     if job.lut is not None:
@@ -122,11 +121,8 @@ def _decode_whole(job: BatchJob, i: int, num: int, scaled: np.ndarray) -> tuple[
     return cpu_decode.decode_rgb(job.arrays[i]), job.windows[i]
 
 
-def _resize_flip(src: np.ndarray, dst: np.ndarray, flip: bool) -> None:
-    """`src` (h, w, 3) resized (or copied) into `dst` (oh, ow, 3), then mirrored if `flip`."""
-    if not flip:
-        cpu_decode.resize_hwc(src, torch.from_numpy(dst))
-        return
-    tmp = torch.empty(dst.shape, dtype=torch.uint8)
-    cpu_decode.resize_hwc(src, tmp)
-    np.copyto(dst, tmp.numpy()[:, ::-1])
+def _resize(src: np.ndarray, dst: np.ndarray) -> None:
+    """`src` (h, w, 3) resized (or copied) into `dst` (oh, ow, 3). A flip is applied to `src`:
+    torch's antialiased bilinear kernel is mirror-symmetric, so resize(mirror(x)) is bit-exactly
+    mirror(resize(x)) (tests compare against resize-then-flip at zero tolerance)."""
+    cpu_decode.resize_hwc(src, torch.from_numpy(dst))

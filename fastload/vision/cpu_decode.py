@@ -94,11 +94,16 @@ def probe_size(buf: np.ndarray | bytes) -> tuple[int, int]:
 
 
 def dct_nums(windows: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
-    """Per window, the smallest num in 1..8 such that decoding at num/8 scale (libjpeg-turbo's
-    DCT scaling) keeps the window at least one pixel larger than `out_hw` in both dimensions."""
+    """Per window, the smallest num in (1, 2, 4, 8) such that decoding at num/8 scale
+    (libjpeg-turbo's DCT scaling; these are its SIMD-accelerated reduced IDCTs, the other
+    eighths are slower than a full-size decode) keeps the window at least one pixel larger than
+    `out_hw` in both dimensions."""
     w = np.asarray(windows, dtype=np.int64).reshape(-1, 4)
     need = np.maximum(-(-8 * (out_hw[0] + 1) // w[:, 2]), -(-8 * (out_hw[1] + 1) // w[:, 3]))
-    return np.clip(need, 1, 8)
+    nums = np.full(len(w), 8, dtype=np.int64)
+    for k in (4, 2, 1):
+        nums[need <= k] = k
+    return nums
 
 
 def scaled_windows(sizes: np.ndarray, windows: np.ndarray, nums: np.ndarray) -> np.ndarray:

@@ -26,9 +26,9 @@ import torch
 from torch.utils.data import default_collate
 
 from fastload.system import usable_cores
-from fastload.vision import params
+from fastload.vision import cpu_decode, params
 from fastload.vision.cpu_batch import BatchJob, run_batch
-from fastload.vision.cpu_decode import CorruptImageError, decode_rgb, decode_windows, probe_size
+from fastload.vision.cpu_decode import CorruptImageError, decode_rgb, probe_size
 from fastload.vision.dali_pipeline import DALI_MISSING, DaliRunner, dali_available
 from fastload.vision.indexed import INDEX_KEY
 from fastload.vision.normalize import ChannelLUT, normalize_on_device
@@ -72,8 +72,8 @@ class ImagePreset:
       (num_workers=N: N batches decode at once, in N thread or process workers; num_workers=0:
       one thread, the training loop's, as in torch). A preset used on its own uses every
       usable core. `stats()['vision_threads']` says which applies.
-    - dct_downscale [False]: (CPU backend) decode a JPEG at num/8 scale in libjpeg-turbo's
-      IDCT, the smallest that keeps the crop window larger than the output: much less work for
+    - dct_downscale [False]: (CPU backend) decode a JPEG at 1/2, 1/4 or 1/8 scale in
+      libjpeg-turbo's IDCT, the smallest that keeps the crop window larger than the output: much less work for
       crops well above the output size (RandomResizedCrop on photos), but the window edges
       round to the scaled pixel grid and the filter differs from DALI's (off by default so
       that the backends match).
@@ -150,6 +150,7 @@ class ImagePreset:
         self._lut = ChannelLUT(mean=self.mean, std=self.std, dtype=dtype) if normalize else None
         self._dali: DaliRunner | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         self._lock = threading.Lock()
         self._calls = 0
         self._stats = {"images": 0, "skipped": 0, "batches": 0, "seconds": 0.0}
@@ -350,10 +351,11 @@ class ImagePreset:
         helpers = self.threads - 1
         if helpers < 1:
             return None
-        if self._pool is None or self._pool._max_workers != helpers:
+        if self._pool is None or self._pool_size != helpers:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="fastload-vision")
+            self._pool_size = helpers
         return self._pool
 
     def _run_cpu(
@@ -481,7 +483,7 @@ class ImagePreset:
                 if self.loader_workers is not None
                 else "usable cores"
             ),
-            "vision_window_decode": decode_windows is not None,
+            "vision_window_decode": cpu_decode.decode_windows is not None,
             "vision_images": s["images"],
             "vision_skipped": s["skipped"],
             "vision_batches": s["batches"],
