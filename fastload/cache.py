@@ -53,6 +53,7 @@ import psutil
 import xxhash
 
 from .formats.errors import ChecksumError
+from .formats.forksafe import reset_in_child
 from .formats.units import format_size, parse_size
 
 __all__ = [
@@ -264,6 +265,7 @@ class ShardCache:
 
     # -- per-process state (rebuilt after fork) -------------------------------------------------
     def _reset_process_state(self) -> None:
+        reset_in_child(self, ShardCache._reset_process_state)  # no lock crosses a fork locked
         self._pid = os.getpid()
         _INSTANCES[0] += 1
         self._owner = f"{owner_id()}-{_INSTANCES[0]}"

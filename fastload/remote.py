@@ -34,6 +34,7 @@ from fsspec.asyn import sync as fsspec_sync
 
 from .cache import CacheBudgetError, Download, ShardCache
 from .formats.errors import ChecksumError, FormatError
+from .formats.forksafe import reset_in_child
 from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from .formats.units import format_size
 
@@ -410,6 +411,7 @@ class RemoteStorage:
         self._reset_process_state()
 
     def _reset_process_state(self) -> None:
+        reset_in_child(self, RemoteStorage._reset_process_state)  # no lock crosses a fork locked
         self._pid = os.getpid()
         self._fs: Any = None
         self._fs_root = ""

@@ -8,6 +8,7 @@ bitmap lookup per batch, and nothing once every block a column spans is verified
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -21,6 +22,15 @@ __all__ = ["BlockLedger", "ColumnGuard", "block_ids", "share_verified", "verify_
 
 _SEEN: dict[tuple, np.ndarray] = {}  # file identity + table checksum -> the latest ledger bits of that file
 _SEEN_LOCK = threading.Lock()  # guards _SEEN (the bit arrays themselves are monotone, see BlockLedger)
+
+
+def _new_seen_lock_after_fork() -> None:
+    """A child forked while a thread held `_SEEN_LOCK` would inherit it locked forever."""
+    global _SEEN_LOCK
+    _SEEN_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_seen_lock_after_fork)
 
 
 def share_verified(key: tuple, bits: np.ndarray) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from .blocks import BlockLedger, ColumnGuard
 from .columns import Block
 from .errors import ChecksumError, FormatError
+from .forksafe import reset_in_child
 from .manifest import MANIFEST_NAME, Manifest
 from .ragged import Ragged
 from .schema import Schema
@@ -182,10 +183,15 @@ class FastloadDataset:
         self._resident: dict[str, np.ndarray] | None = None
         self._spliced: dict[str, SplicedColumn] | None = None
         self._direct: list[tuple[str, Any]] | None = None  # (field, take) when every field is resident/spliced
+        self._new_locks()
+        self._ledger = self._new_ledger()
+
+    def _new_locks(self) -> None:
+        """This process's locks; a forked child gets new ones (a parent's thread may hold these)."""
         self._lock = threading.Lock()
         self._direct_lock = threading.Lock()
         self._local = threading.local()
-        self._ledger = self._new_ledger()
+        reset_in_child(self, FastloadDataset._new_locks)
 
     def _new_ledger(self) -> BlockLedger | None:
         """This process's record of verified blocks (None when nothing is verified per block)."""
@@ -206,9 +212,7 @@ class FastloadDataset:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._direct_lock = threading.Lock()
-        self._local = threading.local()
+        self._new_locks()
         self._ledger = self._new_ledger()  # each process verifies what it reads itself
 
     def __repr__(self) -> str:
