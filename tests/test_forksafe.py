@@ -21,7 +21,7 @@ def _in_child(run, timeout: float = 10.0) -> int:
         signal.alarm(int(timeout) + 5)  # never outlive the test
         try:
             run()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the child reports any failure by its exit code
             os._exit(1)
         os._exit(0)
     deadline = threading.Event()
