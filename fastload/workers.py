@@ -452,7 +452,6 @@ def _worker_main(
     threading.Thread(
         target=_watch_parent, args=(parent_pid, parent_start), name="fastload-watchdog", daemon=True
     ).start()
-    result_q.cancel_join_thread()
     torch.set_num_threads(1)
     seed = base_seed + wid
     random.seed(seed)

@@ -240,8 +240,9 @@ def test_empty_dataset_and_fewer_samples_than_ranks():
     parts = [list(_loader(3, rank=r, world_size=5)) for r in range(5)]
     got = sorted(int(b[0]) for p in parts for b in p)
     assert all(len(p) == 1 for p in parts) and set(got) == {0, 1, 2} and len(got) == 5  # documented padding
+    too_few = _loader(3, rank=0, world_size=5, drop_last=True)  # rank and world apply from the first iter()
     with pytest.raises(ValueError, match="cannot be split over 5 ranks with drop_last=True"):
-        _loader(3, rank=0, world_size=5, drop_last=True)
+        iter(too_few)
 
 
 def test_a_state_from_another_dataset_length_or_order_version_is_refused():
@@ -250,7 +251,7 @@ def test_a_state_from_another_dataset_length_or_order_version_is_refused():
     next(it), next(it)
     state = a.state_dict()
     assert state["position"]["order"] == ORDER_VERSION and state["position"]["n"] == 100
-    with pytest.raises(ValueError, match="dataset of 100 samples, this one has 101"):
+    with pytest.raises(ValueError, match="dataset of 100 samples, this Loader's has 101"):
         _loader(101).load_state_dict(state)
     with pytest.raises(ValueError, match="shuffle=True"):
         _loader(100, shuffle=False).load_state_dict(state)
@@ -293,5 +294,5 @@ def test_a_torch_order_state_is_refused_by_a_seeded_loader():
     torch_mode = Loader(IdxDS(100), batch_size=4, shuffle=True)
     it = iter(torch_mode)
     next(it)
-    with pytest.raises(ValueError, match="not a seeded order's"):
+    with pytest.raises(ValueError, match="saved with a sampler order, this Loader has a seeded order"):
         _loader(100).load_state_dict(torch_mode.state_dict())
