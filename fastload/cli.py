@@ -70,6 +70,13 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _convert_ray(args: argparse.Namespace) -> int:
+    unsupported = [flag for flag, used in (("--on-error=skip", args.on_error == "skip"), ("--upgrade", args.upgrade),
+                                           ("--no-decode-check", args.no_decode_check)) if used]
+    if unsupported:
+        print(f"fastload convert: error: {', '.join(unsupported)} cannot be used with --engine ray; "
+              "convert with the local engine, or leave them out (Ray stops at the first bad input, naming it)",
+              file=sys.stderr)
+        return 2
     try:
         from fastload.formats.ray_io import convert_ray
     except ImportError as exc:

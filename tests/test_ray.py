@@ -256,6 +256,9 @@ def test_cli_engine_ray_and_overwrite_rules(ray_session, sources, tmp_path, caps
     assert verify_dataset(out) == []
     assert main(["convert", sources["npy"], out + "2", "--address", "x:1"]) == 2
     assert "--address needs --engine ray" in capsys.readouterr().err
+    for flag in ("--on-error=skip", "--upgrade", "--no-decode-check"):  # refused, never silently ignored
+        assert main(args[:-1] + [flag]) == 2
+        assert f"{flag} cannot be used with --engine ray" in capsys.readouterr().err
 
 
 def test_parquet_source(ray_session, tmp_path):
