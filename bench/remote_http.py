@@ -34,7 +34,7 @@ from fastload.formats.units import parse_size
 from fastload.loader import Loader
 from fastload.shard_shuffle import ShardWindowSampler
 
-__all__ = ["main", "Nginx"]
+__all__ = ["Nginx", "main"]
 
 
 class Nginx:
