@@ -133,15 +133,17 @@ async def _stream_into(fs: AsyncFileSystem, rpath: str, sink: Any, chunk: int) -
 
 
 async def _close_stream(f: Any) -> None:
-    body = getattr(f, "r", None)  # s3fs / http: the response body; closing drops a half-read connection
-    close = getattr(body, "close", None)
-    if callable(close):
-        try:
-            res = close()
-            if hasattr(res, "__await__"):
-                await res
-        except Exception:  # noqa: BLE001 - best effort on a stream that may already be broken
-            pass
+    """Close the response body (drops a half-read connection), then the file itself: its `close` is a
+    coroutine (fsspec's async files), and a file left open would have `__del__` call it un-awaited."""
+    for obj in (getattr(f, "r", None), f):  # s3fs / http keep the response body in `.r`
+        close = getattr(obj, "close", None)
+        if callable(close):
+            try:
+                res = close()
+                if hasattr(res, "__await__"):
+                    await res
+            except Exception:  # noqa: BLE001 - best effort on a stream that may already be broken
+                pass
 
 
 def _streams(f: Any) -> bool:

@@ -10,4 +10,5 @@ def pytest_configure(config) -> None:
         "deselect with -m 'not frameworks'",
     )
     config.addinivalue_line("markers", "ray: needs Ray Data (fastload[ray]); starts local Ray clusters")
+    config.addinivalue_line("markers", "nginx: serves a dataset over HTTP with a local nginx (skips without it)")
     config.addinivalue_line("markers", "examples: runs the scripts in examples/ (torchrun on CPU included)")
