@@ -32,8 +32,9 @@ def test_report_rows_from_steps(tmp_path):
         "def test_skip(): pass\n"
     )
     junit = tmp_path / "j.xml"
-    row = run_step("cuda-tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
-                                  f"--rootdir={tmp_path}", f"--junitxml={junit}"], out_dir=str(tmp_path), junit=str(junit))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+           f"--rootdir={tmp_path}", f"--junitxml={junit}"]
+    row = run_step("cuda-tests", cmd, out_dir=str(tmp_path), junit=str(junit))
     assert row["rc"] == 1 and not row["ok"]
     counts = {k: row["pytest"][k] for k in ("passed", "failures", "skipped")}
     assert counts == {"passed": 1, "failures": 1, "skipped": 1}
