@@ -307,11 +307,9 @@ class ThreadProbe:
     to its first batch (its order, the workers' queue refilling), is counted: in the mode the
     epoch runs in, it is that mode's cost.
 
-    Until session 12 the Loader's direct path went workers-first, with their rate weighted up by
-    1.1, and every other path compared the modes from its first batches. A trial costs its run
-    the slower mode's rate and the switches (on `bench.loader`'s data, 5-7% of a 3-epoch run of
-    150-180 ms); since the epoch plan, inline reads as fast as the workers there, so the first
-    trial waits (bench/RESULTS.md, "Loader").
+    Every path starts inline. A trial costs its run the slower mode's rate and the switches, and
+    with the epoch plan inline reads as fast as the workers on the direct path, so the first trial
+    waits `FIRST_S` of inline fetching: a short run never starts the workers.
     """
 
     WINDOW, MARGIN, WATCH, FILL = 24, 1.05, 64, 32

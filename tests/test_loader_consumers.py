@@ -13,10 +13,10 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import psutil
 import pytest
 import torch
+from test_loader_resume import IdxDS  # sample i is i, batched protocol
 from torch.utils.data import DistributedSampler
 
 from fastload.loader import Loader
@@ -24,22 +24,6 @@ from fastload.loader import Loader
 pytestmark = pytest.mark.timeout(120)
 WORKERS = [(0, "auto"), (2, "thread"), (2, "process")]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class IdxDS:
-    """Sample i is i (batched protocol: every worker kind applies)."""
-
-    def __init__(self, n: int = 50) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return int(i)
-
-    def get_batch(self, idx) -> dict:
-        return {"i": np.asarray(idx, dtype=np.int64)}
 
 
 def ids(batch) -> list[int]:
@@ -75,7 +59,7 @@ def run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("workers", WORKERS)
 def test_taking_len_batches_then_iter_starts_the_next_epoch(workers):
     nw, wt = workers
-    make = lambda: Loader(IdxDS(), batch_size=8, shuffle=True, seed=3, num_workers=nw, worker_type=wt)  # noqa: E731
+    make = lambda: Loader(IdxDS(50), batch_size=8, shuffle=True, seed=3, num_workers=nw, worker_type=wt)  # noqa: E731
     full = make()
     expected = [[ids(b) for b in full] for _ in range(3)]  # each epoch to StopIteration
     assert expected[0] != expected[1] != expected[2]
@@ -90,33 +74,33 @@ def test_taking_len_batches_then_iter_starts_the_next_epoch(workers):
 
 
 def test_new_iter_mid_epoch_restarts_that_epoch_and_set_epoch_overrides():
-    loader = Loader(IdxDS(), batch_size=8, shuffle=True, seed=3)
+    loader = Loader(IdxDS(50), batch_size=8, shuffle=True, seed=3)
     first = take(loader, 2)
-    assert take(loader, 7) == [ids(b) for b in Loader(IdxDS(), batch_size=8, shuffle=True, seed=3)]
+    assert take(loader, 7) == [ids(b) for b in Loader(IdxDS(50), batch_size=8, shuffle=True, seed=3)]
     assert take(loader, 2) != first  # the previous take delivered the whole epoch 0: this is epoch 1
     loader.set_epoch(0)
     assert take(loader, 2) == first
 
 
 def test_sampler_order_epochs_advance_too():
-    loader = Loader(IdxDS(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    loader = Loader(IdxDS(50), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
     take(loader, len(loader))
     assert loader.epoch == 1 and loader.state_dict()["position"] is None
 
 
 def test_state_after_the_last_batch_is_the_next_epoch():
-    loader = Loader(IdxDS(), batch_size=8, shuffle=True, seed=5)
+    loader = Loader(IdxDS(50), batch_size=8, shuffle=True, seed=5)
     take(loader, len(loader))
     state = loader.state_dict()
     assert state["epoch"] == 1 and state["position"] is None
-    resumed = Loader(IdxDS(), batch_size=8, shuffle=True, seed=5)
+    resumed = Loader(IdxDS(50), batch_size=8, shuffle=True, seed=5)
     resumed.load_state_dict(state)
     assert [ids(b) for b in resumed] == [ids(b) for b in loader]
 
 
 @pytest.mark.parametrize("new_world", [1, 2, 3])
 def test_len_after_resume_is_what_the_next_iter_yields(new_world):
-    old = [Loader(IdxDS(), batch_size=4, shuffle=True, seed=1, rank=r, world_size=2) for r in range(2)]
+    old = [Loader(IdxDS(50), batch_size=4, shuffle=True, seed=1, rank=r, world_size=2) for r in range(2)]
     states = []
     for loader in old:
         it = iter(loader)
@@ -125,19 +109,19 @@ def test_len_after_resume_is_what_the_next_iter_yields(new_world):
         states.append(loader.state_dict())
     seen = set()
     for r in range(new_world):
-        loader = Loader(IdxDS(), batch_size=4, shuffle=True, seed=1, rank=r, world_size=new_world)
+        loader = Loader(IdxDS(50), batch_size=4, shuffle=True, seed=1, rank=r, world_size=new_world)
         loader.load_state_dict(states[0])
         n = len(loader)
         batches = [ids(b) for b in loader]
         assert len(batches) == n
         seen |= {i for b in batches for i in b}
-        assert len(loader) == len(Loader(IdxDS(), batch_size=4, rank=r, world_size=new_world))  # then full epochs
+        assert len(loader) == len(Loader(IdxDS(50), batch_size=4, rank=r, world_size=new_world))  # then full epochs
     done = {i for loader in old for b in take_first(loader, 3) for i in b}
     assert seen | done == set(range(50)) and not (seen & done)
 
 
 def take_first(loader: Loader, k: int) -> list[list[int]]:
-    fresh = Loader(IdxDS(), batch_size=4, shuffle=True, seed=1, rank=loader.rank, world_size=loader.world_size)
+    fresh = Loader(IdxDS(50), batch_size=4, shuffle=True, seed=1, rank=loader.rank, world_size=loader.world_size)
     return take(fresh, k)
 
 
@@ -147,7 +131,7 @@ def take_first(loader: Loader, k: int) -> list[list[int]]:
 def test_rank_is_resolved_at_the_first_iter(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    loader = Loader(IdxDS(), batch_size=5, shuffle=False)  # built before the launcher set RANK: no guess
+    loader = Loader(IdxDS(50), batch_size=5, shuffle=False)  # built before the launcher set RANK: no guess
     with pytest.raises(ValueError, match="RANK is not set"):
         iter(loader)
     monkeypatch.setenv("RANK", "1")
@@ -163,19 +147,19 @@ def test_rank_is_resolved_at_the_first_iter(monkeypatch):
 @pytest.mark.parametrize("workers", WORKERS)
 def test_pickled_loader_continues_with_the_same_batches(workers):
     nw, wt = workers
-    loader = Loader(IdxDS(), batch_size=8, shuffle=True, seed=2, num_workers=nw, worker_type=wt)
+    loader = Loader(IdxDS(50), batch_size=8, shuffle=True, seed=2, num_workers=nw, worker_type=wt)
     it = iter(loader)
     head = [ids(next(it)) for _ in range(2)]
     copy = pickle.loads(pickle.dumps(loader))  # workers, threads and buffers are not pickled
     rest = [ids(b) for b in it]
     assert [ids(b) for b in copy] == rest
     assert [ids(b) for b in copy] == [ids(b) for b in loader]  # the next epochs agree too
-    assert head + rest == [ids(b) for b in Loader(IdxDS(), batch_size=8, shuffle=True, seed=2)]
+    assert head + rest == [ids(b) for b in Loader(IdxDS(50), batch_size=8, shuffle=True, seed=2)]
 
 
 def test_pickled_fresh_loader_with_torch_sampler():
     gen = torch.Generator().manual_seed(7)
-    loader = Loader(IdxDS(), batch_size=8, shuffle=True, generator=gen)
+    loader = Loader(IdxDS(50), batch_size=8, shuffle=True, generator=gen)
     copy = pickle.loads(pickle.dumps(loader))
     assert [ids(b) for b in copy] == [ids(b) for b in loader]
 
@@ -184,25 +168,25 @@ def test_pickled_fresh_loader_with_torch_sampler():
 
 
 def test_sampler_state_from_another_world_size_raises():
-    saved = Loader(IdxDS(), batch_size=4, sampler=DistributedSampler(IdxDS(), num_replicas=2, rank=0))
+    saved = Loader(IdxDS(50), batch_size=4, sampler=DistributedSampler(IdxDS(50), num_replicas=2, rank=0))
     take(saved, 3)
     state = saved.state_dict()
     assert state["world_size"] == 2
-    other = Loader(IdxDS(), batch_size=4, sampler=DistributedSampler(IdxDS(), num_replicas=1, rank=0))
+    other = Loader(IdxDS(50), batch_size=4, sampler=DistributedSampler(IdxDS(50), num_replicas=1, rank=0))
     with pytest.raises(ValueError, match="world_size=2"):
         other.load_state_dict(state)
-    same = Loader(IdxDS(), batch_size=4, sampler=DistributedSampler(IdxDS(), num_replicas=2, rank=0))
+    same = Loader(IdxDS(50), batch_size=4, sampler=DistributedSampler(IdxDS(50), num_replicas=2, rank=0))
     same.load_state_dict(state)
     assert len(same) == len(saved) - 3 == len([ids(b) for b in same])
 
 
 def test_states_for_another_dataset_or_order_kind_raise():
-    seeded = Loader(IdxDS(), batch_size=4, shuffle=True, seed=1)
+    seeded = Loader(IdxDS(50), batch_size=4, shuffle=True, seed=1)
     take(seeded, 2)
     with pytest.raises(ValueError, match="dataset of 50 samples"):
         Loader(IdxDS(60), batch_size=4, shuffle=True, seed=1).load_state_dict(seeded.state_dict())
     with pytest.raises(ValueError, match="seeded order"):
-        Loader(IdxDS(), batch_size=4, shuffle=True).load_state_dict(seeded.state_dict())
+        Loader(IdxDS(50), batch_size=4, shuffle=True).load_state_dict(seeded.state_dict())
 
 
 # ---- item 7: torch's public behaviour
@@ -220,7 +204,7 @@ class EveryOtherFails(IdxDS):
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_batch_error_leaves_the_iterator_usable(workers):
     nw, wt = workers
-    loader = Loader(EveryOtherFails(), batch_size=5, num_workers=nw, worker_type=wt)
+    loader = Loader(EveryOtherFails(50), batch_size=5, num_workers=nw, worker_type=wt)
     it = iter(loader)
     good, errors = [], 0
     while True:
@@ -241,7 +225,7 @@ def _failing_init(wid: int) -> None:
 
 def test_worker_init_fn_error_is_reported_as_such():
     for _ in range(4):  # the worker exits right after reporting: that report must win every time
-        loader = Loader(IdxDS(), batch_size=5, num_workers=2, worker_type="process", worker_init_fn=_failing_init)
+        loader = Loader(IdxDS(50), batch_size=5, num_workers=2, worker_type="process", worker_init_fn=_failing_init)
         with pytest.raises(RuntimeError, match=r"init of worker \d failed"):
             next(iter(loader))
 
@@ -262,7 +246,7 @@ def test_nested_tensors_from_a_custom_collate(workers):
 
 def test_subscriptable_and_frozen_attributes_like_torch():
     assert Loader[int] is not None
-    loader = Loader(IdxDS(), batch_size=4)
+    loader = Loader(IdxDS(50), batch_size=4)
     for name, value in [("batch_size", 8), ("sampler", None), ("batch_sampler", None), ("drop_last", True)]:
         with pytest.raises(ValueError, match=f"{name} attribute should not be set"):
             setattr(loader, name, value)
@@ -348,13 +332,13 @@ def test_no_noise_at_interpreter_exit():
 
 
 def test_resuming_at_the_end_of_an_epoch_moves_to_the_next():
-    loader = Loader(IdxDS(), batch_size=8, shuffle=True, seed=4)
+    loader = Loader(IdxDS(50), batch_size=8, shuffle=True, seed=4)
     it = iter(loader)
     for _ in range(len(loader)):
         next(it)
     state = loader.state_dict()
     state["epoch"], state["position"] = 0, it.position  # a state taken at the last batch, before moving on
-    resumed = Loader(IdxDS(), batch_size=8, shuffle=True, seed=4)
+    resumed = Loader(IdxDS(50), batch_size=8, shuffle=True, seed=4)
     resumed.load_state_dict(state)
     assert len(resumed) == 0 and take(resumed, 5) == []
     assert resumed.epoch == 1
