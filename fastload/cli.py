@@ -70,13 +70,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _convert_ray(args: argparse.Namespace) -> int:
-    unsupported = [flag for flag, used in (("--on-error=skip", args.on_error == "skip"), ("--upgrade", args.upgrade),
-                                           ("--no-decode-check", args.no_decode_check)) if used]
-    if unsupported:
-        print(f"fastload convert: error: {', '.join(unsupported)} cannot be used with --engine ray; "
-              "convert with the local engine, or leave them out (Ray stops at the first bad input, naming it)",
-              file=sys.stderr)
-        return 2
     try:
         from fastload.formats.ray_io import convert_ray
     except ImportError as exc:
@@ -85,9 +78,13 @@ def _convert_ray(args: argparse.Namespace) -> int:
     from fastload.formats.units import format_size, plural
 
     result = convert_ray(
-        args.src, args.out, kind=args.kind, address=args.address, shard_size=args.shard_size,
-        resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, concurrency=args.workers,
+        args.src, args.out, kind="fastload" if args.upgrade else args.kind, address=args.address,
+        shard_size=args.shard_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
+        concurrency=args.workers, on_error=args.on_error, decode_check=not args.no_decode_check,
     )
+    if result.skipped:
+        print(f"skipped {len(result.skipped)} input(s) that failed to read; reasons in {result.report}",
+              file=sys.stderr)
     manifest = result.manifest
     total = sum(s.bytes for s in manifest.shards)
     print(

@@ -2,8 +2,9 @@
 
 Conversion runs in two Ray Data passes over the same source:
 
-1. plan: tasks encode chunks of samples and return their stored sizes; the driver cuts shards with
-   the local writer's `cut_points`, so shard boundaries equal those of `fastload.formats.write`;
+1. plan (`ray_plan`): tasks encode chunks of samples and return their stored sizes (with
+   `on_error="skip"`, also the inputs that fail to read); the driver cuts shards over the samples
+   kept with the local writer's `cut_points`, so shard boundaries equal those of the local converter;
 2. write: a `FastloadDatasink` gets one row per shard; each write task encodes that shard's samples
    with the local encoder and writes it with the local `write_shard` (temporary name, then rename;
    on an fsspec URL a single PUT of the finished file), so shards are byte-identical to a local run.
@@ -24,7 +25,7 @@ import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -39,17 +40,15 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra ins
         "fastload's Ray support needs Ray Data, which is not installed: pip install 'fastload[ray]'"
     ) from exc
 
-from .columns import Block, encode_samples
-from .errors import FormatError, SchemaError
+from .errors import FormatError
 from .manifest import MANIFEST_NAME, META_NAME, Manifest
+from .ray_plan import PathSource, Plan, RefSource, block_rows, plan_shards
 from .schema import Schema
 from .shard import ShardIdentity, ShardInfo, ShardReader, write_shard
 from .units import parse_size
 from .writer import (
     DEFAULT_SHARD_SIZE,
     PROGRESS_NAME,
-    BlockSource,
-    cut_points,
     dataset_id_for,
     fsync_path,
     kept_shard,
@@ -60,140 +59,13 @@ from .writer import (
 
 __all__ = ["FastloadDatasink", "FastloadDatasource", "RayWriteResult", "convert_ray", "read_ray", "write_ray"]
 
-_PLAN_CHUNK_MIN, _PLAN_CHUNK_MAX = 512, 8192  # samples per plan-pass chunk (8192: a columnar source's block)
 _TMP_MARK = ".part-"  # shards/<name>.part-<id>: a shard being written by one task attempt
 _INFER_SAMPLES = 64
-_ERRORS = (FormatError, SchemaError, ValueError, FileNotFoundError, FileExistsError)
+SKIP_REPORT_NAME = "skipped-inputs.jsonl"  # the inputs `on_error="skip"` left out, as the local `convert` names it
 
 
 def _is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
-
-
-# ---------------------------------------------------------------- sources: samples [start, stop) as a Block
-
-
-class _PathSource:
-    """A source the local converter opens (`open_source(src, kind)`), reopened once per job in each Ray worker.
-
-    Workers outlive jobs, so the open copy is keyed by this object's token: a later job over the same
-    path (perhaps changed since) opens it afresh.
-    """
-
-    _opened: ClassVar[dict[str, Any]] = {}  # token -> the open source; one entry per process
-
-    def __init__(self, src: str, kind: str | None) -> None:
-        from .sources import open_source
-
-        self.src, self.kind, self.token = src, kind, uuid.uuid4().hex
-        source, schema, attrs = open_source(src, kind)
-        if schema is None:  # pragma: no cover - every source kind names its schema
-            raise SchemaError(f"{src}: the source has no schema")
-        self.schema, self.attrs = schema, dict(attrs)
-        self.num_samples = _length(source)
-        self._opened.clear()
-        self._opened[self.token] = source
-
-    def forget(self) -> None:
-        """Drop this process's open copy of the source (the driver's, once the job is done)."""
-        self._opened.pop(self.token, None)
-
-    def _source(self) -> Any:
-        if self.token not in self._opened:
-            from .sources import open_source
-
-            source = open_source(self.src, self.kind)[0]
-            if _length(source) != self.num_samples:
-                raise FormatError(
-                    f"{self.src}: {_length(source)} samples on this node, {self.num_samples} when the job was planned "
-                    "(the source changed, or differs between nodes)"
-                )
-            self._opened.clear()
-            self._opened[self.token] = source
-        return self._opened[self.token]
-
-    def block(self, start: int, stop: int) -> Block:
-        source = self._source()
-        if not isinstance(source, BlockSource):
-            return encode_samples([source[i] for i in range(start, stop)], self.schema, first_index=start)
-        if source.block is not None:
-            return source.block(start, stop)
-        parts, pos = [], start
-        for b in source.blocks(start):
-            take = min(b.num_samples, stop - pos)
-            parts.append(b if take == b.num_samples else b.slice(0, take))
-            pos += take
-            if pos >= stop:
-                break
-        if pos != stop:
-            raise FormatError(f"{self.src}: source ended at sample {pos}, expected {stop} samples")
-        return _concat(parts, self.schema)
-
-
-def _length(source: Any) -> int:
-    return source.num_samples if isinstance(source, BlockSource) else len(source)
-
-
-def _concat(parts: list[Block], schema: Schema) -> Block:
-    if len(parts) == 1:
-        return parts[0]
-    from .ragged import Ragged
-
-    cols: dict[str, Any] = {}
-    for f in schema:
-        cs = [p.columns[f.name] for p in parts]
-        if isinstance(cs[0], Ragged):
-            offsets, base = [np.zeros(1, np.int64)], 0
-            for c in cs:
-                offsets.append(np.asarray(c.offsets[1:], np.int64) - int(c.offsets[0]) + base)
-                base += int(c.offsets[-1] - c.offsets[0])
-            values = np.concatenate([c.values[int(c.offsets[0]) : int(c.offsets[-1])] for c in cs])
-            cols[f.name] = Ragged(values, np.concatenate(offsets), cs[0].kind)
-        else:
-            cols[f.name] = np.concatenate(cs)
-    hw = {name: np.concatenate([p.image_hw[name] for p in parts]) for name in parts[0].image_hw}
-    return Block(sum(p.num_samples for p in parts), cols, hw)
-
-
-class _RefSource:
-    """A materialized `ray.data.Dataset`: its blocks in order, read in tasks as sample dicts and encoded."""
-
-    def __init__(self, refs: list[Any], counts: list[int], schema: Schema, attrs: dict[str, Any]) -> None:
-        self.refs, self.schema, self.attrs = refs, schema, attrs
-        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        self.num_samples = int(self.starts[-1])
-
-    def rows(self, start: int, stop: int) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        first = int(np.searchsorted(self.starts, start, side="right")) - 1
-        for k in range(first, len(self.refs)):
-            lo, hi = int(self.starts[k]), int(self.starts[k + 1])
-            if lo >= stop:
-                break
-            a, b = max(start, lo) - lo, min(stop, hi) - lo
-            if a >= b:
-                continue
-            block = ray.get(self.refs[k])
-            out += _block_rows(BlockAccessor.for_block(block).slice(a, b, copy=False))
-        return out
-
-    def block(self, start: int, stop: int) -> Block:
-        return encode_samples(self.rows(start, stop), self.schema, first_index=start)
-
-
-def _block_rows(block: Any) -> list[dict[str, Any]]:
-    """Rows of a Ray block as dicts of numpy values (binary -> bytes, lists -> 1-D arrays)."""
-    columns = BlockAccessor.for_block(block).to_numpy()
-    if not isinstance(columns, dict):
-        columns = {"item": columns}
-    n = len(next(iter(columns.values()))) if columns else 0
-    return [{name: _plain(col[i]) for name, col in columns.items()} for i in range(n)]
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, np.ndarray) and v.dtype == object:
-        return np.asarray(list(v))
-    return v
 
 
 # ---------------------------------------------------------------- output location (local directory or fsspec URL)
@@ -290,7 +162,8 @@ class _ShardDone:
 
 
 class FastloadDatasink(Datasink):
-    """Writes the shards of a planned conversion: one input row per shard (`k`, `start`, `stop`)."""
+    """Writes the shards of a planned conversion, one input row per shard: `k`, its samples
+    [`start`, `stop`) among those kept, and the source indices [`lo`, `hi`) they come from."""
 
     def __init__(
         self,
@@ -298,42 +171,50 @@ class FastloadDatasink(Datasink):
         source: Any,
         output: _Output,
         schema: Schema,
-        counts: list[int],
+        plan: Plan,
         settings: dict[str, Any],
         resume: bool,
         attrs: dict[str, Any],
         dataset_id: int,
     ) -> None:
         self.source, self.output, self.schema = source, output, schema
-        self.counts, self.settings, self.resume, self.attrs = counts, settings, resume, attrs
+        self.counts, self.skipped, self.bad = plan.counts, plan.skipped, plan.bad
+        self.settings, self.resume, self.attrs = settings, resume, attrs
         self.dataset_id = dataset_id  # what the local converter records for the same settings
         self.manifest: Manifest | None = None
         self.done: list[_ShardDone] = []
 
     def get_name(self) -> str:
+        """The name Ray Data shows for this sink."""
         return "Fastload"
 
     def on_write_start(self, schema: Any = None) -> None:
+        """On the driver, before any task: clear (or, resuming, tidy) shards/ and record the plan."""
         self.output.prepare(resume=self.resume)
         self.output.put_bytes(PROGRESS_NAME, json.dumps(self.settings).encode())
 
     def write(self, blocks: Iterable[Any], ctx: Any) -> list[_ShardDone]:
+        """In a Ray task: write (or, resuming, keep) the shard of each input row; one entry per shard."""
         node = ray.get_runtime_context().get_node_id()
         out = []
         for block in blocks:
             cols = BlockAccessor.for_block(block).to_numpy()
-            for k, start, stop in zip(cols["k"].tolist(), cols["start"].tolist(), cols["stop"].tolist()):
-                out.append(self._shard(int(k), int(start), int(stop), node))
+            for k, start, stop, lo, hi in zip(*(cols[c].tolist() for c in ("k", "start", "stop", "lo", "hi"))):
+                out.append(self._shard(int(k), int(start), int(stop), int(lo), int(hi), node))
         return out
 
-    def _shard(self, k: int, start: int, stop: int, node: str) -> _ShardDone:
+    def _shard(self, k: int, start: int, stop: int, lo: int, hi: int, node: str) -> _ShardDone:
         name = shard_name(k)
         identity = ShardIdentity(self.dataset_id, k, start)
         if self.resume:
             kept = self._kept(name, stop - start, identity)
             if kept is not None:
                 return _ShardDone(k, kept[0], kept[1], node, True)
-        block = self.source.block(start, stop)
+        if self.source.skipping:
+            bad = self.bad[np.searchsorted(self.bad, lo) : np.searchsorted(self.bad, hi)]
+            block = self.source.block_of(np.setdiff1d(np.arange(lo, hi), bad), first_index=start)
+        else:
+            block = self.source.block(start, stop)
         if block.num_samples != stop - start:
             raise FormatError(f"shard {k}: source gave {block.num_samples} samples for [{start}, {stop})")
         part = f"{_TMP_MARK}{uuid.uuid4().hex}"
@@ -375,6 +256,8 @@ class FastloadDatasink(Datasink):
             return info, self._meta(path, info, identity)
 
     def on_write_complete(self, write_result: Any) -> None:
+        """On the driver, after every task: check one shard per plan entry, then write the skip
+        report, `meta.bin` and the manifest (last: only now does the directory open as a dataset)."""
         done = sorted((d for ret in write_result.write_returns for d in ret), key=lambda d: d.k)
         if [d.k for d in done] != list(range(len(self.counts))):
             ks = [d.k for d in done]
@@ -387,6 +270,11 @@ class FastloadDatasink(Datasink):
         self.done = done
         infos = [d.info for d in done]
         meta, columns = pack_meta(self.schema, [d.meta for d in done])
+        if self.skipped:
+            lines = [json.dumps({"input": name, "reason": reason}) + "\n" for _, name, reason in self.skipped]
+            self.output.put_bytes(SKIP_REPORT_NAME, "".join(lines).encode())
+        else:
+            self.output.remove(SKIP_REPORT_NAME)
         self.output.put_bytes(META_NAME, meta)
         self.output.finish()
         manifest = Manifest(
@@ -405,6 +293,7 @@ class FastloadDatasink(Datasink):
         self.manifest = manifest
 
     def on_write_failed(self, error: Exception) -> None:
+        """On the driver when a task failed for good: drop partial files; no manifest is written."""
         # Finished shards and the progress file stay for resume=True; no manifest is written.
         with contextlib.suppress(OSError):
             self.output.finish()
@@ -415,11 +304,14 @@ class FastloadDatasink(Datasink):
 
 @dataclass
 class RayWriteResult:
-    """What `write_ray` did: the manifest, shards per Ray node, and how many shards a resume kept."""
+    """What `write_ray` did: the manifest, shards per Ray node, how many shards a resume kept, the
+    inputs left out (`(input, reason)`, with `on_error="skip"`) and where they are listed."""
 
     manifest: Manifest
     shards_per_node: dict[str, int]
     kept: int
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    report: str | None = None
 
 
 @contextlib.contextmanager
@@ -434,48 +326,32 @@ def _data_context(*, progress: bool) -> Iterator[Any]:
         ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
 
 
-def _plan(source: Any, shard_size: int, *, concurrency: int | None) -> list[int]:
-    """Sample counts of the shards, cut as `write` cuts them (a Ray pass computing stored sizes)."""
-    n = source.num_samples
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    step = min(_PLAN_CHUNK_MAX, max(_PLAN_CHUNK_MIN, -(-n // (4 * cpus))))  # ~4 chunks per CPU
-    chunks = [(s, min(s + step, n)) for s in range(0, n, step)]
-    schema = source.schema
-
-    def sizes(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        # A bad record is returned, not raised (Ray would keep only its text): the driver raises the
-        # error of the first bad chunk in sample order, the one the local converter stops at.
-        out = np.empty(len(batch["start"]), dtype=object)
-        errors = np.full(len(batch["start"]), "", dtype=object)
-        for i, (s, e) in enumerate(zip(batch["start"].tolist(), batch["stop"].tolist())):
-            try:
-                out[i] = source.block(s, e).sample_bytes(schema)
-            except _ERRORS as exc:
-                out[i], errors[i] = np.zeros(0, np.int64), f"{type(exc).__name__}:{exc}"
-        return {"start": batch["start"], "sizes": out, "error": errors}
-
-    items = [{"start": s, "stop": e} for s, e in chunks]
-    ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 256)))
-    rows = ds.map_batches(sizes, batch_size=None, batch_format="numpy", concurrency=concurrency).take_all()
-    rows.sort(key=lambda r: int(r["start"]))
-    if [int(r["start"]) for r in rows] != [s for s, _ in chunks]:
-        raise FormatError("the plan pass lost or repeated chunks of samples")
-    for r in rows:
-        if r["error"]:
-            name, _, message = str(r["error"]).partition(":")
-            raise {cls.__name__: cls for cls in _ERRORS}.get(name, FormatError)(message)
-    all_sizes = np.concatenate([np.asarray(r["sizes"], dtype=np.int64) for r in rows])
-    cuts, _ = cut_points(all_sizes, shard_size)
-    bounds = [0, *cuts, n]
-    return [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+def _settings(schema: Schema, shard_size: int, source: Any, plan: Plan | None) -> dict[str, Any]:
+    """What the progress file records: the settings a resume must match, and the plan it reuses."""
+    return {"engine": "ray", "schema": schema.to_json(), "shard_size": shard_size, "num_samples": source.num_samples,
+            "on_error": "skip" if source.skipping else "stop", "counts": plan.counts if plan else None,
+            "skipped": [list(s) for s in plan.skipped] if plan else None}
 
 
-def _settings(schema: Schema, shard_size: int, num_samples: int, counts: list[int] | None) -> dict[str, Any]:
-    return {"engine": "ray", "schema": schema.to_json(), "shard_size": shard_size, "num_samples": num_samples,
-            "counts": counts}
+def _recorded_plan(previous: dict[str, Any], num_samples: int) -> Plan | None:
+    """The plan an interrupted run recorded, when it is well-formed for `num_samples` samples."""
+    counts, skipped = previous.get("counts"), previous.get("skipped")
+    if not isinstance(counts, list) or not all(isinstance(c, int) and c > 0 for c in counts):
+        return None
+    if not isinstance(skipped, list) or not all(
+        isinstance(s, list) and len(s) == 3 and isinstance(s[0], int) and all(isinstance(t, str) for t in s[1:])
+        for s in skipped
+    ):
+        return None
+    bad = [s[0] for s in skipped]
+    if bad != sorted(set(bad)) or (bad and not 0 <= bad[0] <= bad[-1] < num_samples):
+        return None
+    if sum(counts) != num_samples - len(bad):
+        return None
+    return Plan(list(counts), [(int(i), name, reason) for i, name, reason in skipped])
 
 
-def _from_dataset(ds: Any, schema: Schema | None, attrs: dict[str, Any]) -> _RefSource:
+def _from_dataset(ds: Any, schema: Schema | None, attrs: dict[str, Any]) -> RefSource:
     # A Dataset runs with the DataContext it was made with: its blocks must come out in its order.
     options = ds.context.execution_options
     saved, options.preserve_order = options.preserve_order, True
@@ -496,11 +372,11 @@ def _from_dataset(ds: Any, schema: Schema | None, attrs: dict[str, Any]) -> _Ref
         head: list[dict[str, Any]] = []
         for ref, count in zip(refs, counts):
             take = min(count, _INFER_SAMPLES - len(head))
-            head += _block_rows(BlockAccessor.for_block(ray.get(ref)).slice(0, take))
+            head += block_rows(BlockAccessor.for_block(ray.get(ref)).slice(0, take))
             if len(head) >= _INFER_SAMPLES:
                 break
         schema = Schema.infer(head)
-    return _RefSource(refs, counts, schema, attrs)
+    return RefSource(refs, counts, schema, attrs)
 
 
 def write_ray(
@@ -518,7 +394,7 @@ def write_ray(
 ) -> RayWriteResult:
     """Write a `ray.data.Dataset` as a fastload dataset at `out`, in the Dataset's order.
 
-    (`convert_ray` passes a path source of `fastload convert` here instead of a Dataset.)
+    (`convert_ray` passes a `ray_plan.PathSource` of `fastload convert` here instead of a Dataset.)
 
     `out` is a local directory or an fsspec URL (`storage_options` go to fsspec). The shards equal
     those `fastload.formats.write` makes from the same samples in the same order with the same
@@ -534,7 +410,10 @@ def write_ray(
             if resume:  # a finished run (possibly killed before removing its progress file)
                 data = output.read(MANIFEST_NAME) or b""
                 output.remove(PROGRESS_NAME)
-                return RayWriteResult(Manifest.loads(data, where=output.path(MANIFEST_NAME)), {}, 0)
+                report = output.read(SKIP_REPORT_NAME)
+                skipped = [(r["input"], r["reason"]) for r in map(json.loads, (report or b"").splitlines())]
+                return RayWriteResult(Manifest.loads(data, where=output.path(MANIFEST_NAME)), {}, 0, skipped,
+                                      output.path(SKIP_REPORT_NAME) if skipped else None)
             raise FileExistsError(
                 f"{output.root} already holds a dataset; pass overwrite=True (--overwrite) to replace it"
             )
@@ -546,7 +425,7 @@ def write_ray(
         try:
             return _write(ds, output, shard_size, schema, resume, attrs or {}, concurrency)
         finally:
-            if isinstance(ds, _PathSource):
+            if isinstance(ds, PathSource):
                 ds.forget()
 
 
@@ -554,14 +433,14 @@ def _write(
     ds: Any, output: _Output, shard_size: int, schema: Schema | None, resume: bool, attrs: dict[str, Any],
     concurrency: int | None,
 ) -> RayWriteResult:
-    source = ds if isinstance(ds, _PathSource) else _from_dataset(ds, schema, dict(attrs))
-    if isinstance(ds, _PathSource):
+    source = ds if isinstance(ds, PathSource) else _from_dataset(ds, schema, dict(attrs))
+    if isinstance(ds, PathSource):
         attrs = {**ds.attrs, **attrs}
     schema = schema or source.schema
     source.schema = schema
     if source.num_samples == 0:
         raise ValueError("the source is empty: nothing to convert")
-    counts = None
+    plan = None
     if resume:
         recorded = output.read(PROGRESS_NAME)
         try:
@@ -570,28 +449,26 @@ def _write(
             previous = None
         if not isinstance(previous, dict):
             resume = False  # nothing says what the files there belong to: start over
-        elif {**previous, "counts": None} != _settings(schema, shard_size, source.num_samples, None):
+        elif {**previous, "counts": None, "skipped": None} != _settings(schema, shard_size, source, None):
             raise FormatError(
                 f"{output.root}: cannot resume: the interrupted conversion used other settings "
-                "(engine/schema/shard size/sample count); remove the directory or use the same settings"
+                "(engine/schema/shard size/sample count/on-error); remove the directory or use the same settings"
             )
         else:
-            recorded_counts = previous.get("counts")
-            if (
-                isinstance(recorded_counts, list)
-                and all(isinstance(c, int) and c > 0 for c in recorded_counts)
-                and sum(recorded_counts) == source.num_samples
-            ):
-                counts = list(recorded_counts)
-    if counts is None:
-        counts = _plan(source, shard_size, concurrency=concurrency)
-    starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+            plan = _recorded_plan(previous, source.num_samples)
+    if plan is None:
+        plan = plan_shards(source, shard_size, concurrency=concurrency)
+    kept_samples = sum(plan.counts)  # the local converter's sample count: the inputs left out are not in it
     sink = FastloadDatasink(
-        source=source, output=output, schema=schema, counts=counts,
-        settings=_settings(schema, shard_size, source.num_samples, counts), resume=resume, attrs=attrs,
-        dataset_id=dataset_id_for(schema, shard_size, source.num_samples, attrs),
+        source=source, output=output, schema=schema, plan=plan,
+        settings=_settings(schema, shard_size, source, plan), resume=resume, attrs=attrs,
+        dataset_id=dataset_id_for(schema, shard_size, kept_samples, attrs),
     )
-    rows = [{"k": k, "start": starts[k], "stop": starts[k + 1]} for k in range(len(counts))]
+    starts = np.concatenate([[0], np.cumsum(plan.counts)]).astype(np.int64)
+    los = plan.source_index(starts[:-1])
+    his = plan.source_index(starts[1:] - 1) + 1
+    rows = [{"k": k, "start": int(starts[k]), "stop": int(starts[k + 1]), "lo": int(los[k]), "hi": int(his[k])}
+            for k in range(len(plan.counts))]
     shards = ray.data.from_items(rows, override_num_blocks=len(rows))
     shards.write_datasink(sink, concurrency=concurrency)
     assert sink.manifest is not None
@@ -599,7 +476,9 @@ def _write(
     for d in sink.done:
         if not d.kept:
             per_node[d.node] = per_node.get(d.node, 0) + 1
-    return RayWriteResult(sink.manifest, per_node, sum(d.kept for d in sink.done))
+    skipped = [(name, reason) for _, name, reason in plan.skipped]
+    return RayWriteResult(sink.manifest, per_node, sum(d.kept for d in sink.done), skipped,
+                          output.path(SKIP_REPORT_NAME) if skipped else None)
 
 
 def _connect(address: str | None) -> bool:
@@ -623,12 +502,21 @@ def convert_ray(
     kind: str | None = None,
     address: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    on_error: str = "stop",
+    decode_check: bool = True,
     **kwargs: Any,
 ) -> RayWriteResult:
-    """`fastload convert --engine ray`: a local-converter source, or Parquet / JSON lines Ray Data reads."""
+    """`fastload convert --engine ray`: a local-converter source, or Parquet / JSON lines Ray Data reads.
+
+    `on_error="skip"` leaves out the inputs that fail to read and lists them in
+    `OUT/skipped-inputs.jsonl`, as `fastload convert --on-error=skip`; `decode_check=False` does not
+    decode every image fully (`--no-decode-check`). Other keywords go to `write_ray`.
+    """
     started = _connect(address)
     try:
         if kind is None and _ray_readable(src):
+            if on_error != "stop":
+                raise ValueError(f"--on-error=skip applies to per-input sources, not {src} (read by Ray Data)")
             lower = src.lower().rstrip("/")
             if lower.endswith((".jsonl", ".json", ".ndjson")):
                 ds = ray.data.read_json(src, lines=True, filesystem=_arrow_fs(src, storage_options))
@@ -636,7 +524,8 @@ def convert_ray(
                 ds = ray.data.read_parquet(src, filesystem=_arrow_fs(src, storage_options))
             kwargs.setdefault("attrs", {"source": "ray"})
             return write_ray(ds, out, storage_options=storage_options, **kwargs)
-        return write_ray(_PathSource(src, kind), out, storage_options=storage_options, **kwargs)
+        source = PathSource(src, kind, decode_check=decode_check, on_error=on_error)
+        return write_ray(source, out, storage_options=storage_options, **kwargs)
     finally:
         if started:
             ray.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,13 +49,18 @@ def ray_session():
                 os.environ[k] = v
 
 
-def _jsonl(path, n, *, seed=0, bad_line=None):
+def _jsonl(path, n, *, seed=0, bad_line=None, bad=None):
+    """`n` JSON lines; line 4 is `bad_line` when given, and line i+1 is `bad[i]` for each i in `bad`."""
     rng = np.random.default_rng(seed)
+    bad = {3: bad_line} if bad_line else dict(bad or {})
     with open(path, "w") as fh:
         for i in range(n):
             row = {"ids": rng.integers(0, 30000, int(rng.integers(1, 120))).tolist(), "label": i, "text": f"t{i}"}
-            fh.write((bad_line if i == 3 and bad_line else json.dumps(row)) + "\n")
+            fh.write(bad.get(i, json.dumps(row)) + "\n")
     return str(path)
+
+
+UNREADABLE = {3: "{oops", 700: "[1, 2]", 701: "{", 2300: "not json"}  # inputs --on-error=skip leaves out
 
 
 def _jpeg(seed, size):
@@ -72,12 +78,16 @@ def _local(src, out, shard_size, kind=None):
     return write(source, out, schema=schema, attrs=attrs, shard_size=shard_size, workers=1, progress=False)
 
 
-def _same_files(a, b):
+def _same_files(a, b, *extra):
+    """The shards, meta.bin, index.json and `extra` files of two datasets are byte-identical."""
     names = sorted(os.listdir(os.path.join(a, "shards")))
     assert names == sorted(os.listdir(os.path.join(b, "shards")))
-    for name in ["index.json", "meta.bin"] + [f"shards/{n}" for n in names]:
+    for name in ["index.json", "meta.bin", *extra] + [f"shards/{n}" for n in names]:
         with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
-            assert fa.read() == fb.read(), name
+            want, got = fa.read(), fb.read()
+            if name == "skipped-inputs.jsonl":  # PIL names its in-memory file by address: differs run to run
+                want, got = (re.sub(rb" object at 0x[0-9a-f]+", b"", x) for x in (want, got))
+            assert want == got, name
     return len(names)
 
 
@@ -90,15 +100,35 @@ def sources(tmp_path_factory):
         for i in range(40):
             (images / cls / f"{i:03d}.jpg").write_bytes(_jpeg(c * 100 + i, (16 + i % 7, 12 + i % 5)))
     np.save(root / "x.npy", np.arange(6000 * 3, dtype=np.float32).reshape(6000, 3))
-    return {"jsonl": _jsonl(root / "a.jsonl", 2500), "imagefolder": str(images), "npy": str(root / "x.npy")}
+    return {"jsonl": _jsonl(root / "a.jsonl", 2500), "imagefolder": str(images), "npy": str(root / "x.npy"),
+            "unreadable": _jsonl(root / "bad.jsonl", 2500, bad=UNREADABLE)}
+
+
+def _convert(capsys, src, out, *flags, ray_address=None):
+    """`fastload convert` through the CLI: (exit status, stdout, stderr); local runs use one process."""
+    engine = ["--engine", "ray", "--address", ray_address] if ray_address else ["--workers", "1"]
+    code = main(["convert", str(src), str(out), "--quiet", *engine, *flags])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _said(err, out):
+    """fastload's own stderr lines (Ray logs its own there too), with the output path as OUT."""
+    return [ln.replace(str(out), "OUT") for ln in err.splitlines() if ln.startswith(("skipped ", "fastload convert:"))]
+
+
+def _local_skip_reference(capsys, src, out, *flags):
+    code, _, err = _convert(capsys, src, out, "--on-error=skip", *flags)
+    assert code == 0, err
+    return err
 
 
 @pytest.mark.parametrize("kind, shard_size", [("jsonl", "32KiB"), ("imagefolder", "8KiB"), ("npy", "16KiB")])
 def test_same_bytes_as_local_converter(ray_session, sources, tmp_path, kind, shard_size):
-    from fastload.formats.ray_io import _PathSource, write_ray
+    from fastload.formats.ray_io import PathSource, write_ray
 
     _local(sources[kind], tmp_path / "local", shard_size)
-    result = write_ray(_PathSource(sources[kind], None), tmp_path / "ray", shard_size=shard_size)
+    result = write_ray(PathSource(sources[kind], None), tmp_path / "ray", shard_size=shard_size)
     assert _same_files(tmp_path / "local", tmp_path / "ray") >= 4  # shards, meta.bin and index.json, byte for byte
     assert verify_dataset(tmp_path / "ray") == []
     assert sum(result.shards_per_node.values()) == len(result.manifest.shards) and result.kept == 0
@@ -133,13 +163,13 @@ def test_ray_dataset_round_trip_and_read_ray(ray_session, tmp_path):
 
 
 def test_bad_record_fails_like_local_and_leaves_no_dataset(ray_session, tmp_path):
-    from fastload.formats.ray_io import _PathSource, write_ray
+    from fastload.formats.ray_io import PathSource, write_ray
 
     src = _jsonl(tmp_path / "bad.jsonl", 600, bad_line='{"ids": [1, 2], "label": "x", "text": "t"}')
     with pytest.raises(SchemaError) as local:
         _local(src, tmp_path / "local", "16KiB")
     with pytest.raises(SchemaError) as remote:
-        write_ray(_PathSource(src, None), tmp_path / "ray", shard_size="16KiB")
+        write_ray(PathSource(src, None), tmp_path / "ray", shard_size="16KiB")
     assert str(remote.value) == str(local.value)
     assert "sample 3" in str(remote.value) and "'label'" in str(remote.value)
     assert not os.path.exists(tmp_path / "ray" / "index.json")
@@ -159,7 +189,7 @@ def _ray_workers(name_part):
 
 
 def test_killed_worker_is_retried_without_lost_or_doubled_samples(ray_session, sources, tmp_path):
-    from fastload.formats.ray_io import _PathSource, write_ray
+    from fastload.formats.ray_io import PathSource, write_ray
 
     _local(sources["jsonl"], tmp_path / "local", "8KiB")
     killed = []
@@ -181,7 +211,7 @@ def test_killed_worker_is_retried_without_lost_or_doubled_samples(ray_session, s
     t = threading.Thread(target=killer)
     t.start()
     try:
-        result = write_ray(_PathSource(sources["jsonl"], None), tmp_path / "ray", shard_size="8KiB")
+        result = write_ray(PathSource(sources["jsonl"], None), tmp_path / "ray", shard_size="8KiB")
     finally:
         t.join()
     assert killed, "no Ray write worker was running to kill"
@@ -190,13 +220,27 @@ def test_killed_worker_is_retried_without_lost_or_doubled_samples(ray_session, s
     assert not [n for n in os.listdir(tmp_path / "ray" / "shards") if ".part-" in n or n.endswith(".tmp")]
 
 
-def test_driver_killed_then_resume_keeps_finished_shards(ray_session, sources, tmp_path):
-    from fastload.formats.ray_io import _PathSource, write_ray
+def _finished_shards(out):
+    """{name: (inode, mtime_ns)} of the finished shards in `out`, once no Ray task renames any more."""
+    last, stable_since, deadline = None, time.monotonic(), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = {e.name: (e.inode(), e.stat().st_mtime_ns) for e in os.scandir(out / "shards") if e.name.endswith(".fls")}
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        elif time.monotonic() - stable_since > 2.0:  # the killed job's tasks are gone
+            return now
+        time.sleep(0.1)
+    raise AssertionError("shards kept appearing after the driver was killed")
 
-    out = tmp_path / "ray"
-    _local(sources["jsonl"], tmp_path / "local", "8KiB")
-    cmd = [sys.executable, "-m", "fastload.cli", "convert", sources["jsonl"], str(out), "--engine", "ray",
-           "--address", ray_session, "--shard-size", "8KiB", "--quiet"]
+
+def test_cli_driver_killed_then_cli_resume_keeps_finished_shards(ray_session, sources, tmp_path, capsys):
+    """SIGKILL a `fastload convert --engine ray --on-error=skip` mid-job, then run the same command with
+    --resume: the shards finished before the kill stay untouched (same inode and mtime), the rest are
+    written, and the result (report included) is byte-identical to a local conversion."""
+    out, flags = tmp_path / "ray", ["--shard-size", "8KiB", "--on-error=skip"]
+    expected_err = _local_skip_reference(capsys, sources["unreadable"], tmp_path / "local", *flags)
+    cmd = [sys.executable, "-m", "fastload.cli", "convert", sources["unreadable"], str(out), "--quiet",
+           "--engine", "ray", "--address", ray_session, *flags]
     proc = subprocess.Popen(cmd, env={**os.environ, **RAY_ENV}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -213,22 +257,27 @@ def test_driver_killed_then_resume_keeps_finished_shards(ray_session, sources, t
     assert not (out / "index.json").exists()
     with pytest.raises(Exception, match="index.json"):
         FastloadDataset(out)
-    finished = len([n for n in os.listdir(out / "shards") if n.endswith(".fls")])
-    result = write_ray(_PathSource(sources["jsonl"], None), out, shard_size="8KiB", resume=True)
-    assert result.kept >= min(finished, 5) - 2  # the last renames may race the kill; the rest are kept
-    assert result.kept >= 1
-    _same_files(tmp_path / "local", out)
+    finished = _finished_shards(out)
+    assert len(finished) >= 5
+    code, stdout, err = _convert(capsys, sources["unreadable"], out, *flags, "--resume", ray_address=ray_session)
+    assert code == 0, err
+    assert f", {len(finished)} kept from the interrupted run" in stdout
+    after = {e.name: (e.inode(), e.stat().st_mtime_ns) for e in os.scandir(out / "shards")}
+    assert {name: after[name] for name in finished} == finished  # not rewritten, not replaced
+    assert len(after) > len(finished)
+    _same_files(tmp_path / "local", out, "skipped-inputs.jsonl")
+    assert _said(err, out) == _said(expected_err, tmp_path / "local") != []
     assert verify_dataset(out) == []
 
 
 def test_s3_output_and_read_back(ray_session, sources, tmp_path, moto, s3_bucket):  # noqa: F811
     from fastload.dataset import open_dataset
-    from fastload.formats.ray_io import _PathSource, read_ray, write_ray
+    from fastload.formats.ray_io import PathSource, read_ray, write_ray
 
     opts = storage_options(moto.endpoint)
     url = f"s3://{s3_bucket}/data/ds"
     _local(sources["jsonl"], tmp_path / "local", "32KiB")
-    result = write_ray(_PathSource(sources["jsonl"], None), url, shard_size="32KiB", storage_options=opts)
+    result = write_ray(PathSource(sources["jsonl"], None), url, shard_size="32KiB", storage_options=opts)
     client = moto.client()
     for name in ["index.json", "meta.bin"] + [s.file for s in result.manifest.shards]:
         body = client.get_object(Bucket=s3_bucket, Key=f"data/ds/{name}")["Body"].read()
@@ -256,9 +305,8 @@ def test_cli_engine_ray_and_overwrite_rules(ray_session, sources, tmp_path, caps
     assert verify_dataset(out) == []
     assert main(["convert", sources["npy"], out + "2", "--address", "x:1"]) == 2
     assert "--address needs --engine ray" in capsys.readouterr().err
-    for flag in ("--on-error=skip", "--upgrade", "--no-decode-check"):  # refused, never silently ignored
-        assert main(args[:-1] + [flag]) == 2
-        assert f"{flag} cannot be used with --engine ray" in capsys.readouterr().err
+    assert main(args + ["--on-error=skip", "--overwrite"]) == 2  # as locally: npy has no per-input reads
+    assert "--on-error=skip applies to per-input sources, not " in capsys.readouterr().err
 
 
 def test_parquet_source(ray_session, tmp_path):
@@ -276,3 +324,67 @@ def test_parquet_source(ray_session, tmp_path):
     ds = FastloadDataset(tmp_path / "out")
     assert len(ds) == 900 and len(result.manifest.shards) >= 2
     assert [ds[i]["a"] for i in range(900)] == list(range(900)) and ds[899]["s"] == "r899"
+
+
+def test_on_error_skip_same_shards_and_report_as_local(ray_session, sources, tmp_path, capsys):
+    flags = ["--shard-size", "8KiB"]
+    expected_err = _local_skip_reference(capsys, sources["unreadable"], tmp_path / "local", *flags)
+    code, _, err = _convert(capsys, sources["unreadable"], tmp_path / "ray", "--on-error=skip", *flags,
+                            ray_address=ray_session)
+    assert code == 0, err
+    assert _same_files(tmp_path / "local", tmp_path / "ray", "skipped-inputs.jsonl") >= 20
+    report = [json.loads(line) for line in (tmp_path / "ray" / "skipped-inputs.jsonl").read_text().splitlines()]
+    assert [r["input"] for r in report] == [f"{sources['unreadable']}:{i + 1} (line of sample {i})" for i in UNREADABLE]
+    assert "is not valid JSON" in report[0]["reason"] and "not a JSON object" in report[1]["reason"]
+    assert _said(err, tmp_path / "ray") == _said(expected_err, tmp_path / "local") != []
+    assert "skipped 4 input(s) that failed to read" in err
+    assert len(FastloadDataset(tmp_path / "ray")) == 2500 - len(UNREADABLE)
+
+
+def test_on_error_skip_then_a_bad_field_stops_with_the_local_error(ray_session, tmp_path, capsys):
+    # Lines that do not read are left out; a line that reads but does not fit the schema stops both
+    # engines, named by its position among the samples kept (here 1 before it is left out).
+    src = _jsonl(tmp_path / "a.jsonl", 1500, bad={2: "{", 1200: '{"ids": [1], "label": "x", "text": "t"}'})
+    local = _convert(capsys, src, tmp_path / "local", "--on-error=skip", "--shard-size", "8KiB")
+    remote = _convert(capsys, src, tmp_path / "ray", "--on-error=skip", "--shard-size", "8KiB",
+                      ray_address=ray_session)
+    assert local[0] == remote[0] == 2
+    assert _said(remote[2], tmp_path / "ray") == _said(local[2], tmp_path / "local") != []
+    assert "sample 1199" in remote[2] and "'label'" in remote[2]
+    assert not (tmp_path / "ray" / "index.json").exists()
+
+
+def test_image_folder_skip_and_no_decode_check_as_local(ray_session, tmp_path, capsys):
+    images = tmp_path / "images"
+    for c, cls in enumerate(("ant", "bee")):
+        (images / cls).mkdir(parents=True)
+        for i in range(30):
+            (images / cls / f"{i:03d}.jpg").write_bytes(_jpeg(c * 100 + i, (20, 16)))
+    whole = (images / "ant" / "004.jpg").read_bytes()
+    (images / "ant" / "004.jpg").write_bytes(whole[:-40])  # truncated: its header is intact
+    (images / "bee" / "017.jpg").write_bytes(b"not an image at all")
+    for name, flags in (("checked", []), ("unchecked", ["--no-decode-check"])):
+        flags = ["--shard-size", "8KiB", *flags]
+        expected_err = _local_skip_reference(capsys, images, tmp_path / f"local-{name}", *flags)
+        code, _, err = _convert(capsys, images, tmp_path / name, "--on-error=skip", *flags, ray_address=ray_session)
+        assert code == 0, err
+        assert _same_files(tmp_path / f"local-{name}", tmp_path / name, "skipped-inputs.jsonl") >= 3
+        assert _said(err, tmp_path / name) == _said(expected_err, tmp_path / f"local-{name}") != []
+        skipped = [json.loads(line)["input"] for line in (tmp_path / name / "skipped-inputs.jsonl").open()]
+        truncated = [str(images / "ant" / "004.jpg")] if name == "checked" else []
+        assert skipped == truncated + [str(images / "bee" / "017.jpg")]
+    assert len(FastloadDataset(tmp_path / "unchecked")) == len(FastloadDataset(tmp_path / "checked")) + 1
+
+
+@pytest.mark.filterwarnings("ignore:.*version-1")
+def test_upgrade_same_bytes_as_local(ray_session, sources, tmp_path, capsys):
+    from test_integrity import _downgrade_to_v1
+
+    _local(sources["jsonl"], tmp_path / "v2", "16KiB")
+    _downgrade_to_v1(tmp_path / "v2", tmp_path / "v1")
+    flags = ["--upgrade", "--shard-size", "16KiB"]
+    assert _convert(capsys, tmp_path / "v1", tmp_path / "local", *flags)[0] == 0
+    code, _, err = _convert(capsys, tmp_path / "v1", tmp_path / "ray", *flags, ray_address=ray_session)
+    assert code == 0, err
+    assert _same_files(tmp_path / "local", tmp_path / "ray") >= 4
+    assert verify_dataset(tmp_path / "ray") == []
