@@ -178,11 +178,15 @@ def test_bad_record_fails_like_local_and_leaves_no_dataset(ray_session, tmp_path
 
 
 def _ray_workers(name_part):
+    """Ray workers of this test process's own cluster (its descendants: other users' Ray jobs are left alone)."""
     import psutil
 
     out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
         if cmd.startswith("ray::") and name_part in cmd:
             out.append(p)
     return out

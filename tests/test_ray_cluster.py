@@ -3,6 +3,7 @@ packaging: nothing imports Ray unless asked, and a clear error names the extra w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,25 +30,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _wait_nodes(ray_bin, port, count, env, timeout=120.0):
-    """Until `count` nodes are alive in the cluster at 127.0.0.1:port."""
-    deadline = time.monotonic() + timeout
-    # Cheap first: the raylets' processes exist (a `ray status` call costs a Python start-up each).
-    def raylets():
-        return sum("raylet" in " ".join(p.info["cmdline"] or []) for p in _processes_of(port))
-
-    while time.monotonic() < deadline and raylets() < count:
-        time.sleep(0.2)
-    while time.monotonic() < deadline:
-        res = subprocess.run([ray_bin, "status", f"--address=127.0.0.1:{port}"], env=env, capture_output=True,
-                             text=True, timeout=60)
-        active = res.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in res.stdout else ""
-        if active.count("node_") >= count:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"the Ray cluster on port {port} has fewer than {count} nodes after {timeout}s")
-
-
 def _forget_cluster(port):
     """Remove Ray's pointer to the stopped test cluster (what `ray stop` does), so `ray.init()` starts afresh."""
     marker = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
@@ -72,9 +54,33 @@ def _processes_of(port):
     return out
 
 
+def _stop(nodes, port):
+    """SIGKILL every process of the test cluster: the `ray start` processes' groups, then whatever they
+    started outside them (workers), and wait for each; Ray's pointer to the cluster goes too."""
+    import psutil
+
+    procs = []
+    for node in nodes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs += [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+    for node in nodes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGKILL)
+    for proc in procs + _processes_of(port):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=30)
+    for node in nodes:
+        node.wait(30)
+    _forget_cluster(port)
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 @pytest.mark.ray
-def test_two_raylets_write_shards_byte_identical_to_local(tmp_path):
-    pytest.importorskip("ray")
+def test_two_raylets_write_shards_byte_identical_to_local(tmp_path, monkeypatch, capsys):
+    ray = pytest.importorskip("ray")
+    from fastload.cli import main
+
     rng = np.random.default_rng(1)
     src = tmp_path / "a.jsonl"
     with open(src, "w") as fh:
@@ -83,39 +89,38 @@ def test_two_raylets_write_shards_byte_identical_to_local(tmp_path):
     source, schema, attrs = open_source(str(src))
     write(source, tmp_path / "local", schema=schema, attrs=attrs, shard_size="16KiB", progress=False)
 
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    env = {**os.environ, **RAY_ENV}
+    for k, v in RAY_ENV.items():
+        monkeypatch.setenv(k, v)
     port = _free_port()
-    small = ["--num-cpus=1", "--object-store-memory=78643200", "--block"]
-    # `ray start --block` in the foreground, one per node, each terminated by this test: it stops that
-    # node's processes (`ray stop` would stop every Ray process on the machine, other users' too).
-    nodes = [subprocess.Popen([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                               "--disable-usage-stats", *small], env=env, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    # This interpreter runs the nodes (so their workers import this checkout's fastload, whatever the
+    # `ray` script's shebang says); both nodes start at once, the second waits for the head itself.
+    ray_start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--num-cpus=1",
+                 "--object-store-memory=78643200", "--block"]
+    head = [*ray_start, "--head", f"--port={port}", "--include-dashboard=false", "--disable-usage-stats"]
+    nodes = [subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for cmd in (head, [*ray_start, f"--address=127.0.0.1:{port}"])]
     try:
-        _wait_nodes(ray_bin, port, 1, env)
-        nodes.append(subprocess.Popen([ray_bin, "start", f"--address=127.0.0.1:{port}", *small], env=env,
-                                      start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        _wait_nodes(ray_bin, port, 2, env)
-        out = subprocess.run(
-            [sys.executable, "-m", "fastload.cli", "convert", str(src), str(tmp_path / "ray"), "--engine", "ray",
-             "--address", f"127.0.0.1:{port}", "--shard-size", "16KiB", "--quiet"],
-            env=env, capture_output=True, text=True, timeout=240,
-        )
-    finally:
-        for node in reversed(nodes):
-            node.terminate()
+        deadline = time.monotonic() + 120
+        while True:
             try:
-                node.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
-        for proc in _processes_of(port):
-            proc.kill()
-        _forget_cluster(port)
-    assert not _processes_of(port), "Ray processes of the test cluster outlived it"
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "written by tasks on 2 nodes," in out.stdout, out.stdout
+                ray.init(address=f"127.0.0.1:{port}", logging_level="WARNING", log_to_driver=False)
+                break
+            except ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        while sum(n["Alive"] for n in ray.nodes()) < 2:
+            assert time.monotonic() < deadline, "the second Ray node did not join"
+            time.sleep(0.2)
+        code = main(["convert", str(src), str(tmp_path / "ray"), "--engine", "ray", "--address",
+                     f"127.0.0.1:{port}", "--shard-size", "16KiB", "--quiet"])
+        out = capsys.readouterr()
+    finally:
+        ray.shutdown()
+        left = _stop(nodes, port)
+    assert not left and not _processes_of(port), "Ray processes of the test cluster outlived it"
+    assert code == 0, out.err[-3000:]
+    assert "written by tasks on 2 nodes," in out.out, out.out
     names = sorted(os.listdir(tmp_path / "local" / "shards"))
     assert len(names) >= 4 and names == sorted(os.listdir(tmp_path / "ray" / "shards"))
     for name in ["index.json", "meta.bin"] + [f"shards/{n}" for n in names]:
