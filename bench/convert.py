@@ -102,6 +102,7 @@ def _jpeg_folder(root: str, count: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (or, with `--one`, one timed conversion in this process); returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--one":
         engine, src, out, kind, shard_size, address = argv[1:7]

@@ -80,20 +80,25 @@ class _Output:
 
     @property
     def remote(self) -> bool:
+        """True for an fsspec URL, False for a local directory."""
         return _is_url(self.root)
 
     def fs(self) -> Any:
+        """The fsspec filesystem of a URL output."""
         import fsspec
 
         return fsspec.core.url_to_fs(self.root, **self.storage_options)[0]
 
     def path(self, name: str) -> str:
+        """The path or URL of `name` under the output root."""
         return f"{self.root.rstrip('/')}/{name}" if self.remote else os.path.join(self.root, name)
 
     def exists(self, name: str) -> bool:
+        """Whether `name` exists under the output root."""
         return self.fs().exists(self.path(name)) if self.remote else os.path.exists(self.path(name))
 
     def read(self, name: str) -> bytes | None:
+        """The bytes of `name`, or None when it does not exist."""
         try:
             if self.remote:
                 return self.fs().cat_file(self.path(name))
@@ -103,6 +108,7 @@ class _Output:
             return None
 
     def put_bytes(self, name: str, data: bytes) -> None:
+        """Write `name` whole: a local file through a temporary name, fsync and rename; a URL in one PUT."""
         if self.remote:
             self.fs().pipe_file(self.path(name), data)
             return
@@ -114,6 +120,7 @@ class _Output:
         os.replace(tmp, self.path(name))
 
     def remove(self, name: str) -> None:
+        """Delete `name` if it exists."""
         with contextlib.suppress(FileNotFoundError):
             if self.remote:
                 self.fs().rm_file(self.path(name))
@@ -559,10 +566,12 @@ class FastloadDatasource(Datasource):
             ds.close()
 
     def estimate_inmemory_data_size(self) -> int:
+        """Bytes of the shards (what Ray Data plans memory with)."""
         return sum(self.shard_bytes)
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context: Any = None) -> list[ReadTask]:
+        """About `parallelism` read tasks, each reading a run of whole shards in order (at most one per shard)."""
         n = len(self.shard_bytes)
         groups = np.array_split(np.arange(n), max(1, min(parallelism, n)))
         tasks = []
