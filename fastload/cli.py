@@ -58,6 +58,7 @@ def _convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
         attrs=attrs,
+        resume_command=_resume_command(args.argv),
     )
     if skipping is not None and skipping.skipped:
         report = os.path.join(args.out, "skipped-inputs.jsonl")
@@ -67,6 +68,14 @@ def _convert(args: argparse.Namespace) -> int:
     print(f"wrote {plural(manifest.num_samples, 'sample')} in {plural(len(manifest.shards), 'shard')} "
           f"({format_size(total)}) to {args.out}")
     return 0
+
+
+def _resume_command(argv: Sequence[str]) -> str:
+    """The exact command that continues this conversion: the same arguments with --resume."""
+    import shlex
+
+    kept = [a for a in argv if a not in ("--resume", "--overwrite")]
+    return shlex.join(["fastload", *kept, "--resume"])
 
 
 def _convert_ray(args: argparse.Namespace) -> int:
@@ -253,15 +262,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `fastload` command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_command(argv)).parse_args(argv)
+    args.argv = argv
     from fastload.formats.errors import FormatError, SchemaError
 
     try:
         return int(args.func(args) or 0)
-    except (FormatError, SchemaError, FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
-        print(f"fastload {args.command}: error: {exc}", file=sys.stderr)
+    except (FormatError, SchemaError, OSError, ValueError, ImportError) as exc:
+        notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+        print(f"fastload {args.command}: error: {exc}{notes}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"fastload {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"fastload {args.command}: {exc or 'interrupted'}", file=sys.stderr)
         return 130
 
 
