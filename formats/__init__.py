@@ -13,6 +13,7 @@ from .manifest import Manifest
 from .ragged import Ragged
 from .reader import FastloadDataset
 from .schema import Field, Schema
+from .shapes import ShapedBatch
 from .storage import LocalStorage, Storage
 from .units import parse_size
 from .writer import BlockSource, write
@@ -31,6 +32,7 @@ __all__ = [
     "Ragged",
     "Schema",
     "SchemaError",
+    "ShapedBatch",
     "Storage",
     "parse_size",
     "read_ray",

@@ -94,7 +94,7 @@ def section_table(schema: Schema, num_samples: int, blob_bytes: Sequence[int]) -
         entry = table[k]
         entry["kind"] = KIND_CODES[f.kind]
         entry["field_xxh3"] = field_xxh3(f)
-        if f.is_fixed or f.kind == "image":
+        if f.has_fixed_column:
             if f.kind == "ndarray":
                 pos = align_up(pos, COLUMN_ALIGN)
             entry["item_bytes"] = f.item_bytes
