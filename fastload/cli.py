@@ -38,7 +38,8 @@ def _convert(args: argparse.Namespace) -> int:
     from fastload.formats.units import format_size, plural
 
     source, schema, attrs = open_source(
-        args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check
+        args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check,
+        labels=args.labels,
     )
     skipping = None
     if args.on_error == "skip":
@@ -80,7 +81,8 @@ def _resume_command(argv: Sequence[str]) -> str:
 
 def _convert_ray(args: argparse.Namespace) -> int:
     unsupported = [flag for flag, used in (("--on-error=skip", args.on_error == "skip"), ("--upgrade", args.upgrade),
-                                           ("--no-decode-check", args.no_decode_check)) if used]
+                                           ("--no-decode-check", args.no_decode_check),
+                                           ("--labels", args.labels is not None)) if used]
     if unsupported:
         print(f"fastload convert: error: {', '.join(unsupported)} cannot be used with --engine ray; "
               "convert with the local engine, or leave them out (Ray stops at the first bad input, naming it)",
@@ -204,7 +206,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
-    p.add_argument("src", help="source path (image folder, .npy file/dir, .jsonl, LMDB dir, HDF5 file; with "
+    p.add_argument("src", help="source path (image folder, .npy file/dir, tokens.npy+offsets.npy dir, Megatron "
+                   "PREFIX(.bin/.idx), .jsonl, LMDB dir, HDF5 file, HF save_to_disk dir, Parquet; with "
                    "--engine ray also Parquet files or any fsspec URL of Parquet / JSON lines)")
     p.add_argument("out", help="output dataset directory (with --engine ray also an fsspec URL, e.g. s3://b/ds)")
     if command == "convert":  # the source kinds live in fastload.formats, which imports numpy
@@ -229,6 +232,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="an input that fails to read or decode: stop naming it (default), or leave it out and list it "
         "in OUT/skipped-inputs.jsonl",
     )
+    p.add_argument("--labels", default=None, metavar="FILE",
+                   help="image folder: labels file (CSV rows file,label or a JSON object file -> label); "
+                   "SRC/labels.csv or labels.json are used when present")
     p.add_argument("--no-decode-check", action="store_true", help="do not decode every image fully while converting")
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data tasks on a cluster (needs fastload[ray])")

@@ -7,9 +7,11 @@ lines, LMDB) that `write()` encodes in worker processes.
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +19,8 @@ import numpy as np
 
 from .columns import Block, image_size
 from .errors import FormatError, SchemaError
+from .megatron import megatron_paths
+from .npy_files import is_column_folder
 from .schema import Field, Schema, infer_field
 from .writer import BlockSource
 
@@ -31,42 +35,68 @@ __all__ = [
     "open_source",
 ]
 
-SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5", "hf", "fastload")
+SOURCE_KINDS = (
+    "imagefolder", "npy", "npyfiles", "tokens", "megatron", "jsonl", "lmdb", "hdf5", "hf", "parquet", "fastload"
+)
+LABEL_FILES = ("labels.csv", "labels.json")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 _BLOCK_ROWS = 8192
+_FILE_KINDS = (
+    ("npy", (".npy",)),
+    ("jsonl", (".jsonl", ".json", ".ndjson")),
+    ("hdf5", (".h5", ".hdf5", ".hdf")),
+    ("lmdb", (".mdb",)),
+    ("parquet", (".parquet",)),
+    ("megatron", (".bin", ".idx")),
+)
 
 
 def detect_kind(src: str) -> str:
     """Guess the source kind from the path; raise naming the path when it cannot."""
     if os.path.isfile(src):
-        lower = src.lower()
-        if lower.endswith(".npy"):
-            return "npy"
-        if lower.endswith((".jsonl", ".json", ".ndjson")):
-            return "jsonl"
-        if lower.endswith((".h5", ".hdf5", ".hdf")):
-            return "hdf5"
-        if lower.endswith(".mdb"):
-            return "lmdb"
-        with open(src, "rb") as fh:
-            magic = fh.read(8)
-        if magic == b"\x89HDF\r\n\x1a\n":
-            return "hdf5"
-        raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
+        return _file_kind(src)
     if os.path.isdir(src):
-        entries = os.listdir(src)
-        if "index.json" in entries:
-            return "fastload"
-        if "data.mdb" in entries:
-            return "lmdb"
-        if {"state.json", "dataset_info.json"} <= set(entries) or "dataset_dict.json" in entries:
-            return "hf"  # a Hugging Face `save_to_disk` directory (see hf_datasets.py)
-        if entries and all(e.endswith(".npy") for e in entries if not e.startswith(".")):
-            return "npy"
-        if any(os.path.isdir(os.path.join(src, e)) for e in entries):
-            return "imagefolder"
-        raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
+        return _folder_kind(src)
+    if megatron_paths(src) is not None:
+        return "megatron"  # a Megatron prefix: PREFIX.bin + PREFIX.idx
     raise FileNotFoundError(f"source {src!r} does not exist")
+
+
+def _file_kind(src: str) -> str:
+    lower = src.lower()
+    for kind, extensions in _FILE_KINDS:
+        if lower.endswith(extensions) and (kind != "megatron" or megatron_paths(src) is not None):
+            return kind
+    with open(src, "rb") as fh:
+        magic = fh.read(8)
+    if magic == b"\x89HDF\r\n\x1a\n":
+        return "hdf5"
+    raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
+
+
+def _folder_kind(src: str) -> str:
+    entries = [e for e in os.listdir(src) if not e.startswith(".")]
+    names = set(entries)
+    if "index.json" in names:
+        return "fastload"
+    if "data.mdb" in names:
+        return "lmdb"
+    if {"state.json", "dataset_info.json"} <= names or "dataset_dict.json" in names:
+        return "hf"  # a Hugging Face `save_to_disk` directory (see hf_datasets.py)
+    if {"tokens.npy", "offsets.npy"} <= names:
+        return "tokens"
+    data = [e for e in entries if e != "meta.json"]
+    if data and all(e.endswith(".npy") for e in data):
+        return "npy" if is_column_folder(src) else "npyfiles"
+    if data and all(e.endswith(".parquet") for e in data):
+        return "parquet"
+    if any(os.path.isdir(os.path.join(src, e)) or _is_image(e) for e in entries):
+        return "imagefolder"
+    shown = ", ".join(sorted(entries)[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    raise FormatError(
+        f"{src}: cannot tell the source kind from its files ({shown or 'none'}); "
+        f"pass --kind ({', '.join(SOURCE_KINDS)})"
+    )
 
 
 def check_image(data: bytes, where: str) -> None:
@@ -82,25 +112,49 @@ def check_image(data: bytes, where: str) -> None:
 
 
 class ImageFolder:
-    """`root/<class>/<image>` → ``{"image": encoded bytes, "label": class index}``, classes and files sorted.
+    """Images and labels → ``{"image": encoded bytes, "label": int}``, files sorted.
 
+    Labels come from `labels` (a CSV of ``file,label`` rows or a JSON object ``{file: label}``,
+    files relative to `root`; ``labels.csv`` / ``labels.json`` in `root` are used when present),
+    else from class subfolders (`root/<class>/<image>`, classes sorted). String labels become class
+    indices (`classes`, sorted); integer labels are kept as they are (`classes` is None). A folder
+    without class subfolders (or with one) and no labels file warns that every label is 0.
     With `decode_check` (default) every image is decoded fully as it is read; errors name the file.
     """
 
-    def __init__(self, root: str, *, decode_check: bool = True) -> None:
+    def __init__(self, root: str, *, decode_check: bool = True, labels: str | None = None) -> None:
         self.root = root
         self.decode_check = decode_check
-        self.classes = sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)))
-        self.files: list[tuple[str, int]] = []
-        for label, cls in enumerate(self.classes):
+        if labels is None:
+            labels = next((p for p in (os.path.join(root, n) for n in LABEL_FILES) if os.path.isfile(p)), None)
+        self.labels_file = labels
+        self.classes: list[str] | None
+        if labels is not None:
+            self.files, self.classes = labelled_images(root, labels)
+        else:
+            self.files, self.classes = self._from_subfolders(root)
+        if not self.files:
+            raise FormatError(f"{root}: no images found (expected {root}/<class>/<image>.jpg or a labels file)")
+        self.schema = Schema((Field("image", "image"), Field("label", "scalar", np.dtype(np.int64))))
+
+    @staticmethod
+    def _from_subfolders(root: str) -> tuple[list[tuple[str, int]], list[str]]:
+        classes = sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)))
+        files: list[tuple[str, int]] = []
+        for label, cls in enumerate(classes):
             for dirpath, dirnames, filenames in os.walk(os.path.join(root, cls)):
                 dirnames.sort()
-                self.files += [
-                    (os.path.join(dirpath, f), label) for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS)
-                ]
-        if not self.files:
-            raise FormatError(f"{root}: no images found (expected {root}/<class>/<image>.jpg)")
-        self.schema = Schema((Field("image", "image"), Field("label", "scalar", np.dtype(np.int64))))
+                files += [(os.path.join(dirpath, f), label) for f in sorted(filenames) if _is_image(f)]
+        loose = sorted(e for e in os.listdir(root) if _is_image(e) and os.path.isfile(os.path.join(root, e)))
+        if not classes and loose:
+            files, classes = [(os.path.join(root, f), 0) for f in loose], [""]
+        if len(classes) == 1 and files:
+            warnings.warn(
+                f"{root}: no class subfolders to tell labels apart, so every label is 0; pass a labels file "
+                f"(--labels FILE: CSV rows file,label or a JSON object) or use {root}/<class>/<image>",
+                stacklevel=3,
+            )
+        return files, classes
 
     def __len__(self) -> int:
         return len(self.files)
@@ -119,7 +173,65 @@ class ImageFolder:
         return {"image": data, "label": label}
 
     def describe(self, i: int) -> str:
+        """The file sample `i` comes from (for error reports)."""
         return self.files[i][0]
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
+
+
+def _read_labels(path: str) -> dict[str, Any]:
+    """{relative file: label} from a CSV (``file,label`` rows, an optional header) or a JSON object."""
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            if path.lower().endswith(".json"):
+                table = json.load(fh)
+                if not isinstance(table, dict):
+                    raise FormatError(f"{path}: expected a JSON object mapping file -> label")
+                return table
+            rows = [r for r in csv.reader(fh) if r]
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{path}: cannot read the labels file ({exc})") from exc
+    if rows and rows[0][0].strip().lower() in ("file", "filename", "path", "image"):
+        rows = rows[1:]
+    bad = [i for i, r in enumerate(rows) if len(r) != 2]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise FormatError(f"{path}: row {bad[0] + 1} is {rows[bad[0]]!r}, expected file,label{more}")
+    return {r[0].strip(): r[1].strip() for r in rows}
+
+
+def _relative(name: str) -> str:
+    name = name.replace("\\", "/")
+    return name[2:] if name.startswith("./") else name
+
+
+def labelled_images(root: str, labels: str) -> tuple[list[tuple[str, int]], list[str] | None]:
+    """(files with labels, class names or None) from the labels file `labels` for the images under
+    `root`; every image needs a label and every label an image (errors name the first of each kind)."""
+    table = _read_labels(labels)
+    found = {
+        os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+        for d, _, fs in os.walk(root)
+        for f in fs
+        if _is_image(f)
+    }
+    listed = {_relative(k): v for k, v in table.items()}
+    odd = [k for k, v in listed.items() if not isinstance(v, (str, int)) or isinstance(v, bool)]
+    if odd:
+        raise FormatError(f"{labels}: the label of {odd[0]} is {listed[odd[0]]!r}; labels are strings or integers")
+    for what, names in (("lists files that are not images under " + root, sorted(set(listed) - found)),
+                        ("has no label for images under " + root, sorted(found - set(listed)))):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise FormatError(f"{labels} {what}: {names[0]}{more}")
+    values = [listed[k] for k in sorted(listed)]
+    if all(isinstance(v, int) or v.lstrip("-").isdigit() for v in values):
+        return [(os.path.join(root, k), int(listed[k])) for k in sorted(listed)], None
+    classes = sorted({str(v) for v in values})
+    index = {c: i for i, c in enumerate(classes)}
+    return [(os.path.join(root, k), index[str(listed[k])]) for k in sorted(listed)], classes
 
 
 class SkipBadInputs:
@@ -219,39 +331,6 @@ def _json_field(name: str, value: Any, path: str) -> Field:
     return infer_field(name, value)
 
 
-def _npy_source(src: str) -> BlockSource:
-    paths = (
-        [src] if os.path.isfile(src) else sorted(os.path.join(src, e) for e in os.listdir(src) if e.endswith(".npy"))
-    )
-    arrays = {}
-    for p in paths:
-        try:
-            arrays[os.path.splitext(os.path.basename(p))[0] if len(paths) > 1 else "data"] = np.load(
-                p, mmap_mode="r", allow_pickle=False
-            )
-        except ValueError as exc:
-            raise FormatError(f"{p}: cannot read as a numeric .npy array ({exc})") from exc
-    lengths = {k: len(a) if a.ndim else 0 for k, a in arrays.items()}
-    if len(set(lengths.values())) != 1:
-        raise FormatError(f"{src}: arrays differ in length (first dimension): {lengths}")
-    n = next(iter(lengths.values()))
-    schema = Schema(
-        tuple(
-            Field(k, "scalar", a.dtype) if a.ndim == 1 else Field(k, "ndarray", a.dtype, a.shape[1:])
-            for k, a in arrays.items()
-        )
-    )
-
-    def block(s: int, e: int) -> Block:
-        return Block(e - s, {k: np.ascontiguousarray(a[s:e]) for k, a in arrays.items()})
-
-    def blocks(start: int) -> Iterator[Block]:
-        for s in range(start, n, _BLOCK_ROWS):
-            yield block(s, min(s + _BLOCK_ROWS, n))
-
-    return BlockSource(schema=schema, num_samples=n, blocks=blocks, block=block)
-
-
 def _hdf5_source(src: str) -> BlockSource | Any:
     from .hdf5_dataset import HDF5Dataset
 
@@ -300,18 +379,21 @@ def _fastload_source(src: str) -> BlockSource:
 
 
 def open_source(
-    src: str, kind: str | None = None, *, decode_check: bool = True
+    src: str, kind: str | None = None, *, decode_check: bool = True, labels: str | None = None
 ) -> tuple[Any, Schema | None, dict[str, Any]]:
     """(source for `write`, schema or None, attrs to store in the manifest); `decode_check`: decode
-    every image of an image folder fully while converting."""
+    every image of an image folder fully while converting; `labels`: an image folder's labels file."""
     kind = kind or detect_kind(src)
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown source kind {kind!r}; expected one of {SOURCE_KINDS}")
-    if not os.path.exists(src):
+    if labels is not None and kind != "imagefolder":
+        raise ValueError(f"a labels file applies to image folders, not to a {kind} source ({src})")
+    if not os.path.exists(src) and kind != "megatron":
         raise FileNotFoundError(f"source {src!r} does not exist")
     if kind == "imagefolder":
-        folder = ImageFolder(src, decode_check=decode_check)
-        return folder, folder.schema, {"classes": folder.classes, "source": "imagefolder"}
+        folder = ImageFolder(src, decode_check=decode_check, labels=labels)
+        attrs = {"classes": folder.classes} if folder.classes is not None else {}
+        return folder, folder.schema, {**attrs, "source": "imagefolder"}
     if kind == "jsonl":
         lines = JsonLines(src)
         return lines, lines.schema, {"source": "jsonl"}
@@ -322,16 +404,35 @@ def open_source(
         if len(db) == 0:
             raise ValueError(f"{src}: the LMDB database is empty: nothing to convert")
         return db, db.schema, {"source": "lmdb"}
+    if kind in ("npy", "npyfiles", "tokens"):
+        return _npy_kind(src, kind)
+    source = _columnar(src, kind)
+    attrs = dict(source.attrs or {}) if kind == "fastload" else {"source": kind}
+    return source, source.schema, attrs
+
+
+def _npy_kind(src: str, kind: str) -> tuple[Any, Schema, dict[str, Any]]:
+    from .npy_files import npy_columns, npy_files, read_meta_json, token_source
+
+    source = {"npy": npy_columns, "npyfiles": npy_files, "tokens": token_source}[kind](src)
+    meta = read_meta_json(src) if os.path.isdir(src) else None
+    return source, source.schema, {"source": kind, **({"meta": meta} if meta is not None else {})}
+
+
+def _columnar(src: str, kind: str) -> BlockSource:
+    """The sources read as columns: fastload, HF (save_to_disk or Parquet), Megatron, HDF5."""
     if kind == "fastload":
-        source = _fastload_source(src)
-        return source, source.schema, dict(source.attrs or {})
+        return _fastload_source(src)
     if kind == "hf":
         from .hf_datasets import open_hf_dir
 
-        source = open_hf_dir(src)
-        return source, source.schema, {"source": "hf"}
-    if kind == "npy":
-        source = _npy_source(src)
-        return source, source.schema, {"source": "npy"}
-    source = _hdf5_source(src)
-    return source, source.schema, {"source": "hdf5"}
+        return open_hf_dir(src)
+    if kind == "parquet":
+        from .hf_datasets import open_parquet
+
+        return open_parquet(src)
+    if kind == "megatron":
+        from .megatron import megatron_source
+
+        return megatron_source(src)
+    return _hdf5_source(src)
