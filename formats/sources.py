@@ -12,7 +12,7 @@ import io
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -407,14 +407,15 @@ def open_source(
     if kind in ("npy", "npyfiles", "tokens"):
         return _npy_kind(src, kind)
     source = _columnar(src, kind)
-    attrs = dict(source.attrs or {}) if kind == "fastload" else {"source": kind}
-    return source, source.schema, attrs
+    stored: dict[str, Any] = dict(source.attrs or {}) if kind == "fastload" else {"source": kind}
+    return source, source.schema, stored
 
 
 def _npy_kind(src: str, kind: str) -> tuple[Any, Schema, dict[str, Any]]:
     from .npy_files import npy_columns, npy_files, read_meta_json, token_source
 
-    source = {"npy": npy_columns, "npyfiles": npy_files, "tokens": token_source}[kind](src)
+    opener: dict[str, Callable[[str], Any]] = {"npy": npy_columns, "npyfiles": npy_files, "tokens": token_source}
+    source = opener[kind](src)
     meta = read_meta_json(src) if os.path.isdir(src) else None
     return source, source.schema, {"source": kind, **({"meta": meta} if meta is not None else {})}
 
