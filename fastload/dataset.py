@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from fastload.formats import FastloadDataset
-from fastload.formats.writer import incomplete_conversion
+from fastload.formats.resume import incomplete_conversion
 
 __all__ = ["is_url", "open_dataset"]
 

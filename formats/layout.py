@@ -28,6 +28,7 @@ __all__ = [
     "align_up",
     "field_xxh3",
     "section_table",
+    "shard_name",
 ]
 
 SHARD_MAGIC = b"FLDSHARD"
@@ -69,6 +70,11 @@ ENTRY_DTYPE = np.dtype(
     ]
 )
 assert ENTRY_DTYPE.itemsize == 64
+
+
+def shard_name(k: int) -> str:
+    """Relative path of shard `k` in a dataset directory."""
+    return f"shards/shard-{k:05d}.fls"
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

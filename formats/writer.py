@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterable, Iterator
@@ -28,10 +27,20 @@ import xxhash
 
 from .columns import Block, encode_samples
 from .errors import FormatError, SchemaError
-from .layout import BLOCK_LOG2
+from .layout import shard_name
 from .manifest import MANIFEST_NAME, META_NAME, Manifest, MetaColumn
+from .resume import (
+    COMMAND_KEY,
+    PROGRESS_NAME,
+    WriteInterrupted,
+    incomplete_conversion,
+    kept_shard,
+    prepare_out_dir,
+    resume_point,
+    stopped_hint,
+)
 from .schema import Schema
-from .shard import ShardIdentity, ShardInfo, ShardReader, file_xxh3, write_shard
+from .shard import ShardIdentity, ShardInfo, ShardReader, write_shard
 from .units import parse_size
 
 __all__ = [
@@ -51,7 +60,6 @@ __all__ = [
 ]
 
 DEFAULT_SHARD_SIZE = 64 << 20
-PROGRESS_NAME = ".fastload-progress.json"
 _ENCODE_CHUNK = 512
 _INFER_SAMPLES = 64  # samples looked at when inferring a schema
 
@@ -68,11 +76,6 @@ class BlockSource:
     blocks: Any  # Callable[[int], Iterator[Block]]
     attrs: dict[str, Any] | None = None
     block: Any = None  # Callable[[int, int], Block] | None
-
-
-def shard_name(k: int) -> str:
-    """Relative path of shard `k` in a dataset directory."""
-    return f"shards/shard-{k:05d}.fls"
 
 
 _shard_name = shard_name
@@ -197,56 +200,6 @@ def dataset_id_for(schema: Schema, shard_size: int, num_samples: int | None, att
     return _dataset_id(_settings(schema, shard_size, num_samples), dict(attrs))
 
 
-def kept_shard(path: str, schema: Schema, *, name: str, identity: ShardIdentity) -> ShardInfo | None:
-    """The manifest entry of a finished shard an interrupted run can keep: a version-2 shard that
-    is `identity` and whose every block checks out; None when it cannot be kept."""
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as fh:
-            header = np.frombuffer(fh.read(64), dtype=np.uint8)
-        n = int(header[16:24].view("<u8")[0]) if len(header) == 64 else -1
-        bits = np.zeros(-(-size >> BLOCK_LOG2), dtype=bool)
-        reader = ShardReader(path, schema, num_samples=n, nbytes=size, identity=identity, bits=bits)
-        try:
-            if reader.table is None:  # a version-1 shard: convert again
-                return None
-            reader.verify_blocks(np.arange(len(reader.table)))
-            blocks_xxh3 = xxhash.xxh3_64_hexdigest(reader.table.tobytes())
-        finally:
-            reader.close()
-    except (FormatError, ValueError, IndexError):
-        return None
-    return ShardInfo(file=name, num_samples=n, bytes=size, xxh3=file_xxh3(path), blocks_xxh3=blocks_xxh3)
-
-
-def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema, dataset_id: int) -> list[ShardInfo]:
-    """Finished shards of an interrupted run that can be kept (a consecutive prefix), or [] to start over."""
-    progress_path = os.path.join(out_dir, PROGRESS_NAME)
-    try:
-        with open(progress_path) as fh:
-            recorded = json.load(fh)
-    except (OSError, json.JSONDecodeError):
-        return []
-    if isinstance(recorded, dict):
-        recorded.pop(_COMMAND_KEY, None)
-    if recorded != settings:
-        raise FormatError(
-            f"{out_dir}: cannot resume: the interrupted conversion used other settings "
-            f"(schema/shard size/sample count); start over with overwrite=True (--overwrite) or use the same settings"
-        )
-    kept: list[ShardInfo] = []
-    for k in range(1_000_000):
-        path = os.path.join(out_dir, _shard_name(k))
-        if not os.path.exists(path):
-            break
-        identity = ShardIdentity(dataset_id, k, sum(s.num_samples for s in kept))
-        info = kept_shard(path, schema, name=_shard_name(k), identity=identity)
-        if info is None:
-            break
-        kept.append(info)
-    return kept
-
-
 def shard_meta(reader: ShardReader, schema: Schema) -> dict[str, np.ndarray]:
     """One shard's part of meta.bin: per-sample lengths of variable fields and image sizes."""
     out = {}
@@ -350,88 +303,26 @@ def write(
     if shard_size < 4096:
         raise ValueError(f"shard_size must be at least 4096 bytes, got {shard_size}")
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
-    finished = _prepare_out_dir(out_dir, resume=resume, overwrite=overwrite)
+    finished = prepare_out_dir(out_dir, resume=resume, overwrite=overwrite)
     if finished is not None:
         return finished
     plan = _plan(source, schema, attrs, shard_size)
     os.makedirs(os.path.join(out_dir, "shards"), exist_ok=True)
-    kept = _resume_point(out_dir, plan.settings, plan.schema, plan.dataset_id) if resume else []
+    kept = resume_point(out_dir, plan.settings, plan.schema, plan.dataset_id) if resume else []
     if not resume:
         for name in os.listdir(os.path.join(out_dir, "shards")):
             os.remove(os.path.join(out_dir, "shards", name))
     command = resume_command or f"write(..., {out_dir!r}, resume=True)"
-    _write_atomic(os.path.join(out_dir, PROGRESS_NAME), json.dumps({**plan.settings, _COMMAND_KEY: command}).encode())
+    _write_atomic(os.path.join(out_dir, PROGRESS_NAME), json.dumps({**plan.settings, COMMAND_KEY: command}).encode())
     try:
         infos = _write_shards(plan, out_dir, kept, workers, progress)
         meta, columns = _meta_from_shards(out_dir, plan.schema, infos)
     except KeyboardInterrupt:
-        raise WriteInterrupted(f"interrupted: {_stopped_hint(out_dir, command)}") from None
+        raise WriteInterrupted(f"interrupted: {stopped_hint(out_dir, command)}") from None
     except Exception as exc:
-        exc.add_note(_stopped_hint(out_dir, command))
+        exc.add_note(stopped_hint(out_dir, command))
         raise
     return _finish(out_dir, plan, infos, meta, columns)
-
-
-class WriteInterrupted(KeyboardInterrupt):
-    """Ctrl-C during `write`: the message says what was kept and the command that continues."""
-
-
-_COMMAND_KEY = "resume_command"  # the progress file's record of how to continue (not a setting)
-
-
-def _finished_shards(out_dir: str) -> int:
-    shards = os.path.join(out_dir, "shards")
-    return sum(e.endswith(".fls") for e in os.listdir(shards)) if os.path.isdir(shards) else 0
-
-
-def _stopped_hint(out_dir: str, command: str) -> str:
-    n = _finished_shards(out_dir)
-    return (
-        f"{out_dir} is an incomplete conversion ({n} finished shard{'s' if n != 1 else ''} kept, no manifest, "
-        f"so it does not open); continue with: {command}"
-    )
-
-
-def incomplete_conversion(out_dir: str) -> str | None:
-    """A one-line description of an interrupted conversion in `out_dir` (with the command that
-    continues it), or None when `out_dir` is not one."""
-    if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
-        return None
-    try:
-        with open(os.path.join(out_dir, PROGRESS_NAME)) as fh:
-            recorded = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    command = recorded.get(_COMMAND_KEY) if isinstance(recorded, dict) else None
-    if not isinstance(command, str):
-        command = "the same conversion with --resume (or resume=True)"
-    return _stopped_hint(out_dir, command) + "; or start over with --overwrite"
-
-
-def _prepare_out_dir(out_dir: str, *, resume: bool, overwrite: bool) -> Manifest | None:
-    """Check what `out_dir` holds; the manifest when a finished run is resumed, else None."""
-    manifest_path = os.path.join(out_dir, MANIFEST_NAME)
-    if os.path.exists(manifest_path):
-        if resume and not overwrite:
-            # A previous run finished (possibly killed just before removing its progress file).
-            with open(manifest_path, "rb") as fh:
-                manifest = Manifest.loads(fh.read(), where=manifest_path)
-            if os.path.exists(os.path.join(out_dir, PROGRESS_NAME)):
-                os.remove(os.path.join(out_dir, PROGRESS_NAME))
-            return manifest
-        if not overwrite:
-            raise FileExistsError(f"{out_dir} already holds a dataset; pass overwrite=True (--overwrite) to replace it")
-        shutil.rmtree(out_dir)
-        return None
-    partial = os.path.exists(os.path.join(out_dir, PROGRESS_NAME)) or _finished_shards(out_dir) > 0
-    if partial and not resume:
-        if not overwrite:
-            raise FileExistsError(
-                f"{out_dir} holds an interrupted conversion ({_finished_shards(out_dir)} finished shards); "
-                "pass resume=True (--resume) to continue it, or overwrite=True (--overwrite) to start over"
-            )
-        shutil.rmtree(os.path.join(out_dir, "shards"), ignore_errors=True)
-    return None
 
 
 def _plan(source: Any, schema: Schema | None, attrs: dict[str, Any] | None, shard_size: int) -> _Plan:

@@ -28,7 +28,7 @@ class Slow:
     def __getitem__(self, i):
         if i % 50 == 0: time.sleep(0.02)
         return {"x": np.full(64, i % 251, np.uint8), "t": np.arange(i % 13, dtype=np.int32)}
-sources.open_source = lambda src, kind=None, decode_check=True: (Slow(), None, {"source": "slow"})
+sources.open_source = lambda src, kind=None, **kw: (Slow(), None, {"source": "slow"})
 sys.exit(cli.main(sys.argv[1:]))
 """
 
