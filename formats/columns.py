@@ -33,6 +33,7 @@ class Block:
     shapes: dict[str, np.ndarray] = field(default_factory=dict)
 
     def slice(self, start: int, stop: int) -> Block:
+        """Samples [start, stop) of this block (views, no copy)."""
         cols: dict[str, np.ndarray | Ragged] = {}
         for name, col in self.columns.items():
             if isinstance(col, Ragged):

@@ -78,6 +78,7 @@ def shard_name(k: int) -> str:
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `align`."""
     return (n + align - 1) // align * align
 
 

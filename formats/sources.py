@@ -116,8 +116,11 @@ class SkipBadInputs:
                 return i, str(exc)
             return i, None
 
-        with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+        pool = ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1))
+        try:
             results = list(pool.map(probe, range(len(source))))
+        finally:  # Ctrl-C: drop the inputs not probed yet instead of probing them all first
+            pool.shutdown(wait=True, cancel_futures=True)
         self.good = [i for i, err in results if err is None]
         self.skipped = [(describe(i) if describe else f"sample {i}", err) for i, err in results if err is not None]
 
@@ -128,6 +131,7 @@ class SkipBadInputs:
         return self.source[self.good[i]]
 
     def report(self, path: str) -> None:
+        """Write the skipped inputs to `path` as JSON lines ``{"input", "reason"}``."""
         with open(path, "w") as fh:
             for name, reason in self.skipped:
                 fh.write(json.dumps({"input": name, "reason": reason}) + "\n")
@@ -176,6 +180,7 @@ class JsonLines:
         return obj
 
     def describe(self, i: int) -> str:
+        """Where sample `i` comes from (file and line), for error reports."""
         return f"{self.path}:{i + 1} (line of sample {i})"
 
 

@@ -316,13 +316,12 @@ def write(
     _write_atomic(os.path.join(out_dir, PROGRESS_NAME), json.dumps({**plan.settings, COMMAND_KEY: command}).encode())
     try:
         infos = _write_shards(plan, out_dir, kept, workers, progress)
-        meta, columns = _meta_from_shards(out_dir, plan.schema, infos)
+        return _finish(out_dir, plan, infos)
     except KeyboardInterrupt:
         raise WriteInterrupted(f"interrupted: {stopped_hint(out_dir, command)}") from None
     except Exception as exc:
         exc.add_note(stopped_hint(out_dir, command))
         raise
-    return _finish(out_dir, plan, infos, meta, columns)
 
 
 def _plan(source: Any, schema: Schema | None, attrs: dict[str, Any] | None, shard_size: int) -> _Plan:
@@ -401,8 +400,9 @@ def _write_shards(plan: _Plan, out_dir: str, kept: list[ShardInfo], workers: int
     return infos
 
 
-def _finish(out_dir: str, plan: _Plan, infos: list[ShardInfo], meta: bytes, columns: list[MetaColumn]) -> Manifest:
+def _finish(out_dir: str, plan: _Plan, infos: list[ShardInfo]) -> Manifest:
     """Write meta.bin, then the manifest (last: only now does `out_dir` open), then drop the progress file."""
+    meta, columns = _meta_from_shards(out_dir, plan.schema, infos)
     _write_atomic(os.path.join(out_dir, META_NAME), meta)
     manifest = Manifest(
         schema=plan.schema,
