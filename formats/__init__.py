@@ -16,7 +16,7 @@ from .schema import Field, Schema
 from .shapes import ShapedBatch
 from .storage import LocalStorage, Storage
 from .units import parse_size
-from .writer import BlockSource, write
+from .writer import BlockSource, WriteInterrupted, write
 
 __all__ = [
     "Block",
@@ -34,6 +34,7 @@ __all__ = [
     "SchemaError",
     "ShapedBatch",
     "Storage",
+    "WriteInterrupted",
     "parse_size",
     "read_ray",
     "write",

@@ -204,7 +204,10 @@ def infer_field(name: str, value: Any) -> Field:
     if isinstance(value, (list, tuple)):
         arr = np.asarray(value)
         if arr.ndim != 1 or arr.dtype.kind not in "biuf":
-            raise SchemaError(f"field {name!r}: a list must be a flat list of numbers, got {value!r:.80}")
+            raise SchemaError(
+                f"field {name!r}: a list must be a flat list of numbers, got {value!r:.80} (pass N-D data as a "
+                "numpy array: arrays whose shape varies per sample are stored as a vndarray field)"
+            )
         if arr.dtype.kind in "iu":
             arr = arr.astype(np.int64)
         return Field(name, "varray", arr.dtype)
