@@ -38,7 +38,8 @@ def _convert(args: argparse.Namespace) -> int:
     from fastload.formats.units import format_size, plural
 
     source, schema, attrs = open_source(
-        args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check
+        args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check,
+        labels=args.labels,
     )
     skipping = None
     if args.on_error == "skip":
@@ -58,6 +59,7 @@ def _convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
         attrs=attrs,
+        resume_command=_resume_command(args.argv),
     )
     if skipping is not None and skipping.skipped:
         report = os.path.join(args.out, "skipped-inputs.jsonl")
@@ -69,7 +71,19 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_command(argv: Sequence[str]) -> str:
+    """The exact command that continues this conversion: the same arguments with --resume."""
+    import shlex
+
+    kept = [a for a in argv if a not in ("--resume", "--overwrite")]
+    return shlex.join(["fastload", *kept, "--resume"])
+
+
 def _convert_ray(args: argparse.Namespace) -> int:
+    if args.labels is not None:
+        print("fastload convert: error: --labels cannot be used with --engine ray; convert with the local engine",
+              file=sys.stderr)
+        return 2
     try:
         from fastload.formats.ray_io import convert_ray
     except ImportError as exc:
@@ -192,7 +206,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
-    p.add_argument("src", help="source path (image folder, .npy file/dir, .jsonl, LMDB dir, HDF5 file; with "
+    p.add_argument("src", help="source path (image folder, .npy file/dir, tokens.npy+offsets.npy dir, Megatron "
+                   "PREFIX(.bin/.idx), .jsonl, LMDB dir, HDF5 file, HF save_to_disk dir, Parquet; with "
                    "--engine ray also Parquet files or any fsspec URL of Parquet / JSON lines)")
     p.add_argument("out", help="output dataset directory (with --engine ray also an fsspec URL, e.g. s3://b/ds)")
     if command == "convert":  # the source kinds live in fastload.formats, which imports numpy
@@ -217,6 +232,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="an input that fails to read or decode: stop naming it (default), or leave it out and list it "
         "in OUT/skipped-inputs.jsonl",
     )
+    p.add_argument("--labels", default=None, metavar="FILE",
+                   help="image folder: labels file (CSV rows file,label or a JSON object file -> label); "
+                   "SRC/labels.csv or labels.json are used when present")
     p.add_argument("--no-decode-check", action="store_true", help="do not decode every image fully while converting")
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data tasks on a cluster (needs fastload[ray])")
@@ -250,15 +268,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `fastload` command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_command(argv)).parse_args(argv)
+    args.argv = argv
     from fastload.formats.errors import FormatError, SchemaError
 
     try:
         return int(args.func(args) or 0)
-    except (FormatError, SchemaError, FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
-        print(f"fastload {args.command}: error: {exc}", file=sys.stderr)
+    except (FormatError, SchemaError, OSError, ValueError, ImportError) as exc:
+        notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+        print(f"fastload {args.command}: error: {exc}{notes}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"fastload {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"fastload {args.command}: {exc or 'interrupted'}", file=sys.stderr)
         return 130
 
 

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from fastload.formats import FastloadDataset
+from fastload.formats.resume import incomplete_conversion
 
 __all__ = ["is_url", "open_dataset"]
 
@@ -34,6 +35,9 @@ def _check_local(path: str) -> None:
             f"{path!r} is a file, not a fastload dataset directory; {read}convert it first: "
             f"fastload convert {path} OUT_DIR"
         )
+    incomplete = incomplete_conversion(path) if os.path.isdir(path) else None
+    if incomplete is not None:
+        raise FileNotFoundError(f"not a dataset yet: {incomplete}")
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "data.mdb")):
         raise FileNotFoundError(
             f"{path!r} is an LMDB environment, not a fastload dataset; read it in place with "

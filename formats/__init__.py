@@ -13,9 +13,10 @@ from .manifest import Manifest
 from .ragged import Ragged
 from .reader import FastloadDataset
 from .schema import Field, Schema
+from .shapes import ShapedBatch
 from .storage import LocalStorage, Storage
 from .units import parse_size
-from .writer import BlockSource, write
+from .writer import BlockSource, WriteInterrupted, write
 
 __all__ = [
     "Block",
@@ -31,7 +32,9 @@ __all__ = [
     "Ragged",
     "Schema",
     "SchemaError",
+    "ShapedBatch",
     "Storage",
+    "WriteInterrupted",
     "parse_size",
     "read_ray",
     "write",

@@ -23,14 +23,17 @@ __all__ = ["Block", "encode_samples", "image_size"]
 class Block:
     """`columns[name]` is an array of shape (n, *shape) for fixed fields, a `Ragged` for variable ones.
 
-    `image_hw[name]` holds (n, 2) uint32 (height, width) for image fields.
+    `image_hw[name]` holds (n, 2) uint32 (height, width) for image fields; `shapes[name]` (n, ndim)
+    uint32, each sample's shape, for vndarray fields (whose column holds the flattened elements).
     """
 
     num_samples: int
     columns: dict[str, np.ndarray | Ragged]
     image_hw: dict[str, np.ndarray] = field(default_factory=dict)
+    shapes: dict[str, np.ndarray] = field(default_factory=dict)
 
     def slice(self, start: int, stop: int) -> Block:
+        """Samples [start, stop) of this block (views, no copy)."""
         cols: dict[str, np.ndarray | Ragged] = {}
         for name, col in self.columns.items():
             if isinstance(col, Ragged):
@@ -39,13 +42,14 @@ class Block:
             else:
                 cols[name] = col[start:stop]
         hw = {name: arr[start:stop] for name, arr in self.image_hw.items()}
-        return Block(stop - start, cols, hw)
+        shapes = {name: arr[start:stop] for name, arr in self.shapes.items()}
+        return Block(stop - start, cols, hw, shapes)
 
     def sample_bytes(self, schema: Schema) -> np.ndarray:
         """Stored bytes per sample (fixed columns + variable payloads), used to cut shards."""
         sizes = np.zeros(self.num_samples, dtype=np.int64)
         for f in schema:
-            if f.is_fixed or f.kind == "image":
+            if f.has_fixed_column:
                 sizes += f.item_bytes
             col = self.columns[f.name]
             if isinstance(col, Ragged):
@@ -99,7 +103,11 @@ def _fixed_column(f: Field, values: list[Any], first_index: int) -> np.ndarray:
         for i, v in enumerate(values):
             shape = np.shape(v)
             if shape != f.shape:
-                raise SchemaError(f"{_where(first_index, i, f.name)}: shape {shape} != schema shape {f.shape}")
+                raise SchemaError(
+                    f"{_where(first_index, i, f.name)}: shape {shape} != schema shape {f.shape} "
+                    f"(for arrays whose shape varies per sample, use Field({f.name!r}, 'vndarray', "
+                    f"dtype, shape=(-1, ...)) with -1 where it varies)"
+                )
     else:
         for i, v in enumerate(values):
             if not isinstance(v, (int, float, bool, np.generic)) and np.ndim(v) != 0:
@@ -125,7 +133,10 @@ def _variable_column(f: Field, values: list[Any], first_index: int) -> Ragged:
     for i, v in enumerate(values):
         a = np.asarray(v)
         if a.ndim != 1:
-            raise SchemaError(f"{_where(first_index, i, f.name)}: expected a 1-D array, got shape {a.shape}")
+            raise SchemaError(
+                f"{_where(first_index, i, f.name)}: expected a 1-D array, got shape {a.shape} (for N-D arrays "
+                f"whose shape varies, use Field({f.name!r}, 'vndarray', dtype, shape=(-1, ...)))"
+            )
         if a.size and (a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and f.dtype.kind in "biu")):
             raise SchemaError(f"{_where(first_index, i, f.name)}: expected numbers of {f.dtype}, got {a.dtype}")
         cast = a.astype(f.dtype)
@@ -133,6 +144,20 @@ def _variable_column(f: Field, values: list[Any], first_index: int) -> Ragged:
             raise SchemaError(f"{_where(first_index, i, f.name)}: value out of range for {f.dtype}")
         parts.append(cast)
     return Ragged.from_list(parts, kind="varray", dtype=f.dtype)
+
+
+def _shape_column(f: Field, values: list[Any], first_index: int) -> tuple[list[Any], np.ndarray]:
+    """A vndarray field's values as flat arrays, and their shapes as (n, ndim) uint32; every shape is
+    checked against the schema's (its rank, and every dimension that is not -1)."""
+    flat, shapes = [], np.zeros((len(values), len(f.shape)), dtype=np.uint32)
+    for i, v in enumerate(values):
+        a = np.asarray(v)
+        bad = a.ndim != len(f.shape) or any(want not in (-1, got) for want, got in zip(f.shape, a.shape))
+        if bad or any(d >= 2**32 for d in a.shape):
+            raise SchemaError(f"{_where(first_index, i, f.name)}: shape {a.shape} does not fit {f.shape} (-1: any)")
+        shapes[i] = a.shape
+        flat.append(a.reshape(-1))
+    return flat, shapes
 
 
 def encode_samples(samples: list[dict[str, Any]], schema: Schema, *, first_index: int = 0) -> Block:
@@ -148,8 +173,11 @@ def encode_samples(samples: list[dict[str, Any]], schema: Schema, *, first_index
             )
     cols: dict[str, np.ndarray | Ragged] = {}
     hw: dict[str, np.ndarray] = {}
+    shapes: dict[str, np.ndarray] = {}
     for f in schema:
         values = [s[f.name] for s in samples]
+        if f.kind == "vndarray":
+            values, shapes[f.name] = _shape_column(f, values, first_index)
         if f.is_fixed:
             cols[f.name] = _fixed_column(f, values, first_index)
         else:
@@ -158,4 +186,4 @@ def encode_samples(samples: list[dict[str, Any]], schema: Schema, *, first_index
             hw[f.name] = np.array(
                 [image_size(v, _where(first_index, i, f.name)) for i, v in enumerate(values)], dtype=np.uint32
             ).reshape(-1, 2)
-    return Block(len(samples), cols, hw)
+    return Block(len(samples), cols, hw, shapes)

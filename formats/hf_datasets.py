@@ -28,7 +28,7 @@ from .errors import FormatError
 from .schema import Field, Schema
 from .writer import BlockSource
 
-__all__ = ["HF_MARKERS", "hf_block_source", "is_hf_dataset", "open_hf_dir"]
+__all__ = ["HF_MARKERS", "hf_block_source", "is_hf_dataset", "open_hf_dir", "open_parquet"]
 
 HF_MARKERS = ("state.json", "dataset_info.json")  # what `save_to_disk` writes beside the Arrow files
 _BLOCK_ROWS = 8192
@@ -48,6 +48,24 @@ def open_hf_dir(src: str) -> BlockSource:
     import datasets
 
     return hf_block_source(datasets.load_from_disk(src), where=src)
+
+
+def open_parquet(src: str) -> BlockSource:
+    """A Parquet file, or a folder of them (read in name order, one table), as a `BlockSource`;
+    Hugging Face features stored in the files' metadata (e.g. `Image`, `ClassLabel`) are kept."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    files = [src] if os.path.isfile(src) else sorted(
+        os.path.join(src, e) for e in os.listdir(src) if e.endswith(".parquet") and not e.startswith(".")
+    )
+    if not files:
+        raise FormatError(f"{src}: no .parquet files")
+    try:
+        table = pq.read_table(files if len(files) > 1 else files[0])
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise FormatError(f"{src}: cannot read as Parquet ({exc})") from exc
+    return hf_block_source(datasets.Dataset(datasets.table.InMemoryTable(table)), where=src)
 
 
 def _leaf_dtype(arrow_type: Any, column: str, where: str) -> np.dtype:

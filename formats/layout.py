@@ -28,6 +28,7 @@ __all__ = [
     "align_up",
     "field_xxh3",
     "section_table",
+    "shard_name",
 ]
 
 SHARD_MAGIC = b"FLDSHARD"
@@ -71,7 +72,13 @@ ENTRY_DTYPE = np.dtype(
 assert ENTRY_DTYPE.itemsize == 64
 
 
+def shard_name(k: int) -> str:
+    """Relative path of shard `k` in a dataset directory."""
+    return f"shards/shard-{k:05d}.fls"
+
+
 def align_up(n: int, align: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `align`."""
     return (n + align - 1) // align * align
 
 
@@ -94,7 +101,7 @@ def section_table(schema: Schema, num_samples: int, blob_bytes: Sequence[int]) -
         entry = table[k]
         entry["kind"] = KIND_CODES[f.kind]
         entry["field_xxh3"] = field_xxh3(f)
-        if f.is_fixed or f.kind == "image":
+        if f.has_fixed_column:
             if f.kind == "ndarray":
                 pos = align_up(pos, COLUMN_ALIGN)
             entry["item_bytes"] = f.item_bytes

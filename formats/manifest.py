@@ -46,6 +46,8 @@ def check_relative_path(name: Any, where: str) -> str:
 
 @dataclass(frozen=True)
 class MetaColumn:
+    """One column of meta.bin: `name` (e.g. ``text.length``), numpy `dtype` string, `shape`, byte `offset`."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -53,11 +55,14 @@ class MetaColumn:
 
     @property
     def nbytes(self) -> int:
+        """Size of the column in meta.bin, in bytes."""
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
 @dataclass
 class Manifest:
+    """A dataset's `index.json`: schema, shards, meta.bin's table, attrs and identity (FORMAT.md)."""
+
     schema: Schema
     shards: list[ShardInfo]
     meta_file: str = META_NAME
@@ -71,6 +76,7 @@ class Manifest:
 
     @property
     def num_samples(self) -> int:
+        """Samples in the dataset: the sum over its shards."""
         return sum(s.num_samples for s in self.shards)
 
     def _body(self) -> dict[str, Any]:
@@ -100,6 +106,7 @@ class Manifest:
         }
 
     def dumps(self) -> bytes:
+        """The manifest as `index.json` bytes, with its checksum over the canonical JSON."""
         body = self._body()
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         body["checksum"] = xxhash.xxh3_64_hexdigest(canonical)
@@ -107,6 +114,7 @@ class Manifest:
 
     @classmethod
     def loads(cls, data: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
+        """Parse and check `index.json` bytes (untrusted: every field checked); errors name `where`."""
         try:
             body = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -20,6 +20,7 @@ from .forksafe import reset_in_child
 from .manifest import MANIFEST_NAME, Manifest
 from .ragged import Ragged
 from .schema import Schema
+from .shapes import ShapedBatch, gather_shapes
 from .shard import ShardIdentity, ShardReader
 from .spliced import ColumnPart, SplicedColumn, splice_available, splice_column
 from .storage import LocalStorage, Storage
@@ -510,7 +511,8 @@ class FastloadDataset:
             raise
 
     def get_batch(self, indices: Any, *, fields: list[str] | None = None) -> dict[str, Any]:
-        """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable ones.
+        """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable
+        ones, `ShapedBatch` for vndarray fields.
 
         Fixed fields of a local dataset are one `take` each over a resident copy or a spliced mapping
         of all shards. Other fields are gathered shard by shard with one `np.take` each; when
@@ -574,6 +576,11 @@ class FastloadDataset:
             values, offsets = gather_ragged(
                 [readers[k].ragged[f.name][1] for k in shard_list], src_of, starts, lengths, f.dtype
             )
+            if f.kind == "vndarray":
+                shape_cols = {k: readers[k].shapes[f.name] for k in shard_list}
+                shapes = gather_shapes(shape_cols, groups, m, inverse, len(f.shape))
+                out[f.name] = ShapedBatch(values, offsets, shapes)
+                continue
             origin = partial(self._batch_where, f.name, idx) if f.kind == "string" else None
             out[f.name] = Ragged(values, offsets, f.kind, origin=origin)
 
@@ -616,6 +623,8 @@ class FastloadDataset:
                     out[f.name] = part.tobytes()
                 elif f.kind == "string":
                     out[f.name] = _utf8(part, self.where(index, f.name))
+                elif f.kind == "vndarray":
+                    out[f.name] = part.reshape(tuple(int(d) for d in reader.shapes[f.name][i])).copy()
                 else:
                     out[f.name] = part.copy()
         return out
@@ -624,4 +633,7 @@ class FastloadDataset:
         """Samples [start, stop) as a writer `Block` (used by conversion and verification)."""
         batch = self.get_batch(np.arange(start, stop))
         hw = {f.name: self.image_sizes(f.name)[start:stop] for f in self.schema if f.kind == "image"}
-        return Block(stop - start, batch, hw)
+        shaped = {name: col for name, col in batch.items() if isinstance(col, ShapedBatch)}
+        for name, col in shaped.items():
+            batch[name] = Ragged(col.values, col.offsets, "varray")
+        return Block(stop - start, batch, hw, {name: col.shapes for name, col in shaped.items()})

@@ -7,6 +7,9 @@ Kinds:
 - ``string``: variable-length UTF-8 text (offsets table + blob).
 - ``image``: encoded image bytes (JPEG/PNG/...) plus a stored (height, width) column.
 - ``varray``: a variable-length 1-D numeric array, e.g. token ids (offsets table + blob).
+- ``vndarray``: a numeric array whose shape varies per sample (e.g. feature maps of varying
+  length); `shape` gives its dimensions with ``-1`` where they vary; each sample's shape is stored
+  beside its elements (a fixed column of ``<u4[ndim]`` + offsets table + blob).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import numpy as np
 
 from .errors import SchemaError
 
-__all__ = ["FIXED_KINDS", "KIND_CODES", "VARIABLE_KINDS", "Field", "Schema", "infer_field"]
+__all__ = ["FIXED_KINDS", "KIND_CODES", "VARIABLE_KINDS", "VARIES", "Field", "Schema", "infer_field"]
 
 FIXED_KINDS = ("scalar", "ndarray")
-VARIABLE_KINDS = ("bytes", "string", "image", "varray")
-KIND_CODES = {"scalar": 1, "ndarray": 2, "bytes": 3, "string": 4, "image": 5, "varray": 6}
+VARIABLE_KINDS = ("bytes", "string", "image", "varray", "vndarray")
+KIND_CODES = {"scalar": 1, "ndarray": 2, "bytes": 3, "string": 4, "image": 5, "varray": 6, "vndarray": 7}
+VARIES = -1  # a `vndarray` dimension that differs between samples
 
 
 def _check_dtype(dtype: np.dtype, where: str) -> np.dtype:
@@ -50,28 +54,45 @@ class Field:
             dtype = np.dtype(np.uint8)
         object.__setattr__(self, "dtype", dtype)
         shape = tuple(int(s) for s in self.shape)
-        if self.kind != "ndarray" and shape:
-            raise SchemaError(f"field {self.name!r}: only ndarray fields have a shape")
-        if any(s < 0 for s in shape):
+        if self.kind not in ("ndarray", "vndarray") and shape:
+            raise SchemaError(f"field {self.name!r}: only ndarray and vndarray fields have a shape")
+        lowest = VARIES if self.kind == "vndarray" else 0
+        if any(s < lowest for s in shape):
             raise SchemaError(f"field {self.name!r}: negative dimension in shape {shape}")
+        if self.kind == "vndarray" and not shape:
+            raise SchemaError(
+                f"field {self.name!r}: a vndarray needs a shape with -1 where it varies, e.g. (-1, 80)"
+            )
         object.__setattr__(self, "shape", shape)
 
     @property
     def is_fixed(self) -> bool:
+        """True for fields stored as one fixed-size column (scalar, ndarray)."""
         return self.kind in FIXED_KINDS
 
     @property
+    def has_fixed_column(self) -> bool:
+        """True when the shard holds a fixed-size column for this field: its values (scalar,
+        ndarray), an image's (height, width) or a vndarray's per-sample shape."""
+        return self.kind in FIXED_KINDS or self.kind in ("image", "vndarray")
+
+    @property
     def item_bytes(self) -> int:
-        """Bytes per sample in the fixed-size column (image: the stored height/width pair)."""
+        """Bytes per sample in the fixed-size column (image: the stored height/width pair;
+        vndarray: the sample's shape as ``<u4[ndim]``)."""
         if self.kind == "image":
             return 8
+        if self.kind == "vndarray":
+            return 4 * len(self.shape)
         return self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
 
     def to_json(self) -> dict[str, Any]:
+        """The field as the manifest stores it."""
         return {"name": self.name, "kind": self.kind, "dtype": self.dtype.str, "shape": list(self.shape)}
 
     @classmethod
     def from_json(cls, obj: Any) -> Field:
+        """A field from its manifest entry (untrusted: every part checked)."""
         if not isinstance(obj, dict) or not {"name", "kind", "dtype"} <= set(obj):
             raise SchemaError(f"malformed field entry {obj!r}")
         shape = obj.get("shape", [])
@@ -111,13 +132,16 @@ class Schema:
 
     @property
     def names(self) -> list[str]:
+        """Field names in schema order."""
         return [f.name for f in self.fields]
 
     def to_json(self) -> list[dict[str, Any]]:
+        """The schema as the manifest stores it."""
         return [f.to_json() for f in self.fields]
 
     @classmethod
     def from_json(cls, obj: Any) -> Schema:
+        """A schema from the manifest's list of fields (untrusted: every field checked)."""
         if not isinstance(obj, list):
             raise SchemaError(f"schema must be a list of fields, got {type(obj).__name__}")
         return cls(tuple(Field.from_json(f) for f in obj))
@@ -127,8 +151,9 @@ class Schema:
         """Infer a schema from the first samples of a source.
 
         A 1-D array whose length differs between these samples becomes a ``varray`` (variable-length)
-        field, otherwise a fixed ``ndarray``. Pass an explicit schema for images (bytes infer as
-        ``bytes``) and for arrays whose length varies only later in the source.
+        field, an N-D array whose shape differs a ``vndarray`` (``-1`` in the dimensions that
+        differ), otherwise a fixed ``ndarray``. Pass an explicit schema for images (bytes infer as
+        ``bytes``) and for arrays whose shape varies only later in the source.
         """
         if not samples or not isinstance(samples[0], dict) or not samples[0]:
             got = type(samples[0]).__name__ if samples else "nothing"
@@ -136,12 +161,28 @@ class Schema:
         fields = []
         for name, value in samples[0].items():
             f = infer_field(name, value)
-            if f.kind == "ndarray" and len(f.shape) == 1:
-                shapes = {np.shape(s.get(name)) for s in samples if isinstance(s, dict)}  # type: ignore[arg-type]
-                if len(shapes) > 1:
-                    f = Field(name, "varray", f.dtype)
+            if f.kind == "ndarray":
+                f = _varying(f, [np.shape(s.get(name)) for s in samples if isinstance(s, dict)])  # type: ignore[arg-type]
             fields.append(f)
         return cls(tuple(fields))
+
+
+def _varying(f: Field, shapes: list[tuple[int, ...]]) -> Field:
+    """`f` (an ndarray field) as the shapes seen in the first samples need: fixed when they agree,
+    ``varray`` when 1-D lengths differ, ``vndarray`` when N-D shapes differ."""
+    if len(set(shapes)) == 1:
+        return f
+    ranks = {len(s) for s in shapes}
+    if len(ranks) > 1:
+        first = next(i for i, s in enumerate(shapes) if len(s) != len(shapes[0]))
+        raise SchemaError(
+            f"field {f.name!r}: sample 0 has shape {shapes[0]} but sample {first} has {shapes[first]}: "
+            "every sample's array needs the same number of dimensions"
+        )
+    if len(f.shape) == 1:
+        return Field(f.name, "varray", f.dtype)
+    dims = tuple(VARIES if len({s[d] for s in shapes}) > 1 else shapes[0][d] for d in range(len(f.shape)))
+    return Field(f.name, "vndarray", f.dtype, dims)
 
 
 def infer_field(name: str, value: Any) -> Field:
@@ -163,7 +204,10 @@ def infer_field(name: str, value: Any) -> Field:
     if isinstance(value, (list, tuple)):
         arr = np.asarray(value)
         if arr.ndim != 1 or arr.dtype.kind not in "biuf":
-            raise SchemaError(f"field {name!r}: a list must be a flat list of numbers, got {value!r:.80}")
+            raise SchemaError(
+                f"field {name!r}: a list must be a flat list of numbers, got {value!r:.80} (pass N-D data as a "
+                "numpy array: arrays whose shape varies per sample are stored as a vndarray field)"
+            )
         if arr.dtype.kind in "iu":
             arr = arr.astype(np.int64)
         return Field(name, "varray", arr.dtype)

@@ -29,6 +29,7 @@ from .layout import (
 )
 from .ragged import Ragged
 from .schema import KIND_CODES, Schema
+from .shapes import check_shapes
 
 __all__ = ["ShardIdentity", "ShardInfo", "ShardReader", "file_xxh3", "write_shard"]
 
@@ -132,11 +133,11 @@ def write_shard(path: str, blocks: list[Block], schema: Schema, *, name: str, id
         out.write(table.tobytes())
         for k, f in enumerate(schema):
             entry = table[k]
-            if f.is_fixed or f.kind == "image":
+            if f.has_fixed_column:
                 out.pad_to(int(entry["fixed_offset"]))
                 for b in blocks:
-                    data = b.image_hw[f.name] if f.kind == "image" else b.columns[f.name]
-                    out.write(np.ascontiguousarray(data, dtype=np.uint32 if f.kind == "image" else f.dtype))
+                    data = {"image": b.image_hw, "vndarray": b.shapes}.get(f.kind, b.columns)[f.name]
+                    out.write(np.ascontiguousarray(data, dtype=f.dtype if f.is_fixed else np.uint32))
             if not f.is_fixed:
                 cols = [b.columns[f.name] for b in blocks]
                 out.pad_to(int(entry["offsets_offset"]))
@@ -272,13 +273,17 @@ class ShardReader:
         self.ragged: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.blob_offset: dict[str, int] = {}
         self.image_hw: dict[str, np.ndarray] = {}
+        self.shapes: dict[str, np.ndarray] = {}  # vndarray fields: (n, ndim) per-sample shapes
         for f, entry in zip(schema, table):
             fw = f"{where}, field {f.name!r}"
-            if f.is_fixed or f.kind == "image":
+            if f.has_fixed_column:
                 col = _section(buf, int(entry["fixed_offset"]), n * f.item_bytes, "fixed column", fw)
-                if f.kind == "image":
+                if not f.is_fixed:
                     self._verify_range(int(entry["fixed_offset"]), int(entry["fixed_offset"]) + n * f.item_bytes)
+                if f.kind == "image":
                     self.image_hw[f.name] = col.view("<u4").reshape(n, 2)
+                elif f.kind == "vndarray":
+                    self.shapes[f.name] = col.view("<u4").reshape(n, len(f.shape))
                 else:
                     self.fixed[f.name] = col.view(f.dtype).reshape(n, *f.shape)
                     self.fixed_offset[f.name] = int(entry["fixed_offset"])
@@ -305,6 +310,8 @@ class ShardReader:
                         )
                 self.ragged[f.name] = (offsets.view(np.int64), values)
                 self.blob_offset[f.name] = int(entry["blob_offset"])
+                if f.kind == "vndarray":
+                    check_shapes(self.shapes[f.name], np.diff(offsets.view(np.int64)), f, fw)
 
     def _checksum_table(
         self, buf: np.ndarray, header: np.void, size: int, blocks_xxh3: str | None, block_log2: int | None, where: str
@@ -329,8 +336,8 @@ class ShardReader:
             fw = f"{where}, field {f.name!r}"
             if int(entry["kind"]) != KIND_CODES[f.kind]:
                 raise FormatError(f"{fw}: kind code {int(entry['kind'])} does not match schema kind {f.kind!r}")
-            fixed = f.is_fixed or f.kind == "image"
-            if fixed and (int(entry["item_bytes"]) != f.item_bytes or int(entry["fixed_bytes"]) != n * f.item_bytes):
+            sizes = (int(entry["item_bytes"]), int(entry["fixed_bytes"]))
+            if f.has_fixed_column and sizes != (f.item_bytes, n * f.item_bytes):
                 raise FormatError(f"{fw}: fixed column size does not match {n} samples of {f.item_bytes} bytes")
         blobs = [0 if f.is_fixed else int(e["blob_bytes"]) for f, e in zip(self.schema, table)]
         expected, stop = section_table(self.schema, n, blobs)

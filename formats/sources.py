@@ -7,16 +7,18 @@ lines, LMDB) that `write()` encodes in worker processes.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from .columns import Block, image_size
+from .columns import Block
 from .errors import FormatError, SchemaError
+from .image_folder import ImageFolder, check_image, is_image
+from .megatron import megatron_paths
+from .npy_files import is_column_folder
 from .schema import Field, Schema, infer_field
 from .writer import BlockSource
 
@@ -31,95 +33,66 @@ __all__ = [
     "open_source",
 ]
 
-SOURCE_KINDS = ("imagefolder", "npy", "jsonl", "lmdb", "hdf5", "hf", "fastload")
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+SOURCE_KINDS = (
+    "imagefolder", "npy", "npyfiles", "tokens", "megatron", "jsonl", "lmdb", "hdf5", "hf", "parquet", "fastload"
+)
 _BLOCK_ROWS = 8192
+_FILE_KINDS = (
+    ("npy", (".npy",)),
+    ("jsonl", (".jsonl", ".json", ".ndjson")),
+    ("hdf5", (".h5", ".hdf5", ".hdf")),
+    ("lmdb", (".mdb",)),
+    ("parquet", (".parquet",)),
+    ("megatron", (".bin", ".idx")),
+)
 
 
 def detect_kind(src: str) -> str:
     """Guess the source kind from the path; raise naming the path when it cannot."""
     if os.path.isfile(src):
-        lower = src.lower()
-        if lower.endswith(".npy"):
-            return "npy"
-        if lower.endswith((".jsonl", ".json", ".ndjson")):
-            return "jsonl"
-        if lower.endswith((".h5", ".hdf5", ".hdf")):
-            return "hdf5"
-        if lower.endswith(".mdb"):
-            return "lmdb"
-        with open(src, "rb") as fh:
-            magic = fh.read(8)
-        if magic == b"\x89HDF\r\n\x1a\n":
-            return "hdf5"
-        raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
+        return _file_kind(src)
     if os.path.isdir(src):
-        entries = os.listdir(src)
-        if "index.json" in entries:
-            return "fastload"
-        if "data.mdb" in entries:
-            return "lmdb"
-        if {"state.json", "dataset_info.json"} <= set(entries) or "dataset_dict.json" in entries:
-            return "hf"  # a Hugging Face `save_to_disk` directory (see hf_datasets.py)
-        if entries and all(e.endswith(".npy") for e in entries if not e.startswith(".")):
-            return "npy"
-        if any(os.path.isdir(os.path.join(src, e)) for e in entries):
-            return "imagefolder"
-        raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
+        return _folder_kind(src)
+    if megatron_paths(src) is not None:
+        return "megatron"  # a Megatron prefix: PREFIX.bin + PREFIX.idx
     raise FileNotFoundError(f"source {src!r} does not exist")
 
 
-def check_image(data: bytes, where: str) -> None:
-    """Decode an encoded image fully; raise SchemaError naming `where` when it cannot be (truncated,
-    corrupt, not an image). A header alone is not enough: a truncated JPEG has an intact one."""
-    from PIL import Image, UnidentifiedImageError
+def _file_kind(src: str) -> str:
+    lower = src.lower()
+    for kind, extensions in _FILE_KINDS:
+        if lower.endswith(extensions) and (kind != "megatron" or megatron_paths(src) is not None):
+            return kind
+    with open(src, "rb") as fh:
+        magic = fh.read(8)
+    if magic == b"\x89HDF\r\n\x1a\n":
+        return "hdf5"
+    raise FormatError(f"{src}: cannot tell the source kind; pass --kind ({', '.join(SOURCE_KINDS)})")
 
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            img.load()
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise SchemaError(f"{where}: not a decodable image ({exc})") from exc
 
-
-class ImageFolder:
-    """`root/<class>/<image>` → ``{"image": encoded bytes, "label": class index}``, classes and files sorted.
-
-    With `decode_check` (default) every image is decoded fully as it is read; errors name the file.
-    """
-
-    def __init__(self, root: str, *, decode_check: bool = True) -> None:
-        self.root = root
-        self.decode_check = decode_check
-        self.classes = sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)))
-        self.files: list[tuple[str, int]] = []
-        for label, cls in enumerate(self.classes):
-            for dirpath, dirnames, filenames in os.walk(os.path.join(root, cls)):
-                dirnames.sort()
-                self.files += [
-                    (os.path.join(dirpath, f), label) for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS)
-                ]
-        if not self.files:
-            raise FormatError(f"{root}: no images found (expected {root}/<class>/<image>.jpg)")
-        self.schema = Schema((Field("image", "image"), Field("label", "scalar", np.dtype(np.int64))))
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        path, label = self.files[i]
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except OSError as exc:
-            raise SchemaError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-        if self.decode_check:
-            check_image(data, path)
-        else:
-            image_size(data, path)  # the header at least: its size goes into meta.bin
-        return {"image": data, "label": label}
-
-    def describe(self, i: int) -> str:
-        return self.files[i][0]
+def _folder_kind(src: str) -> str:
+    entries = [e for e in os.listdir(src) if not e.startswith(".")]
+    names = set(entries)
+    if "index.json" in names:
+        return "fastload"
+    if "data.mdb" in names:
+        return "lmdb"
+    if {"state.json", "dataset_info.json"} <= names or "dataset_dict.json" in names:
+        return "hf"  # a Hugging Face `save_to_disk` directory (see hf_datasets.py)
+    if {"tokens.npy", "offsets.npy"} <= names:
+        return "tokens"
+    data = [e for e in entries if e != "meta.json"]
+    if data and all(e.endswith(".npy") for e in data):
+        return "npy" if is_column_folder(src) else "npyfiles"
+    if data and all(e.endswith(".parquet") for e in data):
+        return "parquet"
+    if any(os.path.isdir(os.path.join(src, e)) or is_image(e) for e in entries):
+        return "imagefolder"
+    shown = ", ".join(sorted(entries)[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    raise FormatError(
+        f"{src}: cannot tell the source kind from its files ({shown or 'none'}); "
+        f"pass --kind ({', '.join(SOURCE_KINDS)})"
+    )
 
 
 class SkipBadInputs:
@@ -143,8 +116,11 @@ class SkipBadInputs:
                 return i, str(exc)
             return i, None
 
-        with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+        pool = ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1))
+        try:
             results = list(pool.map(probe, range(len(source))))
+        finally:  # Ctrl-C: drop the inputs not probed yet instead of probing them all first
+            pool.shutdown(wait=True, cancel_futures=True)
         self.good = [i for i, err in results if err is None]
         self.skipped = [(describe(i) if describe else f"sample {i}", err) for i, err in results if err is not None]
 
@@ -155,6 +131,7 @@ class SkipBadInputs:
         return self.source[self.good[i]]
 
     def report(self, path: str) -> None:
+        """Write the skipped inputs to `path` as JSON lines ``{"input", "reason"}``."""
         with open(path, "w") as fh:
             for name, reason in self.skipped:
                 fh.write(json.dumps({"input": name, "reason": reason}) + "\n")
@@ -203,6 +180,7 @@ class JsonLines:
         return obj
 
     def describe(self, i: int) -> str:
+        """Where sample `i` comes from (file and line), for error reports."""
         return f"{self.path}:{i + 1} (line of sample {i})"
 
 
@@ -217,39 +195,6 @@ def _json_field(name: str, value: Any, path: str) -> Field:
             f"{path}: field {name!r} of sample 0 is {type(value).__name__}; only numbers, strings and lists"
         )
     return infer_field(name, value)
-
-
-def _npy_source(src: str) -> BlockSource:
-    paths = (
-        [src] if os.path.isfile(src) else sorted(os.path.join(src, e) for e in os.listdir(src) if e.endswith(".npy"))
-    )
-    arrays = {}
-    for p in paths:
-        try:
-            arrays[os.path.splitext(os.path.basename(p))[0] if len(paths) > 1 else "data"] = np.load(
-                p, mmap_mode="r", allow_pickle=False
-            )
-        except ValueError as exc:
-            raise FormatError(f"{p}: cannot read as a numeric .npy array ({exc})") from exc
-    lengths = {k: len(a) if a.ndim else 0 for k, a in arrays.items()}
-    if len(set(lengths.values())) != 1:
-        raise FormatError(f"{src}: arrays differ in length (first dimension): {lengths}")
-    n = next(iter(lengths.values()))
-    schema = Schema(
-        tuple(
-            Field(k, "scalar", a.dtype) if a.ndim == 1 else Field(k, "ndarray", a.dtype, a.shape[1:])
-            for k, a in arrays.items()
-        )
-    )
-
-    def block(s: int, e: int) -> Block:
-        return Block(e - s, {k: np.ascontiguousarray(a[s:e]) for k, a in arrays.items()})
-
-    def blocks(start: int) -> Iterator[Block]:
-        for s in range(start, n, _BLOCK_ROWS):
-            yield block(s, min(s + _BLOCK_ROWS, n))
-
-    return BlockSource(schema=schema, num_samples=n, blocks=blocks, block=block)
 
 
 def _hdf5_source(src: str) -> BlockSource | Any:
@@ -300,18 +245,21 @@ def _fastload_source(src: str) -> BlockSource:
 
 
 def open_source(
-    src: str, kind: str | None = None, *, decode_check: bool = True
+    src: str, kind: str | None = None, *, decode_check: bool = True, labels: str | None = None
 ) -> tuple[Any, Schema | None, dict[str, Any]]:
     """(source for `write`, schema or None, attrs to store in the manifest); `decode_check`: decode
-    every image of an image folder fully while converting."""
+    every image of an image folder fully while converting; `labels`: an image folder's labels file."""
     kind = kind or detect_kind(src)
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown source kind {kind!r}; expected one of {SOURCE_KINDS}")
-    if not os.path.exists(src):
+    if labels is not None and kind != "imagefolder":
+        raise ValueError(f"a labels file applies to image folders, not to a {kind} source ({src})")
+    if not os.path.exists(src) and kind != "megatron":
         raise FileNotFoundError(f"source {src!r} does not exist")
     if kind == "imagefolder":
-        folder = ImageFolder(src, decode_check=decode_check)
-        return folder, folder.schema, {"classes": folder.classes, "source": "imagefolder"}
+        folder = ImageFolder(src, decode_check=decode_check, labels=labels)
+        attrs = {"classes": folder.classes} if folder.classes is not None else {}
+        return folder, folder.schema, {**attrs, "source": "imagefolder"}
     if kind == "jsonl":
         lines = JsonLines(src)
         return lines, lines.schema, {"source": "jsonl"}
@@ -322,16 +270,36 @@ def open_source(
         if len(db) == 0:
             raise ValueError(f"{src}: the LMDB database is empty: nothing to convert")
         return db, db.schema, {"source": "lmdb"}
+    if kind in ("npy", "npyfiles", "tokens"):
+        return _npy_kind(src, kind)
+    source = _columnar(src, kind)
+    stored: dict[str, Any] = dict(source.attrs or {}) if kind == "fastload" else {"source": kind}
+    return source, source.schema, stored
+
+
+def _npy_kind(src: str, kind: str) -> tuple[Any, Schema, dict[str, Any]]:
+    from .npy_files import npy_columns, npy_files, read_meta_json, token_source
+
+    opener: dict[str, Callable[[str], Any]] = {"npy": npy_columns, "npyfiles": npy_files, "tokens": token_source}
+    source = opener[kind](src)
+    meta = read_meta_json(src) if os.path.isdir(src) else None
+    return source, source.schema, {"source": kind, **({"meta": meta} if meta is not None else {})}
+
+
+def _columnar(src: str, kind: str) -> BlockSource:
+    """The sources read as columns: fastload, HF (save_to_disk or Parquet), Megatron, HDF5."""
     if kind == "fastload":
-        source = _fastload_source(src)
-        return source, source.schema, dict(source.attrs or {})
+        return _fastload_source(src)
     if kind == "hf":
         from .hf_datasets import open_hf_dir
 
-        source = open_hf_dir(src)
-        return source, source.schema, {"source": "hf"}
-    if kind == "npy":
-        source = _npy_source(src)
-        return source, source.schema, {"source": "npy"}
-    source = _hdf5_source(src)
-    return source, source.schema, {"source": "hdf5"}
+        return open_hf_dir(src)
+    if kind == "parquet":
+        from .hf_datasets import open_parquet
+
+        return open_parquet(src)
+    if kind == "megatron":
+        from .megatron import megatron_source
+
+        return megatron_source(src)
+    return _hdf5_source(src)

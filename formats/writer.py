@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
+import signal
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,19 +27,31 @@ import xxhash
 
 from .columns import Block, encode_samples
 from .errors import FormatError, SchemaError
-from .layout import BLOCK_LOG2
+from .layout import shard_name
 from .manifest import MANIFEST_NAME, META_NAME, Manifest, MetaColumn
+from .resume import (
+    COMMAND_KEY,
+    PROGRESS_NAME,
+    WriteInterrupted,
+    incomplete_conversion,
+    kept_shard,
+    prepare_out_dir,
+    resume_point,
+    stopped_hint,
+)
 from .schema import Schema
-from .shard import ShardIdentity, ShardInfo, ShardReader, file_xxh3, write_shard
+from .shard import ShardIdentity, ShardInfo, ShardReader, write_shard
 from .units import parse_size
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "PROGRESS_NAME",
     "BlockSource",
+    "WriteInterrupted",
     "cut_points",
     "dataset_id_for",
     "fsync_path",
+    "incomplete_conversion",
     "kept_shard",
     "pack_meta",
     "shard_meta",
@@ -48,7 +60,6 @@ __all__ = [
 ]
 
 DEFAULT_SHARD_SIZE = 64 << 20
-PROGRESS_NAME = ".fastload-progress.json"
 _ENCODE_CHUNK = 512
 _INFER_SAMPLES = 64  # samples looked at when inferring a schema
 
@@ -67,11 +78,6 @@ class BlockSource:
     block: Any = None  # Callable[[int, int], Block] | None
 
 
-def shard_name(k: int) -> str:
-    """Relative path of shard `k` in a dataset directory."""
-    return f"shards/shard-{k:05d}.fls"
-
-
 _shard_name = shard_name
 
 
@@ -80,6 +86,7 @@ _WORKER_SOURCE: tuple[Any, Schema] | None = None
 
 def _set_worker_source(dataset: Any, schema: Schema) -> None:
     global _WORKER_SOURCE
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: no worker tracebacks
     _WORKER_SOURCE = (dataset, schema)
 
 
@@ -193,54 +200,6 @@ def dataset_id_for(schema: Schema, shard_size: int, num_samples: int | None, att
     return _dataset_id(_settings(schema, shard_size, num_samples), dict(attrs))
 
 
-def kept_shard(path: str, schema: Schema, *, name: str, identity: ShardIdentity) -> ShardInfo | None:
-    """The manifest entry of a finished shard an interrupted run can keep: a version-2 shard that
-    is `identity` and whose every block checks out; None when it cannot be kept."""
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as fh:
-            header = np.frombuffer(fh.read(64), dtype=np.uint8)
-        n = int(header[16:24].view("<u8")[0]) if len(header) == 64 else -1
-        bits = np.zeros(-(-size >> BLOCK_LOG2), dtype=bool)
-        reader = ShardReader(path, schema, num_samples=n, nbytes=size, identity=identity, bits=bits)
-        try:
-            if reader.table is None:  # a version-1 shard: convert again
-                return None
-            reader.verify_blocks(np.arange(len(reader.table)))
-            blocks_xxh3 = xxhash.xxh3_64_hexdigest(reader.table.tobytes())
-        finally:
-            reader.close()
-    except (FormatError, ValueError, IndexError):
-        return None
-    return ShardInfo(file=name, num_samples=n, bytes=size, xxh3=file_xxh3(path), blocks_xxh3=blocks_xxh3)
-
-
-def _resume_point(out_dir: str, settings: dict[str, Any], schema: Schema, dataset_id: int) -> list[ShardInfo]:
-    """Finished shards of an interrupted run that can be kept (a consecutive prefix), or [] to start over."""
-    progress_path = os.path.join(out_dir, PROGRESS_NAME)
-    try:
-        with open(progress_path) as fh:
-            recorded = json.load(fh)
-    except (OSError, json.JSONDecodeError):
-        return []
-    if recorded != settings:
-        raise FormatError(
-            f"{out_dir}: cannot resume: the interrupted conversion used other settings "
-            f"(schema/shard size/sample count); remove the directory or use the same settings"
-        )
-    kept: list[ShardInfo] = []
-    for k in range(1_000_000):
-        path = os.path.join(out_dir, _shard_name(k))
-        if not os.path.exists(path):
-            break
-        identity = ShardIdentity(dataset_id, k, sum(s.num_samples for s in kept))
-        info = kept_shard(path, schema, name=_shard_name(k), identity=identity)
-        if info is None:
-            break
-        kept.append(info)
-    return kept
-
-
 def shard_meta(reader: ShardReader, schema: Schema) -> dict[str, np.ndarray]:
     """One shard's part of meta.bin: per-sample lengths of variable fields and image sizes."""
     out = {}
@@ -295,6 +254,26 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+@dataclass
+class _Plan:
+    """What one `write` call converts: the source in its final form and the settings it records."""
+
+    source: Any
+    schema: Schema
+    num_samples: int | None
+    is_map: bool
+    attrs: dict[str, Any]
+    shard_size: int
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return _settings(self.schema, self.shard_size, self.num_samples)
+
+    @property
+    def dataset_id(self) -> int:
+        return _dataset_id(self.settings, self.attrs)
+
+
 def write(
     source: Any,
     out_dir: str | os.PathLike[str],
@@ -306,36 +285,54 @@ def write(
     overwrite: bool = False,
     progress: bool = True,
     attrs: dict[str, Any] | None = None,
+    resume_command: str | None = None,
 ) -> Manifest:
     """Write `source` as a fastload dataset in `out_dir` and return its manifest.
 
     `source`: a `BlockSource`, a map-style dataset (``len`` + ``__getitem__`` returning dicts; encoded
-    in `workers` processes) or any iterable of dicts. `schema` is inferred from the first sample when
+    in `workers` processes) or any iterable of dicts. `schema` is inferred from the first samples when
     omitted (pass it for image fields: raw bytes infer as ``bytes``).
-    """
-    from .hf_datasets import hf_block_source, is_hf_dataset  # (imports this module)
 
-    if is_hf_dataset(source):
-        source = hf_block_source(source)  # fixed-shape columns stay fixed fields with their dtypes
+    An `out_dir` holding an interrupted conversion is continued with `resume=True` or replaced with
+    `overwrite=True`; without either, `write` refuses (`FileExistsError`). A write that fails or is
+    interrupted keeps its finished shards, writes no manifest (so `out_dir` never opens as a dataset),
+    and says in its error how to continue: `resume_command` (what the CLI passes), or a `write` call.
+    """
     out_dir = os.fspath(out_dir)
     shard_size = parse_size(shard_size)
     if shard_size < 4096:
         raise ValueError(f"shard_size must be at least 4096 bytes, got {shard_size}")
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
-    if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
-        if resume and not overwrite:
-            # A previous run finished (possibly killed just before removing its progress file).
-            with open(os.path.join(out_dir, MANIFEST_NAME), "rb") as fh:
-                manifest = Manifest.loads(fh.read(), where=os.path.join(out_dir, MANIFEST_NAME))
-            if os.path.exists(os.path.join(out_dir, PROGRESS_NAME)):
-                os.remove(os.path.join(out_dir, PROGRESS_NAME))
-            return manifest
-        if not overwrite:
-            raise FileExistsError(f"{out_dir} already holds a dataset; pass overwrite=True (--overwrite) to replace it")
-        shutil.rmtree(out_dir)
+    finished = prepare_out_dir(out_dir, resume=resume, overwrite=overwrite)
+    if finished is not None:
+        return finished
+    plan = _plan(source, schema, attrs, shard_size)
+    os.makedirs(os.path.join(out_dir, "shards"), exist_ok=True)
+    kept = resume_point(out_dir, plan.settings, plan.schema, plan.dataset_id) if resume else []
+    if not resume:
+        for name in os.listdir(os.path.join(out_dir, "shards")):
+            os.remove(os.path.join(out_dir, "shards", name))
+    command = resume_command or f"write(..., {out_dir!r}, resume=True)"
+    _write_atomic(os.path.join(out_dir, PROGRESS_NAME), json.dumps({**plan.settings, COMMAND_KEY: command}).encode())
+    try:
+        infos = _write_shards(plan, out_dir, kept, workers, progress)
+        return _finish(out_dir, plan, infos)
+    except KeyboardInterrupt:
+        raise WriteInterrupted(f"interrupted: {stopped_hint(out_dir, command)}") from None
+    except Exception as exc:
+        exc.add_note(stopped_hint(out_dir, command))
+        raise
+
+
+def _plan(source: Any, schema: Schema | None, attrs: dict[str, Any] | None, shard_size: int) -> _Plan:
+    """The source in the form `write` reads (HF datasets as columns), its schema (inferred from the
+    first samples when not given) and sample count (None for a plain iterable)."""
+    from .hf_datasets import hf_block_source, is_hf_dataset  # (imports this module)
+
+    if is_hf_dataset(source):
+        source = hf_block_source(source)  # fixed-shape columns stay fixed fields with their dtypes
     is_map = isinstance(source, BlockSource) or (hasattr(source, "__len__") and hasattr(source, "__getitem__"))
     num_samples = source.num_samples if isinstance(source, BlockSource) else (len(source) if is_map else None)
-
     if isinstance(source, BlockSource):
         schema = schema or source.schema
         attrs = {**(source.attrs or {}), **(attrs or {})}
@@ -351,42 +348,39 @@ def write(
         schema = Schema.infer(head)
     if num_samples == 0:
         raise ValueError("the source is empty: nothing to convert")
+    return _Plan(source, schema, num_samples, is_map, dict(attrs or {}), shard_size)
 
-    os.makedirs(os.path.join(out_dir, "shards"), exist_ok=True)
-    settings = _settings(schema, shard_size, num_samples)
-    attrs = dict(attrs or {})
-    dataset_id = _dataset_id(settings, attrs)
-    kept = _resume_point(out_dir, settings, schema, dataset_id) if resume else []
-    if not resume:
-        for name in os.listdir(os.path.join(out_dir, "shards")):
-            os.remove(os.path.join(out_dir, "shards", name))
-    _write_atomic(os.path.join(out_dir, PROGRESS_NAME), json.dumps(settings).encode())
+
+def _source_blocks(plan: _Plan, start: int, workers: int) -> Iterator[Block]:
+    if isinstance(plan.source, BlockSource):
+        return plan.source.blocks(start)
+    if plan.is_map:
+        return _iter_dataset_blocks(plan.source, plan.schema, start, workers)
+    return _iter_dict_blocks(plan.source, plan.schema, start)
+
+
+def _write_shards(plan: _Plan, out_dir: str, kept: list[ShardInfo], workers: int, progress: bool) -> list[ShardInfo]:
+    """Cut the source's blocks into shards and write them on a thread pool, after the `kept` ones."""
     start = sum(s.num_samples for s in kept)
-
-    if isinstance(source, BlockSource):
-        blocks = source.blocks(start)
-    elif is_map:
-        blocks = _iter_dataset_blocks(source, schema, start, workers)
-    else:
-        blocks = _iter_dict_blocks(source, schema, start)
-
-    bar = _progress(progress, num_samples, start)
+    blocks = _source_blocks(plan, start, workers)
+    bar = _progress(progress, plan.num_samples, start)
     shards: list[ShardInfo | Future[ShardInfo]] = list(kept)
-    cutter = _ShardCutter(schema, shard_size)
-    index, t0 = start, time.perf_counter()
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        submitted = [start]  # first sample of the next shard
+    cutter = _ShardCutter(plan.schema, plan.shard_size)
+    index, first, t0 = start, start, time.perf_counter()
+    pool = ThreadPoolExecutor(max_workers=workers)
 
-        def submit(parts: list[Block]) -> None:
-            k = len(shards)
-            identity = ShardIdentity(dataset_id, k, submitted[0])
-            submitted[0] += sum(b.num_samples for b in parts)
-            path = os.path.join(out_dir, _shard_name(k))
-            shards.append(pool.submit(write_shard, path, parts, schema, name=_shard_name(k), identity=identity))
+    def submit(parts: list[Block]) -> None:
+        nonlocal first
+        k = len(shards)
+        identity = ShardIdentity(plan.dataset_id, k, first)
+        first += sum(b.num_samples for b in parts)
+        path = os.path.join(out_dir, _shard_name(k))
+        shards.append(pool.submit(write_shard, path, parts, plan.schema, name=_shard_name(k), identity=identity))
 
+    try:
         for block in blocks:
-            for full in cutter.add(block, index):
-                submit(full)
+            for parts in cutter.add(block, index):
+                submit(parts)
             index += block.num_samples
             if bar is not None:
                 bar.update(block.num_samples)
@@ -394,23 +388,30 @@ def write(
         if cutter.pending:
             submit(cutter.flush())
         infos = [s.result() if isinstance(s, Future) else s for s in shards]
-    if bar is not None:
-        bar.close()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        getattr(blocks, "close", lambda: None)()  # ends encoder processes now, not at garbage collection
+        if bar is not None:
+            bar.close()
     if not infos or sum(s.num_samples for s in infos) == 0:
         raise ValueError("the source is empty: nothing to convert")
-    if num_samples is not None and index != num_samples:
-        raise FormatError(f"source yielded {index} samples but its length is {num_samples}")
+    if plan.num_samples is not None and index != plan.num_samples:
+        raise FormatError(f"source yielded {index} samples but its length is {plan.num_samples}")
+    return infos
 
-    meta, columns = _meta_from_shards(out_dir, schema, infos)
+
+def _finish(out_dir: str, plan: _Plan, infos: list[ShardInfo]) -> Manifest:
+    """Write meta.bin, then the manifest (last: only now does `out_dir` open), then drop the progress file."""
+    meta, columns = _meta_from_shards(out_dir, plan.schema, infos)
     _write_atomic(os.path.join(out_dir, META_NAME), meta)
     manifest = Manifest(
-        schema=schema,
+        schema=plan.schema,
         shards=infos,
         meta_bytes=len(meta),
         meta_xxh3=xxhash.xxh3_64_hexdigest(meta),
         meta_columns=columns,
-        attrs=attrs,
-        dataset_id=dataset_id,
+        attrs=plan.attrs,
+        dataset_id=plan.dataset_id,
     )
     fsync_path(os.path.join(out_dir, "shards"))
     _write_atomic(os.path.join(out_dir, MANIFEST_NAME), manifest.dumps())
