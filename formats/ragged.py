@@ -14,7 +14,12 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["Ragged"]
+try:  # optional C extension (setup.py): the copies of a gather with the GIL released
+    from ._ranges import gather as _c_gather
+except ImportError:  # pragma: no cover - built everywhere CI runs; slower fallback below
+    _c_gather = None
+
+__all__ = ["Ragged", "gather_ranges"]
 
 KINDS = ("bytes", "string", "image", "varray")
 
@@ -95,3 +100,28 @@ class Ragged:
         np.cumsum([len(p) for p in parts], out=offsets[1:])
         values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8 if kind != "varray" else dtype)
         return cls(values=values, offsets=offsets, kind=kind)
+
+
+def gather_ranges(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`source[starts[i] : starts[i] + lengths[i]]` for every i, joined -> (values, offsets).
+
+    `source` is 1-D; one copy of each range into one new buffer, by the `_ranges` extension with
+    the GIL released (else by `bytearray.join` over memoryview slices). Raises IndexError for a
+    range outside `source` before copying anything.
+    """
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if _c_gather is not None and source.flags.c_contiguous:
+        values = np.empty(max(int(offsets[-1]), 0), dtype=source.dtype)  # the C call checks the lengths
+        _c_gather(source, starts, lengths, source.itemsize, values)
+        return values, offsets
+    n = len(source)
+    if len(starts) and (starts.min() < 0 or lengths.min() < 0 or (starts + lengths).max() > n):
+        bad = int(np.flatnonzero((starts < 0) | (lengths < 0) | (starts + lengths > n))[0])
+        raise IndexError(f"range {bad} lies outside the source of {n} items")
+    size = source.itemsize
+    view = np.ascontiguousarray(source).view(np.uint8).data
+    parts = [view[a:b] for a, b in zip((starts * size).tolist(), ((starts + lengths) * size).tolist())]
+    return np.frombuffer(bytearray().join(parts), dtype=source.dtype), offsets
