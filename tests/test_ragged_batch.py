@@ -168,3 +168,26 @@ def test_corrupt_blob_bytes_never_reach_the_caller(mixed, tmp_path_factory, data
         assert f"shard {k}" in str(exc)
         return
     _same_as_samples(batch, idx, samples)  # untouched blocks only: exact bytes
+
+
+def test_lmdb_batch_keys_and_values_match_per_record_reads(tmp_path):
+    import lmdb
+
+    from fastload.formats import LMDBDataset
+
+    rng = np.random.default_rng(3)
+    records = {f"k{i:04d}".encode(): rng.bytes(int(rng.integers(0, 5000))) for i in range(60)}
+    env = lmdb.open(str(tmp_path / "db"), map_size=16 << 20)
+    with env.begin(write=True) as txn:
+        for k, v in records.items():
+            txn.put(k, v)
+    env.close()
+    db = LMDBDataset(tmp_path / "db")
+    keys = sorted(records)
+    idx = [5, -1, 0, 59, 5, 17]
+    batch = db.get_batch(idx)
+    assert batch["key"].to_list() == [keys[i] for i in idx]
+    assert batch["value"].to_list() == [records[keys[i]] for i in idx]
+    assert len(db.get_batch([])["value"]) == 0
+    with pytest.raises(IndexError, match="out of range"):
+        db.get_batch([60])
