@@ -8,6 +8,12 @@
  * bytes. Range i is src[starts[i] * itemsize : (starts[i] + lengths[i]) * itemsize]; it lands
  * right after range i - 1 in dst. Every range is bounds-checked before anything is copied:
  * IndexError names the first bad position; ValueError for a size mismatch.
+ *
+ *   split(values, offsets, utf8) -> list
+ *
+ * values: a byte buffer; offsets: a C-contiguous int64 buffer, non-decreasing, within values.
+ * Item i is values[offsets[i]:offsets[i + 1]] as bytes (utf8 false) or str decoded as UTF-8
+ * (utf8 true; UnicodeDecodeError for invalid UTF-8). ValueError for bad offsets.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -85,9 +91,51 @@ fail_src:
     return result;
 }
 
+static PyObject *split(PyObject *self, PyObject *args) {
+    PyObject *values_obj, *offsets_obj;
+    int utf8;
+    if (!PyArg_ParseTuple(args, "OOp", &values_obj, &offsets_obj, &utf8)) return NULL;
+    Py_buffer values, offsets;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(values_obj, &values, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (get_i64(offsets_obj, &offsets, "offsets") < 0) goto fail_values;
+    Py_ssize_t n = offsets.len / 8 - 1;
+    const int64_t *o = (const int64_t *)offsets.buf;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "offsets must not be empty");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (o[i] < 0 || o[i + 1] < o[i] || o[i + 1] > (int64_t)values.len) {
+            PyErr_Format(PyExc_ValueError, "offsets of item %zd ([%lld, %lld)) lie outside the %zd bytes of values", i,
+                         (long long)o[i], (long long)o[i + 1], values.len);
+            goto done;
+        }
+    }
+    result = PyList_New(n);
+    if (result == NULL) goto done;
+    const char *base = (const char *)values.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len = (Py_ssize_t)(o[i + 1] - o[i]);
+        PyObject *item = utf8 ? PyUnicode_DecodeUTF8(base + o[i], len, "strict")
+                              : PyBytes_FromStringAndSize(base + o[i], len);
+        if (item == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, item);
+    }
+done:
+    PyBuffer_Release(&offsets);
+fail_values:
+    PyBuffer_Release(&values);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
+    {"split", split, METH_VARARGS, "split(values, offsets, utf8): the items of a ragged byte buffer as a list."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,10 +14,11 @@ import numpy as np
 
 from .errors import FormatError
 
-try:  # optional C extension (setup.py): the copies of a gather with the GIL released
+try:  # optional C extension (setup.py): ranged copies with the GIL released, lists of bytes/str
     from ._ranges import gather as _c_gather
-except ImportError:  # pragma: no cover - built everywhere CI runs; slower fallback below
-    _c_gather = None
+    from ._ranges import split as _c_split
+except ImportError:  # pragma: no cover - built everywhere CI runs; slower fallbacks below
+    _c_gather = _c_split = None
 
 __all__ = ["Ragged", "gather_ranges"]
 
@@ -71,21 +72,24 @@ class Ragged:
 
     def to_list(self) -> list[Any]:
         """Every sample, materialised as `__getitem__` does; bytes and strings are copied once each
-        out of a memoryview of the buffer (no per-sample numpy call)."""
-        bounds = np.asarray(self.offsets, dtype=np.int64)
-        starts, ends = bounds[:-1].tolist(), bounds[1:].tolist()
+        out of the buffer, by one C call where the `_ranges` extension is built (else out of a
+        memoryview, with no per-sample numpy call)."""
+        bounds = np.ascontiguousarray(self.offsets, dtype=np.int64)
+        values = self.values
         if self.kind == "varray":
-            values = self.values
-            return [values[a:b] for a, b in zip(starts, ends)]
-        view = np.ascontiguousarray(self.values, dtype=np.uint8).data
-        if self.kind == "string":
-            try:
-                return [str(view[a:b], "utf-8") for a, b in zip(starts, ends)]
-            except UnicodeDecodeError:
-                for i in range(len(self)):
-                    self[i]  # raises naming the first bad sample
-                raise
-        return [bytes(view[a:b]) for a, b in zip(starts, ends)]
+            return [values[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+        try:
+            if _c_split is not None and type(values) is np.ndarray and values.dtype == np.uint8 and values.ndim == 1:
+                return _c_split(np.ascontiguousarray(values), bounds, self.kind == "string")
+            view = np.ascontiguousarray(values, dtype=np.uint8).data
+            pairs = zip(bounds[:-1].tolist(), bounds[1:].tolist())
+            if self.kind == "string":
+                return [str(view[a:b], "utf-8") for a, b in pairs]
+            return [bytes(view[a:b]) for a, b in pairs]
+        except UnicodeDecodeError:
+            for i in range(len(self)):
+                self[i]  # raises naming the first bad sample
+            raise
 
     @classmethod
     def from_list(cls, items: list[Any], *, kind: str, dtype: Any = np.uint8) -> Ragged:

@@ -191,3 +191,19 @@ def test_lmdb_batch_keys_and_values_match_per_record_reads(tmp_path):
     assert len(db.get_batch([])["value"]) == 0
     with pytest.raises(IndexError, match="out of range"):
         db.get_batch([60])
+
+
+@pytest.mark.parametrize("c_split", [True, False])
+def test_to_list_gives_the_same_items_with_and_without_the_extension(monkeypatch, c_split):
+    if not c_split:
+        monkeypatch.setattr(ragged_module, "_c_split", None)
+    words = ["", "ß", "abc", "", "日本"]
+    assert Ragged.from_list(words, kind="string").to_list() == words
+    blobs = [b"", b"\x00\xff", b"xyz"]
+    col = Ragged.from_list(blobs, kind="bytes")
+    assert col.to_list() == blobs and all(type(b) is bytes for b in col.to_list())
+    strided = Ragged(np.frombuffer(b"a.b.c.", np.uint8)[::2], np.array([0, 1, 3]), "bytes")  # not contiguous
+    assert strided.to_list() == [b"a", b"bc"]
+    bad = Ragged(np.frombuffer(b"ok\xff", np.uint8), np.array([0, 2, 3]), "string")
+    with pytest.raises(FormatError, match="sample 1 of a Ragged batch: invalid UTF-8"):
+        bad.to_list()
