@@ -207,3 +207,27 @@ def test_to_list_gives_the_same_items_with_and_without_the_extension(monkeypatch
     bad = Ragged(np.frombuffer(b"ok\xff", np.uint8), np.array([0, 2, 3]), "string")
     with pytest.raises(FormatError, match="sample 1 of a Ragged batch: invalid UTF-8"):
         bad.to_list()
+
+
+def test_hdf5_chunked_unfiltered_rows_come_from_the_mapped_chunks(tmp_path):
+    import h5py
+
+    from fastload.formats import HDF5Dataset
+
+    n = 1000
+    x = np.random.default_rng(0).random((n, 3, 4)).astype(">f4")  # not native order: stays exact
+    with h5py.File(tmp_path / "c.h5", "w") as f:
+        f.create_dataset("x", data=x, chunks=(96, 3, 4))  # last chunk partly past the end
+        f.create_dataset("part", data=x, chunks=(96, 3, 2))  # chunks split rows: through h5py
+        f.create_dataset("z", data=np.arange(n), chunks=(64,), compression="gzip")
+        f.create_dataset("sparse", shape=(n,), dtype=np.int16, chunks=(100,))  # never written: fill value
+    ds = HDF5Dataset(tmp_path / "c.h5")
+    assert ds.direct_fields == ["x"]
+    idx = [999, -1, 0, 95, 96, 500, 500]
+    b = ds.get_batch(idx)
+    assert b["x"].dtype == x.dtype and np.array_equal(b["x"], x[idx])  # the stored bytes, byte order kept
+    assert np.array_equal(b["part"], x[idx])
+    assert b["z"].tolist() == [i % n for i in idx] and b["sparse"].tolist() == [0] * len(idx)
+    assert ds.get_batch([])["x"].shape == (0, 3, 4)
+    with pytest.raises(IndexError, match="out of range"):
+        ds.get_batch([n])
