@@ -148,12 +148,15 @@ class ColumnGuard:
         self._left = int(np.count_nonzero(~self.ledger.bits[self.needed]))
         self.done = self._left == 0
 
-    def __call__(self, rows: np.ndarray) -> None:
+    def __call__(self, rows: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Verify the blocks under virtual rows `rows` (with `counts`: under the runs of `counts[i]`
+        rows from `rows[i]`, each within one part, as a variable field's items are)."""
         if self.done or not len(rows):
             return
         part = self.vstarts.searchsorted(rows, side="right") - 1
         lo = self.origin.take(part) + rows * self.row_bytes
-        verified = self.ledger.ensure(block_ids(lo, lo + self.row_bytes, self.ledger.shift))
+        hi = lo + (self.row_bytes if counts is None else counts * self.row_bytes)
+        verified = self.ledger.ensure(block_ids(lo, hi, self.ledger.shift))
         self._calls += 1
         self._left -= verified
         if self._left <= 0 or self._calls % self.RECHECK == 0:

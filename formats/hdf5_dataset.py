@@ -1,9 +1,11 @@
 """`HDF5Dataset`: a map-style dataset over the datasets of an HDF5 file that share a first dimension.
 
 Contiguous, unfiltered datasets are mapped directly with numpy at their file offset (no HDF5 call
-per read). Chunked or compressed datasets are read through h5py in sorted batches with a chunk
-cache sized to hold the chunks a batch touches. Variable-length datasets (vlen numbers, strings,
-bytes) become `varray`/`string`/`bytes` fields.
+per read). Chunked, unfiltered datasets whose chunks hold whole rows are read the same way: each
+chunk's file offset is looked up once at open, and a batch's rows are one ranged copy out of the
+mapped file (`gather_ranges`), with no HDF5 call and nothing to decode. Compressed datasets are
+read through h5py, each chunk a batch touches whole and decoded once, into a cache of decoded
+chunks. Variable-length datasets (vlen numbers, strings, bytes) become `varray`/`string`/`bytes` fields.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError
-from .ragged import Ragged
+from .ragged import Ragged, gather_ranges
 from .schema import Field, Schema
 
 __all__ = ["HDF5Dataset"]
@@ -44,6 +46,25 @@ def _field_for(name: str, ds: Any) -> Field:
     if ds.ndim == 1:
         return Field(name, "scalar", ds.dtype)
     return Field(name, "ndarray", ds.dtype, ds.shape[1:])
+
+
+def _chunk_table(ds: Any, file_size: int) -> np.ndarray | None:
+    """File offset of each chunk of a chunked, unfiltered dataset whose chunks hold whole rows; None
+    for any other layout, or when a chunk is unallocated, of another size, or outside the file."""
+    if ds.chunks is None or ds.id.get_create_plist().get_nfilters() or tuple(ds.chunks[1:]) != tuple(ds.shape[1:]):
+        return None
+    step = ds.chunks[0]
+    chunk_bytes = step * ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+    table = np.empty(-(-ds.shape[0] // step), dtype=np.int64)
+    for c in range(len(table)):
+        try:
+            info = ds.id.get_chunk_info_by_coord((c * step,) + (0,) * (ds.ndim - 1))
+        except (KeyError, RuntimeError, ValueError):
+            return None
+        if info.byte_offset is None or info.size != chunk_bytes or info.byte_offset + chunk_bytes > file_size:
+            return None
+        table[c] = info.byte_offset
+    return table
 
 
 def _cached_bytes(block: Any, rows: int) -> int:
@@ -83,6 +104,7 @@ class HDF5Dataset:
         self._n = next(iter(lengths.values()))
         self.schema = Schema(tuple(_field_for(name, h5[name]) for name in fields))
         self._direct: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
+        self._chunked: dict[str, tuple[np.ndarray, int, tuple[int, ...], np.dtype]] = {}  # table, rows/chunk
         size = os.path.getsize(self.path)
         for f in self.schema:
             ds = h5[f.name]
@@ -91,6 +113,10 @@ class HDF5Dataset:
                 if offset + ds.size * ds.dtype.itemsize > size:
                     raise FormatError(f"{self.path}:{f.name}: data offset {offset} + size lies outside the file")
                 self._direct[f.name] = (offset, ds.shape, ds.dtype)
+            elif f.is_fixed:
+                table = _chunk_table(ds, size)
+                if table is not None:
+                    self._chunked[f.name] = (table, ds.chunks[0], ds.shape, ds.dtype)
         self._maps: dict[str, np.ndarray] = {}
         self._chunks: dict[tuple[str, int], Any] = {}
         self._chunk_bytes = 0
@@ -116,6 +142,18 @@ class HDF5Dataset:
             arr = self._maps[name] = np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=shape)
         return arr
 
+    def _read_chunked(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """Rows `idx` (in bounds) of a chunked, unfiltered field: one ranged copy out of the mapped file."""
+        table, step, shape, dtype = self._chunked[name]
+        whole = self._maps.get("")
+        if whole is None or self._pid != os.getpid():
+            self._h5()
+            whole = self._maps[""] = np.memmap(self.path, dtype=np.uint8, mode="r")
+        row_bytes = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        starts = table.take(idx // step) + (idx % step) * row_bytes
+        values, _ = gather_ranges(whole, starts, np.full(len(idx), row_bytes, dtype=np.int64))
+        return values.view(dtype).reshape(len(idx), *shape[1:])
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_file"], state["_pid"], state["_maps"] = None, -1, {}
@@ -130,8 +168,8 @@ class HDF5Dataset:
 
     @property
     def direct_fields(self) -> list[str]:
-        """Fields read through a direct numpy mapping (contiguous, unfiltered)."""
-        return list(self._direct)
+        """Fields read through a direct numpy mapping (contiguous or chunked, unfiltered)."""
+        return [*self._direct, *self._chunked]
 
     def _check(self, idx: np.ndarray) -> np.ndarray:
         if idx.size and (idx.min() < -self._n or idx.max() >= self._n):
@@ -179,6 +217,8 @@ class HDF5Dataset:
         for f in self.schema:
             if f.name in self._direct:
                 out[f.name] = self._map(f.name)[idx]
+            elif f.name in self._chunked:
+                out[f.name] = self._read_chunked(f.name, idx)
             elif f.is_fixed:
                 out[f.name] = np.asarray(self._read_h5(f.name, idx))
             else:

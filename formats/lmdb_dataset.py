@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError
-from .ragged import Ragged
+from .ragged import Ragged, gather_ranges
 from .schema import Field, Schema
 
 __all__ = ["LMDBDataset"]
@@ -37,6 +37,8 @@ class LMDBDataset:
         with env.begin(buffers=False) as txn:
             keys = list(txn.cursor().iternext(keys=True, values=False))
         self._keys = keys
+        joined = _joined(keys)  # every key in one buffer: a batch's keys are one ranged gather
+        self._key_values, self._key_starts, self._key_lengths = joined.values, joined.offsets[:-1], joined.lengths
 
     def _environment(self) -> Any:
         import lmdb
@@ -95,20 +97,31 @@ class LMDBDataset:
         return {"key": key, "value": value}
 
     def get_batch(self, indices: Any) -> dict[str, Ragged]:
-        """Keys and values of a batch: one read transaction, values joined into one buffer by C code."""
+        """Keys and values of a batch: one read transaction, values joined into one buffer by C code.
+
+        The values are zero-copy views of the map until that one copy; the keys are one ranged
+        gather from all keys, held joined since open.
+        """
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(self._keys)
         if idx.size and (idx.min() < -n or idx.max() >= n):
             bad = int(idx[(idx < -n) | (idx >= n)][0])
             raise IndexError(f"sample index {bad} out of range for {n} records in {self.path}")
+        key_values, key_offsets = gather_ranges(self._key_values, self._key_starts[idx], self._key_lengths[idx])
         keys = list(map(self._keys.__getitem__, idx.tolist()))
         with self._environment().begin(buffers=True) as txn:
             values = list(map(txn.get, keys))  # zero-copy views of the map, valid inside the transaction
-            if None in values:
-                j = values.index(None)
-                raise FormatError(f"{self.path}: key {keys[j]!r} (sample {int(idx[j])}) disappeared")
-            joined = _joined(values)  # the one copy of the values
-        return {"key": _joined(keys), "value": joined}
+            if not all(values):  # `None in values` would compare each view with None: slow
+                missing = [j for j, v in enumerate(values) if v is None]
+                if missing:
+                    j = missing[0]
+                    raise FormatError(f"{self.path}: key {keys[j]!r} (sample {int(idx[j])}) disappeared")
+            joined = b"".join(values)  # the one copy of the values
+            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        value = Ragged(np.frombuffer(joined, np.uint8), offsets, "bytes")
+        return {"key": Ragged(key_values, key_offsets, "bytes"), "value": value}
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         batch = self.get_batch(indices)

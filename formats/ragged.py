@@ -14,7 +14,13 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["Ragged"]
+try:  # optional C extension (setup.py): ranged copies with the GIL released, lists of bytes/str
+    from ._ranges import gather as _c_gather
+    from ._ranges import split as _c_split
+except ImportError:  # pragma: no cover - built everywhere CI runs; slower fallbacks below
+    _c_gather = _c_split = None
+
+__all__ = ["Ragged", "gather_ranges"]
 
 KINDS = ("bytes", "string", "image", "varray")
 
@@ -66,21 +72,24 @@ class Ragged:
 
     def to_list(self) -> list[Any]:
         """Every sample, materialised as `__getitem__` does; bytes and strings are copied once each
-        out of a memoryview of the buffer (no per-sample numpy call)."""
-        bounds = np.asarray(self.offsets, dtype=np.int64)
-        starts, ends = bounds[:-1].tolist(), bounds[1:].tolist()
+        out of the buffer, by one C call where the `_ranges` extension is built (else out of a
+        memoryview, with no per-sample numpy call)."""
+        bounds = np.ascontiguousarray(self.offsets, dtype=np.int64)
+        values = self.values
         if self.kind == "varray":
-            values = self.values
-            return [values[a:b] for a, b in zip(starts, ends)]
-        view = np.ascontiguousarray(self.values, dtype=np.uint8).data
-        if self.kind == "string":
-            try:
-                return [str(view[a:b], "utf-8") for a, b in zip(starts, ends)]
-            except UnicodeDecodeError:
-                for i in range(len(self)):
-                    self[i]  # raises naming the first bad sample
-                raise
-        return [bytes(view[a:b]) for a, b in zip(starts, ends)]
+            return [values[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+        try:
+            if _c_split is not None and type(values) is np.ndarray and values.dtype == np.uint8 and values.ndim == 1:
+                return _c_split(np.ascontiguousarray(values), bounds, self.kind == "string")
+            view = np.ascontiguousarray(values, dtype=np.uint8).data
+            pairs = zip(bounds[:-1].tolist(), bounds[1:].tolist())
+            if self.kind == "string":
+                return [str(view[a:b], "utf-8") for a, b in pairs]
+            return [bytes(view[a:b]) for a, b in pairs]
+        except UnicodeDecodeError:
+            for i in range(len(self)):
+                self[i]  # raises naming the first bad sample
+            raise
 
     @classmethod
     def from_list(cls, items: list[Any], *, kind: str, dtype: Any = np.uint8) -> Ragged:
@@ -95,3 +104,28 @@ class Ragged:
         np.cumsum([len(p) for p in parts], out=offsets[1:])
         values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8 if kind != "varray" else dtype)
         return cls(values=values, offsets=offsets, kind=kind)
+
+
+def gather_ranges(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`source[starts[i] : starts[i] + lengths[i]]` for every i, joined -> (values, offsets).
+
+    `source` is 1-D; one copy of each range into one new buffer, by the `_ranges` extension with
+    the GIL released (else by `bytearray.join` over memoryview slices). Raises IndexError for a
+    range outside `source` before copying anything.
+    """
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if _c_gather is not None and source.flags.c_contiguous:
+        values = np.empty(max(int(offsets[-1]), 0), dtype=source.dtype)  # the C call checks the lengths
+        _c_gather(source, starts, lengths, source.itemsize, values)
+        return values, offsets
+    n = len(source)
+    if len(starts) and (starts.min() < 0 or lengths.min() < 0 or (starts + lengths).max() > n):
+        bad = int(np.flatnonzero((starts < 0) | (lengths < 0) | (starts + lengths > n))[0])
+        raise IndexError(f"range {bad} lies outside the source of {n} items")
+    size = source.itemsize
+    view = np.ascontiguousarray(source).view(np.uint8).data
+    parts = [view[a:b] for a, b in zip((starts * size).tolist(), ((starts + lengths) * size).tolist())]
+    return np.frombuffer(bytearray().join(parts), dtype=source.dtype), offsets

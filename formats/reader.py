@@ -23,6 +23,7 @@ from .schema import Schema
 from .shapes import ShapedBatch, gather_shapes
 from .shard import ShardIdentity, ShardReader
 from .spliced import ColumnPart, SplicedColumn, splice_available, splice_column
+from .spliced_ragged import SplicedRagged
 from .storage import LocalStorage, Storage
 
 __all__ = [
@@ -82,9 +83,10 @@ def gather_ragged(
     return np.frombuffer(bytearray().join(parts), dtype=dtype), offsets
 
 
-def _guarded(column: SplicedColumn, guard: ColumnGuard, rows: np.ndarray) -> None:
-    """A spliced column's check: verify the blocks under `rows`; drop the check once all are verified."""
-    guard(rows)
+def _guarded(column: SplicedColumn | SplicedRagged, guard: ColumnGuard, *rows: np.ndarray) -> None:
+    """A spliced column's check: verify the blocks under `rows` (and counts, for a variable field's
+    item runs); drop the check once all are verified."""
+    guard(*rows)
     if guard.done:
         column.check = None
 
@@ -184,6 +186,8 @@ class FastloadDataset:
         self._resident: dict[str, np.ndarray] | None = None
         self._spliced: dict[str, SplicedColumn] | None = None
         self._direct: list[tuple[str, Any]] | None = None  # (field, take) when every field is resident/spliced
+        self._ragged: dict[str, SplicedRagged] | None = None  # variable fields spliced over all shards
+        self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, variable ones too
         self._new_locks()
         self._ledger = self._new_ledger()
 
@@ -208,6 +212,7 @@ class FastloadDataset:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"], state["_resident"], state["_spliced"], state["_direct"] = OrderedDict(), None, None, None
+        state["_ragged"] = state["_takes"] = None
         del state["_lock"], state["_direct_lock"], state["_local"], state["_ledger"]
         return state
 
@@ -301,7 +306,7 @@ class FastloadDataset:
         return reader
 
     def close(self) -> None:
-        self._spliced = self._direct = None  # unmapped once no reader thread still holds it
+        self._spliced = self._direct = self._ragged = self._takes = None  # unmapped once no reader holds it
         with self._lock:
             while self._open:
                 k, reader = self._open.popitem()
@@ -391,12 +396,15 @@ class FastloadDataset:
                             column = self._splice(f)
                             if column is not None:
                                 spliced[f.name] = column
+                ragged = self._splice_ragged() if splice_available() and len(self) else {}
+                takes = {name: partial(col.take, axis=0) for name, col in resident.items()}
+                takes.update({name: col.take for name, col in (*spliced.items(), *ragged.items())})
+                self._ragged = ragged
                 self._spliced = spliced
-                if all(f.name in resident or f.name in spliced for f in self._fields):
-                    self._direct = [
-                        (f.name, spliced[f.name].take if f.name in spliced else partial(resident[f.name].take, axis=0))
-                        for f in self._fields
-                    ]
+                if all(f.name in takes for f in self._fields):
+                    self._takes = [(f.name, takes[f.name]) for f in self._fields]
+                    if not ragged:
+                        self._direct = self._takes
             return self._spliced
 
     def _all_shards_at_hand(self) -> bool:
@@ -424,6 +432,37 @@ class FastloadDataset:
             if not guard.done:
                 column.check = partial(_guarded, column, guard)
         return column
+
+    def _splice_ragged(self) -> dict[str, SplicedRagged]:
+        """Each variable field whose blobs splice into one array, as a `SplicedRagged` (verified
+        through the ledger like the fixed columns)."""
+        out = {}
+        for f in self.schema:
+            if f.is_fixed:
+                continue
+            readers = [self.shard(k) for k in range(self.num_shards)]
+            parts = [ColumnPart(r.path, r.blob_offset[f.name], len(r.ragged[f.name][1])) for r in readers]
+            try:
+                items = splice_column(parts, f.dtype, (), table=False)
+            except OSError as exc:
+                warnings.warn(f"{self.root}: field {f.name!r} read by shard ({exc})", RuntimeWarning, stacklevel=4)
+                items = None
+            if items is None:
+                continue
+            column = SplicedRagged(
+                name=f.name, kind=f.kind, items=items, lengths=self._meta[f"{f.name}.length"],
+                shard_starts=self._starts, where=self.where,
+            )
+            if self._ledger is not None:
+                vstarts = items.virtual_starts().tolist()
+                guard = ColumnGuard(
+                    self._ledger, [(k, p.offset, v, p.num_rows) for k, (p, v) in enumerate(zip(parts, vstarts))],
+                    f.dtype.itemsize,
+                )
+                if not guard.done:
+                    column.check = partial(_guarded, column, guard)
+            out[f.name] = column
+        return out
 
     def _checked_indices(self, indices: Any) -> np.ndarray:
         """`indices` as int64, bounds-checked, negative ones counted from the end."""
@@ -519,7 +558,7 @@ class FastloadDataset:
         `indices` are not grouped by shard (a shuffled batch), rows are gathered in shard order and
         put back in one more pass.
         """
-        direct = self._direct if fields is None else None
+        direct = self._takes if fields is None else None
         if direct is not None:  # every field is one take over all shards: the common local case
             idx = np.asarray(indices, dtype=np.int64).reshape(-1)
             try:
@@ -529,7 +568,8 @@ class FastloadDataset:
                 raise
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
         resident, spliced = self._resident_columns(), self._spliced_columns()
-        rest = [f for f in wanted if f.name not in resident and f.name not in spliced]
+        ragged = self._ragged or {}
+        rest = [f for f in wanted if f.name not in resident and f.name not in spliced and f.name not in ragged]
         out: dict[str, Any] = {}
         if len(rest) < len(wanted):
             idx = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -539,6 +579,8 @@ class FastloadDataset:
                         out[f.name] = resident[f.name].take(idx, axis=0)
                     elif f.name in spliced:
                         out[f.name] = spliced[f.name].take(idx)
+                    elif f.name in ragged:
+                        out[f.name] = ragged[f.name].take(idx)
             except IndexError:
                 self._checked_indices(idx)  # raises the error that names the dataset
                 raise

@@ -99,14 +99,15 @@ class SplicedColumn:
     `rows[i + shift[part of i]]`. Up to `TABLE_ROWS` rows, the virtual row of every row is kept in
     a table, so a batch costs two `take`s; above, the part is found by binary search."""
 
-    def __init__(self, rows: np.ndarray, shift: np.ndarray, part_starts: np.ndarray) -> None:
+    def __init__(self, rows: np.ndarray, shift: np.ndarray, part_starts: np.ndarray, *, table: bool = True) -> None:
+        """`table=False`: never keep the row table (a caller that locates rows itself)."""
         self.rows = rows
         self.check: Callable[[np.ndarray], None] | None = None  # sees every row number before it is read
         self.shift = shift
         self.part_starts = part_starts  # first row of each part, plus the total
         n = int(part_starts[-1])
         self.table: np.ndarray | None = None
-        if n <= TABLE_ROWS:
+        if table and n <= TABLE_ROWS:
             counts = np.diff(part_starts)
             self.table = np.arange(n, dtype=np.int64) + np.repeat(shift, counts)
 
@@ -174,8 +175,11 @@ def _reserve(libc: ctypes.CDLL, parts: list[ColumnPart], row_bytes: int) -> tupl
     return 0, None
 
 
-def splice_column(parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...]) -> SplicedColumn | None:
+def splice_column(
+    parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...], *, table: bool = True
+) -> SplicedColumn | None:
     """Map the parts of a fixed column as one `SplicedColumn`, or None where that is not possible.
+    `table`: as for `SplicedColumn` (a variable field's blob, spliced as items of shape (), passes False).
 
     Each part's file must hold `num_rows` rows of `dtype` x `shape` from `offset` on (callers pass
     columns of shards they have validated). Raises OSError when the kernel refuses a mapping.
@@ -216,4 +220,4 @@ def splice_column(parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ..
     )
     starts = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum([p.num_rows for p in parts], out=starts[1:])
-    return SplicedColumn(rows, shift - starts[:-1], starts)
+    return SplicedColumn(rows, shift - starts[:-1], starts, table=table)

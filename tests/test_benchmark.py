@@ -43,6 +43,8 @@ def test_end_to_end_json_has_documented_fields(bench_run: tuple[dict, str, str])
     assert got == {(b, c) for b in ("fastload", "lmdb", "hdf5") for c in ("cold", "warm")}
     for b in res["backends"]:
         assert b["samples_per_s"]["median"] > 0 and b["pct_of_limit"] > 0
+        gather = limits[f"gather_{b['cache']}"]["samples_per_s"]["median"]  # the raw random gather, same cache
+        assert gather > 0 and b["vs_gather"] == pytest.approx(b["samples_per_s"]["median"] / gather)
     kinds = {r["loader"] for r in res["loaders"]}
     assert kinds == {"fastload", "torch", "torch-batched"}
     for r in res["loaders"]:
@@ -178,3 +180,12 @@ def test_train_step_example_runs_both_loaders() -> None:
     assert set(rows) == {"torch", "fastload"}
     assert rows["fastload"][-1] in ("read", "transform", "collate", "pin", "h2d")
     assert 0.0 <= float(rows["torch"][4].rstrip("%")) <= 100.0
+
+
+def test_random_gather_reads_each_range_once(tmp_path) -> None:
+    data = np.random.default_rng(0).integers(0, 255, 5000, dtype=np.uint8)
+    path = tmp_path / "raw.bin"
+    path.write_bytes(data.tobytes())
+    starts, lengths = np.array([0, 100, 4000, 4990]), np.array([10, 0, 1000, 10])
+    samples, nbytes, secs = lim.random_gather(str(path), starts, lengths, batch_size=3, seconds=60)
+    assert samples == 4 and nbytes == 1020 and secs > 0

@@ -60,6 +60,12 @@ def _limits(res: dict[str, Any]) -> list[str]:
         if lim.get(key):
             s = lim[key]["bytes_per_s"]
             rows.append([label, _num(s["median"] / MB), "MB/s", _rng(s, MB)])
+    for cache in ("cold", "warm"):
+        g = lim.get(f"gather_{cache}")
+        if g:
+            label = f"random gather of the samples' bytes, {cache} (1 thread)"
+            rows.append([label, _num(g["bytes_per_s"]["median"] / MB), "MB/s", _rng(g["bytes_per_s"], MB)])
+            rows.append(["  same, samples", _num(g["samples_per_s"]["median"]), "samples/s", _rng(g["samples_per_s"])])
     jd = lim.get("jpeg_decode")
     if jd:
         s = jd["images_per_s_per_core"]
@@ -77,10 +83,11 @@ def _backends(res: dict[str, Any]) -> list[str]:
         if b.get("resident_after_evict") is not None and b["resident_after_evict"] > 0.1:
             note = f"eviction incomplete ({100 * b['resident_after_evict']:.0f}% resident)"
         rows.append([b["backend"], b["cache"], _num(s["median"]), _rng(s), _num(m["median"] / MB),
-                     _pct(b["pct_of_limit"]), b["limit"], note])
+                     _pct(b["pct_of_limit"]), b["limit"], _pct(b.get("vs_gather")), note])
     cfg = res["config"]
-    head = f"BACKENDS (1 thread, shuffled get_batch of {cfg['batch_size']}; % of the same-cache read limit)"
-    header = ["backend", "cache", "samples/s", "range", "MB/s", "% limit", "limit", "note"]
+    head = (f"BACKENDS (1 thread, shuffled get_batch of {cfg['batch_size']}; % of the same-cache read limit; "
+            "% gather = samples/s / the same-cache random gather's)")
+    header = ["backend", "cache", "samples/s", "range", "MB/s", "% limit", "limit", "% gather", "note"]
     return [head, *_grid(header, rows, left=2)]
 
 

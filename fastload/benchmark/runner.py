@@ -111,7 +111,7 @@ def _device(name: str) -> torch.device:
 
 def _plan(cfg: BenchConfig, backends: list[str], url: bool) -> int:
     r = cfg.repeats
-    limits = 2 * r + 2 + (r if url else 0)
+    limits = 2 * r + 2 + (r if url else 0) + (2 * r if cfg.dataset is None else 0)
     per_backend = [r if b == "remote" else 2 * r for b in backends]
     loaders = len(cfg.loaders) * len(cfg.workers) * r
     step = loaders if cfg.step_ms else 0
@@ -126,6 +126,28 @@ def _download_rate(url: str, files: list[str]) -> float:
     for name in files:
         total += len(fs.cat_file(f"{root.rstrip('/')}/{name}"))
     return total / max(time.perf_counter() - t0, 1e-9)
+
+
+def _gather_limits(cfg: BenchConfig, raw: Any, prog: _Progress) -> dict[str, Any]:
+    """The raw random gather of the embedded default's sample byte ranges (`limits.random_gather`),
+    cold (file evicted first) and warm, as samples/s and bytes/s."""
+    out: dict[str, Any] = {}
+    for cache in ("cold", "warm"):
+        runs = []
+        for k in range(cfg.repeats):
+            def once(k: int = k, cache: str = cache) -> tuple[int, int, float]:
+                if cache == "cold":
+                    lim.evict([raw.path])
+                return lim.random_gather(raw.path, raw.starts, raw.lengths, batch_size=cfg.batch_size,
+                                         seconds=cfg.seconds, seed=cfg.seed + k)
+
+            runs.append(prog.run(f"limits: random gather {cache}", once))
+        out[f"gather_{cache}"] = {
+            "samples_per_s": summarize([n / max(t, 1e-9) for n, _, t in runs]),
+            "bytes_per_s": summarize([b / max(t, 1e-9) for _, b, t in runs]),
+            "method": "shuffled batches of each sample's payload bytes from one flat file, one ranged copy",
+        }
+    return out
 
 
 def _limits(
@@ -184,6 +206,9 @@ def _backend_rows(cfg: BenchConfig, backends: list[Backend], limits: dict[str, A
             limit = "read_cold" if cache == "cold" else "read_warm"
             rows.append(_backend_row(b.name, cache, reads, limits, limit,
                                      max((x for x in resident if x is not None), default=None)))
+            gather = limits.get(f"gather_{cache}")
+            rows[-1]["vs_gather"] = (rows[-1]["samples_per_s"]["median"] / gather["samples_per_s"]["median"]
+                                     if gather else None)
     if url:
         pairs = [prog.run("backend remote", lambda k=k: remote_epochs(
             url, batch_size=cfg.batch_size, seconds=cfg.seconds, seed=cfg.seed + k, cache_root=cache_root))
@@ -365,6 +390,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             jpegs = _jpegs_from(ds, cfg.seed)
             release(ds)  # unmapped, so that cold reads can evict its pages
             res["limits"] = _limits(cfg, files, ds, jpegs, prog, url)
+            if cfg.dataset is None:
+                res["limits"].update(_gather_limits(cfg, syn.raw, prog))
             backends = [open_backend(n, paths[n]) for n in names]
             res["backends"] = _backend_rows(cfg, backends, res["limits"], prog, url, workdir)
             if url is None:

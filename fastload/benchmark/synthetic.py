@@ -6,6 +6,8 @@ cyclically) and variable-length token ids (``tokens``: int32, log-normal lengths
 The fastload copy is written by the project's writer (`fastload.formats.write`, the engine of
 `fastload convert`); HDF5 stores the JPEG and tokens as vlen datasets; LMDB stores one value per
 sample (a small header, then the record, label, JPEG and tokens bytes) under a 10-digit key.
+`raw.bin` holds each sample's payload (record, label, JPEG, tokens bytes) contiguously, with no
+format at all: the raw random gather of those byte ranges is the limit the backends are read against.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from fastload.formats import Block, BlockSource, Field, Ragged, Schema, write
 from fastload.formats.writer import fsync_path
 
-__all__ = ["SCHEMA", "Synthetic", "build", "make_jpegs"]
+__all__ = ["SCHEMA", "RawRanges", "Synthetic", "build", "make_jpegs"]
 
 RECORD_SHAPE = (3, 64, 64)
 SCHEMA = Schema(
@@ -36,6 +38,15 @@ _LMDB_HEADER = struct.Struct("<IIIq")  # record bytes, jpeg bytes, tokens bytes,
 
 
 @dataclass
+class RawRanges:
+    """`path` (a flat file) holds sample i's payload at bytes [starts[i], starts[i] + lengths[i])."""
+
+    path: str
+    starts: np.ndarray
+    lengths: np.ndarray
+
+
+@dataclass
 class Synthetic:
     """Paths of the embedded default, one per backend, and what it holds."""
 
@@ -43,6 +54,7 @@ class Synthetic:
     fastload: str
     lmdb: str | None
     hdf5: str | None
+    raw: RawRanges
     num_samples: int
     nbytes: int  # payload bytes (record + label + jpeg + tokens) over all samples
 
@@ -141,6 +153,21 @@ def _write_lmdb(cols: dict[str, np.ndarray | Ragged], n: int, path: str, nbytes:
         env.close()
 
 
+def _write_raw(cols: dict[str, np.ndarray | Ragged], n: int, path: str) -> RawRanges:
+    record, label, jpeg, tokens = cols["record"], cols["label"], cols["jpeg"], cols["tokens"]
+    assert isinstance(jpeg, Ragged) and isinstance(tokens, Ragged) and isinstance(record, np.ndarray)
+    lengths = np.full(n, record[0].nbytes + 8, dtype=np.int64) + jpeg.lengths + tokens.lengths * tokens.values.itemsize
+    with open(path, "wb") as fh:
+        for i in range(n):
+            fh.write(record[i].tobytes() + label[i].tobytes())
+            fh.write(jpeg.values[jpeg.offsets[i] : jpeg.offsets[i + 1]].tobytes())
+            fh.write(tokens.values[tokens.offsets[i] : tokens.offsets[i + 1]].tobytes())
+    fsync_path(path)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return RawRanges(path, starts, lengths)
+
+
 def build(
     root: str, *, size: int, backends: tuple[str, ...] = ("lmdb", "hdf5"), seed: int = 0, min_samples: int = 64
 ) -> Synthetic:
@@ -159,4 +186,5 @@ def build(
     db = os.path.join(root, "lmdb") if "lmdb" in backends else None
     if db:
         _write_lmdb(cols, n, db, nbytes)
-    return Synthetic(root=root, fastload=fl, lmdb=db, hdf5=h5, num_samples=n, nbytes=int(nbytes))
+    raw = _write_raw(cols, n, os.path.join(root, "raw.bin"))
+    return Synthetic(root=root, fastload=fl, lmdb=db, hdf5=h5, raw=raw, num_samples=n, nbytes=int(nbytes))

@@ -1,0 +1,144 @@
+/* fastload.formats._ranges: copy a batch's item ranges out of one source buffer into one
+ * destination buffer, with the GIL released during the copies.
+ *
+ *   gather(src, starts, lengths, itemsize, dst) -> None
+ *
+ * src: any buffer (read-only is fine); starts, lengths: C-contiguous int64 buffers of equal
+ * length, in items of `itemsize` bytes; dst: a writable buffer of exactly sum(lengths) * itemsize
+ * bytes. Range i is src[starts[i] * itemsize : (starts[i] + lengths[i]) * itemsize]; it lands
+ * right after range i - 1 in dst. Every range is bounds-checked before anything is copied:
+ * IndexError names the first bad position; ValueError for a size mismatch.
+ *
+ *   split(values, offsets, utf8) -> list
+ *
+ * values: a byte buffer; offsets: a C-contiguous int64 buffer, non-decreasing, within values.
+ * Item i is values[offsets[i]:offsets[i + 1]] as bytes (utf8 false) or str decoded as UTF-8
+ * (utf8 true; UnicodeDecodeError for invalid UTF-8). ValueError for bad offsets.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static int get_i64(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (view->itemsize != 8 || view->format == NULL || (strcmp(view->format, "l") && strcmp(view->format, "q") &&
+                                                        strcmp(view->format, "<q") && strcmp(view->format, "=q") &&
+                                                        strcmp(view->format, "<l") && strcmp(view->format, "=l"))) {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 buffer", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *starts_obj, *lengths_obj, *dst_obj;
+    Py_ssize_t itemsize;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "OOOnO", &src_obj, &starts_obj, &lengths_obj, &itemsize, &dst_obj)) return NULL;
+    if (itemsize <= 0) {
+        PyErr_SetString(PyExc_ValueError, "itemsize must be positive");
+        return NULL;
+    }
+    Py_buffer src, starts, lengths, dst;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (get_i64(starts_obj, &starts, "starts") < 0) goto fail_src;
+    if (get_i64(lengths_obj, &lengths, "lengths") < 0) goto fail_starts;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto fail_lengths;
+
+    Py_ssize_t n = starts.len / 8;
+    if (lengths.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "starts and lengths differ in length");
+        goto done;
+    }
+    const int64_t *s = (const int64_t *)starts.buf, *l = (const int64_t *)lengths.buf;
+    int64_t src_items = (int64_t)(src.len / itemsize), total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < 0 || l[i] < 0 || s[i] > src_items || l[i] > src_items - s[i]) {
+            PyErr_Format(PyExc_IndexError, "range %zd ([%lld, +%lld) items) lies outside the source of %lld items", i,
+                         (long long)s[i], (long long)l[i], (long long)src_items);
+            goto done;
+        }
+        total += l[i];
+    }
+    if (total > (int64_t)(PY_SSIZE_T_MAX / itemsize) || (Py_ssize_t)total * itemsize != dst.len) {
+        PyErr_Format(PyExc_ValueError, "destination holds %zd bytes, the ranges %lld", dst.len,
+                     (long long)total * (long long)itemsize);
+        goto done;
+    }
+    {
+        const char *in = (const char *)src.buf;
+        char *out = (char *)dst.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            size_t nb = (size_t)l[i] * (size_t)itemsize;
+            memcpy(out, in + (size_t)s[i] * (size_t)itemsize, nb);
+            out += nb;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&dst);
+fail_lengths:
+    PyBuffer_Release(&lengths);
+fail_starts:
+    PyBuffer_Release(&starts);
+fail_src:
+    PyBuffer_Release(&src);
+    return result;
+}
+
+static PyObject *split(PyObject *self, PyObject *args) {
+    PyObject *values_obj, *offsets_obj;
+    int utf8;
+    if (!PyArg_ParseTuple(args, "OOp", &values_obj, &offsets_obj, &utf8)) return NULL;
+    Py_buffer values, offsets;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(values_obj, &values, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (get_i64(offsets_obj, &offsets, "offsets") < 0) goto fail_values;
+    Py_ssize_t n = offsets.len / 8 - 1;
+    const int64_t *o = (const int64_t *)offsets.buf;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "offsets must not be empty");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (o[i] < 0 || o[i + 1] < o[i] || o[i + 1] > (int64_t)values.len) {
+            PyErr_Format(PyExc_ValueError, "offsets of item %zd ([%lld, %lld)) lie outside the %zd bytes of values", i,
+                         (long long)o[i], (long long)o[i + 1], values.len);
+            goto done;
+        }
+    }
+    result = PyList_New(n);
+    if (result == NULL) goto done;
+    const char *base = (const char *)values.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len = (Py_ssize_t)(o[i + 1] - o[i]);
+        PyObject *item = utf8 ? PyUnicode_DecodeUTF8(base + o[i], len, "strict")
+                              : PyBytes_FromStringAndSize(base + o[i], len);
+        if (item == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, item);
+    }
+done:
+    PyBuffer_Release(&offsets);
+fail_values:
+    PyBuffer_Release(&values);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"gather", gather, METH_VARARGS,
+     "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
+    {"split", split, METH_VARARGS, "split(values, offsets, utf8): the items of a ragged byte buffer as a list."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ranges", "Ranged gathers, GIL released.", -1, methods};
+
+PyMODINIT_FUNC PyInit__ranges(void) { return PyModule_Create(&module); }
