@@ -43,7 +43,7 @@ from fastload.formats.ragged import Ragged
 from fastload.system import usable_cores
 from fastload.vision import ImagePreset, dali_available
 
-__all__ = ["DEFAULT_SETS", "SETS", "main", "make_jpegs"]
+__all__ = ["DEFAULT_SETS", "SETS", "batches_of", "main", "make_jpegs", "preset_pass"]
 
 # name -> make_jpegs arguments
 SETS = {
@@ -104,7 +104,7 @@ def _paired_rounds(
     return {name: np.array(v) for name, v in out.items()}
 
 
-def _batches(jpegs: list[bytes], batch_size: int) -> list[dict]:
+def batches_of(jpegs: list[bytes], batch_size: int) -> list[dict]:
     out = []
     for s in range(0, len(jpegs) - batch_size + 1, batch_size):
         out.append(
@@ -117,7 +117,7 @@ def _batches(jpegs: list[bytes], batch_size: int) -> list[dict]:
     return out
 
 
-def _preset_pass(preset: ImagePreset, batches: list[dict]) -> Callable[[], int]:
+def preset_pass(preset: ImagePreset, batches: list[dict]) -> Callable[[], int]:
     def one_pass() -> int:
         n = 0
         for b in batches:
@@ -325,18 +325,18 @@ def _rows(size: int, cores: int, batches: list[dict], root: str, bs: int) -> dic
         ("train RRC+flip fp16 NCHW", {"kind": "train"}),
     ]
     for label, kw in presets:
-        fns[f"cpu preset {label}"] = _preset_pass(ImagePreset(size=size, backend="cpu", threads=cores, **kw), batches)
+        fns[f"cpu preset {label}"] = preset_pass(ImagePreset(size=size, backend="cpu", threads=cores, **kw), batches)
     for label, kw in (presets[0], presets[3]):
         preset = ImagePreset(size=size, backend="cpu", threads=1, **kw)
-        fns[f"cpu preset {label}, 1 thread"] = _preset_pass(preset, batches)
+        fns[f"cpu preset {label}, 1 thread"] = preset_pass(preset, batches)
     if dali_available():
         for kind in ("eval", "train"):
             preset = ImagePreset(kind=kind, size=size, backend="dali", threads=cores, normalize=False)
-            fns[f"dali-cpu {kind} uint8 NHWC"] = _preset_pass(preset, batches)
+            fns[f"dali-cpu {kind} uint8 NHWC"] = preset_pass(preset, batches)
     if torch.cuda.is_available() and dali_available():
         for kind in ("eval", "train"):
             preset = ImagePreset(kind=kind, size=size, backend="dali", device="cuda", threads=cores)
-            fns[f"dali-mixed {kind} fp16 NCHW (GPU)"] = _preset_pass(preset, batches)
+            fns[f"dali-mixed {kind} fp16 NCHW (GPU)"] = preset_pass(preset, batches)
     for kind in ("eval", "train"):
         for workers in (0, 1, 2):
             kw = {"resize": None} if kind == "eval" else {}
@@ -376,7 +376,7 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
     size, n_img = args.size, args.images or (64 if args.quick else 192)
     jpegs = make_jpegs(n_img, **SETS[name])
     bs = min(args.batch_size, n_img)
-    batches = _batches(jpegs, bs)
+    batches = batches_of(jpegs, bs)
     kb = np.mean([len(j) for j in jpegs]) / 1e3
     load0 = os.getloadavg()
     print(f"\n## {name} q90: {n_img} JPEGs, mean {kb:.0f} KB; {cores} cores; batch {bs}; load average {load0[0]:.2f}")

@@ -458,6 +458,20 @@ def test_dali_uint8_and_bf16(images: list[bytes]) -> None:
 
 
 @needs_dali
+@pytest.mark.parametrize("normalize", [True, False])
+def test_mixed_pipeline_graph_validates_without_cuda(normalize: bool) -> None:
+    """The nvJPEG pipeline a CUDA preset runs, defined and serialized without a device: DALI's
+    front end checks its operators and arguments (it cannot be built here)."""
+    preset = train_preset(size=48, backend="dali", device="cuda", normalize=normalize)
+    assert preset.backend == "dali-mixed" and "nvJPEG" in preset.describe()["decoder"]
+    graph = preset.dali_graph()
+    assert b"decoders__ImageSlice" in graph and b"mixed" in graph
+    assert (b"CropMirrorNormalize" if normalize else b"horizontal") in graph
+    with pytest.raises(ValueError, match="not DALI"):
+        train_preset(backend="cpu").dali_graph()
+
+
+@needs_dali
 @needs_cuda
 @pytest.mark.parametrize("kind", ["eval", "train"])
 def test_mixed_decode_matches_cpu(images: list[bytes], kind: str) -> None:

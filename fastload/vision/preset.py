@@ -435,6 +435,13 @@ class ImagePreset:
             )
         return self._dali
 
+    def dali_graph(self) -> bytes:
+        """The DALI pipeline this preset runs (backend 'dali'), defined without a device and
+        serialized: validates the mixed (nvJPEG) graph where it cannot be built (no CUDA)."""
+        if self.backend not in ("dali-mixed", "dali-cpu"):
+            raise ValueError(f"this preset runs the {self.backend!r} backend, not DALI")
+        return self._runner().graph()
+
     def _run_dali(
         self,
         arrays: list[np.ndarray],
