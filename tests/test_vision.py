@@ -531,6 +531,8 @@ def test_loader_order_resume_and_stats(image_dataset) -> None:
     assert sorted(torch.cat([b["label"] for b in batches]).tolist()) == list(range(24))
     torch.testing.assert_close(batches[0]["label"], batches[0]["__indices__"])
     assert ref.stats()["vision_images"] == 24
+    modes = ref.stats()["vision_decode_modes"]  # the images, JPEG or not, by how each was decoded
+    assert sum(modes.values()) == 24 and modes.get("window", 0) > 0 and "whole image" in modes
 
     first = loader()
     it = iter(first)
@@ -701,6 +703,14 @@ def test_threads_rule_and_results_independent_of_it(images: list[bytes]) -> None
     torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
     alone.bind_workers(0)  # what the Loader does: one thread per batch, num_workers batches at once
     assert alone.threads == 1 and "num_workers=0" in alone.stats()["vision_threads_rule"]
+    desc = alone.describe()
+    assert desc["threads"] == 1 and desc["threads_rule"] == alone.stats()["vision_threads_rule"]
+    assert desc["backend"] == "cpu" and desc["output"] == {
+        "dtype": "float16",
+        "layout": "NCHW",
+        "normalized": True,
+        "device": "cpu",
+    }
     torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
     three.bind_workers(4)  # an explicit threads= wins
     assert three.threads == 3
