@@ -6,7 +6,11 @@ On a CUDA machine, in one run:
   device-to-device copy moving the same bytes (its % is the share of usable memory bandwidth) and
   vs the unfused torch sequence (float cast, permute, sub, div, flip, cast);
 - pad_ragged: kernel vs a torch loop (split + pad_sequence), nested tensors and the vectorized
-  torch reference.
+  torch reference;
+- images (with DALI): the eval / train presets through DALI's mixed decoder (nvJPEG ROI decode,
+  fp16 NCHW on the GPU) vs the CPU backend feeding the same device (CPU decode, pinned copy,
+  normalise on the GPU), on bench.vision's 500x375 JPEGs, in paired rounds; and their mean
+  absolute difference (0..255 units).
 Without CUDA it says so, times the CPU references on a tiny batch and exits 0.
 """
 
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from fastload import cuda_ops
+from fastload.vision import IMAGENET_STD
 
 __all__ = ["main"]
 
@@ -227,6 +232,46 @@ def bench_pad_ragged(batch: int, max_tokens: int, iters: int) -> None:
     )
 
 
+def bench_images(size: int, quick: bool) -> None:
+    """Image presets on the GPU: DALI mixed (nvJPEG ROI decode) vs the CPU backend + GPU
+    normalise, images/s in paired rounds (median, min-max), and their pixel agreement."""
+    from bench.vision import SETS, batches_of, make_jpegs, preset_pass
+    from fastload.system import usable_cores
+    from fastload.vision import ImagePreset, dali_available
+
+    if not dali_available():
+        print("\nimages: NVIDIA DALI not installed (pip install 'fastload[dali]'): image rows skipped")
+        return
+    n = 64 if quick else 256
+    batches = batches_of(make_jpegs(n, **SETS["500x375"]), 64)
+    cores = usable_cores()
+    rows, passes = [], {}
+    for kind in ("eval", "train"):
+        mixed = ImagePreset(kind=kind, size=size, backend="dali", device="cuda", threads=cores)
+        cpu = ImagePreset(kind=kind, size=size, backend="cpu", device="cuda", threads=cores)
+        a, b = mixed(batches[0])["image"].float(), cpu(batches[0])["image"].float()
+        std = torch.tensor(IMAGENET_STD, device=a.device).reshape(1, 3, 1, 1)
+        diff = ((a - b) * std).abs().mean().item()
+        passes[f"{kind}: dali-mixed (nvJPEG ROI)"] = preset_pass(mixed, batches)
+        passes[f"{kind}: cpu backend -> cuda"] = preset_pass(cpu, batches)
+        rows.append([f"{kind} mean |mixed - cpu| (0..255)", f"{diff:.2f}", ""])
+    rates: dict[str, list[float]] = {k: [] for k in passes}
+    for _ in range(2 if quick else 4):
+        for label, fn in passes.items():
+            t0, k = time.perf_counter(), 0
+            while time.perf_counter() - t0 < 0.5:
+                k += fn()
+            rates[label].append(k / (time.perf_counter() - t0))
+    for label, r in rates.items():
+        x = np.array(r)
+        rows.append([label, f"{np.median(x):.0f}", f"{x.min():.0f}-{x.max():.0f}"])
+    _table(
+        f"image presets, {n} JPEGs 500x375 q90, batch 64, {size}x{size} fp16 NCHW on the GPU, {cores} CPU threads",
+        ["row", "img/s median (or value)", "min-max"],
+        rows,
+    )
+
+
 def cpu_only(iters: int) -> None:
     img = torch.randint(0, 256, (8, 64, 64, 3), dtype=torch.uint8)
     t_norm = _cpu_time(
@@ -264,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     iters = 5 if args.quick else 20
     if not torch.cuda.is_available():
-        print("bench.gpu: no CUDA device visible; the fused kernels need one. Timing the CPU references instead.")
+        print(
+            "bench.gpu: no CUDA device visible; the fused kernels and the image rows need one. "
+            "Timing the CPU references instead."
+        )
         cpu_only(iters)
         return 0
     os.environ["FASTLOAD_CUDA_OPS"] = "strict"  # a missing backend is an error here, not a silent fallback
@@ -283,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.batch or (64 if args.quick else 256)
     bench_normalize(batch, args.size, iters)
     bench_pad_ragged(64 if args.quick else 256, 2048, iters)
+    bench_images(args.size, args.quick)
     return 1 if failures else 0
 
 

@@ -1,19 +1,23 @@
 """Image preset throughput vs the full-decode ceiling: `python -m bench.vision [--quick]`.
 
-Two sets of generated photo-like JPEGs (q90): 400x300 (~38 KB) and 500x375 (~110 KB). Per set,
-in one run, each row is measured right after its baselines, in rounds (so load from other users
-of the machine hits a row and its baselines alike):
+Generated photo-like JPEGs (q90): 400x300 (~38 KB) and 500x375 (~110 KB) by default; 1024x768
+(`--set 1024x768`), where RandomResizedCrop windows reach 2x the output and DCT scaling applies.
+Per set, in one run, each row is measured right after its baselines, in rounds (so load from
+other users of the machine hits a row and its baselines alike):
 - the full-decode ceiling: single-thread full decode + centre crop 224 with the best decoder
   (simplejpeg or Pillow, whichever is faster in that round) x usable cores;
+- the train reference: single-thread full decode + the same RandomResizedCrop windows + the same
+  antialiased resize to 224 (what a full-decode train pipeline does per image);
 - the CPU preset called directly on ready batches (threads = usable cores): eval crop only
-  (centre 224, `resize=None`) and train (RandomResizedCrop 224 + flip), uint8 NHWC and fp16
-  NCHW; train also with `dct_downscale=True`; the DALI CPU pipeline when DALI is installed;
-- `fastload.Loader` over a fastload dataset of the set, eval crop-only preset as `transform`,
-  num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
+  (centre 224, `resize=None`), eval resized, train (RandomResizedCrop 224 + flip, DCT downscale
+  on by default; also off), uint8 NHWC and fp16 NCHW; the DALI CPU pipeline when installed;
+- `fastload.Loader` over a fastload dataset of the set, eval crop-only and train presets as
+  `transform`, num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
 - on a CUDA machine: the DALI mixed (nvJPEG) rows and the data stall of a prefetching loop.
 Each row prints the median images/s over rounds and its ratios to the baselines measured just
-before it (median, min-max). Then, per num_workers, a fresh process times the Loader's first batch and
-reads its peak RSS.
+before it (median, min-max), wall-time and CPU-time; the load average at the start and end of
+each set. Then, per preset and num_workers, a fresh process times the Loader's first batch and
+reads its peak RSS. torch runs one intra-op thread: presets and references parallelise over images.
 """
 
 from __future__ import annotations
@@ -39,13 +43,15 @@ from fastload.formats.ragged import Ragged
 from fastload.system import usable_cores
 from fastload.vision import ImagePreset, dali_available
 
-__all__ = ["SETS", "main", "make_jpegs"]
+__all__ = ["DEFAULT_SETS", "SETS", "batches_of", "main", "make_jpegs", "preset_pass"]
 
 # name -> make_jpegs arguments
 SETS = {
-    "400x300 q90": {"height": 300, "width": 400, "grain": 7.0},
-    "500x375 q90": {"height": 375, "width": 500, "grain": 23.0},
+    "400x300": {"height": 300, "width": 400, "grain": 7.0},
+    "500x375": {"height": 375, "width": 500, "grain": 23.0},
+    "1024x768": {"height": 768, "width": 1024, "grain": 7.0},
 }
+DEFAULT_SETS = ("400x300", "500x375")
 
 
 def make_jpegs(
@@ -98,7 +104,7 @@ def _paired_rounds(
     return {name: np.array(v) for name, v in out.items()}
 
 
-def _batches(jpegs: list[bytes], batch_size: int) -> list[dict]:
+def batches_of(jpegs: list[bytes], batch_size: int) -> list[dict]:
     out = []
     for s in range(0, len(jpegs) - batch_size + 1, batch_size):
         out.append(
@@ -111,7 +117,7 @@ def _batches(jpegs: list[bytes], batch_size: int) -> list[dict]:
     return out
 
 
-def _preset_pass(preset: ImagePreset, batches: list[dict]) -> Callable[[], int]:
+def preset_pass(preset: ImagePreset, batches: list[dict]) -> Callable[[], int]:
     def one_pass() -> int:
         n = 0
         for b in batches:
@@ -178,6 +184,71 @@ def _full_decode_crop_pass(
     return one_pass
 
 
+def _train_windows(jpegs: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sizes, RandomResizedCrop windows, flips) of the train preset's defaults, seed 0, epoch 0."""
+    import simplejpeg
+
+    from fastload.vision import random_flips, random_resized_crop
+
+    sizes = np.array([simplejpeg.decode_jpeg_header(j)[:2] for j in jpegs], dtype=np.int64)
+    idx = np.arange(len(jpegs))
+    return sizes, random_resized_crop(sizes, seed=0, epoch=0, indices=idx), random_flips(seed=0, epoch=0, indices=idx)
+
+
+def _train_reference_pass(jpegs: list[bytes], size: int, pool: ThreadPoolExecutor | None = None) -> Callable[[], int]:
+    """Full decode (simplejpeg) + the train preset's RandomResizedCrop window + torch's antialiased
+    bilinear resize to `size` into a reused output slot per image, then the flip (of the output,
+    as torchvision's RandomHorizontalFlip after RandomResizedCrop): on `pool` or this thread."""
+    import simplejpeg
+
+    from fastload.vision.cpu_decode import resize_hwc
+
+    _, windows, flips = _train_windows(jpegs)
+    out = torch.empty((len(jpegs), size, size, 3), dtype=torch.uint8)  # reused: no page faults per image
+
+    def one(i: int) -> int:
+        y0, x0, h, w = (int(v) for v in windows[i])
+        crop = simplejpeg.decode_jpeg(jpegs[i])[y0 : y0 + h, x0 : x0 + w]
+        resize_hwc(crop, out[i])
+        if flips[i]:
+            out[i] = out[i].flip(1)
+        return 1
+
+    def one_pass() -> int:
+        idx = range(len(jpegs))
+        return sum(pool.map(one, idx)) if pool is not None else sum(map(one, idx))
+
+    return one_pass
+
+
+def _parts_passes(jpegs: list[bytes], size: int) -> dict[str, Callable[[], int]]:
+    """1-thread parts of the train preset's work: the window decode alone (full scale, no resize),
+    and a full decode at 1/8 scale (entropy decoding of every row, almost no IDCT/colour work)."""
+    import simplejpeg
+
+    from fastload.vision.cpu_decode import decode_windows
+
+    sizes, windows, flips = _train_windows(jpegs)
+    arrays = [np.frombuffer(j, dtype=np.uint8) for j in jpegs]
+    params = np.zeros((len(jpegs), 6), dtype=np.int64)
+    params[:, 0:4], params[:, 4], params[:, 5] = windows, 8, flips
+    outs = [np.empty(int(w[2] * w[3] * 3), dtype=np.uint8) for w in windows]
+
+    def windows_only() -> int:
+        decode_windows(arrays, params, outs)
+        return len(jpegs)
+
+    def eighth() -> int:
+        for j, (h, w) in zip(jpegs, sizes, strict=True):
+            simplejpeg.decode_jpeg(j, min_height=-(-h // 8), min_width=-(-w // 8), min_factor=1.0)
+        return len(jpegs)
+
+    rows = {"full decode at 1/8 scale (entropy decoding), 1 thread": eighth}
+    if decode_windows is not None:
+        rows["train window decode only (no resize), 1 thread"] = windows_only
+    return rows
+
+
 def _stall(preset: ImagePreset, batches: list[dict], *, step_s: float, steps: int) -> float:
     """Fraction of wall time a simulated training step waits for data (prefetch depth 2)."""
     q: queue.Queue = queue.Queue(maxsize=2)
@@ -206,8 +277,9 @@ import json, resource, sys, time
 t0 = time.perf_counter()
 from fastload import Loader, open_dataset
 from fastload.vision import ImagePreset, with_indices
-root, workers, size, bs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-preset = ImagePreset(kind="eval", size=size, resize=None, backend="cpu", normalize=False)
+root, workers, size, bs, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+kw = {"resize": None} if kind == "eval" else {}
+preset = ImagePreset(kind=kind, size=size, backend="cpu", normalize=False, **kw)
 loader = Loader(with_indices(open_dataset(root)), batch_size=bs, drop_last=True, transform=preset,
                 num_workers=workers, seed=0, adaptive=False)
 t1 = time.perf_counter()
@@ -225,10 +297,11 @@ print(json.dumps({"import_s": t1 - t0, "first_batch_s": t2 - t1, "peak_rss": rss
 """
 
 
-def _first_batch(root: str, workers: int, size: int, bs: int) -> dict:
-    """A fresh process: Loader + eval crop-only preset; time to its first batch and peak RSS."""
+def _first_batch(root: str, workers: int, size: int, bs: int, kind: str) -> dict:
+    """A fresh process: Loader + the eval crop-only or train uint8 preset; time to its first batch
+    and peak RSS."""
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, root, str(workers), str(size), str(bs)],
+        [sys.executable, "-c", _CHILD, root, str(workers), str(size), str(bs), kind],
         capture_output=True,
         text=True,
         check=True,
@@ -237,84 +310,120 @@ def _first_batch(root: str, workers: int, size: int, bs: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _rows(size: int, cores: int, batches: list[dict], root: str, bs: int) -> dict[str, Callable[[], int]]:
+    """The measured rows (label -> one pass), baselines excluded."""
+    fns: dict[str, Callable[[], int]] = {}
+    presets = [
+        ("eval crop-only uint8 NHWC", {"kind": "eval", "resize": None, "normalize": False}),
+        ("eval crop-only fp16 NCHW", {"kind": "eval", "resize": None}),
+        ("eval crop 0.875 + resize uint8 NHWC", {"kind": "eval", "normalize": False}),
+        ("train RRC+flip uint8 NHWC", {"kind": "train", "normalize": False}),
+        (
+            "train RRC+flip uint8 NHWC, dct_downscale=False",
+            {"kind": "train", "normalize": False, "dct_downscale": False},
+        ),
+        ("train RRC+flip fp16 NCHW", {"kind": "train"}),
+    ]
+    for label, kw in presets:
+        fns[f"cpu preset {label}"] = preset_pass(ImagePreset(size=size, backend="cpu", threads=cores, **kw), batches)
+    for label, kw in (presets[0], presets[3]):
+        preset = ImagePreset(size=size, backend="cpu", threads=1, **kw)
+        fns[f"cpu preset {label}, 1 thread"] = preset_pass(preset, batches)
+    if dali_available():
+        for kind in ("eval", "train"):
+            preset = ImagePreset(kind=kind, size=size, backend="dali", threads=cores, normalize=False)
+            fns[f"dali-cpu {kind} uint8 NHWC"] = preset_pass(preset, batches)
+    if torch.cuda.is_available() and dali_available():
+        for kind in ("eval", "train"):
+            preset = ImagePreset(kind=kind, size=size, backend="dali", device="cuda", threads=cores)
+            fns[f"dali-mixed {kind} fp16 NCHW (GPU)"] = preset_pass(preset, batches)
+    for kind in ("eval", "train"):
+        for workers in (0, 1, 2):
+            kw = {"resize": None} if kind == "eval" else {}
+            preset = ImagePreset(kind=kind, size=size, backend="cpu", normalize=False, **kw)
+            name = "eval crop-only" if kind == "eval" else "train RRC+flip"
+            fns[f"Loader {name} uint8, num_workers={workers}"] = _loader_pass(root, preset, bs, workers)
+    return fns
+
+
+def _cell(x: np.ndarray, digits: int) -> str:
+    return f"{np.median(x):.{digits}f} ({x.min():.{digits}f}-{x.max():.{digits}f})"
+
+
+def _report(rates: dict[str, np.ndarray], cores: int) -> None:
+    """One line per row: img/s, A (wall / ceiling), B or C, CPU (work ratio), and for train rows
+    R / R-CPU against the train reference."""
+    print(f"{'row':<58} {'img/s median (min-max)':>22} {'A':>17} {'B or C':>17} {'CPU':>17} {'R':>17} {'R-CPU':>17}")
+    sj = np.concatenate([r[:, 1, 0] for r in rates.values()])
+    ref = np.concatenate([r[:, 3, 0] for r in rates.values()])
+    print(f"{'full decode + crop, simplejpeg, 1 thread (baseline)':<58} {_cell(sj, 0):>22}")
+    print(f"{'train reference, 1 thread (baseline)':<58} {_cell(ref, 0):>22}")
+    for label, r in rates.items():
+        rate, single, multi, tref = r[:, 0, 0], r[:, 1, 0], r[:, 2, 0], r[:, 3, 0]
+        other = rate / single if label.endswith("1 thread") else rate / multi
+        cpu = r[:, 0, 1] / r[:, 1, 1]
+        line = (
+            f"{label:<58} {_cell(rate, 0):>22} {_cell(rate / (cores * single), 2):>17} {_cell(other, 2):>17} "
+            f"{_cell(cpu, 2):>17}"
+        )
+        if "train" in label:
+            k = 1 if label.endswith("1 thread") else cores
+            line += f" {_cell(rate / (k * tref), 2):>17} {_cell(r[:, 0, 1] / r[:, 3, 1], 2):>17}"
+        print(line)
+
+
 def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min_time: float) -> None:
     size, n_img = args.size, args.images or (64 if args.quick else 192)
     jpegs = make_jpegs(n_img, **SETS[name])
     bs = min(args.batch_size, n_img)
-    batches = _batches(jpegs, bs)
+    batches = batches_of(jpegs, bs)
     kb = np.mean([len(j) for j in jpegs]) / 1e3
-    print(f"\n## {name}: {n_img} JPEGs, mean {kb:.0f} KB; {cores} cores; batch {bs}")
+    load0 = os.getloadavg()
+    print(f"\n## {name} q90: {n_img} JPEGs, mean {kb:.0f} KB; {cores} cores; batch {bs}; load average {load0[0]:.2f}")
 
     pool = ThreadPoolExecutor(cores)
     base = {
         "sj1": _full_decode_crop_pass(jpegs, "simplejpeg", size),
         "sjN": _full_decode_crop_pass(jpegs, "simplejpeg", size, pool),
+        "ref1": _train_reference_pass(jpegs, size),
     }
     fns: dict[str, Callable[[], int]] = {
         "full decode + crop, Pillow, 1 thread": _full_decode_crop_pass(jpegs, "pillow", size),
         f"full decode + crop, simplejpeg, {cores} threads": base["sjN"],
+        f"train reference, {cores} threads": _train_reference_pass(jpegs, size, pool),
+        **_parts_passes(jpegs, size),
     }
-    rows = [
-        ("eval crop-only uint8 NHWC", {"kind": "eval", "resize": None, "normalize": False}),
-        ("eval crop-only fp16 NCHW", {"kind": "eval", "resize": None}),
-        ("train RRC+flip uint8 NHWC", {"kind": "train", "normalize": False}),
-        ("train RRC+flip uint8 NHWC dct_downscale", {"kind": "train", "normalize": False, "dct_downscale": True}),
-        ("train RRC+flip fp16 NCHW", {"kind": "train"}),
-    ]
-    for label, kw in rows:
-        fns[f"cpu preset {label}"] = _preset_pass(ImagePreset(size=size, backend="cpu", threads=cores, **kw), batches)
-    for label, kw in rows[0:1] + rows[2:3]:
-        preset = ImagePreset(size=size, backend="cpu", threads=1, **kw)
-        fns[f"cpu preset {label}, 1 thread"] = _preset_pass(preset, batches)
-    if dali_available():
-        for kind in ("eval", "train"):
-            preset = ImagePreset(kind=kind, size=size, backend="dali", threads=cores, normalize=False)
-            fns[f"dali-cpu {kind} uint8 NHWC"] = _preset_pass(preset, batches)
-    if torch.cuda.is_available() and dali_available():
-        for kind in ("eval", "train"):
-            preset = ImagePreset(kind=kind, size=size, backend="dali", device="cuda", threads=cores)
-            fns[f"dali-mixed {kind} fp16 NCHW (GPU)"] = _preset_pass(preset, batches)
     tmp = tempfile.mkdtemp(prefix="fastload-bench-vision-")
     root = os.path.join(tmp, "ds")
     try:
         _write_dataset(jpegs, root)
-        for workers in (0, 1, 2):
-            preset = ImagePreset(kind="eval", size=size, resize=None, backend="cpu", normalize=False)
-            fns[f"Loader eval crop-only, num_workers={workers}"] = _loader_pass(root, preset, bs, workers)
+        fns.update(_rows(size, cores, batches, root, bs))
         rates = _paired_rounds(fns, base, rounds=rounds, min_time=min_time)
-        first = {w: _first_batch(root, w, size, bs) for w in (0, 1, 2)}
+        load1 = os.getloadavg()
+        first = {(k, w): _first_batch(root, w, size, bs, k) for k in ("eval", "train") for w in (0, 1, 2)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    train = ImagePreset(kind="train", size=size, backend="cpu", normalize=False)
+    for b in batches:
+        train(b)
 
     print(
-        f"each row measured right after its baselines, {rounds} rounds; ratios per measurement, median "
-        f"(min-max): A = row / ceiling, ceiling = {cores} x 1-thread simplejpeg full decode + centre crop "
-        f"(the faster 1-thread decoder: see the Pillow row); B = row / that full decode + crop on {cores} "
-        "threads (the parallelism this run really had); 1-thread rows: C = row / the 1-thread full decode + "
-        "crop; CPU = images per CPU-second (all threads) / the 1-thread full decode + crop's: the work per "
-        "image, which load from other processes does not change (A's bound on idle cores when the row keeps "
-        f"{cores} cores busy: {cores} x CPU / {cores})"
+        f"each row measured right after its baselines, {rounds} rounds; load average (1 min) {load0[0]:.2f} at "
+        f"the start, {load1[0]:.2f} at the end (5 min: {load1[1]:.2f}); ratios per measurement, median (min-max): "
+        f"A = row / ceiling, ceiling = {cores} x 1-thread simplejpeg full decode + centre crop (the faster "
+        f"1-thread decoder: see the Pillow row); B = row / that full decode + crop on {cores} threads (the "
+        "parallelism this run really had); 1-thread rows: C = row / the 1-thread full decode + crop; CPU = images "
+        "per CPU-second (all threads) / the 1-thread full decode + crop's: the work per image, which load from "
+        "other processes does not change; train rows: R = row / (threads x the 1-thread train reference: full "
+        "decode + the same RandomResizedCrop + resize), R-CPU = the same in CPU time"
     )
-    print(f"{'row':<50} {'img/s median (min-max)':>22} {'A':>17} {'B or C':>17} {'CPU':>17}")
-
-    def cell(x: np.ndarray, digits: int) -> str:
-        return f"{np.median(x):.{digits}f} ({x.min():.{digits}f}-{x.max():.{digits}f})"
-
-    sj = np.concatenate([r[:, 1, 0] for r in rates.values()])
-    print(f"{'full decode + crop, simplejpeg, 1 thread (baselines)':<50} {cell(sj, 0):>22}")
-    for label, r in rates.items():
-        rate, single, multi = r[:, 0, 0], r[:, 1, 0], r[:, 2, 0]
-        other = rate / single if label.endswith("1 thread") else rate / multi
-        cpu = r[:, 0, 1] / r[:, 1, 1]
-        print(
-            f"{label:<50} {cell(rate, 0):>22} {cell(rate / (cores * single), 2):>17} {cell(other, 2):>17} "
-            f"{cell(cpu, 2):>17}"
-        )
+    print(f"train preset decode modes over the set: {train.stats()['vision_decode_modes']}")
+    _report(rates, cores)
     pool.shutdown()
-    for w, f in first.items():
+    for (k, w), f in first.items():
         print(
-            f"Loader num_workers={w}, fresh process: first batch {1e3 * f['first_batch_s']:.0f} ms after the "
-            f"Loader was built (imports {f['import_s']:.1f} s); peak RSS {f['peak_rss'] / 2**20:.0f} MiB"
+            f"Loader {k} uint8 num_workers={w}, fresh process: first batch {1e3 * f['first_batch_s']:.0f} ms after "
+            f"the Loader was built (imports {f['import_s']:.1f} s); peak RSS {f['peak_rss'] / 2**20:.0f} MiB"
         )
     if torch.cuda.is_available() and dali_available():
         preset = ImagePreset(kind="train", size=size, backend="dali", device="cuda", threads=cores)
@@ -328,14 +437,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer images, one short round per row")
     ap.add_argument("--images", type=int, default=None, help="JPEGs per set (default 192; 64 quick)")
     ap.add_argument("--rounds", type=int, default=None, help="paired rounds (default 4; 1 quick)")
-    ap.add_argument("--set", choices=sorted(SETS), action="append", help="only this set (repeatable)")
+    ap.add_argument(
+        "--set", choices=sorted(SETS), action="append", help=f"this set (repeatable; default {DEFAULT_SETS})"
+    )
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--size", type=int, default=224)
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 4)
     min_time = 0.3 if args.quick else 0.5
     cores = usable_cores()
-    for name in args.set or list(SETS):
+    torch.set_num_threads(1)
+    for name in args.set or DEFAULT_SETS:
         _bench_set(name, args, cores, rounds, min_time)
     if not (torch.cuda.is_available() and dali_available()):
         print("mixed (nvJPEG) rows and the data-stall check need CUDA + DALI: skipped")

@@ -232,6 +232,56 @@ def _reference_resize(buf: bytes, window: np.ndarray, out_hw: tuple[int, int]) -
     return y[0].permute(1, 2, 0)
 
 
+# The DCT-scaled train path's bound against the reference: full-size decode + crop of the same
+# (grid-aligned) window + antialiased bilinear resize + flip; per image, 0..255 units.
+DCT_MAX_MEAN_ABS = 1.5
+DCT_MIN_PSNR_DB = 40.0
+
+
+def test_dct_downscale_tolerance() -> None:
+    """Train default: windows >= 2x the output decode at 1/2, 1/4 (1/8) scale, aligned to that grid
+    (each edge within 4/num pixels of the sampled one) and within the documented bound of the
+    full-size reference; smaller windows are pixel-identical to it; stats count each mode."""
+    from fastload.vision.cpu_decode import dct_windows
+
+    rng = np.random.default_rng(7)
+    items = [encode(480, 640, seed=90 + i) for i in range(6)]
+    for i in range(2):  # photo grain on top of a smooth image
+        base = np.asarray(Image.open(io.BytesIO(encode(480, 640, seed=96 + i))), dtype=np.int16)
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)).save(
+            buf, format="JPEG", quality=90
+        )
+        items.append(buf.getvalue())
+    n, idx = len(items), list(range(500, 500 + len(items)))
+    sizes = np.tile([480, 640], (n, 1))
+    preset = train_preset(size=96, backend="cpu", normalize=False, seed=5, threads=2)
+    got = preset(make_batch(items, idx))["image"]
+    sampled = random_resized_crop(sizes, seed=5, epoch=0, indices=np.array(idx))
+    flips = random_flips(seed=5, epoch=0, indices=np.array(idx))
+    windows, nums = dct_windows(sizes, sampled, (96, 96))
+    assert {2, 4, 8} <= set(nums.tolist())
+    edges = np.concatenate(
+        [windows[:, :2] - sampled[:, :2], windows[:, :2] + windows[:, 2:] - sampled[:, :2] - sampled[:, 2:]], 1
+    )
+    assert (np.abs(edges) <= (4 // nums)[:, None]).all() and (windows[nums == 8] == sampled[nums == 8]).all()
+    for i in range(n):
+        ref = _reference_resize(items[i], windows[i], (96, 96))
+        ref = ref.flip(1) if flips[i] else ref
+        if nums[i] == 8:
+            torch.testing.assert_close(got[i], ref, atol=0, rtol=0)
+            continue
+        d = got[i].float() - ref.float()
+        mae, psnr = d.abs().mean().item(), 10 * np.log10(255**2 / (d**2).mean().item())
+        assert mae <= DCT_MAX_MEAN_ABS and psnr >= DCT_MIN_PSNR_DB, (i, int(nums[i]), mae, psnr)
+    modes = preset.stats()["vision_decode_modes"]
+    assert modes == {
+        m: int((nums == k).sum()) for k, m in ((8, "window"), (4, "window 1/2"), (2, "window 1/4")) if (nums == k).any()
+    }
+    assert preset.describe()["decode_modes"] == ["window", "window 1/2", "window 1/4", "window 1/8"]
+    assert eval_preset(backend="cpu").describe()["decode_modes"] == ["window"]  # eval: pixel-identical
+
+
 def test_resize_into_matches_interpolate_for_any_target_strides() -> None:
     from fastload.vision.cpu_decode import crop_resize, decode_rgb, resize_into
 
@@ -258,10 +308,12 @@ def test_resize_into_matches_interpolate_for_any_target_strides() -> None:
 @pytest.mark.parametrize("kind", ["eval", "train"])
 def test_cpu_preset_pixels_match_reference(kind: str) -> None:
     """uint8 output (resized straight into the batch, or via the scratch when flipped) and
-    fp16 output (LUT) against decode -> crop -> F.interpolate -> flip -> (x - mean) / std."""
+    fp16 output (LUT) against decode -> crop -> F.interpolate -> flip -> (x - mean) / std, at full
+    decode scale (the DCT-scaled train default has its own bound: test_dct_downscale_tolerance)."""
     items = [encode(120 + 10 * i, 160 - 7 * i, seed=50 + i) for i in range(8)]
     idx = list(range(200, 208))
     kw = {"kind": kind, "size": (40, 48), "backend": "cpu", "threads": 2, "seed": 11, "flip_p": 0.5}
+    kw["dct_downscale"] = False
     u8 = ImagePreset(normalize=False, **kw)(make_batch(items, idx))["image"]
     fp16 = ImagePreset(layout="NCHW", **kw)(make_batch(items, idx))["image"]
     nhwc = ImagePreset(layout="NHWC", **kw)(make_batch(items, idx))["image"]
@@ -406,6 +458,20 @@ def test_dali_uint8_and_bf16(images: list[bytes]) -> None:
 
 
 @needs_dali
+@pytest.mark.parametrize("normalize", [True, False])
+def test_mixed_pipeline_graph_validates_without_cuda(normalize: bool) -> None:
+    """The nvJPEG pipeline a CUDA preset runs, defined and serialized without a device: DALI's
+    front end checks its operators and arguments (it cannot be built here)."""
+    preset = train_preset(size=48, backend="dali", device="cuda", normalize=normalize)
+    assert preset.backend == "dali-mixed" and "nvJPEG" in preset.describe()["decoder"]
+    graph = preset.dali_graph()
+    assert b"decoders__ImageSlice" in graph and b"mixed" in graph
+    assert (b"CropMirrorNormalize" if normalize else b"horizontal") in graph
+    with pytest.raises(ValueError, match="not DALI"):
+        train_preset(backend="cpu").dali_graph()
+
+
+@needs_dali
 @needs_cuda
 @pytest.mark.parametrize("kind", ["eval", "train"])
 def test_mixed_decode_matches_cpu(images: list[bytes], kind: str) -> None:
@@ -465,6 +531,8 @@ def test_loader_order_resume_and_stats(image_dataset) -> None:
     assert sorted(torch.cat([b["label"] for b in batches]).tolist()) == list(range(24))
     torch.testing.assert_close(batches[0]["label"], batches[0]["__indices__"])
     assert ref.stats()["vision_images"] == 24
+    modes = ref.stats()["vision_decode_modes"]  # the images, JPEG or not, by how each was decoded
+    assert sum(modes.values()) == 24 and modes.get("window", 0) > 0 and "whole image" in modes
 
     first = loader()
     it = iter(first)
@@ -635,6 +703,14 @@ def test_threads_rule_and_results_independent_of_it(images: list[bytes]) -> None
     torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
     alone.bind_workers(0)  # what the Loader does: one thread per batch, num_workers batches at once
     assert alone.threads == 1 and "num_workers=0" in alone.stats()["vision_threads_rule"]
+    desc = alone.describe()
+    assert desc["threads"] == 1 and desc["threads_rule"] == alone.stats()["vision_threads_rule"]
+    assert desc["backend"] == "cpu" and desc["output"] == {
+        "dtype": "float16",
+        "layout": "NCHW",
+        "normalized": True,
+        "device": "cpu",
+    }
     torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
     three.bind_workers(4)  # an explicit threads= wins
     assert three.threads == 3

@@ -14,8 +14,9 @@ corrupt-data warning as an error), which then fails unless simplejpeg or Pillow 
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ import torch
 from fastload.vision import cpu_decode
 from fastload.vision.normalize import ChannelLUT
 
-__all__ = ["BatchJob", "run_batch"]
+__all__ = ["MODES", "BatchJob", "run_batch"]
 
 
 @dataclass
@@ -36,11 +37,12 @@ class BatchJob:
     flips: np.ndarray
     skip: set[int]
     out_hw: tuple[int, int]
-    dct_downscale: bool
+    nums: np.ndarray | None  # per image, decode at nums/8 scale (`cpu_decode.dct_windows`); None: 8
     images: np.ndarray  # (n, oh, ow, 3) uint8: the final pixels (flipped), normalised or returned
     lut: ChannelLUT | None = None  # normalise `images` into `normalized` when set
     normalized: np.ndarray | None = None  # (n, 3, oh, ow) or (n, oh, ow, 3) bit patterns
     layout: str = "NCHW"
+    modes: dict[str, int] = field(default_factory=dict)  # filled by `run_batch`: images per decode mode
 
 
 def run_batch(job: BatchJob, *, threads: int, executor: Executor | None) -> dict[int, str]:
@@ -48,10 +50,10 @@ def run_batch(job: BatchJob, *, threads: int, executor: Executor | None) -> dict
     n = len(job.arrays)
     nums = np.full(n, 8, dtype=np.int64)
     resized = (job.windows[:, 2] != job.out_hw[0]) | (job.windows[:, 3] != job.out_hw[1])
-    if job.dct_downscale:
+    if job.nums is not None:
         jpeg = np.array([cpu_decode.is_jpeg(a) for a in job.arrays], dtype=bool)
         scale = resized & jpeg  # a crop-only window, or a PNG, is decoded at full size
-        nums[scale] = cpu_decode.dct_nums(job.windows[scale], job.out_hw)
+        nums[scale] = job.nums[scale]
     scaled = cpu_decode.scaled_windows(job.sizes, job.windows, nums)
     bounds = np.linspace(0, n, min(max(threads, 1), max(n, 1)) + 1).astype(np.int64)
     chunks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
@@ -60,11 +62,21 @@ def run_batch(job: BatchJob, *, threads: int, executor: Executor | None) -> dict
     if executor is not None:
         futures = [executor.submit(_chunk, job, lo, hi, nums, scaled, resized, failed) for lo, hi in chunks[1:]]
         chunks = chunks[:1]
+    modes: Counter[str] = Counter()
     for lo, hi in chunks:
-        _chunk(job, lo, hi, nums, scaled, resized, failed)
+        modes.update(_chunk(job, lo, hi, nums, scaled, resized, failed))
     for f in futures:
-        f.result()
+        modes.update(f.result())
+    job.modes = dict(modes)
     return failed
+
+
+# Decode modes (`BatchJob.modes`, the preset's stats) by the scale num of num/8.
+MODES = {8: "window", 4: "window 1/2", 2: "window 1/4", 1: "window 1/8"}
+
+
+def _mode(num: int, *, whole: bool = False) -> str:
+    return MODES[num].replace("window", "whole image") if whole else MODES[num]
 
 
 def _chunk(
@@ -75,7 +87,9 @@ def _chunk(
     scaled: np.ndarray,
     resized: np.ndarray,
     failed: dict[int, str],
-) -> None:
+) -> Counter[str]:
+    """Decode images lo..hi-1 of `job`; returns how many took each decode mode."""
+    modes: Counter[str] = Counter()
     todo = [i for i in range(lo, hi) if i not in job.skip]
     windowed = [i for i in todo if cpu_decode.decode_windows is not None and cpu_decode.is_jpeg(job.arrays[i])]
     whole = sorted(set(todo) - set(windowed))
@@ -95,7 +109,9 @@ def _chunk(
         for i, out, res in zip(windowed, outs, results, strict=True):
             if res is not None:  # CMYK/YCCK, or corrupt data: the whole-image decoders decide
                 whole.append(i)
-            elif resized[i]:
+                continue
+            modes[_mode(int(nums[i]))] += 1
+            if resized[i]:
                 h, w = int(scaled[i, 2]), int(scaled[i, 3])
                 _resize(out.reshape(h, w, 3), job.images[i])
     for i in whole:
@@ -104,10 +120,13 @@ def _chunk(
             y0, x0, h, w = (int(v) for v in window)
             crop = img[y0 : y0 + h, x0 : x0 + w]
             _resize(crop[:, ::-1] if job.flips[i] else crop, job.images[i])
+            full = img.shape[:2] == tuple(int(v) for v in job.sizes[i])
+            modes[_mode(8 if full else int(nums[i]), whole=True)] += 1
         except (ValueError, OSError, RuntimeError) as e:
             failed[i] = f"{type(e).__name__}: {e}"
     if job.lut is not None:
         job.lut.apply_batch(job.images[lo:hi], job.normalized[lo:hi], layout=job.layout)
+    return modes
 
 
 def _decode_whole(job: BatchJob, i: int, num: int, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -38,6 +38,7 @@ __all__ = [
     "CorruptImageError",
     "crop_resize",
     "dct_nums",
+    "dct_windows",
     "decode_rgb",
     "decode_windows",
     "is_jpeg",
@@ -94,12 +95,14 @@ def probe_size(buf: np.ndarray | bytes) -> tuple[int, int]:
 
 
 def dct_nums(windows: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
-    """Per window, the smallest num in (1, 2, 4, 8) such that decoding at num/8 scale
-    (libjpeg-turbo's DCT scaling; these are its SIMD-accelerated reduced IDCTs, the other
-    eighths are slower than a full-size decode) keeps the window at least one pixel larger than
-    `out_hw` in both dimensions."""
+    """Per window, the smallest num in (1, 2, 4, 8) such that the window decoded at num/8 scale
+    (libjpeg-turbo's DCT scaling; these are its SIMD-accelerated reduced IDCTs, the other eighths
+    are slower than a full-size decode) is still at least `out_hw` in both dimensions: 4 where the
+    window is at least 2x the output both ways, 2 at 4x, 1 at 8x, else 8 (full size).
+    `scaled_windows` keeps that size: its rounded edges lose no pixel of a window w with
+    w * num / 8 >= out."""
     w = np.asarray(windows, dtype=np.int64).reshape(-1, 4)
-    need = np.maximum(-(-8 * (out_hw[0] + 1) // w[:, 2]), -(-8 * (out_hw[1] + 1) // w[:, 3]))
+    need = np.maximum(-(-8 * out_hw[0] // w[:, 2]), -(-8 * out_hw[1] // w[:, 3]))
     nums = np.full(len(w), 8, dtype=np.int64)
     for k in (4, 2, 1):
         nums[need <= k] = k
@@ -108,17 +111,33 @@ def dct_nums(windows: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:
 
 def scaled_windows(sizes: np.ndarray, windows: np.ndarray, nums: np.ndarray) -> np.ndarray:
     """Windows (y0, x0, h, w) of original images of `sizes` (H, W) in pixels of the same images
-    decoded at nums/8: edges rounded to the nearest scaled pixel (half up), at least 1 pixel, and
-    within the scaled image (ceil(H * num / 8) by ceil(W * num / 8), libjpeg's output size)."""
+    decoded at nums/8: edges rounded to the nearest scaled pixel (half up), an edge on the image's
+    last row/column to the scaled image's (ceil(H * num / 8) by ceil(W * num / 8), libjpeg's
+    output size), at least 1 pixel."""
     s = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
     w = np.asarray(windows, dtype=np.int64).reshape(-1, 4)
     k = np.asarray(nums, dtype=np.int64).reshape(-1, 1)
     full = (s * k + 7) // 8
     lo = (2 * w[:, 0:2] * k + 8) // 16
-    hi = (2 * (w[:, 0:2] + w[:, 2:4]) * k + 8) // 16
+    hi = np.where(w[:, 0:2] + w[:, 2:4] >= s, full, (2 * (w[:, 0:2] + w[:, 2:4]) * k + 8) // 16)
     lo = np.minimum(lo, full - 1)
     hi = np.clip(hi, lo + 1, full)
     return np.concatenate([lo, hi - lo], axis=1)
+
+
+def dct_windows(sizes: np.ndarray, windows: np.ndarray, out_hw: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(aligned windows, nums): each window's DCT scale (`dct_nums`) and the window moved onto
+    that scale's pixel grid in original pixels (edges to the nearest multiple of 8 / num, at most
+    4 / num pixels away; clipped to the image). Decoding an aligned window at num/8 covers exactly
+    it (a partial last scaled pixel on the image's edge aside), so a full-size decode + crop of
+    the aligned window + resize is the reference the scaled decode is compared with."""
+    s = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+    nums = dct_nums(windows, out_hw)
+    scaled = scaled_windows(s, windows, nums)
+    step = (8 // nums).reshape(-1, 1)
+    lo = scaled[:, 0:2] * step
+    hi = np.minimum((scaled[:, 0:2] + scaled[:, 2:4]) * step, s)
+    return np.concatenate([lo, hi - lo], axis=1), nums
 
 
 def decode_rgb(buf: np.ndarray | bytes, *, hw: tuple[int, int] | None = None, num: int = 8) -> np.ndarray:

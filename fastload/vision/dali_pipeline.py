@@ -67,13 +67,26 @@ class DaliRunner:
         self._capacity = 0
 
     def _build(self, capacity: int) -> None:
+        pipe = self._define(capacity, device_id=self.device_id if self.mode == "mixed" else None)
+        pipe.build()
+        self._pipe = pipe
+        self._capacity = capacity
+
+    def graph(self, capacity: int = 1) -> bytes:
+        """This pipeline defined without a device and serialized (DALI's protobuf): DALI's front
+        end checks every operator and argument while defining it, so this validates the graph of
+        the mixed (nvJPEG) pipeline too on a machine without CUDA, where it cannot be built."""
+        return self._define(capacity, device_id=None).serialize()
+
+    def _define(self, capacity: int, *, device_id: int | None):
+        """The pipeline (not built) for batches of up to `capacity` images."""
         from nvidia.dali import fn, types
         from nvidia.dali.pipeline import Pipeline
 
         pipe = Pipeline(
             batch_size=capacity,
             num_threads=self.threads,
-            device_id=self.device_id if self.mode == "mixed" else None,
+            device_id=device_id,
             prefetch_queue_depth=1,
             exec_async=False,
             exec_pipelined=False,
@@ -110,9 +123,7 @@ class DaliRunner:
             else:
                 out = fn.flip(img, horizontal=flip)
             pipe.set_outputs(out)
-        pipe.build()
-        self._pipe = pipe
-        self._capacity = capacity
+        return pipe
 
     def _dali_float16(self) -> bool:
         """fp16 straight from DALI on the GPU; on the CPU, DALI's float16 stores are scalar

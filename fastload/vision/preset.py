@@ -72,11 +72,13 @@ class ImagePreset:
       (num_workers=N: N batches decode at once, in N thread or process workers; num_workers=0:
       one thread, the training loop's, as in torch). A preset used on its own uses every
       usable core. `stats()['vision_threads']` says which applies.
-    - dct_downscale [False]: (CPU backend) decode a JPEG at 1/2, 1/4 or 1/8 scale in
-      libjpeg-turbo's IDCT, the smallest that keeps the crop window larger than the output: much less work for
-      crops well above the output size (RandomResizedCrop on photos), but the window edges
-      round to the scaled pixel grid and the filter differs from DALI's (off by default so
-      that the backends match).
+    - dct_downscale [None = on for 'train', off for 'eval']: (CPU backend) decode a JPEG whose
+      crop window is at least 2x (4x, 8x) the output in both dimensions at 1/2 (1/4, 1/8) scale
+      in libjpeg-turbo's IDCT: the smallest decoded window still >= the output, then resized.
+      Not pixel-identical to a full-size decode + crop + resize: the window edges round to the
+      scaled pixel grid and the DCT's filter differs (bounds: docs/vision.md, tested). Windows
+      below 2x the output, crop-only windows and the eval preset decode at full size
+      (pixel-identical).
     - on_error ['raise']: 'raise' names the dataset sample that is not a decodable image;
       'skip' drops it from the batch (all fields) and counts it in `stats()['vision_skipped']`.
 
@@ -105,7 +107,7 @@ class ImagePreset:
         flip_p: float | None = None,
         crop_fraction: float = 0.875,
         on_error: str = "raise",
-        dct_downscale: bool = False,
+        dct_downscale: bool | None = None,
         resize: str | None = "bilinear",
     ) -> None:
         if kind not in ("train", "eval"):
@@ -144,7 +146,7 @@ class ImagePreset:
         self.flip_p = (0.5 if kind == "train" else 0.0) if flip_p is None else float(flip_p)
         self.crop_fraction = crop_fraction
         self.on_error = on_error
-        self.dct_downscale = dct_downscale
+        self.dct_downscale = kind == "train" if dct_downscale is None else bool(dct_downscale)
         self.resize = resize
         self.backend = self._resolve_backend(backend)
         self._lut = ChannelLUT(mean=self.mean, std=self.std, dtype=dtype) if normalize else None
@@ -154,6 +156,7 @@ class ImagePreset:
         self._lock = threading.Lock()
         self._calls = 0
         self._stats = {"images": 0, "skipped": 0, "batches": 0, "seconds": 0.0}
+        self._modes: dict[str, int] = {}  # CPU backend: images per decode mode (cpu_batch.MODES)
 
     # -- configuration -------------------------------------------------------------------
 
@@ -288,11 +291,11 @@ class ImagePreset:
                 sizes[i] = probe_size(a)
             except (ValueError, OSError) as e:
                 errors[i] = f"{type(e).__name__}: {e}"
-        windows, flips = self._parameters(sizes, keys, epoch)
+        windows, flips, nums = self._parameters(sizes, keys, epoch)
         self._check_errors(errors, names, keys if indices is not None else None)
 
         if self.backend == "cpu":
-            images, failed = self._run_cpu(arrays, sizes, windows, flips, skip=set(errors))
+            images, failed = self._run_cpu(arrays, sizes, windows, flips, nums=nums, skip=set(errors))
         else:
             images, failed = self._run_dali(arrays, windows, flips, skip=set(errors))
             if not self.normalize_output and self.layout == "NCHW":
@@ -312,7 +315,12 @@ class ImagePreset:
             self._stats["seconds"] += dt
         return images, keep
 
-    def _parameters(self, sizes: np.ndarray, keys: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _parameters(
+        self, sizes: np.ndarray, keys: np.ndarray, epoch: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(windows, flips, DCT scale nums or None). With `dct_downscale`, resized windows of
+        2x the output or more are aligned to their DCT scale's pixel grid (`dct_windows`), on the
+        host, so every backend crops the same window."""
         if self.resize is None and self.kind == "train":
             windows = params.random_window(sizes, size=self.out_hw, seed=self.seed, epoch=epoch, indices=keys)
         elif self.resize is None:
@@ -332,7 +340,10 @@ class ImagePreset:
             flips = params.random_flips(seed=self.seed, epoch=epoch, indices=keys, p=self.flip_p)
         else:
             flips = np.zeros(len(sizes), dtype=bool)
-        return windows, flips
+        nums = None
+        if self.dct_downscale and self.resize is not None:
+            windows, nums = cpu_decode.dct_windows(sizes, windows, self.out_hw)
+        return windows, flips, nums
 
     def _check_errors(self, errors: dict[int, str], names: list[str], keys: np.ndarray | None) -> None:
         if errors and self.on_error == "raise":
@@ -365,6 +376,7 @@ class ImagePreset:
         windows: np.ndarray,
         flips: np.ndarray,
         *,
+        nums: np.ndarray | None,
         skip: set[int],
     ) -> tuple[torch.Tensor, dict[int, str]]:
         n = len(arrays)
@@ -384,7 +396,7 @@ class ImagePreset:
             flips=flips,
             skip=skip,
             out_hw=self.out_hw,
-            dct_downscale=self.dct_downscale,
+            nums=nums,
             images=staging.numpy(),
             lut=lut,
             normalized=lut.empty(shape) if lut is not None else None,
@@ -393,6 +405,9 @@ class ImagePreset:
         with self._lock:
             executor = self._executor()
         failed = run_batch(job, threads=self.threads, executor=executor)
+        with self._lock:
+            for mode, count in job.modes.items():
+                self._modes[mode] = self._modes.get(mode, 0) + count
         if lut is not None and job.normalized is not None:
             return lut.to_tensor(job.normalized), failed
         images = staging if on_host else staging.to(self.device, non_blocking=True)
@@ -419,6 +434,13 @@ class ImagePreset:
                 device_id=(self.device.index or 0) if mixed else None,
             )
         return self._dali
+
+    def dali_graph(self) -> bytes:
+        """The DALI pipeline this preset runs (backend 'dali'), defined without a device and
+        serialized: validates the mixed (nvJPEG) graph where it cannot be built (no CUDA)."""
+        if self.backend not in ("dali-mixed", "dali-cpu"):
+            raise ValueError(f"this preset runs the {self.backend!r} backend, not DALI")
+        return self._runner().graph()
 
     def _run_dali(
         self,
@@ -469,21 +491,66 @@ class ImagePreset:
             x = x.permute(0, 2, 3, 1)
         return normalize_on_device(x, mean=self.mean, std=self.std, layout=layout, dtype=dtype)
 
+    def _threads_rule(self) -> str:
+        if self.threads_requested is not None:
+            return "threads="
+        if self.loader_workers is not None:
+            return f"Loader num_workers={self.loader_workers}: each batch on the worker that fetches it"
+        return "usable cores"
+
+    def _decoder(self) -> str:
+        if self.backend == "dali-mixed":
+            return "DALI decoders.image_slice, mixed (nvJPEG ROI decode)"
+        if self.backend == "dali-cpu":
+            return "DALI decoders.image_slice, cpu (libjpeg-turbo ROI decode)"
+        if cpu_decode.decode_windows is not None:
+            return "libjpeg-turbo window decode (fastload.vision._jpegwin)"
+        return "simplejpeg / Pillow whole-image decode"
+
+    def _decode_modes(self) -> list[str]:
+        """The decode modes this configuration can take for a JPEG (CPU backend)."""
+        win = "window" if cpu_decode.decode_windows is not None else "whole image"
+        if self.backend != "cpu":
+            return ["window (ROI)"]
+        if self.dct_downscale and self.resize is not None:
+            return [win] + [f"{win} {f}" for f in ("1/2", "1/4", "1/8")]
+        return [win]
+
+    def describe(self) -> dict[str, Any]:
+        """The image stage's configuration, for `loader.describe()`: what runs, where, with how
+        many threads, and which decode modes (window / DCT scale) it picks."""
+        return {
+            "stage": "ImagePreset",
+            "kind": self.kind,
+            "size": self.out_hw,
+            "resize": self.resize,
+            "backend": self.backend,
+            "decoder": self._decoder(),
+            "decode_modes": self._decode_modes(),
+            "dct_downscale": self.dct_downscale,
+            "threads": self.threads,
+            "threads_rule": self._threads_rule(),
+            "output": {
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "layout": self.layout,
+                "normalized": self.normalize_output,
+                "device": str(self.device),
+            },
+        }
+
     def stats(self) -> dict[str, Any]:
-        """Counters for `loader.stats()`: images, skipped, batches, seconds, images/s, backend."""
+        """Counters for `loader.stats()` (this process's: with process workers they stay in the
+        workers): images, skipped, batches, seconds, images/s, backend, threads, and the images
+        per decode mode (`vision_decode_modes`, CPU backend)."""
         with self._lock:
             s = dict(self._stats)
+            modes = dict(self._modes)
         return {
             "vision_backend": self.backend,
             "vision_threads": self.threads,
-            "vision_threads_rule": (
-                "threads="
-                if self.threads_requested is not None
-                else f"Loader num_workers={self.loader_workers}: one per batch"
-                if self.loader_workers is not None
-                else "usable cores"
-            ),
+            "vision_threads_rule": self._threads_rule(),
             "vision_window_decode": cpu_decode.decode_windows is not None,
+            "vision_decode_modes": modes,
             "vision_images": s["images"],
             "vision_skipped": s["skipped"],
             "vision_batches": s["batches"],
