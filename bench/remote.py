@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "cpu_raw": c1 - c0,
                     "cpu_floor": c2 - c1,
                     "cpu_e1": c3 - c2,
-                    "stats": dict(storage.stats),
+                    "stats": storage.stats(),
                 }
             )
             storage.close()

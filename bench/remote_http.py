@@ -103,16 +103,26 @@ def raw_pipeline(url: str, shards: list[Any], out_dir: str, threads: int = 8) ->
     return total / (time.perf_counter() - t0)
 
 
-def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, seed: int) -> float:
+STAGES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s", "get_busy_s")
+
+
+def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, seed: int) -> tuple[float, dict[str, Any]]:
+    """Seconds for one epoch and the `remote_*` stages this epoch added to `loader.stats()`."""
     sampler = ShardWindowSampler.from_dataset(ds, window=4, seed=seed) if shuffled else None
     loader = Loader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, worker_type="thread")
+    before = ds.storage.stats()
     t0 = time.perf_counter()
     n = 0
     for batch in loader:
         n += int(batch["x"].shape[0])
+    took = time.perf_counter() - t0
     if n != len(ds):
         raise RuntimeError(f"epoch saw {n} samples, dataset has {len(ds)}")
-    return time.perf_counter() - t0
+    after = loader.stats()
+    stages = {k: after[f"remote_{k}"] - before[f"remote_{k}"] for k in STAGES}
+    stages["gets_in_flight_mean"] = after["remote_gets_in_flight_mean"]
+    stages["read_s"] = after.get("read_s", 0.0)
+    return took, stages
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -142,8 +152,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     key = f"w{workers}-{'shuffled' if shuffled else 'sequential'}"
                     cache = os.path.join(work, f"cache-{r}-{key}")
                     ds = open_dataset(url, cache_dir=cache, cache_limit=2 * nbytes)
-                    cold = _epoch(ds, shuffled=shuffled, workers=workers, batch_size=args.batch_size, seed=r)
-                    warm = _epoch(ds, shuffled=shuffled, workers=workers, batch_size=args.batch_size, seed=r + 1)
+                    cold, st = _epoch(ds, shuffled=shuffled, workers=workers, batch_size=args.batch_size, seed=r)
+                    warm, _ = _epoch(ds, shuffled=shuffled, workers=workers, batch_size=args.batch_size, seed=r + 1)
+                    print(f"round {r} {key} cold {cold:.2f}s " + " ".join(f"{k}={v:.2f}" for k, v in st.items()),
+                          flush=True)
                     rows.setdefault(f"{key} cold", []).append(nbytes / cold)
                     rows.setdefault(f"{key} warm", []).append(nbytes / warm)
                     del ds

@@ -55,6 +55,7 @@ import xxhash
 from .formats.errors import ChecksumError
 from .formats.forksafe import reset_in_child
 from .formats.units import format_size, parse_size
+from .transfer_stats import TransferStats
 
 __all__ = [
     "CacheBudgetError",
@@ -140,11 +141,12 @@ class Download:
     `check` raises `ChecksumError` on a size or checksum mismatch.
     """
 
-    def __init__(self, path: str, *, size: int, xxh3: str, where: str) -> None:
+    def __init__(self, path: str, *, size: int, xxh3: str, where: str, stats: TransferStats | None = None) -> None:
         self.path, self.size, self.xxh3, self.where = path, size, xxh3.lower(), where
         self._fh = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._hash = xxhash.xxh3_64()
         self.written = 0
+        self.stats = stats if stats is not None else TransferStats()
 
     def reset(self) -> None:
         """Discard what was written (before a retry)."""
@@ -154,14 +156,19 @@ class Download:
         self.written = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append `data` to the temp file and to the running xxh3 (`ChecksumError` past `size`)."""
         view = memoryview(data).cast("B")
         if self.written + view.nbytes > self.size:
             raise ChecksumError(f"{self.where}: more than the {self.size} bytes the manifest records")
+        t0 = time.perf_counter()
         self._fh.write(view)
-        self._hash.update(view)
+        t1 = time.perf_counter()
+        self._hash.update(view)  # verified while received: `check` only compares the digest
+        self.stats.add_many(write_s=t1 - t0, verify_s=time.perf_counter() - t1)
         self.written += view.nbytes
 
     def check(self) -> None:
+        """Raise `ChecksumError` unless exactly `size` bytes with the manifest's xxh3 were written."""
         if self.written != self.size:
             raise ChecksumError(f"{self.where}: got {self.written} bytes, the manifest records {self.size}")
         got = self._hash.hexdigest()
@@ -169,12 +176,16 @@ class Download:
             raise ChecksumError(f"{self.where}: xxh3 {got} != {self.xxh3} recorded in the manifest")
 
     def finish(self, *, fsync: bool) -> None:
+        """Flush and close the temp file; `fsync` forces it to the device first (timed as `fsync_s`)."""
         self._fh.flush()
         if fsync:
+            t0 = time.perf_counter()
             os.fsync(self._fh.fileno())
+            self.stats.add("fsync_s", time.perf_counter() - t0)
         self._fh.close()
 
     def close(self) -> None:
+        """Close the temp file (idempotent)."""
         if not self._fh.closed:
             self._fh.close()
 
@@ -279,6 +290,7 @@ class ShardCache:
         self._inflight: dict[str, threading.Event] = {}  # key -> download running in this process
         self._tmp_seq = 0
         self._claim = 0
+        self.transfer = TransferStats()  # this process's download timings (`stats()`)
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -529,6 +541,11 @@ class ShardCache:
                         total += de.stat().st_size
         return total
 
+    def stats(self) -> dict[str, float]:
+        """This process's download timings and counters (see `fastload.transfer_stats`)."""
+        self._check_pid()
+        return self.transfer.snapshot()
+
     def contains(self, key: str) -> bool:
         with self._locked() as state:
             return _check_key(key) in state["entries"]
@@ -725,13 +742,19 @@ class ShardCache:
         final = self.path(key)
         ok = False
         try:
-            sink = Download(tmp_path, size=size, xxh3=xxh3, where=where)
+            sink = Download(tmp_path, size=size, xxh3=xxh3, where=where, stats=self.transfer)
             try:
                 fetch(sink)
                 sink.check()
+                # No fsync by default: the rename below happens only after every byte written was
+                # hashed and matched the manifest, so a process crash leaves either no file or a
+                # verified one. A power loss can leave a renamed file whose pages never reached the
+                # disk; its stamp carries the boot id, so after the reboot it is hashed again before
+                # any use (every verify mode) and fetched anew when it does not match.
                 sink.finish(fsync=self.fsync)
             finally:
                 sink.close()
+            t0 = time.perf_counter()
             os.replace(tmp_path, final)
             stamp = _stamp(os.stat(final))
             with self._mutex, self._locked() as state:
@@ -742,6 +765,7 @@ class ShardCache:
                 self._verified[key] = stamp
                 if not soft:
                     self._usable.add(key)
+            self.transfer.add("commit_s", time.perf_counter() - t0)
             ok = True
             return final
         finally:

@@ -44,13 +44,23 @@ def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monk
         warnings.simplefilter("error", RuntimeWarning)
         warnings.simplefilter("error", ResourceWarning)
         ds = open_dataset(url, cache_dir=str(tmp_path / f"cache{workers}"), cache_limit="8MB")
-        for _ in range(2):  # cold, then warm
+        total = sum(s.bytes for s in ds.manifest.shards)
+        for epoch in range(2):  # cold, then warm
             seen = []
-            for batch in Loader(ds, batch_size=64, num_workers=workers, worker_type="thread"):
+            loader = Loader(ds, batch_size=64, num_workers=workers, worker_type="thread")
+            for batch in loader:
                 labels = batch["label"].tolist()
                 assert (batch["x"][:, 0].numpy() == np.array(labels) % 251).all()
                 seen += labels
             assert sorted(seen) == list(range(n))
+            st = loader.stats()  # the transfer stages: every shard fetched once, in the cold epoch only
+            assert st["remote_fetched"] == ds.num_shards and st["remote_fetched_bytes"] == total
+            assert st["remote_bytes"] == total and st["remote_requests"] == ds.num_shards
+            assert st["remote_fsync_s"] == 0 and st["remote_gets_in_flight_max"] >= 1
+            for k in ("request_s", "receive_s", "write_s", "verify_s", "commit_s", "get_busy_s"):
+                assert st[f"remote_{k}"] > 0, k
+            if epoch == 0:
+                assert st["remote_demand_fetches"] + st["remote_prefetched"] >= ds.num_shards
         del ds
         gc.collect()
     assert unraisable == []
