@@ -59,8 +59,8 @@ def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monk
             assert st["remote_fsync_s"] == 0 and st["remote_gets_in_flight_max"] >= 1
             for k in ("request_s", "receive_s", "write_s", "verify_s", "commit_s", "get_busy_s"):
                 assert st[f"remote_{k}"] > 0, k
-            if epoch == 0:
-                assert st["remote_demand_fetches"] + st["remote_prefetched"] >= ds.num_shards
+            if epoch == 0:  # no sampler handed a plan over: the storage read ahead in manifest order
+                assert st["remote_prefetched"] > 0 and st["remote_gets_in_flight_max"] > 1
         del ds
         gc.collect()
     assert unraisable == []
