@@ -33,13 +33,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .cache_files import Download, check_key, file_xxh3, stamp
-from .cache_policy import LruPolicy, Room
+from .cache_files import Download, check_key
+from .cache_fill import CacheFill
+from .cache_policy import LruPolicy
 from .cache_state import CacheBudgetError, CacheState, CacheStateError, owner_alive, owner_id, unlink
 from .formats.forksafe import reset_in_child
 from .formats.units import format_size, parse_size
@@ -55,7 +55,6 @@ __all__ = [
     "owner_id",
 ]
 
-_POLL_S = 0.02
 _VERIFY_MODES = ("stat", "once", "always")
 
 
@@ -99,7 +98,7 @@ class ShardCache:
         self.limit = int(0.8 * (_free_bytes(self.root) + used)) if limit is None else parse_size(limit)
         if self.limit <= 0:
             raise CacheBudgetError(f"cache_limit must be > 0 bytes, got {limit!r}")
-        self._policy = LruPolicy(limit=self.limit, data_dir=self.data_dir)
+        self._fill = self._new_fill()
 
     def __repr__(self) -> str:
         return f"ShardCache({self.root!r}, limit={format_size(self.limit)})"
@@ -113,17 +112,26 @@ class ShardCache:
         self.__dict__.update(state)
         self._pid = -1
         self._reset_process_state()
-        self._policy = LruPolicy(limit=self.limit, data_dir=self.data_dir)
 
     def _reset_process_state(self) -> None:
         reset_in_child(self, ShardCache._reset_process_state)  # no lock crosses a fork locked
         self._pid = os.getpid()
         self._store = CacheState(root=self.root, data_dir=self.data_dir, tmp_dir=self.tmp_dir)
         self._mutex = self._store.mutex  # serialises this owner's threads (taken by `_locked` too)
-        self._verified: dict[str, list[int | str]] = {}  # key -> stat stamp hashed by this owner
-        self._inflight: dict[str, threading.Event] = {}  # key -> download running in this process
-        self._tmp_seq = 0
         self.transfer = TransferStats()  # this process's download timings (`stats()`)
+        if hasattr(self, "limit"):  # set in __init__ after the first call (it needs the state)
+            self._fill = self._new_fill()
+
+    def _new_fill(self) -> CacheFill:
+        return CacheFill(
+            store=self._store,
+            policy=LruPolicy(limit=self.limit, data_dir=self.data_dir),
+            transfer=self.transfer,
+            verify=self.verify,
+            fsync=self.fsync,
+            wait_timeout=self.wait_timeout,
+            deadlock_grace=self.deadlock_grace,
+        )
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -190,7 +198,7 @@ class ShardCache:
         self._check_pid()
         if self._store.repin(key):  # held and verified by this owner: one more pin, no state update
             return self.path(key)
-        path = self._obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=False)
+        path = self._fill.obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=False)
         assert path is not None
         return path
 
@@ -200,7 +208,7 @@ class ShardCache:
         Returns False (nothing done) when there is no room now; never waits for room.
         """
         check_key(key)
-        return self._obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=True) is not None
+        return self._fill.obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=True) is not None
 
     def release(self, key: str) -> None:
         """Drop one pin taken by `acquire` in this process (none held, e.g. taken before a fork: nothing)."""
@@ -254,209 +262,6 @@ class ShardCache:
                     unlink(os.path.join(self.data_dir, key))
                     del state["entries"][key]
                     state["soft"].pop(key, None)
-
-    # -- internals ------------------------------------------------------------------------------
-    def _obtain(
-        self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str, soft: bool
-    ) -> str | None:
-        if size > self.limit:
-            raise CacheBudgetError(
-                f"{where}: a {format_size(size)} shard does not fit in cache_limit={format_size(self.limit)} "
-                f"({self.root}); raise cache_limit to at least a few shards"
-            )
-        while True:
-            event = self._wait_inflight(key)
-            if event is not None:
-                event.wait()
-                continue
-            kind, value = self._find_or_reserve(key, size=size, where=where, soft=soft)
-            if kind == "none":
-                return None
-            if kind == "soft":
-                return value
-            if kind == "download":
-                tmp, event = value
-                return self._download(key, tmp, event, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
-            path = self.path(key)  # "entry": cached, pinned now; verify before its first use here
-            try:
-                ok = self._verify_cached(key, path, size=size, xxh3=xxh3, recorded=value)
-            except BaseException:
-                with self._locked() as state:
-                    self._store.unhold(state, key)
-                raise
-            if ok:
-                with self._mutex:
-                    self._store.usable.add(key)
-                return path
-            self._drop_corrupt(key)
-
-    def _find_or_reserve(self, key: str, *, size: int, where: str, soft: bool) -> tuple[str, Any]:
-        """Wait until one `_step` decides; raises `CacheBudgetError` on a deadlock or past `wait_timeout`."""
-        wait_since: float | None = None
-        stuck_since: float | None = None
-        while True:
-            with self._locked() as state:
-                kind, value = self._step(state, key, size=size, soft=soft)
-            if kind == "event":
-                value.wait()
-                continue
-            if kind != "wait":
-                return kind, value
-            room, deadlocked = value
-            now = time.monotonic()
-            wait_since = wait_since or now
-            stuck_since = (stuck_since or now) if deadlocked else None
-            if stuck_since is not None and now - stuck_since >= self.deadlock_grace:
-                with self._locked() as state:
-                    state["waiting"].pop(self._store.owner, None)
-                    raise CacheBudgetError(self._policy.deadlock_message(state, size=size, where=where, root=self.root))
-            if now - wait_since > self.wait_timeout:
-                with self._locked() as state:
-                    state["waiting"].pop(self._store.owner, None)
-                raise CacheBudgetError(
-                    f"{where}: waited {self.wait_timeout:.0f}s for room in cache {self.root} "
-                    f"(limit {format_size(self.limit)}; {room.waiting_on or 'pinned by other processes'})"
-                )
-            time.sleep(_POLL_S)
-
-    def _step(self, state: dict[str, Any], key: str, *, size: int, soft: bool) -> tuple[str, Any]:
-        """One look at the state (under its lock): ("entry", stamp) cached and pinned now; ("soft", path)
-        cached, for a prefetch; ("download", (tmp, event)) reserved for a download by this thread;
-        ("event", event) wait for this process's download; ("wait", (room, deadlocked)); ("none", None)
-        a prefetch finds no room or another download in flight."""
-        me = self._store.owner
-        entry = state["entries"].get(key)
-        if entry is not None:
-            state["waiting"].pop(me, None)
-            if soft:
-                if not state["pins"].get(key):  # a pinned file is in use: nothing to protect
-                    state["soft"].setdefault(key, me)
-                return "soft", self.path(key)
-            self._store.hold(state, key)
-            state["soft"].pop(key, None)
-            entry["used"] = time.time()
-            return "entry", entry.get("stamp")
-        res = state["reserved"].get(key)
-        if res is not None:
-            if soft:
-                return "none", None
-            event = self._wait_inflight(key) if res["owner"] == me else None
-            if event is not None:  # another thread of this owner downloads it
-                return "event", event
-            return "wait", (Room(False, waiting_on=f"download of {key} by process {res['owner']}"), False)
-        room = self._policy.make_room(state, size, soft=soft)
-        if room.ok:
-            tmp = self._tmp_name(key)
-            state["reserved"][key] = {"owner": me, "size": size, "tmp": tmp, "soft": soft}
-            state["waiting"].pop(me, None)
-            if not soft:
-                self._store.hold(state, key)
-            event = threading.Event()
-            self._inflight[key] = event  # under the mutex, with the reservation
-            return "download", (tmp, event)
-        if soft:
-            return "none", None
-        state["waiting"][me] = {"key": key, "size": size}
-        return "wait", (room, self._policy.deadlocked(state, me))
-
-    def _wait_inflight(self, key: str) -> threading.Event | None:
-        with self._mutex:
-            return self._inflight.get(key)
-
-    def _tmp_name(self, key: str) -> str:
-        with self._mutex:
-            self._tmp_seq += 1
-            return f"{key}.{os.getpid()}.{self._tmp_seq}"
-
-    def _download(
-        self,
-        key: str,
-        tmp: str,
-        event: threading.Event,
-        *,
-        size: int,
-        xxh3: str,
-        fetch: Callable[[Download], None],
-        where: str,
-        soft: bool,
-    ) -> str:
-        tmp_path = os.path.join(self.tmp_dir, tmp)
-        final = self.path(key)
-        ok = False
-        try:
-            sink = Download(tmp_path, size=size, xxh3=xxh3, where=where, stats=self.transfer)
-            try:
-                fetch(sink)
-                sink.check()
-                # No fsync by default: the rename below happens only after every byte written was
-                # hashed and matched the manifest, so a process crash leaves either no file or a
-                # verified one. A power loss can leave a renamed file whose pages never reached the
-                # disk; its stamp carries the boot id, so after the reboot it is hashed again before
-                # any use (every verify mode) and fetched anew when it does not match.
-                sink.finish(fsync=self.fsync)
-            finally:
-                sink.close()
-            t0 = time.perf_counter()
-            os.replace(tmp_path, final)
-            st = stamp(os.stat(final))
-            with self._locked() as state:
-                state["reserved"].pop(key, None)
-                state["entries"][key] = {"size": size, "used": time.time(), "stamp": st}
-                if soft:
-                    state["soft"][key] = self._store.owner
-                self._verified[key] = st
-                if not soft:
-                    self._store.usable.add(key)
-            self.transfer.add("commit_s", time.perf_counter() - t0)
-            ok = True
-            return final
-        finally:
-            if not ok:
-                unlink(tmp_path)
-                with self._locked() as state:
-                    state["reserved"].pop(key, None)
-                    if not soft:
-                        self._store.unhold(state, key)
-            with self._mutex:
-                self._inflight.pop(key, None)
-            event.set()
-
-    def _verify_cached(self, key: str, path: str, *, size: int, xxh3: str, recorded: list[int | str] | None) -> bool:
-        """Whether the cached file matches: its stamp was hashed by this owner, or (`verify="stat"`)
-        matches the `recorded` one, or its xxh3 matches now (the stamp is recorded then)."""
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return False
-        now = stamp(st)
-        if st.st_size != size:
-            return False
-        with self._mutex:
-            seen = None if self.verify == "always" else self._verified.get(key)
-        if seen == now:
-            return True
-        if self.verify == "stat" and recorded == now:
-            with self._mutex:
-                self._verified[key] = now
-            return True
-        if file_xxh3(path) != xxh3.lower():
-            return False
-        with self._locked() as state:
-            self._verified[key] = now
-            if key in state["entries"]:
-                state["entries"][key]["stamp"] = now
-        return True
-
-    def _drop_corrupt(self, key: str) -> None:
-        """Unpin and remove a cached file that failed verification (it is fetched again)."""
-        with self._locked() as state:
-            self._verified.pop(key, None)
-            self._store.unhold(state, key)
-            # Readers elsewhere keep their mapping of the old inode; new opens get the re-fetch.
-            unlink(self.path(key))
-            state["entries"].pop(key, None)
-            state["soft"].pop(key, None)
-
 
 
 def _free_bytes(path: str) -> int:

@@ -202,6 +202,7 @@ class RetryPolicy:
     total: float = 30.0
 
     def delay(self, k: int) -> float:
+        """Seconds to sleep before retry `k` (0-based): full jitter up to `min(cap, base * 2**k)`."""
         return random.uniform(0.0, min(self.cap, self.base * (2**k)))
 
 
@@ -479,6 +480,7 @@ class RemoteStorage:
 
     @property
     def fs(self) -> Any:
+        """This process's own fsspec file system for the URL (built on first use, inner retries off)."""
         self._check_pid()
         if self._fs is None:
             # an instance of our own: its inner retries are turned off below, which a shared one must keep
