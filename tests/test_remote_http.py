@@ -19,7 +19,7 @@ pytestmark = pytest.mark.nginx
 
 @pytest.fixture()
 def served(tmp_path):
-    from bench.remote_http import Nginx
+    from bench.remote import Nginx
 
     root = tmp_path / "root"
     n = 600
@@ -64,3 +64,23 @@ def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monk
         del ds
         gc.collect()
     assert unraisable == []
+
+
+def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
+    """`fastload bench --remote URL`: raw, cold and warm rows per worker count and order, stage timings."""
+    from fastload.cli import main
+
+    url, _ = served
+    out = tmp_path / "r.json"
+    assert main(["bench", "--remote", url, "--repeats", "1", "--workers", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for row in ("raw", "w0 shuffled cold", "w0 shuffled warm", "w0 sequential cold", "w0 sequential warm"):
+        assert f"\n{row} " in text, row
+    import json
+
+    res = json.loads(out.read_text())
+    assert set(res["rows"]) == {"raw", "w0 shuffled cold", "w0 shuffled warm", "w0 sequential cold",
+                                "w0 sequential warm"}
+    assert all(len(v) == 1 and v[0] > 0 for v in res["rows"].values())
+    cold = res["stages"]["w0 shuffled cold"][0]
+    assert cold["receive_s"] > 0 and cold["write_s"] > 0 and cold["gets_in_flight_mean"] >= 1
