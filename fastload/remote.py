@@ -15,6 +15,7 @@ A server that accepts connections and never answers, or one that is gone, theref
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -43,6 +44,7 @@ __all__ = [
     "BYTES_IN_FLIGHT",
     "CONNECT_TIMEOUT_S",
     "MAX_GETS",
+    "PART_BYTES",
     "READ_TIMEOUT_S",
     "RemoteFetchError",
     "RemoteStorage",
@@ -118,6 +120,46 @@ STREAM_CHUNK = 256 << 10
 
 class _NoStream(Exception):
     """`open_async` gave a file that does not read one response as a stream."""
+
+
+class _NoRanges(Exception):
+    """A ranged GET came back with another length than asked (the store ignores `Range`)."""
+
+
+PART_BYTES = 16 << 20  # one ranged GET of a large shard
+PARTS_IN_FLIGHT = 4  # ranged GETs of one shard outstanding at once
+
+
+def _takes_ranges(fs: Any) -> bool:
+    """Whether an async file system implements ranged `_cat_file` (s3fs, gcsfs, http do)."""
+    return isinstance(fs, AsyncFileSystem) and type(fs)._cat_file is not AsyncFileSystem._cat_file
+
+
+async def _ranged_into(fs: AsyncFileSystem, rpath: str, sink: Any, part: int, stats: TransferStats) -> None:
+    """The object in ranged GETs of `part` bytes, `PARTS_IN_FLIGHT` at a time, each handed to
+    `sink.write_at` as it arrives (the sink hashes in file order). A part of the wrong length
+    raises `_NoRanges`; on any failure the other parts are cancelled (their responses closed)."""
+    size = sink.size
+    gate = asyncio.Semaphore(PARTS_IN_FLIGHT)
+
+    async def one(start: int) -> None:
+        end = min(size, start + part)
+        async with gate:
+            t0 = time.perf_counter()
+            data = await fs._cat_file(rpath, start=start, end=end)
+            stats.add_many(receive_s=time.perf_counter() - t0, bytes=len(data), ranged_parts=1)
+        if len(data) != end - start:
+            raise _NoRanges
+        sink.write_at(start, data)
+
+    tasks = [asyncio.ensure_future(one(start)) for start in range(0, size, part)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # every response closed before the retry
+        raise
 
 
 async def _stream_into(fs: AsyncFileSystem, rpath: str, sink: Any, chunk: int, stats: TransferStats) -> None:
@@ -350,6 +392,10 @@ class RemoteStorage:
     asked for (sequential readers then stream too). `fetch_threads=None` (default) chooses from the
     shard size: enough GETs for `BYTES_IN_FLIGHT` (256 MiB) at once, 2 to `MAX_GETS` (16), and no
     more than the cache budget holds next to two shards; `prefetch_depth=None` is twice that.
+    Shards larger than `4 x part_bytes` (16 MiB by default; 0/None: never) are fetched as ranged
+    GETs of `part_bytes`, `PARTS_IN_FLIGHT` (4) at a time, written at their offsets and hashed in
+    file order as they become contiguous; a store that ignores `Range` (a part of the wrong length)
+    turns ranged GETs off for this object's process and the shard is fetched whole.
 
     Every reader (this object in each process it is pickled into: loader workers too) claims
     `(max_open_shards + 1) x largest shard` of the shared cache while it holds shards (from the
@@ -376,6 +422,7 @@ class RemoteStorage:
         max_open_shards: int | None = None,
         prefetch_depth: int | None = None,
         fetch_threads: int | None = None,
+        part_bytes: int | None = PART_BYTES,
         retry: RetryPolicy | None = None,
         verify: str = "once",
         fsync: bool = False,
@@ -389,6 +436,7 @@ class RemoteStorage:
             self.url, dict(storage_options or {}), connect_timeout=connect_timeout, read_timeout=read_timeout
         )
         self.retry = retry or RetryPolicy()
+        self.part_bytes = int(part_bytes) if part_bytes else 0
         self.cache = ShardCache(cache_dir, limit=cache_limit, verify=verify, fsync=fsync, wait_timeout=wait_timeout)
         self._id = xxhash.xxh3_64_hexdigest(self.url.encode())
         self._small: dict[str, bytes] = {}
@@ -439,6 +487,7 @@ class RemoteStorage:
             "retry",
             "prefetch_depth",
             "fetch_threads",
+            "part_bytes",
             "cache",
             "_id",
             "_small",
@@ -471,6 +520,7 @@ class RemoteStorage:
         self._taken: set[str] = set()  # plan entries acquired since the plan was set
         self._manifest_cache: dict[str, tuple[int, str]] | None = None
         self._stream_ok = True
+        self._ranges_ok = True
         self._claimed = False
         self._explicit_plan = False  # set by `prefetch`; until then acquires read ahead in manifest order
 
@@ -667,6 +717,14 @@ class RemoteStorage:
         fs = self.fs
         stats = self.cache.transfer
         stats.add("requests", 1)
+        size = getattr(sink, "size", 0)
+        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok and _takes_ranges(fs):
+            try:
+                fsspec_sync(fs.loop, _ranged_into, fs, rpath, sink, self.part_bytes, stats)
+                return
+            except _NoRanges:
+                self._ranges_ok = False  # whole-object GETs from now on
+                sink.reset()
         if self._stream_ok and isinstance(fs, AsyncFileSystem) and getattr(fs, "loop", None) is not None:
             try:
                 fsspec_sync(fs.loop, _stream_into, fs, rpath, sink, STREAM_CHUNK, stats)

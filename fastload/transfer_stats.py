@@ -14,9 +14,11 @@ seconds: with several GETs in flight they add up to more than the wall time):
 - `get_busy_s`: wall time with at least one GET outstanding; `bytes` / `get_busy_s` is the
   throughput the link gave while it was used.
 
-Counts: `requests` (GETs sent, retries included), `bytes` (body bytes received), `fetched` /
-`fetched_bytes` (downloads verified and committed), `demand_fetches` (downloads a reader ran itself
-because no prefetch had started them), `prefetched`, `retries`, `waits` (acquires that took over 1 ms).
+Counts: `requests` (shard downloads started, retries included; a ranged one counts once),
+`ranged_parts` (its ranged GETs; each part's whole time counts as `receive_s`), `bytes` (body
+bytes received), `fetched` / `fetched_bytes` (downloads verified and committed), `demand_fetches`
+(downloads a reader ran itself because no prefetch had started them), `prefetched`, `retries`,
+`waits` (acquires that took over 1 ms).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from contextlib import contextmanager
 __all__ = ["TransferStats"]
 
 _TIMES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s")
-_COUNTS = ("requests", "bytes", "fetched", "fetched_bytes", "demand_fetches", "prefetched", "retries", "waits")
+_COUNTS = ("requests", "ranged_parts", "bytes", "fetched", "fetched_bytes", "demand_fetches", "prefetched", "retries",
+           "waits")
 
 
 class TransferStats:
