@@ -626,9 +626,12 @@ class Loader(Generic[T_co]):
         ``"thread"``, ``"process"``), `epoch`, and with thread workers `thread_mode` (what this
         Loader's A/B probe has chosen, see `fastload.pipeline`).
         Counters from `collate_fn.stats()`, `transform.stats()`, `batch_sampler.stats()`,
-        `sampler.stats()` (main-process objects) are merged in without overriding these.
+        `sampler.stats()` and the dataset's `storage.stats()` (main-process objects; a remote
+        dataset's `remote_*` transfer timings, see `fastload.transfer_stats`) are merged in
+        without overriding these.
         """
-        extra = [self.collate_fn, self.transform, self.batch_sampler, self.sampler]
+        storage = getattr(self.dataset, "storage", None)
+        extra = [self.collate_fn, self.transform, self.batch_sampler, self.sampler, storage]
         info: dict[str, Any] = {"num_workers": self.num_workers, "epoch": self._epoch}
         info["worker_type"] = "inline" if self.num_workers == 0 else getattr(self, "worker_type", "torch")
         probe = getattr(self._active, "probe", None)

@@ -15,6 +15,7 @@ A server that accepts connections and never answers, or one that is gone, theref
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -37,13 +38,18 @@ from .formats.errors import ChecksumError, FormatError
 from .formats.forksafe import reset_in_child
 from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from .formats.units import format_size
+from .transfer_stats import TransferStats
 
 __all__ = [
+    "BYTES_IN_FLIGHT",
     "CONNECT_TIMEOUT_S",
+    "MAX_GETS",
+    "PART_BYTES",
     "READ_TIMEOUT_S",
     "RemoteFetchError",
     "RemoteStorage",
     "RetryPolicy",
+    "gets_in_flight",
     "is_remote_url",
     "is_transient",
     "network_options",
@@ -116,20 +122,77 @@ class _NoStream(Exception):
     """`open_async` gave a file that does not read one response as a stream."""
 
 
-async def _stream_into(fs: AsyncFileSystem, rpath: str, sink: Any, chunk: int) -> None:
+class _NoRanges(Exception):
+    """A ranged GET came back with another length than asked (the store ignores `Range`)."""
+
+
+PART_BYTES = 16 << 20  # one ranged GET of a large shard
+PARTS_IN_FLIGHT = 4  # ranged GETs of one shard outstanding at once
+
+
+def _takes_ranges(fs: Any) -> bool:
+    """Whether an async file system implements ranged `_cat_file` (s3fs, gcsfs, http do)."""
+    return isinstance(fs, AsyncFileSystem) and type(fs)._cat_file is not AsyncFileSystem._cat_file
+
+
+async def _ranged_into(fs: AsyncFileSystem, rpath: str, sink: Any, part: int, stats: TransferStats) -> None:
+    """The object in ranged GETs of `part` bytes, `PARTS_IN_FLIGHT` at a time, each handed to
+    `sink.write_at` as it arrives (the sink hashes in file order). A part of the wrong length
+    raises `_NoRanges`; on any failure the other parts are cancelled (their responses closed)."""
+    size = sink.size
+    gate = asyncio.Semaphore(PARTS_IN_FLIGHT)
+
+    async def one(start: int) -> None:
+        end = min(size, start + part)
+        async with gate:
+            t0 = time.perf_counter()
+            data = await fs._cat_file(rpath, start=start, end=end)
+            stats.add_many(receive_s=time.perf_counter() - t0, bytes=len(data), ranged_parts=1)
+        if len(data) != end - start:
+            raise _NoRanges
+        sink.write_at(start, data)
+
+    tasks = [asyncio.ensure_future(one(start)) for start in range(0, size, part)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # every response closed before the retry
+        raise
+
+
+async def _stream_into(fs: AsyncFileSystem, rpath: str, sink: Any, chunk: int, stats: TransferStats) -> None:
     """One whole-object GET of `rpath`, each piece handed to `sink.write` on the event loop as it arrives.
 
     Run as one coroutine per object: no thread hand-over per piece (each costs a loop round trip and
     a GIL switch that the fetch threads, the loader and the server on the same cores all wait on).
+    Time to the first body byte counts as `request_s`, the other waits on the socket as `receive_s`.
     """
+    t0 = time.perf_counter()
     f = await fs.open_async(rpath, "rb")
+    first: float | None = None
+    received = 0
+    recv = 0.0
     try:
         if not _streams(f):
             raise _NoStream
-        while b := await f.read(chunk):
+        while True:
+            t = time.perf_counter()
+            b = await f.read(chunk)
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                recv += now - t
+            if not b:
+                break
+            received += len(b)
             sink.write(b)
     finally:
         await _close_stream(f)
+        if first is not None:
+            stats.add_many(request_s=first - t0, receive_s=recv, bytes=received)
 
 
 async def _close_stream(f: Any) -> None:
@@ -151,6 +214,20 @@ def _streams(f: Any) -> bool:
     return type(f).read is not AbstractAsyncStreamedFile.read
 
 
+BYTES_IN_FLIGHT = 256 << 20  # whole-shard GETs outstanding at once: a 10 Gb/s link's bandwidth x 200 ms
+MAX_GETS = 16
+
+
+def gets_in_flight(shard_bytes: int, cache_limit: int) -> int:
+    """Whole-shard GETs to keep outstanding for shards of up to `shard_bytes`: `BYTES_IN_FLIGHT`
+    worth, at least 2 and at most `MAX_GETS`, and at most what `cache_limit` holds beside the two
+    shards a reader pins while it swaps (prefetched shards wait in the cache until they are read)."""
+    if shard_bytes <= 0:
+        return 2
+    want = min(MAX_GETS, max(2, -(-BYTES_IN_FLIGHT // shard_bytes)))
+    return max(1, min(want, cache_limit // shard_bytes - 2))
+
+
 class RemoteFetchError(OSError):
     """A remote read failed for good (permanent error, or transient errors past the retry limit)."""
 
@@ -167,6 +244,7 @@ class RetryPolicy:
     total: float = 30.0
 
     def delay(self, k: int) -> float:
+        """Seconds to sleep before retry `k` (0-based): full jitter up to `min(cap, base * 2**k)`."""
         return random.uniform(0.0, min(self.cap, self.base * (2**k)))
 
 
@@ -309,7 +387,15 @@ class RemoteStorage:
     swaps, so `cache_limit` must hold `max_open_shards + 1` of the largest shard (checked here,
     `CacheBudgetError` otherwise). When None it is chosen from the budget (at most 64).
     `prefetch(names)` hands over the upcoming shard order; `prefetch_depth` shards are kept
-    fetched ahead of the last acquired one by `fetch_threads` threads.
+    fetched ahead of the last acquired one by `fetch_threads` threads (one whole-shard GET in flight
+    each). Until a plan is handed over, an acquire reads ahead in manifest order from the shard it
+    asked for (sequential readers then stream too). `fetch_threads=None` (default) chooses from the
+    shard size: enough GETs for `BYTES_IN_FLIGHT` (256 MiB) at once, 2 to `MAX_GETS` (16), and no
+    more than the cache budget holds next to two shards; `prefetch_depth=None` is twice that.
+    Shards larger than `4 x part_bytes` (16 MiB by default; 0/None: never) are fetched as ranged
+    GETs of `part_bytes`, `PARTS_IN_FLIGHT` (4) at a time, written at their offsets and hashed in
+    file order as they become contiguous; a store that ignores `Range` (a part of the wrong length)
+    turns ranged GETs off for this object's process and the shard is fetched whole.
 
     Every reader (this object in each process it is pickled into: loader workers too) claims
     `(max_open_shards + 1) x largest shard` of the shared cache while it holds shards (from the
@@ -334,8 +420,9 @@ class RemoteStorage:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
         max_open_shards: int | None = None,
-        prefetch_depth: int = 8,
-        fetch_threads: int = 4,
+        prefetch_depth: int | None = None,
+        fetch_threads: int | None = None,
+        part_bytes: int | None = PART_BYTES,
         retry: RetryPolicy | None = None,
         verify: str = "once",
         fsync: bool = False,
@@ -349,8 +436,7 @@ class RemoteStorage:
             self.url, dict(storage_options or {}), connect_timeout=connect_timeout, read_timeout=read_timeout
         )
         self.retry = retry or RetryPolicy()
-        self.prefetch_depth = max(0, int(prefetch_depth))
-        self.fetch_threads = max(1, int(fetch_threads))
+        self.part_bytes = int(part_bytes) if part_bytes else 0
         self.cache = ShardCache(cache_dir, limit=cache_limit, verify=verify, fsync=fsync, wait_timeout=wait_timeout)
         self._id = xxhash.xxh3_64_hexdigest(self.url.encode())
         self._small: dict[str, bytes] = {}
@@ -360,6 +446,9 @@ class RemoteStorage:
         self.max_open_shards = self._check_budget(manifest, max_open_shards)
         self._biggest = max((s.bytes for s in manifest.shards), default=0)
         self._num_shards = len(manifest.shards)
+        gets = gets_in_flight(self._biggest, self.cache.limit) if fetch_threads is None else int(fetch_threads)
+        self.fetch_threads = max(1, gets)
+        self.prefetch_depth = max(0, int(2 * self.fetch_threads if prefetch_depth is None else prefetch_depth))
 
     def _check_budget(self, manifest: Manifest, max_open_shards: int | None) -> int:
         biggest = max((s.bytes for s in manifest.shards), default=0)
@@ -398,6 +487,7 @@ class RemoteStorage:
             "retry",
             "prefetch_depth",
             "fetch_threads",
+            "part_bytes",
             "cache",
             "_id",
             "_small",
@@ -430,8 +520,9 @@ class RemoteStorage:
         self._taken: set[str] = set()  # plan entries acquired since the plan was set
         self._manifest_cache: dict[str, tuple[int, str]] | None = None
         self._stream_ok = True
+        self._ranges_ok = True
         self._claimed = False
-        self.stats = {"fetched": 0, "fetched_bytes": 0, "prefetched": 0, "retries": 0}
+        self._explicit_plan = False  # set by `prefetch`; until then acquires read ahead in manifest order
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -439,6 +530,7 @@ class RemoteStorage:
 
     @property
     def fs(self) -> Any:
+        """This process's own fsspec file system for the URL (built on first use, inner retries off)."""
         self._check_pid()
         if self._fs is None:
             # an instance of our own: its inner retries are turned off below, which a shared one must keep
@@ -500,14 +592,24 @@ class RemoteStorage:
         if not self._claimed:
             self.claim_budget()
         key = self._key(name, size, xxh3)
+        if not self._explicit_plan and self.prefetch_depth:
+            self._read_ahead(name)
         with self._lock:
             self._keys[name] = key
             self._sizes[name] = (size, xxh3)
             self._advance(name)
             self._cond.notify_all()
-        return self.cache.acquire(
-            key, size=size, xxh3=xxh3, fetch=lambda dl: self._fetch(name, dl), where=f"{self.url}/{name}"
-        )
+
+        def demand(sink: Download) -> None:
+            self.cache.transfer.add("demand_fetches", 1)
+            self._fetch(name, sink)
+
+        t0 = time.perf_counter()
+        path = self.cache.acquire(key, size=size, xxh3=xxh3, fetch=demand, where=f"{self.url}/{name}")
+        took = time.perf_counter() - t0
+        if took > 1e-3:  # the shard was not ready (fetched, waited for, or hashed now)
+            self.cache.transfer.add_many(wait_s=took, waits=1)
+        return path
 
     def release(self, name: str) -> None:
         """Unpin a shard returned by `acquire`."""
@@ -521,12 +623,34 @@ class RemoteStorage:
                 self._claimed = False
                 self.cache.claim(0)
 
+    def stats(self) -> dict[str, float]:
+        """This process's transfer timings and counters, keys prefixed `remote_` (see
+        `fastload.transfer_stats`); `remote_MBps` is `bytes` / `get_busy_s` in MB/s."""
+        self._check_pid()
+        out = self.cache.stats()
+        out["MBps"] = out["bytes"] / out["get_busy_s"] / 1e6 if out["get_busy_s"] > 0 else 0.0
+        return {f"remote_{k}": v for k, v in out.items()}
+
     def prefetch(self, names: list[str], *, sizes: dict[str, tuple[int, str]] | None = None) -> None:
         """Upcoming shards in the order they will be acquired; replaces any earlier plan.
 
         Sizes and checksums come from the manifest read at construction (or `sizes`).
         """
         self._check_pid()
+        self._explicit_plan = True
+        self._set_plan(names, sizes)
+
+    def _read_ahead(self, name: str) -> None:
+        """No plan was handed over: plan the shards after `name` in manifest order, unless `name`
+        is in the current read-ahead plan already (the reader is following it)."""
+        with self._lock:
+            following = name in self._plan_pos
+        if not following:
+            order = list(self._manifest_sizes())
+            if name in order:
+                self._set_plan(order[order.index(name) + 1 :])
+
+    def _set_plan(self, names: list[str], sizes: dict[str, tuple[int, str]] | None = None) -> None:
         if self.prefetch_depth == 0:
             return
         known = self._manifest_sizes()
@@ -591,13 +715,26 @@ class RemoteStorage:
         GET (`cat_file` on s3fs sends one). Elsewhere `cat_file` returns the object, written in one piece.
         """
         fs = self.fs
+        stats = self.cache.transfer
+        stats.add("requests", 1)
+        size = getattr(sink, "size", 0)
+        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok and _takes_ranges(fs):
+            try:
+                fsspec_sync(fs.loop, _ranged_into, fs, rpath, sink, self.part_bytes, stats)
+                return
+            except _NoRanges:
+                self._ranges_ok = False  # whole-object GETs from now on
+                sink.reset()
         if self._stream_ok and isinstance(fs, AsyncFileSystem) and getattr(fs, "loop", None) is not None:
             try:
-                fsspec_sync(fs.loop, _stream_into, fs, rpath, sink, STREAM_CHUNK)
+                fsspec_sync(fs.loop, _stream_into, fs, rpath, sink, STREAM_CHUNK, stats)
                 return
             except (NotImplementedError, _NoStream):
                 self._stream_ok = False  # this file system cannot stream (nothing was written): cat_file from now on
-        sink.write(fs.cat_file(rpath))
+        t0 = time.perf_counter()
+        data = fs.cat_file(rpath)
+        stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
+        sink.write(data)
 
     def _fetch(self, name: str, sink: Download) -> None:
         """Whole-object GET of `name` into `sink`, retried on transient errors (bad checksums too)."""
@@ -607,17 +744,15 @@ class RemoteStorage:
 
         def once() -> None:
             if attempts[0]:
-                with self._lock:
-                    self.stats["retries"] += 1
+                self.cache.transfer.add("retries", 1)
             attempts[0] += 1
             sink.reset()
-            self._get_into(rpath, sink)
+            with self.cache.transfer.get(sink.size):
+                self._get_into(rpath, sink)
             sink.check()
 
         _retry(once, url=url, policy=self.retry)
-        with self._lock:
-            self.stats["fetched"] += 1
-            self.stats["fetched_bytes"] += sink.written
+        self.cache.transfer.add_many(fetched=1, fetched_bytes=sink.written)
 
     def _advance(self, name: str) -> None:
         """`name` is being acquired: it is no longer ahead.
@@ -682,7 +817,7 @@ class RemoteStorage:
                 with self._lock:
                     self._inflight.discard(name)
                     if ok and name in self._plan_pos:
-                        self.stats["prefetched"] += 1
+                        self.cache.transfer.add("prefetched", 1)
                         if name not in self._taken:  # else acquired while this thread fetched or waited for it
                             self._ready.add(name)
                     elif not ok and name in self._plan_pos and name not in self._taken:

@@ -408,3 +408,28 @@ def test_a_collected_cache_objects_pins_are_dropped_without_locking_in_del(tmp_p
         gone.__del__()
     del gone
     assert other.state()["pins"] == {}
+
+
+def test_download_parts_in_any_order_are_hashed_in_file_order(tmp_path):
+    """`write_at`: ranged parts land at their offsets in any order; the xxh3 covers the file in order,
+    a damaged or overlapping part fails `check`/`write_at`, and `reset` starts over."""
+    import xxhash
+
+    data = bytes(range(256)) * 40
+    parts = [(o, data[o:o + 1000]) for o in range(0, len(data), 1000)]
+    dl = Download(str(tmp_path / "t"), size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data), where="s0")
+    for o, b in [parts[2], parts[0], *parts[3:][::-1], parts[1]]:
+        dl.write_at(o, b)
+    dl.check()
+    dl.finish(fsync=False)
+    assert (tmp_path / "t").read_bytes() == data
+    dl = Download(str(tmp_path / "u"), size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data), where="s0")
+    with pytest.raises(ChecksumError, match="overlaps"):
+        dl.write_at(0, data[:1000])
+        dl.write_at(500, data[500:1500])
+    dl.reset()
+    for o, b in parts:
+        dl.write_at(o, b if o != 3000 else b"\0" + b[1:])
+    with pytest.raises(ChecksumError, match="xxh3"):
+        dl.check()
+    dl.close()

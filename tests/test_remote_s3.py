@@ -282,10 +282,10 @@ def test_prefetch_fetches_ahead_within_depth(remote, local_ds, proxy, tmp_path):
     names = shard_names(ds, list(range(ds.num_shards)))
     st.prefetch(names)
     deadline = time.monotonic() + 20
-    while st.stats["prefetched"] < 3 and time.monotonic() < deadline:
+    while st.stats()["remote_prefetched"] < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(0.2)
-    assert st.stats["prefetched"] == 3 and shard_gets(proxy) == 3  # depth 3, no further
+    assert st.stats()["remote_prefetched"] == 3 and shard_gets(proxy) == 3  # depth 3, no further
     st.acquire(names[0], size=ds.manifest.shards[0].bytes, xxh3=ds.manifest.shards[0].xxh3)
     assert proxy.gets(f"/data/ds/{names[0]}") == 1  # already there (the window may slide meanwhile)
     deadline = time.monotonic() + 20
@@ -431,7 +431,7 @@ def test_disk_bytes_stay_within_budget_at_every_moment(remote, local_ds, proxy, 
         stop.set()
         sampler_thread.join()
     assert samples[0] > 100 and 0 < peak[0] <= limit, (peak[0] / biggest, samples[0])
-    assert ds.storage.stats["fetched"] > local.num_shards  # evictions happened: the budget was tight
+    assert ds.storage.stats()["remote_fetched"] > local.num_shards  # evictions happened: the budget was tight
 
 
 def _read_epoch(ds: FastloadDataset, local: FastloadDataset, seed: int, errors: list) -> None:

@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the temporary data")
     parser.add_argument("--seed", type=int, default=0, help="data and order seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--remote", metavar="URL", default=None,
+                        help="instead: a fastload dataset at this fsspec URL, the Loader's cold and warm epochs vs "
+                             "a raw GET + xxh3 + write + rename pipeline (--repeats rounds, default 3; --workers, "
+                             "default 0,2; see fastload.benchmark.remote)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -104,6 +108,8 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run `fastload bench`: print the table, write --json / --plot; 0 on success."""
     from fastload.benchmark.report import format_table, write_json, write_plot
 
+    if getattr(args, "remote", None):
+        return _run_remote(args)
     res = run_benchmark(config_from_args(args))
     print(format_table(res))
     if args.json_out:
@@ -112,4 +118,19 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(res, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    import json
+
+    from fastload.benchmark.remote import format_remote, run_remote
+
+    res = run_remote(args.remote, rounds=args.repeats or 3, batch_size=args.batch_size or 256,
+                     workers=tuple(args.workers or (0, 2)), workdir=args.workdir)
+    print(format_remote(res))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {args.json_out}", file=sys.stderr)
     return 0

@@ -1,0 +1,219 @@
+"""`fastload bench --remote URL`: a remote dataset's first and second Loader epochs vs the raw pipeline.
+
+For a fastload dataset at any fsspec URL, measured in one run, interleaved per round:
+
+- raw: `threads` threads of whole-object GET + xxh3 check + write + rename per shard, the pipeline
+  a user writes by hand (GET by `urllib` for http(s), boto3 for s3, fsspec's `cat_file` otherwise);
+- cold: `fastload.Loader` over `open_dataset(url, cache_dir=<empty>)`, the first epoch;
+- warm: the same dataset object's second epoch (every shard cached);
+- local (when `local` names the same dataset on disk): that epoch over the local copy;
+
+for `num_workers` in `workers` (thread workers) and two orders: shuffled (`ShardWindowSampler`,
+`window` shards at a time) and sequential. Each cold row carries the `remote_*` stage timings its
+epoch added to `loader.stats()`. Every epoch reads the whole dataset: point it at a small one
+(a few hundred MB). `watch_pids`: processes (a local server) whose CPU share is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import fsspec
+import psutil
+import xxhash
+
+__all__ = ["STAGES", "format_remote", "raw_pipeline", "run_remote"]
+
+STAGES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s", "get_busy_s")
+
+
+def _whole_object_get(url: str, storage_options: dict[str, Any] | None) -> Callable[[str], bytes]:
+    """The plainest fast GET of a whole object a user would write: `urllib` for http(s), boto3's
+    `get_object` for s3 (when installed), fsspec's `cat_file` otherwise."""
+    protocol = url.split("://", 1)[0].lower()
+    opts = dict(storage_options or {})
+    if protocol in ("http", "https"):
+        import urllib.request
+
+        def get_http(rel: str) -> bytes:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/{rel}", timeout=60) as r:
+                return r.read()
+
+        return get_http
+    if protocol in ("s3", "s3a"):
+        try:
+            import boto3
+        except ImportError:
+            boto3 = None
+        if boto3 is not None:
+            kw = dict(opts.get("client_kwargs") or {})
+            for src, dst in (("key", "aws_access_key_id"), ("secret", "aws_secret_access_key")):
+                if src in opts:
+                    kw[dst] = opts[src]
+            client = boto3.client("s3", **kw)
+            bucket, _, prefix = url.split("://", 1)[1].partition("/")
+
+            def get_s3(rel: str) -> bytes:
+                return client.get_object(Bucket=bucket, Key=f"{prefix.rstrip('/')}/{rel}")["Body"].read()
+
+            return get_s3
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    return lambda rel: fs.cat_file(f"{root.rstrip('/')}/{rel}")
+
+
+def raw_pipeline(url: str, shards: list[Any], out_dir: str, *, threads: int = 8,
+                 storage_options: dict[str, Any] | None = None) -> float:
+    """Bytes/s of `threads` threads doing whole-object GET + xxh3 + write + rename, one shard each."""
+    get = _whole_object_get(url, storage_options)
+    os.makedirs(out_dir, exist_ok=True)
+
+    def one(info: Any) -> int:
+        data = get(info.file)
+        if xxhash.xxh3_64_hexdigest(data) != info.xxh3.lower():
+            raise RuntimeError(f"{url}/{info.file}: xxh3 mismatch")
+        dst = os.path.join(out_dir, os.path.basename(info.file))
+        with open(dst + ".part", "wb") as f:
+            f.write(data)
+        os.rename(dst + ".part", dst)
+        return len(data)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(one, shards))
+    took = time.perf_counter() - t0
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return total / took
+
+
+def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: int, seed: int) -> tuple[float, dict]:
+    """Seconds for one epoch over `ds` and the `remote_*` stage seconds it added to `loader.stats()`."""
+    from fastload.loader import Loader
+    from fastload.shard_shuffle import ShardWindowSampler
+
+    sampler = ShardWindowSampler.from_dataset(ds, window=window, seed=seed) if shuffled else None
+    loader = Loader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, worker_type="thread")
+    storage = getattr(ds, "storage", None)
+    before = storage.stats() if callable(getattr(storage, "stats", None)) else {}
+    t0 = time.perf_counter()
+    n = 0
+    for batch in loader:
+        n += len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
+    took = time.perf_counter() - t0
+    if n != len(ds):
+        raise RuntimeError(f"epoch saw {n} samples, the dataset has {len(ds)}")
+    after = loader.stats()
+    stages = {k: after[f"remote_{k}"] - before[f"remote_{k}"] for k in STAGES if f"remote_{k}" in after}
+    if "remote_gets_in_flight_mean" in after:
+        stages["gets_in_flight_mean"] = after["remote_gets_in_flight_mean"]
+    loader.close()
+    return took, stages
+
+
+class _Cpu:
+    """CPU seconds of some processes (and their children) since construction."""
+
+    def __init__(self, pids: tuple[int, ...]) -> None:
+        self.procs = []
+        for pid in pids:
+            with_children = [psutil.Process(pid)]
+            with_children += with_children[0].children(recursive=True)
+            self.procs += with_children
+        self.t0 = time.perf_counter()
+        self.c0 = self._now()
+
+    def _now(self) -> float:
+        total = 0.0
+        for p in self.procs:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
+    def share(self) -> float:
+        """Their CPU seconds / (wall seconds x usable cores) since construction."""
+        from fastload.system import usable_cores
+
+        wall = time.perf_counter() - self.t0
+        return (self._now() - self.c0) / (wall * usable_cores()) if wall > 0 else 0.0
+
+
+def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, rounds: int = 3, threads: int = 8,
+               batch_size: int = 256, window: int = 4, workers: tuple[int, ...] = (0, 2), local: str | None = None,
+               watch_pids: tuple[int, ...] = (), workdir: str | None = None) -> dict[str, Any]:
+    """Measure `rounds` interleaved rounds (see the module docstring); rates in bytes/s per round."""
+    from fastload.dataset import open_dataset
+    from fastload.formats import FastloadDataset
+
+    work = tempfile.mkdtemp(prefix="fastload-bench-remote-", dir=workdir)
+    rows: dict[str, list[float]] = {}
+    stages: dict[str, list[dict]] = {}
+    shares: list[float] = []
+    try:
+        probe = open_dataset(url, storage_options=storage_options, cache_dir=os.path.join(work, "probe"),
+                             cache_limit="1TB")
+        shards = list(probe.manifest.shards)
+        nbytes = sum(s.bytes for s in shards)
+        del probe
+        local_ds = FastloadDataset(local) if local else None
+        for r in range(rounds):
+            cpu = _Cpu(watch_pids) if watch_pids else None
+            rows.setdefault("raw", []).append(
+                raw_pipeline(url, shards, os.path.join(work, "raw"), threads=threads, storage_options=storage_options)
+            )
+            for w in workers:
+                for shuffled in (True, False):
+                    key = f"w{w} {'shuffled' if shuffled else 'sequential'}"
+                    cache = os.path.join(work, f"cache-{r}-{w}-{int(shuffled)}")
+                    ds = open_dataset(url, storage_options=storage_options, cache_dir=cache, cache_limit=2 * nbytes)
+                    args = {"shuffled": shuffled, "workers": w, "batch_size": batch_size, "window": window}
+                    cold, st = _epoch(ds, seed=r, **args)
+                    warm, _ = _epoch(ds, seed=r + 1, **args)
+                    rows.setdefault(f"{key} cold", []).append(nbytes / cold)
+                    rows.setdefault(f"{key} warm", []).append(nbytes / warm)
+                    stages.setdefault(f"{key} cold", []).append(st)
+                    if local_ds is not None:
+                        rows.setdefault(f"{key} local", []).append(nbytes / _epoch(local_ds, seed=r + 1, **args)[0])
+                    ds.storage.close()
+                    del ds
+                    shutil.rmtree(cache, ignore_errors=True)
+            if cpu is not None:
+                shares.append(cpu.share())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"url": url, "bytes": nbytes, "shards": len(shards), "rounds": rounds, "threads": threads,
+            "rows": rows, "stages": stages, "server_cpu_share": shares}
+
+
+def _med(v: list[float]) -> float:
+    return sorted(v)[len(v) // 2]
+
+
+def format_remote(res: dict[str, Any]) -> str:
+    """A table: per row the median MB/s, its ratio to raw (per round, then median) and the spread."""
+    rows = res["rows"]
+    raw = rows["raw"]
+    lines = [f"{res['url']}: {res['bytes'] / 1e6:.0f} MB in {res['shards']} shards; {res['rounds']} rounds, "
+             f"raw = {res['threads']} threads of GET + xxh3 + write + rename"]
+    lines.append(f"{'row':24s} {'MB/s':>7s} {'x raw':>6s} {'x raw per round':>22s} {'spread':>7s}")
+    for k, v in rows.items():
+        ratios = [a / b for a, b in zip(v, raw, strict=True)]
+        m = _med(ratios)
+        spread = (max(ratios) - min(ratios)) / (2 * m) if m > 0 else 0.0
+        per = " ".join(f"{x:.2f}" for x in ratios)
+        lines.append(f"{k:24s} {_med(v) / 1e6:7.0f} {m:6.2f} {per:>22s} {100 * spread:6.0f}%")
+    for k, runs in res["stages"].items():
+        if runs and runs[0]:
+            keys = list(runs[0])
+            lines.append(f"stages {k}: " + " ".join(f"{s}={_med([x[s] for x in runs]):.2f}" for s in keys))
+    if res["server_cpu_share"]:
+        sh = res["server_cpu_share"]
+        lines.append(f"server CPU share of the cores per round: {' '.join(f'{100 * s:.1f}%' for s in sh)}")
+    return "\n".join(lines)
