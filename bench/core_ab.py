@@ -1,15 +1,15 @@
-"""Two checkouts of fastload, same Loader rows, interleaved: the best Loader row's ratio to the raw gather limit.
+"""Two checkouts of fastload, same Loader rows, interleaved: each Loader row's ratio to the raw gather limit.
 
-    python -m bench.core_ab --old /work/base [--new .] [--rounds 3] [--trials 2] [--samples 200000]
+    python -m bench.core_ab --old /work/base [--new .] [--rounds 3] [--trials 4] [--samples 200000]
 
 Each round runs one child process per checkout (the order alternating between rounds), each
 with its own checkout's venv (`<tree>/.venv/bin/python`, the tree as working directory). A
-child measures, on `bench.loader`'s dataset (200k x 3 KiB records, batch 256, 3 passes per row,
-cached under --path), the raw gather limit (the faster of `np.take` on one thread per core and
-`torch.index_select` on torch's intra-op threads) and `fastload.Loader(seed=0, shuffle=True,
-worker_type="thread")` with num_workers 0, 1 and 2 at each checkout's defaults, best of
-`--trials`; it prints each row's ratio to that child's limit. The parent prints every round and
-the median per checkout of the best Loader row's ratio.
+child uses `bench.loader`'s dataset (200k x 3 KiB records, batch 256, 3 passes per row, cached
+under --path) and times `fastload.Loader(seed=0, shuffle=True, worker_type="thread")` with
+num_workers 0, 1 and 2 at that checkout's defaults, each run between two runs of the raw gather
+limit (`np.take` over the memmap on one thread per core), `--trials` times; a row's figure is
+the median of its ratios to the mean of the two limit runs around it. The parent prints every
+round and, per checkout, the median over rounds of the best Loader row's ratio.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Any
 
 __all__ = ["main"]
 
@@ -28,18 +27,8 @@ ROWS = (0, 1, 2)
 
 
 def child(path: str, samples: int, trials: int) -> dict[str, float]:
-    """One checkout's rows in this process (run in the checkout's venv): samples/s per row."""
-    from bench.loader import (
-        BATCH,
-        TIMED_EPOCHS,
-        build,
-        dict_size,
-        epochs_of,
-        rate,
-        raw_gather,
-        raw_gather_parallel,
-        raw_torch_gather,
-    )
+    """One checkout's rows in this process (run in the checkout's venv): ratio to the limit per row."""
+    from bench.loader import BATCH, TIMED_EPOCHS, build, dict_size, epochs_of, rate, raw_gather, raw_gather_parallel
     from fastload.formats import FastloadDataset
     from fastload.loader import Loader
     from fastload.system import usable_cores
@@ -59,17 +48,14 @@ def child(path: str, samples: int, trials: int) -> dict[str, float]:
         finally:
             ld.close()
 
-    rows: dict[str, Any] = {
-        "raw np.take": lambda: raw_gather_parallel(raw, epochs, cores),
-        "raw index_select": lambda: rate(raw_torch_gather(raw, epochs), limit, len),
-        **{f"Loader nw={w}": (lambda w=w: loader(w)) for w in ROWS},
-    }
-    best: dict[str, float] = {}
-    for t in range(trials):
-        for name in list(rows) if t % 2 == 0 else list(rows)[::-1]:
-            best[name] = max(best.get(name, 0.0), rows[name]())
-    best["limit"] = max(best["raw np.take"], best["raw index_select"])
-    return best
+    ratios: dict[str, list[float]] = {f"Loader nw={w}": [] for w in ROWS}
+    for t in range(trials):  # each Loader row between two runs of the limit: ratios of like machine states
+        for w in ROWS if t % 2 == 0 else ROWS[::-1]:
+            before = raw_gather_parallel(raw, epochs, cores)
+            row = loader(w)
+            after = raw_gather_parallel(raw, epochs, cores)
+            ratios[f"Loader nw={w}"].append(row / ((before + after) / 2))
+    return {name: statistics.median(values) for name, values in ratios.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old", help="the checkout measured as 'old' (required)")
     ap.add_argument("--new", default=".", help="the checkout measured as 'new'")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--trials", type=int, default=4, help="paired trials per row in each child (median)")
     ap.add_argument("--samples", type=int, default=200_000)
     ap.add_argument("--path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "fastload-bench-loader"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -98,13 +84,11 @@ def main(argv: list[str] | None = None) -> int:
             code = f"import runpy, sys; sys.argv = {argv_child!r}; runpy.run_path({script!r}, run_name='__main__')"
             out = subprocess.run([os.path.join(tree, ".venv/bin/python"), "-c", code], cwd=tree, check=True,
                                  capture_output=True, text=True).stdout
-            res = json.loads(out.strip().splitlines()[-1])
-            ratios = {k: v / res["limit"] for k, v in res.items() if k.startswith("Loader")}
+            ratios = json.loads(out.strip().splitlines()[-1])
             top = max(ratios, key=lambda k: ratios[k])
             best[name].append(ratios[top])
             rows = ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
-            print(f"round {r} {name}: limit {res['limit']:,.0f}/s; vs limit: {rows}; best {top} {ratios[top]:.3f}",
-                  flush=True)
+            print(f"round {r} {name}: vs limit (median of {args.trials} paired trials): {rows}; best {top}", flush=True)
     med = {k: statistics.median(v) for k, v in best.items()}
     change = med["new"] / med["old"]
     print(f"median best Loader / limit: old {med['old']:.3f}, new {med['new']:.3f}, new/old {change:.3f}")

@@ -56,7 +56,6 @@ sampler is trusted to do its own split, e.g. `DistributedSampler`).
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
@@ -65,20 +64,22 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from fastload.collate import fast_collate
-from fastload.device import DeviceStage, resolve_device, use_worker_stream, worker_stream
+from fastload.device import DeviceStage, resolve_device
 from fastload.fetch import Fetcher
 from fastload.frameworks import gradient_state
 from fastload.pinned import BufferRing
 from fastload.pipeline import EpochHooks, EpochIterator, LoaderConfig, ThreadProbe, resolve_config
 from fastload.pipeline.config import order_ahead_rule
-from fastload.sampling import SamplerOrder, SeededOrder, batches_left, resolve_rank_world
+from fastload.pipeline.device import DeviceQueue
+from fastload.pipeline.order import STATE_VERSION, batches_from, check_state, dealt_world, make_order, order_kind
+from fastload.pipeline.pinned import PinStage
+from fastload.pipeline.sources import WorkerSet
+from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
 from fastload.stats import LoaderStats
 from fastload.validate import validate_loader_args
-from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource
 
 __all__ = ["Loader"]
 
-_STATE_VERSION = 1
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these after construction (ValueError); so does the Loader
 FROZEN_ATTRS = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
@@ -207,8 +208,7 @@ class Loader(Generic[T_co]):
         self._resume: dict[str, Any] | None = None
         self._active_ref: weakref.ref[EpochIterator] | None = None  # weak: deleting the iterator ends its workers
         self._active_epoch = 0  # the epoch `_active` runs (`set_epoch` may have moved on since)
-        self._pool: ProcessSource | None = None
-        self._threads: ThreadPool | None = None  # thread workers kept across epochs (see `_reused_threads`)
+        self._workers: WorkerSet | None = None  # kept across epochs (none for an IterableDataset)
         self._probe: ThreadProbe | None = None  # autotune's probe, kept across epochs
         self._initialized = False
         if self._iterable:
@@ -251,6 +251,14 @@ class Loader(Generic[T_co]):
             transform=transform,
             scalar_fields=_scalar_fields(dataset) if self._mode == "columns" else frozenset(),
         )
+        self._workers = WorkerSet(
+            self.config,
+            self._fetcher,
+            timeout=self.timeout,
+            worker_init_fn=self.worker_init_fn,
+            persistent=self.persistent_workers,
+            mp_context=self.multiprocessing_context,
+        )
         self._user_order = sampler is not None or batch_sampler is not None
         self._shuffle = bool(shuffle)
         self._pinning = self.config.pin
@@ -289,34 +297,14 @@ class Loader(Generic[T_co]):
         return self._order_obj
 
     def _make_order(self, rank: int, world_size: int) -> SeededOrder | SamplerOrder:
-        batched = self.batch_sampler is not None
-        if batched and not self._user_order and (self.seed is not None or world_size > 1):
-            return SeededOrder(
-                len(self.dataset),
-                batch_size=self.batch_size,
-                shuffle=self._shuffle,
-                drop_last=self.drop_last,
-                seed=self.seed if self.seed is not None else 0,
-                rank=rank,
-                world_size=world_size,
-            )
-        index_sampler = self.batch_sampler if batched else self.sampler
-        return SamplerOrder(index_sampler, sampler=self.sampler, generator=self.generator)
+        return make_order(
+            num_samples=len(self.dataset), batch_size=self.batch_size, batch_sampler=self.batch_sampler,
+            sampler=self.sampler, user_order=self._user_order, shuffle=self._shuffle, drop_last=self.drop_last,
+            seed=self.seed, generator=self.generator, rank=rank, world_size=world_size,
+        )
 
     def _batches_from(self, position: dict[str, Any] | None) -> int | None:
-        """Batches an epoch yields from `position` (None: from its start); None if the sampler has no len."""
-        order = self._order
-        try:
-            full = len(order)
-        except TypeError:
-            return None
-        if position is None:
-            return full
-        if isinstance(order, SeededOrder):
-            return batches_left(
-                position, n=order.n, batch_size=order.batch_size, world_size=order.world_size, drop_last=self.drop_last
-            )
-        return max(0, full - int(position["batches"]))
+        return batches_from(self._order, position, self.drop_last)
 
     # ---- DataLoader surface
     def __len__(self) -> int:
@@ -347,7 +335,7 @@ class Loader(Generic[T_co]):
         resume, self._resume = self._resume, None
         self._fetcher.refresh()
         cfg = self.config
-        reuse_pool = self.persistent_workers and self._pool is not None and cfg.worker_kind == "process"
+        reuse_pool = self._workers.reuses_processes
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = cfg.worker_kind != "process"
         plan = self._fetcher.plan if cfg.epoch_plan and in_process and self._fetcher.direct else None
@@ -363,17 +351,17 @@ class Loader(Generic[T_co]):
         ring = None
         if cfg.ring_slots is not None:
             ring = BufferRing(cfg.ring_slots, pin=cfg.pin, device_index=device_index)
-        source, owns, ring_in_source = self._epoch_source(ring, device_index, reuse_pool, base_seed)
+        source, owns, ring_in_source = self._workers.source(ring, device_index, base_seed)
         it = EpochIterator(
             EpochHooks(length=self.__len__, complete=self._epoch_done, closed=self._closed, failed=self._failed),
             order=order,
             source=source,
             owns_source=owns,
             depth=cfg.depth,
-            ring=ring,
-            ring_in_source=ring_in_source,
-            device=DeviceStage(self.device) if self.device is not None else None,
-            prefetch=cfg.prefetch,
+            pin=PinStage(ring, packed_by_source=ring_in_source, stats=self._stats),
+            device=None if self.device is None else DeviceQueue(
+                DeviceStage(self.device), prefetch=cfg.prefetch, stats=self._stats
+            ),
             stats=self._stats,
             batched=self.batch_sampler is not None,
             position=start,
@@ -385,54 +373,6 @@ class Loader(Generic[T_co]):
         if expected == 0:  # resumed at the end of an epoch: it is complete already
             it.epoch_complete()
         return it
-
-    def _epoch_source(
-        self, ring: BufferRing | None, device_index: int | None, reuse_pool: bool, base_seed: int | None
-    ) -> tuple[Any, bool, bool]:
-        """The epoch's batch source -> (source, owned by the epoch, packs into `ring` itself)."""
-        cfg = self.config
-        if cfg.worker_kind == "inline":
-            return InlineSource(self._fetcher.fetch_alone), True, False
-        if cfg.worker_kind == "thread":
-            source = ThreadSource(
-                self._fetcher,
-                cfg.num_workers,
-                timeout=self.timeout,
-                post=_ring_post(ring) if ring is not None else None,
-                init=_thread_init(self.worker_init_fn, device_index),
-                steal=cfg.steal,
-                fetch_alone=self._fetcher.fetch_alone,
-                pool=self._reused_threads(cfg.num_workers, device_index),
-            )
-            return source, True, ring is not None
-        if reuse_pool:
-            assert self._pool is not None
-            self._pool.new_epoch()
-            return self._pool, False, False
-        pool = ProcessSource(
-            self._fetcher,
-            cfg.num_workers,
-            base_seed=int(base_seed if base_seed is not None else 0),
-            worker_init_fn=self.worker_init_fn,
-            mp_context=self.multiprocessing_context,
-            timeout=self.timeout,
-        )
-        if self.persistent_workers:
-            self._pool = pool
-        return pool, not self.persistent_workers, False
-
-    def _reused_threads(self, threads: int, device_index: int | None) -> ThreadPool | None:
-        """The Loader's worker threads, kept across epochs (an epoch then starts no threads), unless
-        a `worker_init_fn` without `persistent_workers` asks for fresh workers each epoch (as torch's
-        non-persistent workers run it once per epoch): None, and each epoch starts its own."""
-        if self.worker_init_fn is not None and not self.persistent_workers:
-            return None
-        if self._threads is not None and not self._threads.usable:
-            self._threads.close()  # closed, or a forked copy: a new pool
-            self._threads = None
-        if self._threads is None:
-            self._threads = ThreadPool(threads, init=_thread_init(self.worker_init_fn, device_index))
-        return self._threads
 
     def _autotune_probe(self) -> ThreadProbe | None:
         """The Loader's inline-vs-threads probe (kept across epochs) with `autotune`, else None."""
@@ -456,12 +396,8 @@ class Loader(Generic[T_co]):
         self._stop_workers()
 
     def _stop_workers(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        if self._threads is not None:
-            self._threads.close()
-            self._threads = None
+        if self._workers is not None:
+            self._workers.close()
 
     def _epoch_done(self, it: EpochIterator) -> None:
         """`it` delivered its epoch's last batch: the next `iter()` starts the next epoch."""
@@ -504,7 +440,7 @@ class Loader(Generic[T_co]):
             raise TypeError("state_dict() is not supported for IterableDataset")
         pos = self._resume if self._resume is not None else self._current_position()
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self._epoch,
             "position": pos,
             "seed": self.seed,
@@ -515,13 +451,7 @@ class Loader(Generic[T_co]):
         }
 
     def _dealt_world(self) -> int:
-        """The number of ranks the order is dealt over: the sampler's own `num_replicas` (e.g. a
-        `DistributedSampler`) when it has one, else the Loader's world size."""
-        for obj in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
-            replicas = getattr(obj, "num_replicas", None)
-            if isinstance(replicas, int):
-                return replicas
-        return self._rank_world()[1]
+        return dealt_world(self.sampler, self.batch_sampler, self._rank_world()[1])
 
     def _current_position(self) -> dict[str, Any] | None:
         """The position of the last batch the consumer received (the active iterator keeps it),
@@ -538,9 +468,10 @@ class Loader(Generic[T_co]):
         order) raises `ValueError`: nothing is replayed or skipped silently."""
         if self._iterable:
             raise TypeError("load_state_dict() is not supported for IterableDataset")
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported Loader state version {state.get('version')!r}")
-        self._check_state(state)
+        check_state(state, self._order, num_samples=len(self.dataset), world=self._dealt_world(),
+                    batch_size=self.batch_size)
         active = self._active
         if active is not None:
             active.close()
@@ -556,31 +487,6 @@ class Loader(Generic[T_co]):
             self.set_epoch(self._epoch)
         self._resume = state["position"]
         self._position = state["position"]
-
-    def _check_state(self, state: dict[str, Any]) -> None:
-        pos = state.get("position")
-        saved_n = state.get("num_samples")
-        if pos is None:
-            return
-        if saved_n is not None and saved_n != len(self.dataset):
-            raise ValueError(
-                f"Loader state is for a dataset of {saved_n} samples, this Loader's has {len(self.dataset)}: "
-                "its position does not apply"
-            )
-        seeded = isinstance(self._order, SeededOrder)
-        if seeded != ("base" in pos):
-            saved, here = ("a seeded", "a sampler") if "base" in pos else ("a sampler", "a seeded")
-            raise ValueError(f"Loader state was saved with {saved} order, this Loader has {here} order (see seed=)")
-        if seeded or not int(pos.get("batches", 0)):
-            return  # a seeded order re-deals the rest of the epoch to any world or batch size
-        for key, current in (("world_size", self._dealt_world()), ("batch_size", self.batch_size)):
-            saved_value = state.get(key)
-            if saved_value is not None and saved_value != current:
-                raise ValueError(
-                    f"Loader state was saved mid-epoch at {key}={saved_value}, this Loader has {key}={current}: "
-                    "a sampler's order cannot be re-dealt (the rest of the epoch would be replayed or skipped); "
-                    "resume at an epoch boundary, or use seed= (a seeded order re-deals exactly)"
-                )
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration and position only (no threads, pools or buffers): the copy is rebuilt
@@ -615,7 +521,7 @@ class Loader(Generic[T_co]):
         info = cfg.as_dict()
         direct = self._fetcher.direct_path()
         info["h2d"] = f"side stream to {cfg.device}, {cfg.prefetch} in flight" if cfg.device else None
-        info["order"] = self._order_kind()
+        info["order"] = order_kind(self._order)
         info["direct_path"] = direct
         info["epoch_plan"] = cfg.epoch_plan and direct and cfg.worker_kind != "process"
         # only a planned, shuffled epoch has a whole next order to compute (see `SeededOrder.epoch`)
@@ -623,12 +529,6 @@ class Loader(Generic[T_co]):
         info["order_ahead"] = planned and order_ahead_rule(cfg, direct=direct)
         info["autotune"] = self._probe.report() if self._probe is not None else cfg.autotune
         return info
-
-    def _order_kind(self) -> str:
-        order = self._order
-        if isinstance(order, SeededOrder):
-            return "seeded shuffle" if order.shuffle else "seeded sequential"
-        return "sampler"
 
     def stats(self) -> dict[str, Any]:
         """Loader statistics since construction / `reset_stats()`.
@@ -670,30 +570,7 @@ class Loader(Generic[T_co]):
     def __del__(self) -> None:
         # no module globals here: at interpreter exit they may already be None
         try:
-            if self._pool is not None or self._threads is not None or self._active is not None:
+            if (self._workers is not None and self._workers.running) or self._active is not None:
                 self.close()
         except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
             pass
-
-
-def _ring_post(ring: BufferRing) -> Callable[[Any, dict[str, float]], tuple[Any, Any]]:
-    def post(batch: Any, timings: dict[str, float]) -> tuple[Any, Any]:
-        t = time.perf_counter()
-        out, slot = ring.write(batch)
-        timings["pin"] = timings.get("pin", 0.0) + time.perf_counter() - t
-        return out, slot
-
-    return post
-
-
-def _thread_init(worker_init_fn: Callable[[int], None] | None, device_index: int | None) -> Callable[[int], None]:
-    """A worker thread's start: the Loader's CUDA device and the starting thread's current stream on
-    it (see `device.worker_stream`), so CUDA work in a transform is ordered before the consumer's."""
-    stream = worker_stream(device_index)
-
-    def init(wid: int) -> None:
-        use_worker_stream(device_index, stream)
-        if worker_init_fn is not None:
-            worker_init_fn(wid)
-
-    return init

@@ -661,4 +661,5 @@ def test_a_run_shorter_than_first_s_never_starts_the_workers(monkeypatch):
                     autotune=True)
     assert run(loader, epochs=2) == ref
     assert loader._probe.trials == 0 and loader._probe.choice == "inline"
-    assert loader._threads is not None and len(loader._threads._unstarted) == loader._threads.num_workers
+    pool = loader._workers.threads
+    assert pool is not None and len(pool._unstarted) == pool.num_workers

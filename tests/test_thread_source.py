@@ -418,9 +418,9 @@ def test_the_pool_keeps_num_workers_threads_whatever_the_cores(tmp_path, monkeyp
         loader = Loader(FastloadDataset(tmp_path / "ds"), batch_size=16, num_workers=2, worker_type="thread")
         try:
             assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
-            first = loader._threads
+            first = loader._workers.threads
             assert first is not None and first.num_workers == 2
             assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
-            assert loader._threads is first  # kept across epochs
+            assert loader._workers.threads is first  # kept across epochs
         finally:
             loader.close()

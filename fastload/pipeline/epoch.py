@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastload.device import DeviceStage, DeviceWideFence
-from fastload.pinned import BufferRing
 from fastload.pipeline.autotune import ThreadProbe
+from fastload.pipeline.device import DeviceQueue
+from fastload.pipeline.pinned import PinStage
 from fastload.stats import LoaderStats
 from fastload.workers import InlineSource, ThreadSource, WorkerError
 
@@ -53,10 +53,8 @@ class EpochIterator:
         source: Any,
         owns_source: bool,
         depth: int,
-        ring: BufferRing | None,
-        ring_in_source: bool,
-        device: DeviceStage | None,
-        prefetch: int,
+        pin: PinStage,
+        device: DeviceQueue | None,
         stats: LoaderStats,
         batched: bool,
         position: dict[str, Any] | None = None,
@@ -65,11 +63,9 @@ class EpochIterator:
         gradient_state: Any = None,
     ) -> None:
         self._hooks, self._order, self._source, self._owns_source = hooks, order, source, owns_source
-        self._depth, self._ring, self._ring_in_source = max(1, depth), ring, ring_in_source
-        self._device, self._prefetch, self._stats, self._batched = device, max(1, prefetch), stats, batched
-        self._inflight: deque[tuple[int, int, dict[str, Any]]] = deque()
-        self._dev: deque[tuple[Any, Any, int, dict[str, Any], list[Any]]] = deque()
-        self._held: deque[list[Any]] = deque()
+        self._depth, self._pin, self._device = max(1, depth), pin, device
+        self._stats, self._batched = stats, batched
+        self._inflight: deque[tuple[int, int, dict[str, Any]]] = deque()  # (batch number, samples, position)
         self._j = 0
         self._closed = False
         self._order_done = False
@@ -83,11 +79,12 @@ class EpochIterator:
         if gradient_state is not None:
             gradient_state._add_dataloader(self)
         # one of three shapes, chosen once: no per-batch checks of which one applies
-        if isinstance(source, InlineSource) and ring is None and device is None:
+        lean = pin.ring is None and device is None
+        if isinstance(source, InlineSource) and lean:
             # (functions, not bound methods: an attribute holding a bound method is a reference cycle,
             # and a deleted iterator must end its workers at once, not at the next garbage collection)
             self._step = EpochIterator._next_inline  # nothing in flight, nothing to release
-        elif isinstance(source, ThreadSource) and ring is None and device is None:
+        elif isinstance(source, ThreadSource) and lean:
             self._step = EpochIterator._next_adaptive  # the probe's inline mode as lean as `_next_inline`
         else:
             self._step = EpochIterator._next_host if device is None else EpochIterator._next_device
@@ -171,15 +168,7 @@ class EpochIterator:
         else:
             return None
         self._stats.add_many(timings)
-        tokens: list[Any] = []
-        if token is not None:
-            tokens.append((self._ring if self._ring_in_source else self._source, token))
-        if self._ring is not None and not self._ring_in_source:
-            t = _perf()
-            batch, slot = self._ring.write(batch)
-            self._stats.add("pin", _perf() - t)
-            if slot is not None:
-                tokens.append((self._ring, slot))
+        batch, tokens = self._pin.pack(batch, token, self._source)
         if len(inflight) < self._depth:
             self._dispatch()  # keep workers busy while the consumer works
         return batch, n, pos, tokens
@@ -204,52 +193,28 @@ class EpochIterator:
 
     def _next_host(self) -> tuple[Any, int, dict[str, Any]]:
         """A CPU batch (no device stage); its buffers are released two batches later."""
-        held = self._held
-        while len(held) > 1:
-            self._release(held.popleft())
+        self._pin.release_stale()
         item = self._next_cpu()
         if item is None:
             raise StopIteration
         batch, n, pos, tokens = item
-        held.append(tokens)
+        self._pin.hold(tokens)
         return batch, n, pos
 
     def _next_device(self) -> tuple[Any, int, dict[str, Any]]:
         """A batch on the device, `prefetch` copies in flight on the side stream."""
-        while len(self._held) > 1:
-            self._release(self._held.popleft())
-        while len(self._dev) < self._prefetch:
+        self._pin.release_stale()
+        device = self._device
+        while not device.full:
             item = self._next_cpu()
             if item is None:
                 break
-            batch, n, pos, tokens = item
-            t = _perf()
-            out, event = self._device.start(batch)
-            del batch
-            self._stats.add("h2d", _perf() - t)
-            if self._device.device.type != "cpu":  # the copy no longer aliases the CPU buffers
-                self._release(tokens, event)
-                tokens = []
-            self._dev.append((out, event, n, pos, tokens))
-        if not self._dev:
+            device.push(*item)
+        if not len(device):
             raise StopIteration
-        out, event, n, pos, tokens = self._dev.popleft()
-        t = _perf()
-        out = self._device.finish(out, event)
-        self._stats.add("h2d", _perf() - t)
-        self._held.append(tokens)
+        out, n, pos, tokens = device.pop()
+        self._pin.hold(tokens)
         return out, n, pos
-
-    def _release(self, tokens: list[Any], fence: Any = None) -> None:
-        for owner, token in tokens:
-            if isinstance(owner, BufferRing):
-                if fence is None and owner.pin and owner.device_index is not None:
-                    # pin_memory without `device`: the user may have queued non_blocking copies from
-                    # this slot on any stream; it is rewritten only after all of them have run
-                    fence = DeviceWideFence(owner.device_index)
-                owner.release(token, fence)
-            else:
-                owner.release(token)
 
     # ---- shutdown
     def epoch_complete(self) -> None:
@@ -270,9 +235,9 @@ class EpochIterator:
         self._closed = True
         self._stats.end()
         self._inflight.clear()
-        self._dev.clear()
-        while self._held:
-            self._release(self._held.popleft())
+        if self._device is not None:
+            self._device.close()
+        self._pin.close()
         if self._owns_source:
             self._source.close()
         self._source = None
