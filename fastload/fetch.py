@@ -138,6 +138,12 @@ class Fetcher:
         the last `refresh()`."""
         return self._takes is not None
 
+    def direct_path(self) -> bool:
+        """`direct`, checking the dataset's takes first if no epoch has done so yet."""
+        if not self._takes_checked:
+            self._direct_takes()
+        return self._takes is not None
+
     def __call__(self, indices: Any) -> tuple[Any, dict[str, float]]:
         return self._call(indices, alone=False)
 

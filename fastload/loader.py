@@ -9,20 +9,17 @@ and — given the same sampler / generator / global RNG — the same batches in 
   bytes/string/image fields lists of bytes/str (as `default_collate` gives), `varray` fields stay
   `Ragged` with tensor `values`/`offsets`. Datasets with `__getitems__` get one call per batch
   (as in torch) and a cheaper collate with `default_collate`'s output.
-* Workers (`worker_type`): ``"thread"`` for GIL-releasing work, ``"process"`` for Python-heavy
-  `__getitem__`s (torch-identical seeding, `worker_init_fn`, `get_worker_info()`; batch j goes to
-  worker j % num_workers; batches come back through reused shared-memory slots, not pickled
-  tensors). ``"auto"`` (default) picks threads on the fast path and processes otherwise.
-  Thread workers are started once and kept across epochs (`workers.ThreadPool`; fresh ones each
-  epoch only with a `worker_init_fn` and no `persistent_workers`, as torch runs it), and are
-  A/B-tested against inline fetching, the faster kept (see `fastload.pipeline`; `adaptive=False`
-  turns that off), so adding workers does not lose to `num_workers=0` over runs longer than the
-  probe's windows (bench/RESULTS.md, "Loader").
-  A consumer that would wait for its batch fetches a later one itself (`STEAL_AHEAD` more batches
-  are in flight for that; where CUDA is available, only when its own batch is far from ready; see
-  `workers.ThreadSource`), so with `num_workers` at or above the usable cores one worker thread
-  fewer is started: the consumer's thread is the last gatherer. Not with a `timeout` or a
-  `worker_init_fn` (then every batch is fetched by one of `num_workers` threads).
+* Workers: `num_workers=N` starts exactly N workers: threads on the fast path (GIL-releasing
+  gathers), processes otherwise (Python-heavy `__getitem__`s: torch-identical seeding,
+  `worker_init_fn`, `get_worker_info()`; batch j goes to worker j % num_workers; batches come
+  back through reused shared-memory slots, not pickled tensors); `worker_type="thread"` or
+  `"process"` overrides the rule. Thread workers are started once and kept across epochs
+  (`workers.ThreadPool`; fresh ones each epoch only with a `worker_init_fn` and no
+  `persistent_workers`, as torch runs it). While the thread workers leave a core free, a
+  consumer that would wait for its batch fetches a later unstarted one itself (not with a
+  `timeout` or a `worker_init_fn`). `autotune=True` (thread workers) compares the workers with
+  fetching inline during the run and keeps the faster, reporting each decision in `describe()`.
+  `describe()` shows every resolved setting (`fastload.pipeline.config` holds the rules).
 * `pin_memory=True` (with an accelerator) or `device='cuda[:N]'`: batches are packed into a
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
   `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
@@ -59,7 +56,6 @@ sampler is trusted to do its own split, e.g. `DistributedSampler`).
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
@@ -68,24 +64,25 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from fastload.collate import fast_collate
-from fastload.device import DeviceStage, resolve_device, use_worker_stream, worker_stream
+from fastload.device import DeviceStage, resolve_device
 from fastload.fetch import Fetcher
 from fastload.frameworks import gradient_state
 from fastload.pinned import BufferRing
-from fastload.pipeline import EpochIterator, ThreadProbe
-from fastload.sampling import SamplerOrder, SeededOrder, batches_left, resolve_rank_world
+from fastload.pipeline import EpochHooks, EpochIterator, LoaderConfig, ThreadProbe, resolve_config
+from fastload.pipeline.config import order_ahead_rule
+from fastload.pipeline.device import DeviceQueue
+from fastload.pipeline.order import STATE_VERSION, batches_from, check_state, dealt_world, make_order, order_kind
+from fastload.pipeline.pinned import PinStage
+from fastload.pipeline.sources import WorkerSet
+from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
 from fastload.stats import LoaderStats
-from fastload.system import usable_cores
 from fastload.validate import validate_loader_args
-from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource, resolve_steal
 
 __all__ = ["Loader"]
 
-_STATE_VERSION = 1
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these after construction (ValueError); so does the Loader
 FROZEN_ATTRS = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
-STEAL_AHEAD = 2  # thread workers: extra batches in flight that a waiting consumer fetches itself (workers.ThreadSource)
 
 
 def _scalar_fields(dataset: Any) -> frozenset[str]:
@@ -107,9 +104,10 @@ class Loader(Generic[T_co]):
     default on exactly when pinning), `ring_slots` (ring size, default in-flight batches + 3),
     `order_ahead` (seeded order: compute the next epoch's order on a background thread while
     this epoch runs; None, the default: only when a core is left over by this epoch's fetching,
-    see `_order_ahead`), `adaptive` (thread workers: compare them with fetching inline in the
-    consumer's thread and keep the faster, see `fastload.pipeline.ThreadProbe`; default True;
-    False: the workers always fetch, as with a `timeout` or a `worker_init_fn`), `epoch_plan`
+    see `fastload.pipeline.config.order_ahead_rule`), `autotune` (thread workers: compare them
+    with fetching inline in the consumer's thread during the run and keep the faster, see
+    `fastload.pipeline.autotune`; default False: the workers always fetch), `adaptive` (the
+    former name of `autotune`, same meaning), `epoch_plan`
     (a seeded order or torch's own samplers, over a local fastload dataset of fixed-size fields,
     fetched in this process: read the row lookups and small fields of a whole epoch at once as
     its order is computed, see `fastload.plan`; default True; False: per batch, without the
@@ -153,7 +151,8 @@ class Loader(Generic[T_co]):
         buffer_ring: bool | None = None,
         ring_slots: int | None = None,
         order_ahead: bool | None = None,
-        adaptive: bool = True,
+        autotune: bool = False,
+        adaptive: bool | None = None,
         epoch_plan: bool = True,
     ) -> None:
         init_args = dict(locals())  # the configuration a pickled Loader is rebuilt from
@@ -209,9 +208,8 @@ class Loader(Generic[T_co]):
         self._resume: dict[str, Any] | None = None
         self._active_ref: weakref.ref[EpochIterator] | None = None  # weak: deleting the iterator ends its workers
         self._active_epoch = 0  # the epoch `_active` runs (`set_epoch` may have moved on since)
-        self._pool: ProcessSource | None = None
-        self._threads: ThreadPool | None = None  # thread workers kept across epochs (see `_reused_threads`)
-        self._probe: ThreadProbe | None = None
+        self._workers: WorkerSet | None = None  # kept across epochs (none for an IterableDataset)
+        self._probe: ThreadProbe | None = None  # autotune's probe, kept across epochs
         self._initialized = False
         if self._iterable:
             self._initialized = True
@@ -229,6 +227,23 @@ class Loader(Generic[T_co]):
         self.worker_type = worker_type
         if worker_type == "auto":
             self.worker_type = "thread" if self._mode == "columns" else "process"
+        self.autotune = bool(autotune if adaptive is None else adaptive)
+        self.config: LoaderConfig = resolve_config(
+            mode=self._mode,
+            num_workers=self.num_workers,
+            worker_type=self.worker_type,
+            prefetch_factor=self.prefetch_factor,
+            timeout=self.timeout,
+            worker_init=self.worker_init_fn is not None,
+            pin_memory=self.pin_memory,
+            device=self.device,
+            buffer_ring=buffer_ring,
+            ring_slots=ring_slots,
+            prefetch=prefetch,
+            autotune=self.autotune,
+            order_ahead=order_ahead,
+            epoch_plan=epoch_plan,
+        )
         self._fetcher = Fetcher(
             dataset,
             mode=self._mode,
@@ -236,14 +251,18 @@ class Loader(Generic[T_co]):
             transform=transform,
             scalar_fields=_scalar_fields(dataset) if self._mode == "columns" else frozenset(),
         )
+        self._workers = WorkerSet(
+            self.config,
+            self._fetcher,
+            timeout=self.timeout,
+            worker_init_fn=self.worker_init_fn,
+            persistent=self.persistent_workers,
+            mp_context=self.multiprocessing_context,
+        )
         self._user_order = sampler is not None or batch_sampler is not None
         self._shuffle = bool(shuffle)
-        accel = torch.cuda.is_available()
-        self._pinning = (self.pin_memory and accel) or (self.device is not None and self.device.type == "cuda")
-        self._use_ring = self._pinning if buffer_ring is None else bool(buffer_ring)
-        self._ring_slots = ring_slots
+        self._pinning = self.config.pin
         self.order_ahead = order_ahead
-        self.adaptive = adaptive
         self.epoch_plan = epoch_plan
         self._initialized = True
 
@@ -278,34 +297,14 @@ class Loader(Generic[T_co]):
         return self._order_obj
 
     def _make_order(self, rank: int, world_size: int) -> SeededOrder | SamplerOrder:
-        batched = self.batch_sampler is not None
-        if batched and not self._user_order and (self.seed is not None or world_size > 1):
-            return SeededOrder(
-                len(self.dataset),
-                batch_size=self.batch_size,
-                shuffle=self._shuffle,
-                drop_last=self.drop_last,
-                seed=self.seed if self.seed is not None else 0,
-                rank=rank,
-                world_size=world_size,
-            )
-        index_sampler = self.batch_sampler if batched else self.sampler
-        return SamplerOrder(index_sampler, sampler=self.sampler, generator=self.generator)
+        return make_order(
+            num_samples=len(self.dataset), batch_size=self.batch_size, batch_sampler=self.batch_sampler,
+            sampler=self.sampler, user_order=self._user_order, shuffle=self._shuffle, drop_last=self.drop_last,
+            seed=self.seed, generator=self.generator, rank=rank, world_size=world_size,
+        )
 
     def _batches_from(self, position: dict[str, Any] | None) -> int | None:
-        """Batches an epoch yields from `position` (None: from its start); None if the sampler has no len."""
-        order = self._order
-        try:
-            full = len(order)
-        except TypeError:
-            return None
-        if position is None:
-            return full
-        if isinstance(order, SeededOrder):
-            return batches_left(
-                position, n=order.n, batch_size=order.batch_size, world_size=order.world_size, drop_last=self.drop_last
-            )
-        return max(0, full - int(position["batches"]))
+        return batches_from(self._order, position, self.drop_last)
 
     # ---- DataLoader surface
     def __len__(self) -> int:
@@ -335,84 +334,38 @@ class Loader(Generic[T_co]):
         self._fixed_rw = self._rank_world()
         resume, self._resume = self._resume, None
         self._fetcher.refresh()
-        reuse_pool = self.persistent_workers and self._pool is not None and self.worker_type == "process"
-        steal: str | bool = False
-        threads = self.num_workers
-        if self.num_workers and self.worker_type == "thread":
-            may_steal = self.worker_init_fn is None and not self.timeout
-            threads = _worker_threads(self.num_workers, stealing_allowed=may_steal)
-            steal = resolve_steal("auto" if may_steal else False, num_workers=threads, timeout=self.timeout)
+        cfg = self.config
+        reuse_pool = self._workers.reuses_processes
         # batches fetched in this process read their small fields from a plan of the whole epoch
-        in_process = self.num_workers == 0 or self.worker_type == "thread"
-        plan = self._fetcher.plan if self.epoch_plan and in_process and self._fetcher.direct else None
+        in_process = cfg.worker_kind != "process"
+        plan = self._fetcher.plan if cfg.epoch_plan and in_process and self._fetcher.direct else None
         base_seed: int | None
         if isinstance(self._order, SeededOrder):
-            ahead = self._order_ahead(threads, steal) if self.order_ahead is None else self.order_ahead
+            ahead = order_ahead_rule(cfg, direct=self._fetcher.direct)
             base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead, plan=plan)
         else:
             base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume, plan=plan)
         self._position = start
         expected = self._batches_from(start if resume is not None else None)
-        # prefetch_factor batches per worker actually started (fewer threads than num_workers: fewer
-        # batches in flight, less memory touched per round)
-        depth = 1 if self.num_workers == 0 else threads * max(1, self.prefetch_factor or 1)
-        if steal:
-            depth += STEAL_AHEAD  # batches no worker has started, for the waiting consumer to fetch itself
         device_index = self._device_index()
         ring = None
-        if self._use_ring:
-            slots = self._ring_slots or depth + self.prefetch + 3
-            ring = BufferRing(slots, pin=self._pinning, device_index=device_index)
-            depth = max(1, min(depth, slots - 2))  # the consumer holds up to 2 slots
-        ring_in_source = False
-        owns = True
-        if self.num_workers == 0:
-            source: Any = InlineSource(self._fetcher.fetch_alone)
-        elif self.worker_type == "thread":
-            post = None
-            if ring is not None:
-                post, ring_in_source = _ring_post(ring), True
-            source = ThreadSource(
-                self._fetcher,
-                threads,
-                timeout=self.timeout,
-                post=post,
-                init=_thread_init(self.worker_init_fn, device_index),
-                steal=steal,
-                fetch_alone=self._fetcher.fetch_alone,
-                pool=self._reused_threads(threads, device_index),
-            )
-        else:
-            if reuse_pool:
-                assert self._pool is not None
-                self._pool.new_epoch()
-                source = self._pool
-            else:
-                source = ProcessSource(
-                    self._fetcher,
-                    self.num_workers,
-                    base_seed=int(base_seed if base_seed is not None else 0),
-                    worker_init_fn=self.worker_init_fn,
-                    mp_context=self.multiprocessing_context,
-                    timeout=self.timeout,
-                )
-                if self.persistent_workers:
-                    self._pool = source
-            owns = not self.persistent_workers
+        if cfg.ring_slots is not None:
+            ring = BufferRing(cfg.ring_slots, pin=cfg.pin, device_index=device_index)
+        source, owns, ring_in_source = self._workers.source(ring, device_index, base_seed)
         it = EpochIterator(
-            self,
+            EpochHooks(length=self.__len__, complete=self._epoch_done, closed=self._closed, failed=self._failed),
             order=order,
             source=source,
             owns_source=owns,
-            depth=depth,
-            ring=ring,
-            ring_in_source=ring_in_source,
-            device=DeviceStage(self.device) if self.device is not None else None,
-            prefetch=self.prefetch,
+            depth=cfg.depth,
+            pin=PinStage(ring, packed_by_source=ring_in_source, stats=self._stats),
+            device=None if self.device is None else DeviceQueue(
+                DeviceStage(self.device), prefetch=cfg.prefetch, stats=self._stats
+            ),
             stats=self._stats,
             batched=self.batch_sampler is not None,
             position=start,
-            probe=self._thread_probe(),
+            probe=self._autotune_probe(),
             expected=expected,
             gradient_state=gradient_state(),
         )
@@ -421,40 +374,12 @@ class Loader(Generic[T_co]):
             it.epoch_complete()
         return it
 
-    def _order_ahead(self, threads: int, steal: str | bool) -> bool:
-        """Whether to compute the next epoch's order in the background by default: only when this
-        epoch's fetching leaves a core idle. Where the fetching already keeps every core busy, a
-        third thread only competes with the gatherers for the cores and the GIL (on 2 cores, 1.01 and
-        1.025x faster without it, medians of paired rounds of `python -m bench.epoch_start --rounds`),
-        while the O(n) step it saves is paid once per epoch."""
-        if self.num_workers == 0:  # the direct path fetches alone on torch's intra-op threads
-            busy = torch.get_num_threads() if self._fetcher.direct else 1
-        elif self.worker_type == "thread":
-            busy = threads + bool(steal)
-        else:
-            busy = self.num_workers
-        return usable_cores() > busy
-
-    def _reused_threads(self, threads: int, device_index: int | None) -> ThreadPool | None:
-        """The Loader's worker threads, kept across epochs (an epoch then starts no threads), unless
-        a `worker_init_fn` without `persistent_workers` asks for fresh workers each epoch (as torch's
-        non-persistent workers run it once per epoch): None, and each epoch starts its own."""
-        if self.worker_init_fn is not None and not self.persistent_workers:
-            return None
-        if self._threads is not None and (not self._threads.usable or self._threads.num_workers != threads):
-            self._threads.close()  # closed, forked, or the usable cores changed since: a new pool
-            self._threads = None
-        if self._threads is None:
-            self._threads = ThreadPool(threads, init=_thread_init(self.worker_init_fn, device_index))
-        return self._threads
-
-    def _thread_probe(self) -> ThreadProbe | None:
-        """The Loader's inline-vs-threads probe (kept across epochs); none with a timeout or
-        worker_init_fn, or when not `adaptive`."""
-        if not self.adaptive or self.timeout != 0 or self.worker_init_fn is not None:
+    def _autotune_probe(self) -> ThreadProbe | None:
+        """The Loader's inline-vs-threads probe (kept across epochs) with `autotune`, else None."""
+        if not self.config.autotune:
             return None
         if self._probe is None:
-            self._probe = ThreadProbe()
+            self._probe = ThreadProbe(depth=self.config.depth)
         return self._probe
 
     def _device_index(self) -> int | None:
@@ -471,12 +396,8 @@ class Loader(Generic[T_co]):
         self._stop_workers()
 
     def _stop_workers(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        if self._threads is not None:
-            self._threads.close()
-            self._threads = None
+        if self._workers is not None:
+            self._workers.close()
 
     def _epoch_done(self, it: EpochIterator) -> None:
         """`it` delivered its epoch's last batch: the next `iter()` starts the next epoch."""
@@ -519,7 +440,7 @@ class Loader(Generic[T_co]):
             raise TypeError("state_dict() is not supported for IterableDataset")
         pos = self._resume if self._resume is not None else self._current_position()
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self._epoch,
             "position": pos,
             "seed": self.seed,
@@ -530,13 +451,7 @@ class Loader(Generic[T_co]):
         }
 
     def _dealt_world(self) -> int:
-        """The number of ranks the order is dealt over: the sampler's own `num_replicas` (e.g. a
-        `DistributedSampler`) when it has one, else the Loader's world size."""
-        for obj in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
-            replicas = getattr(obj, "num_replicas", None)
-            if isinstance(replicas, int):
-                return replicas
-        return self._rank_world()[1]
+        return dealt_world(self.sampler, self.batch_sampler, self._rank_world()[1])
 
     def _current_position(self) -> dict[str, Any] | None:
         """The position of the last batch the consumer received (the active iterator keeps it),
@@ -553,9 +468,10 @@ class Loader(Generic[T_co]):
         order) raises `ValueError`: nothing is replayed or skipped silently."""
         if self._iterable:
             raise TypeError("load_state_dict() is not supported for IterableDataset")
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported Loader state version {state.get('version')!r}")
-        self._check_state(state)
+        check_state(state, self._order, num_samples=len(self.dataset), world=self._dealt_world(),
+                    batch_size=self.batch_size)
         active = self._active
         if active is not None:
             active.close()
@@ -571,31 +487,6 @@ class Loader(Generic[T_co]):
             self.set_epoch(self._epoch)
         self._resume = state["position"]
         self._position = state["position"]
-
-    def _check_state(self, state: dict[str, Any]) -> None:
-        pos = state.get("position")
-        saved_n = state.get("num_samples")
-        if pos is None:
-            return
-        if saved_n is not None and saved_n != len(self.dataset):
-            raise ValueError(
-                f"Loader state is for a dataset of {saved_n} samples, this Loader's has {len(self.dataset)}: "
-                "its position does not apply"
-            )
-        seeded = isinstance(self._order, SeededOrder)
-        if seeded != ("base" in pos):
-            saved, here = ("a seeded", "a sampler") if "base" in pos else ("a sampler", "a seeded")
-            raise ValueError(f"Loader state was saved with {saved} order, this Loader has {here} order (see seed=)")
-        if seeded or not int(pos.get("batches", 0)):
-            return  # a seeded order re-deals the rest of the epoch to any world or batch size
-        for key, current in (("world_size", self._dealt_world()), ("batch_size", self.batch_size)):
-            saved_value = state.get(key)
-            if saved_value is not None and saved_value != current:
-                raise ValueError(
-                    f"Loader state was saved mid-epoch at {key}={saved_value}, this Loader has {key}={current}: "
-                    "a sampler's order cannot be re-dealt (the rest of the epoch would be replayed or skipped); "
-                    "resume at an epoch boundary, or use seed= (a seeded order re-deals exactly)"
-                )
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration and position only (no threads, pools or buffers): the copy is rebuilt
@@ -613,7 +504,32 @@ class Loader(Generic[T_co]):
             self._epoch, self.seed = int(state["epoch"]), state["seed"]
             self._resume = self._position = state["position"]
 
-    # ---- stats
+    # ---- settings and stats
+    def describe(self) -> dict[str, Any]:
+        """The settings this Loader runs with, as resolved (see `fastload.pipeline.config`):
+        `worker_kind` ("inline", "thread", "process") and `num_workers` (the workers started),
+        `steal` (thread workers: whether a waiting consumer fetches later batches itself),
+        `depth` (batches in flight), `ring_slots` (reused buffers, None without a ring), `pin`,
+        `device` and `prefetch` (H2D on a side stream, copies in flight), `order`
+        ("seeded shuffle", "seeded sequential", "sampler"), `direct_path` (a batch is the
+        dataset's takes wrapped as tensors), `epoch_plan`, `order_ahead` (as the next epoch
+        decides it), `cores`, `cuda`, and `autotune`: False, or the probe's choice and every
+        decision with the batch rates behind it."""
+        if self._iterable:
+            return {"worker_kind": "torch", "num_workers": self.num_workers, "order": "iterable dataset"}
+        cfg = self.config
+        info = cfg.as_dict()
+        direct = self._fetcher.direct_path()
+        info["h2d"] = f"side stream to {cfg.device}, {cfg.prefetch} in flight" if cfg.device else None
+        info["order"] = order_kind(self._order)
+        info["direct_path"] = direct
+        info["epoch_plan"] = cfg.epoch_plan and direct and cfg.worker_kind != "process"
+        # only a planned, shuffled epoch has a whole next order to compute (see `SeededOrder.epoch`)
+        planned = info["order"] == "seeded shuffle" and info["epoch_plan"]
+        info["order_ahead"] = planned and order_ahead_rule(cfg, direct=direct)
+        info["autotune"] = self._probe.report() if self._probe is not None else cfg.autotune
+        return info
+
     def stats(self) -> dict[str, Any]:
         """Loader statistics since construction / `reset_stats()`.
 
@@ -623,8 +539,8 @@ class Loader(Generic[T_co]):
         time inside `next()`), `wall_s` (time iterators were active), `batches`, `samples`,
         `batches_per_s`, `samples_per_s`, `data_stall` (= wait_s / wall_s: the fraction of
         time the training loop waited for data), `num_workers`, `worker_type` (``"inline"``,
-        ``"thread"``, ``"process"``), `epoch`, and with thread workers `thread_mode` (what this
-        Loader's A/B probe has chosen, see `fastload.pipeline`).
+        ``"thread"``, ``"process"``), `epoch`, and with `autotune` `thread_mode` (the probe's
+        current choice, "threads" or "inline") and `autotune_decisions` (see `describe`).
         Counters from `collate_fn.stats()`, `transform.stats()`, `batch_sampler.stats()`,
         `sampler.stats()` and the dataset's `storage.stats()` (main-process objects; a remote
         dataset's `remote_*` transfer timings, see `fastload.transfer_stats`) are merged in
@@ -634,9 +550,10 @@ class Loader(Generic[T_co]):
         extra = [self.collate_fn, self.transform, self.batch_sampler, self.sampler, storage]
         info: dict[str, Any] = {"num_workers": self.num_workers, "epoch": self._epoch}
         info["worker_type"] = "inline" if self.num_workers == 0 else getattr(self, "worker_type", "torch")
-        probe = getattr(self._active, "probe", None)
+        probe = getattr(self, "_probe", None)
         if probe is not None:
-            info["thread_mode"] = probe.choice  # "threads", or "inline" when that measured faster
+            info["thread_mode"] = probe.choice
+            info["autotune_decisions"] = len(probe.decisions)
         return self._stats.snapshot(extra, **info)
 
     def reset_stats(self) -> None:
@@ -656,41 +573,7 @@ class Loader(Generic[T_co]):
     def __del__(self) -> None:
         # no module globals here: at interpreter exit they may already be None
         try:
-            if self._pool is not None or self._threads is not None or self._active is not None:
+            if (self._workers is not None and self._workers.running) or self._active is not None:
                 self.close()
         except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
             pass
-
-
-def _worker_threads(num_workers: int, *, stealing_allowed: bool) -> int:
-    """Worker threads to start for `num_workers` thread workers: one fewer than the usable cores
-    when they would fill them all and the consumer may fetch too (its thread is the last gatherer:
-    in one `bench.loader` run on 2 cores, two workers and a waiting consumer read 0.49 of the raw
-    gather limit, one worker and the stealing consumer 0.71). Otherwise `num_workers`."""
-    cores = usable_cores()
-    if stealing_allowed and cores > 1 and num_workers >= cores:
-        return cores - 1
-    return num_workers
-
-
-def _ring_post(ring: BufferRing) -> Callable[[Any, dict[str, float]], tuple[Any, Any]]:
-    def post(batch: Any, timings: dict[str, float]) -> tuple[Any, Any]:
-        t = time.perf_counter()
-        out, slot = ring.write(batch)
-        timings["pin"] = timings.get("pin", 0.0) + time.perf_counter() - t
-        return out, slot
-
-    return post
-
-
-def _thread_init(worker_init_fn: Callable[[int], None] | None, device_index: int | None) -> Callable[[int], None]:
-    """A worker thread's start: the Loader's CUDA device and the starting thread's current stream on
-    it (see `device.worker_stream`), so CUDA work in a transform is ordered before the consumer's."""
-    stream = worker_stream(device_index)
-
-    def init(wid: int) -> None:
-        use_worker_stream(device_index, stream)
-        if worker_init_fn is not None:
-            worker_init_fn(wid)
-
-    return init

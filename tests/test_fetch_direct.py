@@ -166,7 +166,7 @@ def test_fetch_alone_matches_fetch(tmp_path, monkeypatch, use_table):
 
 @pytest.mark.parametrize("threads_win", [True, False])
 def test_direct_path_probe_starts_inline_then_keeps_the_faster_mode(tmp_path, monkeypatch, threads_win):
-    """On the direct path the probe starts inline (a run shorter than `FIRST_S` reads as with 0
+    """With `autotune=True`, on the direct path the probe starts inline (a run shorter than `FIRST_S` reads as with 0
     workers), then times the workers and keeps the faster mode; batches and their order are
     those of num_workers=0 through every switch."""
     from fastload.pipeline import ThreadProbe
@@ -181,7 +181,7 @@ def test_direct_path_probe_starts_inline_then_keeps_the_faster_mode(tmp_path, mo
     ds = _dataset(tmp_path / "ds")
     inline = Loader(ds, batch_size=8, shuffle=True, seed=2)
     want = [b["y"].tolist() for _ in range(2) for b in inline]  # two epochs
-    loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread")
+    loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread", autotune=True)
     it = iter(loader)
     assert loader._fetcher.direct and loader._probe.phase == "inline" and it._depth == 0
     got = [b["y"].tolist() for b in it] + [b["y"].tolist() for b in loader]
@@ -189,12 +189,14 @@ def test_direct_path_probe_starts_inline_then_keeps_the_faster_mode(tmp_path, mo
     probe = loader._probe
     assert probe.rate_threads > 0 and probe.rate_inline > 0
     assert probe.choice == ("threads" if threads_win else "inline")
+    decision = loader.describe()["autotune"]["decisions"][0]  # the decision and the rates it was made on
+    assert decision["choice"] == probe.choice and decision["inline_batches_per_s"] > 0
 
 
 def test_generic_dataset_probe_starts_inline(tmp_path):
     from fastload.pipeline import ThreadProbe
 
     ds = _dataset(tmp_path / "ds", ragged=True)  # a ragged field: no direct path
-    loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread")
+    loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread", autotune=True)
     iter(loader)
     assert isinstance(loader._probe, ThreadProbe) and loader._probe.phase == "inline"

@@ -15,8 +15,8 @@ import torch
 
 from fastload.device import use_worker_stream, worker_stream
 from fastload.formats.ragged import Ragged
-from fastload.loader import _thread_init
 from fastload.pinned import BufferRing
+from fastload.pipeline.sources import thread_init as _thread_init
 from fastload.text_collate import TextCollate, _PinnedStaging
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -334,12 +334,10 @@ def _epoch_of(epoch: int) -> list[list[int]]:
 def test_next_epoch_order_is_computed_ahead_by_default_only_when_a_core_is_left_over(
     monkeypatch, extra_cores, workers, worker_type, expected
 ):
-    import fastload.loader
-    import fastload.workers
+    import fastload.pipeline.config
 
     cores = torch.get_num_threads() + extra_cores
-    for module in (fastload.loader, fastload.workers):
-        monkeypatch.setattr(module, "usable_cores", lambda: cores)
+    monkeypatch.setattr(fastload.pipeline.config, "usable_cores", lambda: cores)
     loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type=worker_type)
     assert run(loader) == _epoch_of(0)
     assert (loader._order._ahead.pending == (1, 0, 0)) is expected
@@ -445,6 +443,26 @@ def test_resume_with_other_world_size_redeals_the_rest(new_world):
     assert sum(counts.values()) - n == (-(n - len(before))) % new_world  # only the final padding repeats
 
 
+class _ProbedEpoch:
+    """What `EpochIterator` does with the probe's answers: its in-flight depth follows them."""
+
+    def __init__(self, probe, depth: int) -> None:
+        self.probe, self._full_depth, self._depth = probe, depth, 0
+
+    def attach(self, now: float) -> None:
+        self._depth = self._full_depth if self.probe.attach(now) else 0
+
+    def tick(self, now: float) -> None:
+        self._depth = self._full_depth if self.probe.tick(now) else 0
+
+
+def _probe_and_epoch(depth: int):
+    from fastload.pipeline import ThreadProbe
+
+    probe = ThreadProbe(depth=depth)
+    return probe, _ProbedEpoch(probe, depth)
+
+
 @pytest.mark.parametrize(("margin", "watch", "final", "switches"),
                          [(0.0, 10**9, "threads", 1), (0.0, 64, "inline", 2), (1e9, 64, "inline", 0)])
 def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margin, watch, final, switches):
@@ -459,31 +477,33 @@ def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margi
     # 400 batches: room for the workers' window (as long as inline's in time, so a few times as many
     # batches when inline's hit a stall) and the 64-batch watch after it
     ref = run(Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4))
-    loader = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    loader = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread",
+                    autotune=True)
     it = iter(loader)
     got = [ids(b) for b in it]
     assert got == ref
     assert it.probe.choice == final and it.probe.switches == switches
     # resume in the middle of the probe's inline window
     state = None
-    loader = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    loader = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread",
+                    autotune=True)
     for k, _ in enumerate(loader):
         if k == 60:
             state = loader.state_dict()
             break
-    again = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    again = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread", autotune=True)
     again.load_state_dict(state)
     assert run(again) == ref[61:]
 
 
-def test_not_adaptive_the_workers_stay_on():
-    """`adaptive=False`: no probe, the thread workers' queue stays full (never the inline mode),
-    same batches as 0 workers."""
+@pytest.mark.parametrize("kw", [{}, {"adaptive": False}, {"autotune": False}])
+def test_without_autotune_the_workers_stay_on(kw):
+    """By default (or `autotune=False`, or its former name `adaptive=False`): no probe, the thread
+    workers' queue stays full (never the inline mode), same batches as 0 workers."""
     from fastload.workers import ThreadSource
 
     ref = run(Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4), epochs=2)
-    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread",
-                    adaptive=False)
+    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread", **kw)
     it = iter(loader)
     assert it.probe is None and isinstance(it._source, ThreadSource) and it._depth == it._full_depth > 0
     got = []
@@ -498,17 +518,15 @@ def test_thread_probe_windows_go_on_across_short_epochs(threads_rate):
     """Epochs of 10 batches (shorter than any window) with a second of the user's code between
     them: the windows complete over several epochs, timed without the gaps, and decide as one
     long epoch would."""
-    from types import SimpleNamespace
-
     from fastload.pipeline import ThreadProbe
 
-    probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
+    probe, it = _probe_and_epoch(4)
     now, epochs = 0.0, 0
     while not probe.trials or probe.phase in ("fill", "threads"):  # until the first trial is decided
-        probe.attach(it, now)
+        it.attach(now)
         for _ in range(10):
             now += 1 / threads_rate if it._depth else 1e-3  # the workers' rate when they run, else inline's 1000/s
-            probe.tick(it, now)
+            it.tick(now)
         now += 1.0  # between epochs: not timed
         epochs += 1
         assert epochs < 100
@@ -521,20 +539,17 @@ def test_thread_probe_windows_go_on_across_short_epochs(threads_rate):
 def test_thread_probe_counts_an_epoch_start_in_its_mode():
     """The time from an epoch's start to its first batch (its order, the queue refilling) is the
     running mode's cost; the time before the start is not counted."""
-    from types import SimpleNamespace
 
-    from fastload.pipeline import ThreadProbe
-
-    probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
-    probe.attach(it, 0.0)
+    probe, it = _probe_and_epoch(4)
+    it.attach(0.0)
     assert probe.phase == "inline"
     now = 0.0
     for _ in range(5):  # 5 batches at 1 ms, then an epoch ends
         now += 1e-3
-        probe.tick(it, now)
-    probe.attach(it, now + 5.0)  # 5 s of the user's code, then the next epoch starts...
+        it.tick(now)
+    it.attach(now + 5.0)  # 5 s of the user's code, then the next epoch starts...
     now += 5.0 + 0.01  # ... and its first batch comes 10 ms later
-    probe.tick(it, now)
+    it.tick(now)
     assert probe.count == 6 and probe.before + probe.last - probe.t0 == pytest.approx(0.015)
 
 
@@ -544,7 +559,7 @@ def _until_phase_changes(probe, it, now: float, step: float) -> tuple[float, int
     while probe.phase == phase:
         now += step
         ticks += 1
-        probe.tick(it, now)
+        it.tick(now)
         assert ticks < 10**6
     return now, ticks
 
@@ -552,12 +567,10 @@ def _until_phase_changes(probe, it, now: float, step: float) -> tuple[float, int
 def test_thread_probe_retries_the_workers_after_choosing_inline():
     """Inline is chosen on a noisy comparison; the workers are tried again after RETRY_S (then after
     twice as long), measured against the inline stretch since the decision, and kept when faster."""
-    from types import SimpleNamespace
-
     from fastload.pipeline import ThreadProbe
 
-    probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
-    probe.attach(it, 0.0)
+    probe, it = _probe_and_epoch(4)
+    it.attach(0.0)
     now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # inline at 1000 batches/s until the first trial
     assert probe.phase == "fill" and it._depth == 4 and probe.rate_inline == pytest.approx(1000)
     now, ticks = _until_phase_changes(probe, it, now, 1e-3)
@@ -576,12 +589,10 @@ def test_thread_probe_retries_the_workers_after_choosing_inline():
 
 
 def test_thread_probe_backs_off_while_inline_keeps_winning():
-    from types import SimpleNamespace
-
     from fastload.pipeline import ThreadProbe
 
-    probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=2)
-    probe.attach(it, 0.0)
+    probe, it = _probe_and_epoch(2)
+    it.attach(0.0)
     now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # inline until the first trial
     waits = []
     for _ in range(10):
@@ -607,7 +618,8 @@ def test_thread_probe_retrying_every_batch_keeps_batches_and_order(monkeypatch, 
     monkeypatch.setattr(ThreadProbe, "FIRST_S", 0.0)
     monkeypatch.setattr(ThreadProbe, "FILL", 2)
     ref = run(Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5), epochs=2)
-    loader = Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type="thread")
+    loader = Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type="thread",
+                    autotune=True)
     assert run(loader, epochs=2) == ref
     assert loader._probe.retries >= 3 and loader._probe.choice == "inline"
 
@@ -616,12 +628,10 @@ def test_thread_probe_retrying_every_batch_keeps_batches_and_order(monkeypatch, 
 def test_thread_probe_order_of_windows(threads_rate):
     """Inline for FIRST_S (at least a window), the workers' fill, their window (as long as WINDOW
     inline batches took; cut after a third when they run `CLEAR_LOSS` slower), then the choice."""
-    from types import SimpleNamespace
-
     from fastload.pipeline import ThreadProbe
 
-    probe, it = ThreadProbe(), SimpleNamespace(_depth=0, _full_depth=4)
-    probe.attach(it, 0.0)
+    probe, it = _probe_and_epoch(4)
+    it.attach(0.0)
     assert (probe.phase, it._depth) == ("inline", 0)
     now, ticks = _until_phase_changes(probe, it, 0.0, 1e-3)
     assert ticks == max(ThreadProbe.WINDOW, round(ThreadProbe.FIRST_S / 1e-3), round(ThreadProbe.MIN_WINDOW_S / 1e-3))
@@ -641,13 +651,15 @@ def test_thread_probe_order_of_windows(threads_rate):
 
 
 def test_a_run_shorter_than_first_s_never_starts_the_workers(monkeypatch):
-    """The default 2-worker Loader over a run shorter than FIRST_S reads inline throughout, as 0
+    """An autotuned 2-worker Loader over a run shorter than FIRST_S reads inline throughout, as 0
     workers would: its worker threads are never started."""
     from fastload.pipeline import ThreadProbe
 
     monkeypatch.setattr(ThreadProbe, "FIRST_S", 1e9)  # however slow this machine: the run is shorter
     ref = run(Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4), epochs=2)
-    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread")
+    loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread",
+                    autotune=True)
     assert run(loader, epochs=2) == ref
     assert loader._probe.trials == 0 and loader._probe.choice == "inline"
-    assert loader._threads is not None and len(loader._threads._unstarted) == loader._threads.num_workers
+    pool = loader._workers.threads
+    assert pool is not None and len(pool._unstarted) == pool.num_workers

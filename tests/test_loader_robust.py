@@ -217,7 +217,7 @@ def test_buffer_ring_reuses_slots_but_never_overwrites_kept_batches(workers):
     it = iter(loader)
     streamed = [b["x"].sum().item() for b in it]  # nothing kept: slots are recycled
     assert streamed == [r.sum().item() for r in ref]
-    assert it._ring.allocations <= 4
+    assert it._pin.ring.allocations <= 4
     kept = list(Loader(ds, **kw))  # everything kept: full slots are retired, never rewritten
     assert all(torch.equal(k["x"], r) for k, r in zip(kept, ref))
 
@@ -301,7 +301,7 @@ def test_cuda_pin_memory_uses_pinned_ring():
     assert b["x"].is_pinned()
     for _ in it:
         pass
-    assert it._ring is not None and it._ring.allocations <= it._ring.capacity
+    assert it._pin.ring is not None and it._pin.ring.allocations <= it._pin.ring.capacity
 
 
 def test_persistent_pool_with_dead_worker_is_replaced():

@@ -267,9 +267,9 @@ def test_a_failing_thread_init_is_raised_in_the_consumer() -> None:
         src.close()
 
 
-def test_workers_filling_every_core_leave_one_to_the_stealing_consumer(tmp_path) -> None:
-    """num_workers >= usable cores: one worker thread fewer than the cores, and the consumer's
-    thread gathers too; with a worker_init_fn (no stealing) every requested worker runs."""
+def test_workers_filling_every_core_start_as_asked_without_stealing(tmp_path) -> None:
+    """num_workers >= usable cores: exactly num_workers threads, and the consumer does not steal
+    (the workers fill every core); likewise with a worker_init_fn."""
     schema = Schema((Field("y", "scalar", np.int64),))
     write(({"y": i} for i in range(256)), tmp_path / "ds", schema=schema, progress=False)
     ds = FastloadDataset(tmp_path / "ds")
@@ -277,9 +277,8 @@ def test_workers_filling_every_core_leave_one_to_the_stealing_consumer(tmp_path)
     nw = max(2, cores)
     it = iter(Loader(ds, batch_size=16, num_workers=nw, worker_type="thread"))
     try:
-        expected = cores - 1 if cores > 1 else nw
-        assert it._source.num_threads == expected
-        assert bool(it._source.steal) == (cores > 1)
+        assert it._source.num_threads == nw
+        assert it._source.steal is False
         assert sorted(int(y) for b in it for y in b["y"]) == list(range(256))
     finally:
         it.close()
@@ -407,27 +406,21 @@ def test_a_process_exits_cleanly_with_loaders_left_to_the_garbage_collector(tmp_
         assert "terminate called" not in done.stderr
 
 
-def test_the_pool_follows_the_usable_cores_between_epochs(tmp_path, monkeypatch) -> None:
-    """The worker threads started follow the usable cores (one fewer than the cores when the
-    consumer gathers too): if the affinity changes between epochs, the next epoch gets a pool of
-    the new size, and the same samples."""
-    import fastload.loader as loader_module
+def test_the_pool_keeps_num_workers_threads_whatever_the_cores(tmp_path, monkeypatch) -> None:
+    """The worker threads started are `num_workers`, on 2 cores as on 4, and the pool is kept
+    across epochs with the same samples each epoch."""
+    import fastload.pipeline.config as config_module
 
     schema = Schema((Field("y", "scalar", np.int64),))
     write(({"y": i} for i in range(640)), tmp_path / "ds", schema=schema, progress=False)
-    monkeypatch.setattr(loader_module, "usable_cores", lambda: 2)
-    loader = Loader(
-        FastloadDataset(tmp_path / "ds"), batch_size=16, num_workers=2, worker_type="thread", adaptive=False
-    )
-    try:
-        assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
-        first = loader._threads
-        assert first is not None and first.num_workers == 1  # two cores: one worker and the consumer
-        monkeypatch.setattr(loader_module, "usable_cores", lambda: 4)
-        assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
-        second = loader._threads
-        assert second is not first and second.num_workers == 2 and first.closed
-        assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
-        assert loader._threads is second  # kept while the cores stay
-    finally:
-        loader.close()
+    for cores in (2, 4):
+        monkeypatch.setattr(config_module, "usable_cores", lambda cores=cores: cores)
+        loader = Loader(FastloadDataset(tmp_path / "ds"), batch_size=16, num_workers=2, worker_type="thread")
+        try:
+            assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
+            first = loader._workers.threads
+            assert first is not None and first.num_workers == 2
+            assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
+            assert loader._workers.threads is first  # kept across epochs
+        finally:
+            loader.close()

@@ -1,0 +1,256 @@
+"""`EpochIterator`: one epoch's pipeline: order -> fetch (batch source) -> pin -> device, in order.
+
+Buffers are handed back two batches late: when the consumer asks for batch j+1 its loop
+variable still holds batch j, so batch j-1's buffers are the ones released then (and a buffer
+still referenced by the user is retired, never overwritten).
+
+The iterator holds no reference to its Loader: it reports to the `EpochHooks` it is given
+(epoch complete, closed, failed) and owns its in-flight depth; an opt-in autotuner
+(`ThreadProbe`) only returns whether the workers should fetch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastload.pipeline.autotune import ThreadProbe
+from fastload.pipeline.device import DeviceQueue
+from fastload.pipeline.pinned import PinStage
+from fastload.stats import LoaderStats
+from fastload.workers import InlineSource, ThreadSource, WorkerError
+
+__all__ = ["EpochHooks", "EpochIterator"]
+
+_perf = time.perf_counter
+
+
+@dataclass(frozen=True)
+class EpochHooks:
+    """What an epoch reports to its owner (the Loader), called in the consumer's thread:
+    `length()` batches of the epoch; `complete(it)` its last batch was delivered; `closed(it)`
+    it stopped (its `position` is final); `failed(it)` a worker broke (persistent workers are
+    to be replaced)."""
+
+    length: Callable[[], int]
+    complete: Callable[[Any], None]
+    closed: Callable[[Any], None]
+    failed: Callable[[Any], None]
+
+
+class EpochIterator:
+    """Iterator over one epoch of batches; created by `Loader.__iter__`."""
+
+    def __init__(
+        self,
+        hooks: EpochHooks,
+        *,
+        order: Iterator[tuple[Any, dict[str, Any]]],
+        source: Any,
+        owns_source: bool,
+        depth: int,
+        pin: PinStage,
+        device: DeviceQueue | None,
+        stats: LoaderStats,
+        batched: bool,
+        position: dict[str, Any] | None = None,
+        probe: ThreadProbe | None = None,
+        expected: int | None = None,
+        gradient_state: Any = None,
+    ) -> None:
+        self._hooks, self._order, self._source, self._owns_source = hooks, order, source, owns_source
+        self._depth, self._pin, self._device = max(1, depth), pin, device
+        self._stats, self._batched = stats, batched
+        self._inflight: deque[tuple[int, int, dict[str, Any]]] = deque()  # (batch number, samples, position)
+        self._j = 0
+        self._closed = False
+        self._order_done = False
+        self.position = position  # where the consumer is: the position of the last batch it received
+        # batches still to deliver (None: unknown, the order's end decides); at 0 the epoch is complete
+        self._left = expected
+        self.complete = False  # the epoch's last batch was delivered (see `epoch_complete`)
+        # Accelerate's hooks (see `fastload.frameworks`): set as the last batch is delivered
+        self.end_of_dataloader, self.remainder = False, -1
+        self._gradient_state = gradient_state
+        if gradient_state is not None:
+            gradient_state._add_dataloader(self)
+        # one of three shapes, chosen once: no per-batch checks of which one applies
+        lean = pin.ring is None and device is None
+        if isinstance(source, InlineSource) and lean:
+            # (functions, not bound methods: an attribute holding a bound method is a reference cycle,
+            # and a deleted iterator must end its workers at once, not at the next garbage collection)
+            self._step = EpochIterator._next_inline  # nothing in flight, nothing to release
+        elif isinstance(source, ThreadSource) and lean:
+            self._step = EpochIterator._next_adaptive  # the probe's inline mode as lean as `_next_inline`
+        else:
+            self._step = EpochIterator._next_host if device is None else EpochIterator._next_device
+        self._full_depth = self._depth
+        self.probe = probe if isinstance(source, ThreadSource) else None
+        if self.probe is not None:
+            self._depth = self._full_depth if self.probe.attach(_perf()) else 0
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        return self._hooks.length()
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        t0 = _perf()
+        stats = self._stats
+        stats.begin(t0)
+        try:
+            out, n, self.position = self._step(self)
+        except StopIteration:
+            self._finish()
+            raise
+        except Exception:
+            # a batch's own error (the dataset, collate_fn, transform): raised for that batch, and the
+            # iterator goes on with the next one, as torch's does; a dead, stuck or unstarted worker ends it
+            if isinstance(self._source, (InlineSource, type(None))) or not (
+                self._source.broken or isinstance(sys.exc_info()[1], WorkerError)
+            ):
+                raise
+            self.close()
+            self._hooks.failed(self)
+            raise
+        except BaseException:
+            self.close()
+            self._hooks.failed(self)
+            raise
+        left = self._left
+        if left is not None:
+            self._left = left = left - 1
+            if left == 0:  # the epoch's last batch: the next iter() starts the next epoch
+                self.epoch_complete()
+        t1 = _perf()
+        stats.delivered(n, t1 - t0, t1)
+        probe = self.probe
+        if probe is not None:
+            self._depth = self._full_depth if probe.tick(t1) else 0  # inline: what is in flight drains first
+        return out
+
+    # ---- stages
+    def _dispatch(self) -> None:
+        inflight, put, batched = self._inflight, self._source.put, self._batched
+        while not self._order_done and len(inflight) < self._depth:
+            nxt = next(self._order, None)
+            if nxt is None:
+                self._order_done = True
+                break
+            indices, pos = nxt
+            j = self._j
+            self._j += 1
+            put(j, indices)
+            inflight.append((j, len(indices) if batched else 1, pos))
+
+    def _next_cpu(self) -> tuple[Any, int, dict[str, Any], list[Any]] | None:
+        inflight = self._inflight
+        if len(inflight) < self._depth:
+            self._dispatch()
+        if inflight:
+            j, n, pos = inflight.popleft()
+            batch, timings, token = self._source.get(j)
+        elif self._depth == 0 and not self._order_done:  # adaptive inline mode (thread source)
+            nxt = next(self._order, None)
+            if nxt is None:
+                self._order_done = True
+                return None
+            indices, pos = nxt
+            n = len(indices) if self._batched else 1
+            batch, timings, token = self._source.run_inline(indices)
+        else:
+            return None
+        self._stats.add_many(timings)
+        batch, tokens = self._pin.pack(batch, token, self._source)
+        if len(inflight) < self._depth:
+            self._dispatch()  # keep workers busy while the consumer works
+        return batch, n, pos, tokens
+
+    def _next_inline(self) -> tuple[Any, int, dict[str, Any]]:
+        """`num_workers=0` without a ring or a device: fetch straight from the order."""
+        indices, pos = next(self._order)  # StopIteration ends the epoch
+        batch, timings = self._source.fetch(indices)
+        self._stats.add_many(timings)
+        return batch, len(indices) if self._batched else 1, pos
+
+    def _next_adaptive(self) -> tuple[Any, int, dict[str, Any]]:
+        """Thread workers without a ring or a device (their batches hold no slots to release):
+        while the probe fetches inline and nothing is in flight, a batch is fetched here with
+        `fetch_alone`, nothing else; otherwise `_next_host`."""
+        if self._depth or self._inflight:
+            return self._next_host()
+        indices, pos = next(self._order)  # StopIteration ends the epoch
+        batch, timings = self._source.fetch_alone(indices)
+        self._stats.add_many(timings)
+        return batch, len(indices) if self._batched else 1, pos
+
+    def _next_host(self) -> tuple[Any, int, dict[str, Any]]:
+        """A CPU batch (no device stage); its buffers are released two batches later."""
+        self._pin.release_stale()
+        item = self._next_cpu()
+        if item is None:
+            raise StopIteration
+        batch, n, pos, tokens = item
+        self._pin.hold(tokens)
+        return batch, n, pos
+
+    def _next_device(self) -> tuple[Any, int, dict[str, Any]]:
+        """A batch on the device, `prefetch` copies in flight on the side stream."""
+        self._pin.release_stale()
+        device = self._device
+        while not device.full:
+            item = self._next_cpu()
+            if item is None:
+                break
+            device.push(*item)
+        if not len(device):
+            raise StopIteration
+        out, n, pos, tokens = device.pop()
+        self._pin.hold(tokens)
+        return out, n, pos
+
+    # ---- shutdown
+    def epoch_complete(self) -> None:
+        """The epoch's last batch was delivered (or it has none left): the Loader moves on."""
+        if not self.complete:
+            self.complete = self.end_of_dataloader = True
+            self._hooks.complete(self)
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self.epoch_complete()
+        self.close()
+
+    def close(self) -> None:
+        """Stop this epoch: drop prefetched batches, shut down non-persistent workers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stats.end()
+        self._inflight.clear()
+        if self._device is not None:
+            self._device.close()
+        self._pin.close()
+        if self._owns_source:
+            self._source.close()
+        self._source = None
+        self._order = iter(())
+        if self._gradient_state is not None:
+            self._gradient_state._remove_dataloader(self)
+            self._gradient_state = None
+        self._hooks.closed(self)
+
+    def __del__(self) -> None:
+        # no module globals here: at interpreter exit they may already be None
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
+            pass

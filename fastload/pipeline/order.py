@@ -1,0 +1,111 @@
+"""The order stage: which order a Loader runs, how many batches it has left, and whether a saved state applies.
+
+The order is an iterator of `(indices, position)`; `position` (a few integers, plus the
+sampler's RNG state for a sampler order) is the stage's resume state: the Loader keeps the
+position of the last batch the consumer received and `state_dict()` saves it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastload.sampling import SamplerOrder, SeededOrder, batches_left
+
+__all__ = ["STATE_VERSION", "batches_from", "check_state", "dealt_world", "make_order", "order_kind"]
+
+STATE_VERSION = 1
+
+
+def make_order(
+    *,
+    num_samples: int,
+    batch_size: int | None,
+    batch_sampler: Any,
+    sampler: Any,
+    user_order: bool,
+    shuffle: bool,
+    drop_last: bool,
+    seed: int | None,
+    generator: Any,
+    rank: int,
+    world_size: int,
+) -> SeededOrder | SamplerOrder:
+    """A seeded order (a pure function of seed, epoch and dataset length, dealt over the ranks)
+    for batched loading without a user's sampler when `seed` is given or the world has several
+    ranks; else torch's samplers replayed (`SamplerOrder`)."""
+    batched = batch_sampler is not None
+    if batched and not user_order and (seed is not None or world_size > 1):
+        return SeededOrder(
+            num_samples,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            seed=seed if seed is not None else 0,
+            rank=rank,
+            world_size=world_size,
+        )
+    index_sampler = batch_sampler if batched else sampler
+    return SamplerOrder(index_sampler, sampler=sampler, generator=generator)
+
+
+def order_kind(order: SeededOrder | SamplerOrder) -> str:
+    """"seeded shuffle", "seeded sequential" or "sampler"."""
+    if isinstance(order, SeededOrder):
+        return "seeded shuffle" if order.shuffle else "seeded sequential"
+    return "sampler"
+
+
+def batches_from(order: SeededOrder | SamplerOrder, position: dict[str, Any] | None, drop_last: bool) -> int | None:
+    """Batches an epoch yields from `position` (None: from its start); None if the sampler has no len."""
+    try:
+        full = len(order)
+    except TypeError:
+        return None
+    if position is None:
+        return full
+    if isinstance(order, SeededOrder):
+        return batches_left(
+            position, n=order.n, batch_size=order.batch_size, world_size=order.world_size, drop_last=drop_last
+        )
+    return max(0, full - int(position["batches"]))
+
+
+def dealt_world(sampler: Any, batch_sampler: Any, world_size: int) -> int:
+    """The number of ranks the order is dealt over: the sampler's own `num_replicas` (e.g. a
+    `DistributedSampler`) when it has one, else `world_size`."""
+    for obj in (sampler, getattr(batch_sampler, "sampler", None), batch_sampler):
+        replicas = getattr(obj, "num_replicas", None)
+        if isinstance(replicas, int):
+            return replicas
+    return world_size
+
+
+def check_state(
+    state: dict[str, Any], order: SeededOrder | SamplerOrder, *, num_samples: int, world: int, batch_size: Any
+) -> None:
+    """Raise `ValueError` when `state` cannot continue exactly with `order` (another dataset
+    length; the other kind of order; a sampler order saved mid-epoch at another world or batch
+    size, which only a seeded order can re-deal)."""
+    pos = state.get("position")
+    saved_n = state.get("num_samples")
+    if pos is None:
+        return
+    if saved_n is not None and saved_n != num_samples:
+        raise ValueError(
+            f"Loader state is for a dataset of {saved_n} samples, this Loader's has {num_samples}: "
+            "its position does not apply"
+        )
+    seeded = isinstance(order, SeededOrder)
+    if seeded != ("base" in pos):
+        saved, here = ("a seeded", "a sampler") if "base" in pos else ("a sampler", "a seeded")
+        raise ValueError(f"Loader state was saved with {saved} order, this Loader has {here} order (see seed=)")
+    if seeded or not int(pos.get("batches", 0)):
+        return  # a seeded order re-deals the rest of the epoch to any world or batch size
+    for key, current in (("world_size", world), ("batch_size", batch_size)):
+        saved_value = state.get(key)
+        if saved_value is not None and saved_value != current:
+            raise ValueError(
+                f"Loader state was saved mid-epoch at {key}={saved_value}, this Loader has {key}={current}: "
+                "a sampler's order cannot be re-dealt (the rest of the epoch would be replayed or skipped); "
+                "resume at an epoch boundary, or use seed= (a seeded order re-deals exactly)"
+            )
