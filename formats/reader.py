@@ -437,10 +437,10 @@ class FastloadDataset:
         """Each variable field whose blobs splice into one array, as a `SplicedRagged` (verified
         through the ledger like the fixed columns)."""
         out = {}
+        readers = [self.shard(k) for k in range(self.num_shards)]  # their views outlive a close
         for f in self.schema:
             if f.is_fixed:
                 continue
-            readers = [self.shard(k) for k in range(self.num_shards)]
             parts = [ColumnPart(r.path, r.blob_offset[f.name], len(r.ragged[f.name][1])) for r in readers]
             try:
                 items = splice_column(parts, f.dtype, (), table=False)
