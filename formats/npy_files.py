@@ -34,7 +34,6 @@ __all__ = [
     "NpyFiles",
     "is_column_folder",
     "npy_columns",
-    "npy_files",
     "read_meta_json",
     "token_source",
 ]
@@ -128,7 +127,7 @@ class NpyFiles:
     """One sample per `.npy` file, files sorted by name: ``{"data": array, "file": file name}``."""
 
     def __init__(self, src: str) -> None:
-        self.paths = [p for p in _npy_paths(src) if os.path.basename(p) not in ("tokens.npy", "offsets.npy")]
+        self.paths = _npy_paths(src)
         headers = [_header(p) for p in self.paths]
         shape0, dtype0 = headers[0]
         for what, bad in (
@@ -164,11 +163,6 @@ class NpyFiles:
     def describe(self, i: int) -> str:
         """The file sample `i` comes from (for error reports)."""
         return self.paths[i]
-
-
-def npy_files(src: str) -> NpyFiles:
-    """The folder `src` as one sample per `.npy` file."""
-    return NpyFiles(src)
 
 
 def token_source(src: str) -> BlockSource:

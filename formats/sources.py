@@ -278,9 +278,9 @@ def open_source(
 
 
 def _npy_kind(src: str, kind: str) -> tuple[Any, Schema, dict[str, Any]]:
-    from .npy_files import npy_columns, npy_files, read_meta_json, token_source
+    from .npy_files import NpyFiles, npy_columns, read_meta_json, token_source
 
-    opener: dict[str, Callable[[str], Any]] = {"npy": npy_columns, "npyfiles": npy_files, "tokens": token_source}
+    opener: dict[str, Callable[[str], Any]] = {"npy": npy_columns, "npyfiles": NpyFiles, "tokens": token_source}
     source = opener[kind](src)
     meta = read_meta_json(src) if os.path.isdir(src) else None
     return source, source.schema, {"source": kind, **({"meta": meta} if meta is not None else {})}
