@@ -34,11 +34,8 @@ from .formats.forksafe import reset_in_child
 from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from .formats.units import format_size
 from .remote_get import (
-    BYTES_IN_FLIGHT,
     CONNECT_TIMEOUT_S,
-    MAX_GETS,
     PART_BYTES,
-    PARTS_IN_FLIGHT,
     READ_TIMEOUT_S,
     STREAM_CHUNK,
     NoRanges,
@@ -52,17 +49,11 @@ from .remote_get import (
 from .retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
 
 __all__ = [
-    "BYTES_IN_FLIGHT",
     "CONNECT_TIMEOUT_S",
-    "MAX_GETS",
-    "PARTS_IN_FLIGHT",
-    "PART_BYTES",
     "READ_TIMEOUT_S",
-    "STREAM_CHUNK",
     "RemoteFetchError",
     "RemoteStorage",
     "RetryPolicy",
-    "gets_in_flight",
     "is_remote_url",
     "is_transient",
     "network_options",
