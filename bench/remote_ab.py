@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Any
 
-from bench.remote import Nginx, make_dataset
+from bench.remote import Nginx, make_dataset, write_json
 from fastload.formats.units import parse_size
 
 __all__ = ["main"]
@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return out
 
 
