@@ -30,7 +30,7 @@ from fastload.benchmark.remote import format_remote, run_remote
 from fastload.formats import write
 from fastload.formats.units import parse_size
 
-__all__ = ["Nginx", "main", "make_dataset"]
+__all__ = ["Nginx", "main", "make_dataset", "write_json"]
 
 SAMPLE_BYTES = 8192
 
@@ -141,10 +141,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
         res["server"] = args.server
     print(format_remote(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.json, res)
     return res
+
+
+def write_json(path: str | None, obj: Any) -> None:
+    """Write `obj` as JSON to `path` (nothing when None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,329 +15,51 @@ A server that accepts connections and never answers, or one that is gone, theref
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import logging
 import os
-import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 import fsspec
 import xxhash
-from fsspec.asyn import AbstractAsyncStreamedFile, AsyncFileSystem
+from fsspec.asyn import AsyncFileSystem
 from fsspec.asyn import sync as fsspec_sync
 
 from .cache import CacheBudgetError, Download, ShardCache
-from .formats.errors import ChecksumError, FormatError
+from .formats.errors import FormatError
 from .formats.forksafe import reset_in_child
 from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from .formats.units import format_size
-from .transfer_stats import TransferStats
+from .remote_get import (
+    CONNECT_TIMEOUT_S,
+    PART_BYTES,
+    READ_TIMEOUT_S,
+    STREAM_CHUNK,
+    NoRanges,
+    NoStream,
+    gets_in_flight,
+    network_options,
+    ranged_into,
+    stream_into,
+    takes_ranges,
+)
+from .retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
 
 __all__ = [
-    "BYTES_IN_FLIGHT",
     "CONNECT_TIMEOUT_S",
-    "MAX_GETS",
-    "PART_BYTES",
     "READ_TIMEOUT_S",
     "RemoteFetchError",
     "RemoteStorage",
     "RetryPolicy",
-    "gets_in_flight",
     "is_remote_url",
     "is_transient",
     "network_options",
 ]
 
-CONNECT_TIMEOUT_S = 5.0  # to open a connection
-READ_TIMEOUT_S = 15.0  # with no byte received, per read of a response
-
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-_TRANSIENT_ERRNOS = {
-    errno.ECONNRESET,
-    errno.ECONNREFUSED,
-    errno.ECONNABORTED,
-    errno.EPIPE,
-    errno.ETIMEDOUT,
-    errno.EHOSTUNREACH,
-    errno.ENETUNREACH,
-    errno.EBUSY,
-    errno.EAGAIN,
-    getattr(errno, "EREMOTEIO", errno.EIO),
-}
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FormatError)
-_TRANSIENT_NAMES = {
-    # aiohttp / urllib3 / botocore / requests class names, matched by name to avoid importing them
-    "ServerDisconnectedError",
-    "ClientConnectionError",
-    "ClientPayloadError",
-    "ClientOSError",
-    "ServerTimeoutError",
-    "ProtocolError",
-    "IncompleteRead",
-    "IncompleteReadError",
-    "ReadTimeoutError",
-    "ConnectTimeoutError",
-    "EndpointConnectionError",
-    "ConnectionClosedError",
-    "ResponseStreamingError",
-    "ReadTimeout",
-    "ConnectTimeout",
-    "ChunkedEncodingError",
-    "NewConnectionError",
-    "RemoteDisconnected",
-    "HTTPClientError",
-    "FSTimeoutError",
-}
-_TRANSIENT_CODES = {
-    "SlowDown",
-    "ServiceUnavailable",
-    "InternalError",
-    "RequestTimeout",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "503",
-    "500",
-    "502",
-    "504",
-}
-
-
-# Bytes asked of the response stream per read on the event loop: about one socket read's worth
-# (asyncio receives 256 KB at a time), so a read rarely joins buffered pieces into a new object and
-# the bytes are written and hashed while they are still in the CPU cache.
-STREAM_CHUNK = 256 << 10
-
-
-class _NoStream(Exception):
-    """`open_async` gave a file that does not read one response as a stream."""
-
-
-class _NoRanges(Exception):
-    """A ranged GET came back with another length than asked (the store ignores `Range`)."""
-
-
-PART_BYTES = 16 << 20  # one ranged GET of a large shard
-PARTS_IN_FLIGHT = 4  # ranged GETs of one shard outstanding at once
-
-
-def _takes_ranges(fs: Any) -> bool:
-    """Whether an async file system implements ranged `_cat_file` (s3fs, gcsfs, http do)."""
-    return isinstance(fs, AsyncFileSystem) and type(fs)._cat_file is not AsyncFileSystem._cat_file
-
-
-async def _ranged_into(fs: AsyncFileSystem, rpath: str, sink: Any, part: int, stats: TransferStats) -> None:
-    """The object in ranged GETs of `part` bytes, `PARTS_IN_FLIGHT` at a time, each handed to
-    `sink.write_at` as it arrives (the sink hashes in file order). A part of the wrong length
-    raises `_NoRanges`; on any failure the other parts are cancelled (their responses closed)."""
-    size = sink.size
-    gate = asyncio.Semaphore(PARTS_IN_FLIGHT)
-
-    async def one(start: int) -> None:
-        end = min(size, start + part)
-        async with gate:
-            t0 = time.perf_counter()
-            data = await fs._cat_file(rpath, start=start, end=end)
-            stats.add_many(receive_s=time.perf_counter() - t0, bytes=len(data), ranged_parts=1)
-        if len(data) != end - start:
-            raise _NoRanges
-        sink.write_at(start, data)
-
-    tasks = [asyncio.ensure_future(one(start)) for start in range(0, size, part)]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # every response closed before the retry
-        raise
-
-
-async def _stream_into(fs: AsyncFileSystem, rpath: str, sink: Any, chunk: int, stats: TransferStats) -> None:
-    """One whole-object GET of `rpath`, each piece handed to `sink.write` on the event loop as it arrives.
-
-    Run as one coroutine per object: no thread hand-over per piece (each costs a loop round trip and
-    a GIL switch that the fetch threads, the loader and the server on the same cores all wait on).
-    Time to the first body byte counts as `request_s`, the other waits on the socket as `receive_s`.
-    """
-    t0 = time.perf_counter()
-    f = await fs.open_async(rpath, "rb")
-    first: float | None = None
-    received = 0
-    recv = 0.0
-    try:
-        if not _streams(f):
-            raise _NoStream
-        while True:
-            t = time.perf_counter()
-            b = await f.read(chunk)
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                recv += now - t
-            if not b:
-                break
-            received += len(b)
-            sink.write(b)
-    finally:
-        await _close_stream(f)
-        if first is not None:
-            stats.add_many(request_s=first - t0, receive_s=recv, bytes=received)
-
-
-async def _close_stream(f: Any) -> None:
-    """Close the response body (drops a half-read connection), then the file itself: its `close` is a
-    coroutine (fsspec's async files), and a file left open would have `__del__` call it un-awaited."""
-    for obj in (getattr(f, "r", None), f):  # s3fs / http keep the response body in `.r`
-        close = getattr(obj, "close", None)
-        if callable(close):
-            try:
-                res = close()
-                if hasattr(res, "__await__"):
-                    await res
-            except Exception:  # noqa: BLE001 - best effort on a stream that may already be broken
-                pass
-
-
-def _streams(f: Any) -> bool:
-    """Whether an `open_async` file reads one response as a stream (s3fs, http), not a range GET per read."""
-    return type(f).read is not AbstractAsyncStreamedFile.read
-
-
-BYTES_IN_FLIGHT = 256 << 20  # whole-shard GETs outstanding at once: a 10 Gb/s link's bandwidth x 200 ms
-MAX_GETS = 16
-
-
-def gets_in_flight(shard_bytes: int, cache_limit: int) -> int:
-    """Whole-shard GETs to keep outstanding for shards of up to `shard_bytes`: `BYTES_IN_FLIGHT`
-    worth, at least 2 and at most `MAX_GETS`, and at most what `cache_limit` holds beside the two
-    shards a reader pins while it swaps (prefetched shards wait in the cache until they are read)."""
-    if shard_bytes <= 0:
-        return 2
-    want = min(MAX_GETS, max(2, -(-BYTES_IN_FLIGHT // shard_bytes)))
-    return max(1, min(want, cache_limit // shard_bytes - 2))
-
-
-class RemoteFetchError(OSError):
-    """A remote read failed for good (permanent error, or transient errors past the retry limit)."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """At most `attempts` attempts in all, sleeping uniform(0, min(cap, base * 2**k)) before retry k;
-    no attempt starts (and no sleep runs) past `total` seconds after the first one started.
-    Defaults: 10 attempts, base 0.1 s, cap 5 s, total 30 s."""
-
-    attempts: int = 10
-    base: float = 0.1
-    cap: float = 5.0
-    total: float = 30.0
-
-    def delay(self, k: int) -> float:
-        """Seconds to sleep before retry `k` (0-based): full jitter up to `min(cap, base * 2**k)`."""
-        return random.uniform(0.0, min(self.cap, self.base * (2**k)))
-
-
-def network_options(
-    url: str, options: dict[str, Any], *, connect_timeout: float, read_timeout: float
-) -> dict[str, Any]:
-    """fsspec `storage_options` for `url` with connect/read timeouts and no inner retries added
-    where the caller gave none (s3: botocore's `connect_timeout`, `read_timeout`, one attempt;
-    http(s): an aiohttp `ClientTimeout`; other protocols: `timeout`, when they take one)."""
-    protocol = url.split("://", 1)[0].lower()
-    opts = dict(options)
-    if protocol in ("s3", "s3a"):
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", connect_timeout)
-        config.setdefault("read_timeout", read_timeout)
-        config.setdefault("retries", {"total_max_attempts": 1})  # botocore: the first try only
-        opts["config_kwargs"] = config
-    elif protocol in ("http", "https"):
-        import aiohttp
-
-        client = dict(opts.get("client_kwargs") or {})
-        client.setdefault(
-            "timeout", aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
-        )
-        opts["client_kwargs"] = client
-    elif protocol in ("gs", "gcs", "abfs", "az"):
-        opts.setdefault("timeout", connect_timeout + read_timeout)
-    return opts
-
-
-def _status(exc: BaseException) -> int | None:
-    for attr in ("status", "status_code", "code"):
-        v = getattr(exc, attr, None)
-        if isinstance(v, int) and 100 <= v < 600:
-            return v
-    resp = getattr(exc, "response", None)
-    if isinstance(resp, dict):
-        meta = resp.get("ResponseMetadata") or {}
-        v = meta.get("HTTPStatusCode")
-        if isinstance(v, int):
-            return v
-    return None
-
-
-def _one_transient(exc: BaseException) -> bool | None:
-    """True/False when this exception alone decides; None to look at its causes."""
-    if isinstance(exc, ChecksumError):
-        return True  # a truncated or damaged transfer: fetch again
-    if isinstance(exc, _PERMANENT):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    name = type(exc).__name__
-    if name in _TRANSIENT_NAMES:
-        return True
-    status = _status(exc)
-    if status is not None:
-        return status >= 500 or status in (408, 429)
-    resp = getattr(exc, "response", None)
-    if isinstance(resp, dict) and (resp.get("Error") or {}).get("Code") in _TRANSIENT_CODES:
-        return True
-    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
-        return True
-    text = str(exc).lower()
-    if any(
-        s in text
-        for s in (
-            "retries exceeded",
-            "timed out",
-            "connection reset",
-            "slowdown",
-            "service unavailable",
-            "connection aborted",
-            "broken pipe",
-            "503",
-            "500 internal",
-        )
-    ):
-        return True
-    return None
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether an error is worth retrying: connection resets, timeouts, HTTP 5xx/429, short reads."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        verdict = _one_transient(cur)
-        if verdict is not None:
-            return verdict
-        cur = cur.__cause__ or cur.__context__
-    return False
 
 
 def _exact(nbytes: int) -> str:
@@ -348,36 +70,6 @@ def _exact(nbytes: int) -> str:
 def is_remote_url(path: Any) -> bool:
     """True for "proto://..." strings other than plain local paths."""
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
-
-
-def _retry(fn: Callable[[], T], *, url: str, policy: RetryPolicy, stop: threading.Event | None = None) -> T:
-    last: BaseException | None = None
-    start = time.monotonic()
-    deadline = start + policy.total
-    made = 0
-    for k in range(max(1, policy.attempts)):
-        if k:
-            pause = policy.delay(k - 1)
-            if time.monotonic() + pause >= deadline:
-                break
-            time.sleep(pause)
-        made += 1
-        try:
-            return fn()
-        except Exception as exc:
-            if not is_transient(exc):
-                if isinstance(exc, (FileNotFoundError, PermissionError)):
-                    raise type(exc)(f"{url}: {exc}") from exc
-                raise RemoteFetchError(f"{url}: {type(exc).__name__}: {exc}") from exc
-            last = exc
-            log.debug("transient error on %s (attempt %d/%d): %r", url, k + 1, policy.attempts, exc)
-            if stop is not None and stop.is_set():
-                break
-    took = time.monotonic() - start
-    raise RemoteFetchError(
-        f"{url}: giving up after {made} attempts in {took:.1f}s (retry budget {policy.attempts} attempts, "
-        f"{policy.total:g}s); last error {type(last).__name__}: {last}"
-    ) from last
 
 
 class RemoteStorage:
@@ -579,7 +271,7 @@ class RemoteStorage:
             rpath = self.remote_path(name)
             url = f"{self.url}/{name}"
             try:
-                data = _retry(lambda: self.fs.cat_file(rpath), url=url, policy=self.retry)
+                data = retry_call(lambda: self.fs.cat_file(rpath), url=url, policy=self.retry)
             except FileNotFoundError as exc:
                 raise FormatError(f"{url}: file is missing") from exc
             self._small[name] = bytes(data)
@@ -718,18 +410,18 @@ class RemoteStorage:
         stats = self.cache.transfer
         stats.add("requests", 1)
         size = getattr(sink, "size", 0)
-        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok and _takes_ranges(fs):
+        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok and takes_ranges(fs):
             try:
-                fsspec_sync(fs.loop, _ranged_into, fs, rpath, sink, self.part_bytes, stats)
+                fsspec_sync(fs.loop, ranged_into, fs, rpath, sink, self.part_bytes, stats)
                 return
-            except _NoRanges:
+            except NoRanges:
                 self._ranges_ok = False  # whole-object GETs from now on
                 sink.reset()
         if self._stream_ok and isinstance(fs, AsyncFileSystem) and getattr(fs, "loop", None) is not None:
             try:
-                fsspec_sync(fs.loop, _stream_into, fs, rpath, sink, STREAM_CHUNK, stats)
+                fsspec_sync(fs.loop, stream_into, fs, rpath, sink, STREAM_CHUNK, stats)
                 return
-            except (NotImplementedError, _NoStream):
+            except (NotImplementedError, NoStream):
                 self._stream_ok = False  # this file system cannot stream (nothing was written): cat_file from now on
         t0 = time.perf_counter()
         data = fs.cat_file(rpath)
@@ -751,7 +443,7 @@ class RemoteStorage:
                 self._get_into(rpath, sink)
             sink.check()
 
-        _retry(once, url=url, policy=self.retry)
+        retry_call(once, url=url, policy=self.retry)
         self.cache.transfer.add_many(fetched=1, fetched_bytes=sink.written)
 
     def _advance(self, name: str) -> None:

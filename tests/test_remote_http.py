@@ -129,7 +129,7 @@ def test_a_server_without_ranges_gets_whole_object_gets(tmp_path):
         srv.shutdown()
         srv.server_close()
         t.join()
-    from fastload.remote import PARTS_IN_FLIGHT
+    from fastload.remote_get import PARTS_IN_FLIGHT
 
     # each shard's first ranged answer is the whole body: it stops that shard's parts (threads that
     # had started one before the first failure try once each); the shards then come in whole GETs

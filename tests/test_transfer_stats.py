@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from fastload.remote import BYTES_IN_FLIGHT, MAX_GETS, gets_in_flight
+from fastload.remote_get import BYTES_IN_FLIGHT, MAX_GETS, gets_in_flight
 from fastload.transfer_stats import TransferStats
 
 MB = 1 << 20
