@@ -398,9 +398,13 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
     try:
         _write_dataset(jpegs, root)
         fns.update(_rows(size, cores, batches, root, bs))
+        if args.rows:
+            fns = {k: f for k, f in fns.items() if any(r in k for r in args.rows)}
         rates = _paired_rounds(fns, base, rounds=rounds, min_time=min_time)
         load1 = os.getloadavg()
-        first = {(k, w): _first_batch(root, w, size, bs, k) for k in ("eval", "train") for w in (0, 1, 2)}
+        first = {}
+        if any(k.startswith("Loader") for k in fns):
+            first = {(k, w): _first_batch(root, w, size, bs, k) for k in ("eval", "train") for w in (0, 1, 2)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     train = ImagePreset(kind="train", size=size, backend="cpu", normalize=False)
@@ -440,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--set", choices=sorted(SETS), action="append", help=f"this set (repeatable; default {DEFAULT_SETS})"
     )
+    ap.add_argument("--rows", action="append", help="only the rows whose label contains this (repeatable)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--size", type=int, default=224)
     args = ap.parse_args(argv)

@@ -238,6 +238,28 @@ DCT_MAX_MEAN_ABS = 1.5
 DCT_MIN_PSNR_DB = 40.0
 
 
+def test_dct_windows_align_without_losing_the_output_size() -> None:
+    """On 20,000 random RandomResizedCrop windows of random image sizes: aligned windows lie in
+    the image, decode at num/8 to exactly the scaled window of the sampled one (alignment changes
+    nothing the decoder sees), that scaled window is never below the output, and num is the
+    smallest power-of-two scale whose exact window (w * num / 8) is still at least the output."""
+    from fastload.vision.cpu_decode import dct_nums, dct_windows, scaled_windows
+
+    rng = np.random.default_rng(11)
+    sizes = rng.integers(16, 3000, (20000, 2))
+    out = (96, 64)
+    sampled = random_resized_crop(sizes, seed=1, epoch=0, indices=np.arange(len(sizes)))
+    aligned, nums = dct_windows(sizes, sampled, out)
+    assert (aligned[:, :2] >= 0).all() and (aligned[:, 2:] >= 1).all()
+    assert (aligned[:, :2] + aligned[:, 2:] <= sizes).all()
+    np.testing.assert_array_equal(scaled_windows(sizes, aligned, nums), scaled_windows(sizes, sampled, nums))
+    scaled = scaled_windows(sizes, sampled, nums)[nums < 8]
+    assert (scaled[:, 2] >= out[0]).all() and (scaled[:, 3] >= out[1]).all()
+    coarser = nums // 2  # the window at the next coarser scale is below the output (or there is none)
+    assert ((sampled[:, 2] * coarser < 8 * out[0]) | (sampled[:, 3] * coarser < 8 * out[1]) | (nums == 1)).all()
+    assert set(np.unique(dct_nums(sampled, out)).tolist()) == {1, 2, 4, 8}
+
+
 def test_dct_downscale_tolerance() -> None:
     """Train default: windows >= 2x the output decode at 1/2, 1/4 (1/8) scale, aligned to that grid
     (each edge within 4/num pixels of the sampled one) and within the documented bound of the
