@@ -21,7 +21,7 @@ $(VENV)/.torch:
 	$(PIP) install torch==2.13.0
 	touch $@
 
-$(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c
+$(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c
 	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs]' torch==2.13.0
 	touch $(STAMP)
 

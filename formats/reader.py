@@ -398,7 +398,8 @@ class FastloadDataset:
                                 spliced[f.name] = column
                 ragged = self._splice_ragged() if splice_available() and len(self) else {}
                 takes = {name: partial(col.take, axis=0) for name, col in resident.items()}
-                takes.update({name: col.take for name, col in (*spliced.items(), *ragged.items())})
+                takes.update({name: col.take for name, col in spliced.items()})
+                takes.update({name: col.take for name, col in ragged.items()})
                 self._ragged = ragged
                 self._spliced = spliced
                 if all(f.name in takes for f in self._fields):
