@@ -397,7 +397,9 @@ class FastloadDataset:
                             if column is not None:
                                 spliced[f.name] = column
                 ragged = self._splice_ragged() if splice_available() and len(self) else {}
-                takes = {name: partial(col.take, axis=0) for name, col in resident.items()}
+                takes: dict[str, Callable[[np.ndarray], Any]] = {
+                    name: partial(col.take, axis=0) for name, col in resident.items()
+                }
                 takes.update({name: col.take for name, col in spliced.items()})
                 takes.update({name: col.take for name, col in ragged.items()})
                 self._ragged = ragged
