@@ -18,8 +18,8 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
 * each seeded Loader row against the fastest raw row again, in `LIMIT_ROUNDS` back-to-back rounds
   (the median of the per-round ratios: on a shared machine the best-of figures of two rows timed
   minutes apart also compare two machine states);
-* the thread probe: the default 2-worker Loader against the same with `adaptive=False` (the
-  workers always fetch) and against 0 workers, in `LIMIT_ROUNDS` paired rounds, on this dataset,
+* autotune: the 2-worker Loader with `autotune=True` (the inline-vs-threads probe) against the
+  default (the workers always fetch) and against 0 workers, in `LIMIT_ROUNDS` paired rounds, on this dataset,
   on a short run (`SHORT_SAMPLES`, epochs shorter than the probe's windows) and on a run of
   `LONG_EPOCHS` epochs (long enough for the probe to try the workers: a 3-epoch run is not);
 * the epoch plan (`fastload.plan`): 0 workers and 2 thread workers always fetching, each with
@@ -33,7 +33,7 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
 Every row of the main table makes `TIMED_EPOCHS` passes (a loader object iterated that many
 times, as a training loop does; torch's workers persistent, its best setting for several epochs;
 the raw rows over as many shuffled orders) and is timed from the first batch received (worker
-start-up excluded for everyone); the Loader's inline-vs-threads probe runs inside that time.
+start-up excluded for everyone).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ GENERIC_ROUNDS = 8  # paired rounds for the generic-dataset rows (median of the 
 LIMIT_ROUNDS = 12  # rounds of each seeded Loader row back to back with the fastest raw row
 SHORT_SAMPLES = 20_000  # the short run of the probe A/B: 78 batches an epoch
 LONG_EPOCHS = 12  # the long run of the probe A/B: long enough for the workers' first trial and a retry
-PROBE_ROWS = ("default nw=2", "nw=2 adaptive=False", "nw=0")
+PROBE_ROWS = ("nw=2 autotune=True", "nw=2", "nw=0")
 SMALL_SAMPLES, SMALL_RECORD = 1_000_000, 128  # the epoch plan's small-record run (20k with --quick)
 PLAN_ROWS = {
     "nw=0": (0, True),
@@ -336,7 +336,7 @@ def plan_rows(ds: Any, raw: str, limit: int, epochs: int) -> dict[str, Callable[
 
     def row(nw: int, plan: bool) -> Callable[[], float]:
         def timed() -> float:
-            loader = Loader(ds, batch_size=BATCH, shuffle=True, num_workers=nw, seed=0, adaptive=False, epoch_plan=plan)
+            loader = Loader(ds, batch_size=BATCH, shuffle=True, num_workers=nw, seed=0, epoch_plan=plan)
             return rate(epochs_of(loader, epochs), limit, dict_size)
 
         return timed
@@ -355,7 +355,7 @@ def probe_rows(ds: Any, limit: int, epochs: int) -> dict[str, Callable[[], float
 
         return timed
 
-    return dict(zip(PROBE_ROWS, (row(2), row(2, adaptive=False), row(0))))
+    return dict(zip(PROBE_ROWS, (row(2, autotune=True), row(2), row(0))))
 
 
 # ---------------------------------------------------------------- main
@@ -442,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     logged = {nw: len(runs) for nw, runs in probe_log.items()}
     paired = paired_rounds({name: configs[name] for name in (limit_name, *fl_names)}, limit_rounds)
     paired_probe = {nw: runs[logged[nw] :] for nw, runs in probe_log.items()}
-    # What the thread probe costs or gains: the default 2-worker Loader against the same Loader with
-    # its workers always fetching (adaptive=False) and against 0 workers; on this dataset, on a
+    # What autotune costs or gains: the 2-worker Loader with autotune=True against the same Loader with
+    # its workers always fetching (the default) and against 0 workers; on this dataset, on a
     # short run (SHORT_SAMPLES: epochs of a few ms, shorter than the probe's windows), where
     # "adding workers never loses to num_workers=0" is hardest to keep, and on a run long enough
     # for the probe to try the workers (LONG_EPOCHS; the 3-epoch runs end before its first trial).
@@ -488,17 +488,17 @@ def main(argv: list[str] | None = None) -> int:
         probe = [c.split()[0] for c in paired_probe.get(nw, [])]
         kept = f"; probe kept threads in {probe.count('threads')} of {len(probe)}" if probe else ""
         print(f"    {name:40s} {ratio_summary(paired[name], paired[limit_name])}{kept}")
-    print(f"  the thread probe, {limit_rounds} paired rounds of {epochs} epochs (median, quartiles, range of ratios):")
+    print(f"  autotune, {limit_rounds} paired rounds of {epochs} epochs (median, quartiles, range of ratios):")
     for label, runs in probe_paired.items():
         default, always, inline = runs[PROBE_ROWS[0]], runs[PROBE_ROWS[1]], runs[PROBE_ROWS[2]]
         print(
-            f"    {label}: default nw=2 {statistics.median(default):,.0f}/s, adaptive=False "
+            f"    {label}: autotune nw=2 {statistics.median(default):,.0f}/s, default nw=2 "
             f"{statistics.median(always):,.0f}/s, nw=0 {statistics.median(inline):,.0f}/s (medians)"
         )
-        print(f"      default / adaptive=False       {ratio_summary(default, always)}")
-        print(f"      default / nw=0                 {ratio_summary(default, inline)}   (target >= 1)")
-        print(f"      adaptive=False / nw=0          {ratio_summary(always, inline)}")
-    print(f"  the epoch plan, {limit_rounds} paired rounds (adaptive=False; median, quartiles, range of ratios):")
+        print(f"      autotune / default nw=2        {ratio_summary(default, always)}")
+        print(f"      autotune / nw=0                {ratio_summary(default, inline)}")
+        print(f"      default nw=2 / nw=0            {ratio_summary(always, inline)}")
+    print(f"  the epoch plan, {limit_rounds} paired rounds (median, quartiles, range of ratios):")
     for label, runs in plan_paired.items():
         print(f"    {label} records: raw 2-thread gather {statistics.median(runs['raw']):,.0f}/s (median)")
         for nw in (0, 2):

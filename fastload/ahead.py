@@ -38,6 +38,7 @@ class Ahead:
         return self._key
 
     def start(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> None:
+        """Compute `fn(*args)` on a daemon thread under `key` (nothing if `key` is pending)."""
         with self._lock:
             if self._future is not None and self._key == key:
                 return
@@ -46,6 +47,7 @@ class Ahead:
         threading.Thread(target=_run, args=(future, fn, args), name=self.name, daemon=True).start()
 
     def take(self, key: Hashable) -> Any | None:
+        """The value computed for `key` (waiting for it), or None; forgets the pending value."""
         with self._lock:
             future, pending = self._future, self._key
             self._key = self._future = None

@@ -67,6 +67,7 @@ class DeviceWideFence:
         self._cuda = torch.cuda if cuda is None else cuda
 
     def synchronize(self) -> None:
+        """Wait until the work queued on the device before this fence has run."""
         self._cuda.synchronize(self.device_index)
 
 

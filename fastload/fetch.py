@@ -149,7 +149,7 @@ class Fetcher:
 
     def fetch_alone(self, indices: Any) -> tuple[Any, dict[str, float]]:
         """`self(indices)` for a caller that no other thread fetches beside (`num_workers=0`, the
-        probe's inline stretch): the large fields of the direct path are gathered by one
+        autotune's inline stretch): the large fields of the direct path are gathered by one
         `torch.index_select`, which torch spreads over its intra-op threads, so one consumer uses
         every core torch may use. Same batch, same errors."""
         return self._call(indices, alone=True)

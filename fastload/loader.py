@@ -93,6 +93,16 @@ def _scalar_fields(dataset: Any) -> frozenset[str]:
     return frozenset(f.name for f in fields if getattr(f, "kind", None) == "scalar" and hasattr(f, "name"))
 
 
+def _fetch_mode(dataset: Any, *, batched: bool, default_collate: bool) -> str:
+    """How a batch is fetched (`fastload.fetch.MODES`): "single" without batching, "columns" (the
+    fast path) for a `get_batch` dataset with the default collation, else "getitems" or "getitem"."""
+    if not batched:
+        return "single"
+    if default_collate and callable(getattr(dataset, "get_batch", None)):
+        return "columns"
+    return "getitems" if getattr(dataset, "__getitems__", None) else "getitem"
+
+
 class Loader(Generic[T_co]):
     """Drop-in replacement for `torch.utils.data.DataLoader` (see the module docstring).
 
@@ -214,20 +224,22 @@ class Loader(Generic[T_co]):
         if self._iterable:
             self._initialized = True
             return
+        self._user_order = sampler is not None or batch_sampler is not None
+        self._shuffle = bool(shuffle)
+        self.order_ahead, self.epoch_plan = order_ahead, epoch_plan
+        self.autotune = bool(autotune if adaptive is None else adaptive)
+        self._init_stages(worker_type, buffer_ring=buffer_ring, ring_slots=ring_slots)
+        self._initialized = True
+
+    def _init_stages(self, worker_type: str, *, buffer_ring: bool | None, ring_slots: int | None) -> None:
+        """Resolve the settings (`self.config`) and build what lives as long as the Loader: the
+        `Fetcher` and the kept workers."""
         batched = self.batch_sampler is not None
-        default = collate_fn is None or collate_fn is default_collate
-        if not batched:
-            self._mode = "single"
-        elif default and callable(getattr(dataset, "get_batch", None)):
-            self._mode = "columns"
-        elif getattr(dataset, "__getitems__", None):
-            self._mode = "getitems"
-        else:
-            self._mode = "getitem"
+        default = self._init_args["collate_fn"] is None or self._init_args["collate_fn"] is default_collate
+        self._mode = _fetch_mode(self.dataset, batched=batched, default_collate=default)
         self.worker_type = worker_type
         if worker_type == "auto":
             self.worker_type = "thread" if self._mode == "columns" else "process"
-        self.autotune = bool(autotune if adaptive is None else adaptive)
         self.config: LoaderConfig = resolve_config(
             mode=self._mode,
             num_workers=self.num_workers,
@@ -239,17 +251,18 @@ class Loader(Generic[T_co]):
             device=self.device,
             buffer_ring=buffer_ring,
             ring_slots=ring_slots,
-            prefetch=prefetch,
+            prefetch=self.prefetch,
             autotune=self.autotune,
-            order_ahead=order_ahead,
-            epoch_plan=epoch_plan,
+            order_ahead=self.order_ahead,
+            epoch_plan=self.epoch_plan,
         )
+        self._pinning = self.config.pin
         self._fetcher = Fetcher(
-            dataset,
+            self.dataset,
             mode=self._mode,
             collate_fn=fast_collate if (default and batched) else self.collate_fn,
-            transform=transform,
-            scalar_fields=_scalar_fields(dataset) if self._mode == "columns" else frozenset(),
+            transform=self.transform,
+            scalar_fields=_scalar_fields(self.dataset) if self._mode == "columns" else frozenset(),
         )
         self._workers = WorkerSet(
             self.config,
@@ -259,12 +272,6 @@ class Loader(Generic[T_co]):
             persistent=self.persistent_workers,
             mp_context=self.multiprocessing_context,
         )
-        self._user_order = sampler is not None or batch_sampler is not None
-        self._shuffle = bool(shuffle)
-        self._pinning = self.config.pin
-        self.order_ahead = order_ahead
-        self.epoch_plan = epoch_plan
-        self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FROZEN_ATTRS and self.__dict__.get("_initialized"):
@@ -282,10 +289,12 @@ class Loader(Generic[T_co]):
 
     @property
     def rank(self) -> int:
+        """This process's rank (see `_rank_world`)."""
         return self._rank_world()[0]
 
     @property
     def world_size(self) -> int:
+        """The number of ranks (see `_rank_world`)."""
         return self._rank_world()[1]
 
     @property
@@ -557,6 +566,7 @@ class Loader(Generic[T_co]):
         return self._stats.snapshot(extra, **info)
 
     def reset_stats(self) -> None:
+        """Zero the counters behind `stats()`."""
         self._stats.reset()
 
     def close(self) -> None:

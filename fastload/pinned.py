@@ -56,6 +56,7 @@ class Slot:
         self.fence: Any = None
 
     def in_use(self) -> bool:
+        """Whether a tensor outside the ring still references this slot's buffer."""
         return referenced_beyond(self.buf, self.baseline)
 
 

@@ -36,12 +36,13 @@ class ItemDS(ColumnsDS):
     get_batch = None  # type: ignore[assignment]
 
 
-def _fastload_threads() -> int:
-    return sum(t.name.startswith("fastload-") and t.name[9:].isdigit() for t in threading.enumerate())
+def _fastload_threads() -> set[threading.Thread]:
+    """Live worker threads (a closed pool's threads may still be on their way out: compare sets)."""
+    return {t for t in threading.enumerate() if t.name.startswith("fastload-") and t.name[9:].isdigit()}
 
 
-def _children() -> int:
-    return len([p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE])
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE}
 
 
 @pytest.mark.parametrize("workers", [0, 1, 2])
@@ -55,8 +56,8 @@ def test_num_workers_starts_exactly_that_many_workers(ds, kind, workers):
     assert (loader.describe()["worker_kind"], loader.describe()["num_workers"]) == (want, workers)
     it = iter(loader)
     got = [next(it)["y"].tolist()]
-    assert _fastload_threads() - threads0 == (workers if want == "thread" else 0)
-    assert _children() - children0 == (workers if want == "process" else 0)
+    assert len(_fastload_threads() - threads0) == (workers if want == "thread" else 0)
+    assert len(_children() - children0) == (workers if want == "process" else 0)
     got += [b["y"].tolist() for b in it]
     loader.close()
     assert got == [b["y"].tolist() for b in Loader(ds(), batch_size=16, shuffle=True, seed=3)]
@@ -100,7 +101,7 @@ def test_a_many_core_machine_runs_the_workers_asked_for(monkeypatch, cores):
     assert (info["cores"], info["worker_kind"], info["num_workers"], info["steal"]) == (cores, "thread", 4, "always")
     it = iter(loader)
     next(it)
-    assert _fastload_threads() - threads0 == 4
+    assert len(_fastload_threads() - threads0) == 4
     it.close()
     loader.close()
 

@@ -214,6 +214,7 @@ class ProcessSource:
 
     @property
     def pids(self) -> list[int]:
+        """The worker processes' pids."""
         return [p.pid for p in self.procs if p.pid is not None]
 
     def new_epoch(self) -> None:
@@ -225,6 +226,7 @@ class ProcessSource:
         self._owner.clear()
 
     def put(self, j: int, indices: Any) -> None:
+        """Send batch j to worker j % num_workers with a free slot of that worker."""
         w = j % self.num_workers
         if self._free[w]:
             sid = self._free[w].popleft()
@@ -284,6 +286,7 @@ class ProcessSource:
             self._accept(msg)
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
+        """Batch j as views of its shared-memory slot (its error raised here)."""
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         while j not in self._ready:
             self._receive(deadline)
@@ -311,6 +314,7 @@ class ProcessSource:
             self._free[w].append(sid)
 
     def close(self) -> None:
+        """Stop the workers (terminated after a grace period) and drop their slots."""
         self._ready.clear()
         self._slots.clear()
         self._finalizer()

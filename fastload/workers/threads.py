@@ -116,8 +116,7 @@ def _thread_worker(shared: _Shared, wid: int, init: Callable[[int], None] | None
 class ThreadPool:
     """`num_workers` worker threads (started on first use) and their hand-over queues.
 
-    A Loader keeps one across epochs, so an epoch starts without starting threads (and a probe
-    comparing inline and threaded fetching over short epochs does not time thread start-ups);
+    A Loader keeps one across epochs, so an epoch starts without starting threads;
     `ThreadSource`s use it one at a time. Dropping or closing the pool stops the threads after
     the fetch they are in."""
 
@@ -134,7 +133,7 @@ class ThreadPool:
 
     def start(self) -> None:
         """Start the threads if they are not running yet (the first batch put does this: an epoch
-        that the probe runs inline starts none)."""
+        that autotune runs inline starts none)."""
         for t in self._unstarted:
             t.start()
             _started_threads.add(t)
@@ -159,6 +158,7 @@ class ThreadPool:
 
     @property
     def closed(self) -> bool:
+        """Whether the pool was stopped."""
         return not self._finalizer.alive
 
     def close(self) -> None:
@@ -177,8 +177,8 @@ def _stop_pools_at_exit() -> None:
     threads still running (also those of pools collected earlier, which may still be on their way
     out). A thread that ends during finalization instead, releasing the GIL on its way out (freeing
     a tensor does), is killed by Python inside torch's C++ code, and the process aborts
-    ("terminate called without an active exception": seen in scratch runs with Loaders left to
-    the garbage collector). Registered after torch's import, so it runs before torch's handlers."""
+    ("terminate called without an active exception"). Registered after torch's import, so it
+    runs before torch's handlers."""
     for pool in list(_live_pools):
         pool.close()
     deadline = time.monotonic() + EXIT_WAIT_S
@@ -244,12 +244,14 @@ class ThreadSource:
         self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
 
     def put(self, j: int, indices: Any) -> None:
-        if self.pool._unstarted:  # started by the first batch: an epoch the probe runs inline starts none
+        """Queue batch j for the workers (starting them on the first batch)."""
+        if self.pool._unstarted:  # started by the first batch: an epoch autotune runs inline starts none
             self.pool.start()
         self._shared.todo.append((j, indices, self._epoch))
         self._shared.wake.put(True)
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
+        """Batch j: taken when a worker finished it, else stolen/fetched here or waited for."""
         epoch = self._epoch
         done = epoch.done
         if j not in done:
@@ -333,12 +335,12 @@ class ThreadSource:
         return self._shared.init_error is not None
 
     def run_inline(self, indices: Any) -> tuple[Any, dict[str, float], Any]:
-        """Fetch in the calling thread (the pipeline's adaptive inline mode: no batch is in flight
-        then, so it runs `fetch_alone`)."""
+        """Fetch in the calling thread (autotune's inline mode: no batch is in flight then, so it
+        runs `fetch_alone`)."""
         return self._work(indices, alone=True)
 
     def release(self, token: Any) -> None:
-        pass
+        """Nothing to release: a ring slot's token goes to the ring (`PinStage`)."""
 
     def close(self) -> None:
         """Drop unstarted and finished batches; the source's own workers exit after the fetch they
