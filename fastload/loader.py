@@ -344,7 +344,9 @@ class Loader(Generic[T_co]):
         resume, self._resume = self._resume, None
         self._fetcher.refresh()
         cfg = self.config
-        reuse_pool = self._workers.reuses_processes
+        workers = self._workers
+        assert workers is not None  # a map-style Loader builds its WorkerSet in __init__
+        reuse_pool = workers.reuses_processes
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = cfg.worker_kind != "process"
         plan = self._fetcher.plan if cfg.epoch_plan and in_process and self._fetcher.direct else None
@@ -360,7 +362,7 @@ class Loader(Generic[T_co]):
         ring = None
         if cfg.ring_slots is not None:
             ring = BufferRing(cfg.ring_slots, pin=cfg.pin, device_index=device_index)
-        source, owns, ring_in_source = self._workers.source(ring, device_index, base_seed)
+        source, owns, ring_in_source = workers.source(ring, device_index, base_seed)
         it = EpochIterator(
             EpochHooks(length=self.__len__, complete=self._epoch_done, closed=self._closed, failed=self._failed),
             order=order,
