@@ -442,7 +442,7 @@ class FastloadDataset:
         out = {}
         readers = [self.shard(k) for k in range(self.num_shards)]  # their views outlive a close
         for f in self.schema:
-            if f.is_fixed:
+            if f.is_fixed or f.kind == "vndarray":  # vndarray batches carry shapes: read by shard
                 continue
             parts = [ColumnPart(r.path, r.blob_offset[f.name], len(r.ragged[f.name][1])) for r in readers]
             try:
