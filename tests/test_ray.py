@@ -353,7 +353,11 @@ def test_on_error_skip_then_a_bad_field_stops_with_the_local_error(ray_session, 
     remote = _convert(capsys, src, tmp_path / "ray", "--on-error=skip", "--shard-size", "8KiB",
                       ray_address=ray_session)
     assert local[0] == remote[0] == 2
-    assert _said(remote[2], tmp_path / "ray") == _said(local[2], tmp_path / "local") != []
+    # The local engine has written shards by then and adds how to continue; Ray stops in its plan
+    # pass, before any shard exists: the error itself is the same.
+    local_said = [ln.split("; OUT is an incomplete conversion")[0] for ln in _said(local[2], tmp_path / "local")]
+    assert _said(remote[2], tmp_path / "ray") == local_said != []
+    assert "continue with: " in local[2]
     assert "sample 1199" in remote[2] and "'label'" in remote[2]
     assert not (tmp_path / "ray" / "index.json").exists()
 
