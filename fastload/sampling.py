@@ -227,6 +227,7 @@ class SeededOrder:
         return _num_batches(_per_rank(self.n, self.world_size, self.drop_last), self.batch_size, self.drop_last)
 
     def base_seed(self, epoch: int) -> int:
+        """The workers' base seed for `epoch`: `seed_for(seed, epoch)`, as `epoch()` returns it."""
         return seed_for(self.seed, epoch)
 
     def check(self, position: dict[str, Any]) -> None:

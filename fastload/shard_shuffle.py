@@ -229,6 +229,8 @@ class ShardWindowSampler:
 
     # -- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The resume state: epoch, `consumed` (indices this rank's iterator has yielded so far) and the
+        settings `load_state_dict` checks against."""
         return {
             "order_version": ORDER_VERSION,
             "epoch": self.epoch,

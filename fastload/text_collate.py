@@ -368,5 +368,6 @@ class TextCollate:
         }
 
     def reset_stats(self) -> None:
+        """Zero the batch and token counters behind `stats()` (e.g. between epochs or benchmark runs)."""
         with self._lock:
             self._counts = {"batches": 0, "real_tokens": 0, "padded_tokens": 0}

@@ -84,6 +84,8 @@ class BlockLedger:
         self._verify = verify
 
     def shard_bits(self, k: int) -> np.ndarray:
+        """Shard k's verified-block bits: a view into `bits` (not a copy), indexed by the shard's local
+        block ids, so a shard reader sets bits in the shared ledger."""
         return self.bits[self.base[k] : self.base[k + 1]]
 
     def ensure(self, ids: np.ndarray) -> int:

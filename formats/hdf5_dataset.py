@@ -212,6 +212,8 @@ class HDF5Dataset:
         return np.concatenate(parts)[inverse]
 
     def get_batch(self, indices: Any) -> dict[str, Any]:
+        """Samples `indices` (any order, repeats and negative indices allowed; IndexError when out of
+        range) as columns: field -> numpy array for fixed-size fields, `Ragged` for variable ones."""
         idx = self._check(np.asarray(indices, dtype=np.int64).reshape(-1))
         out: dict[str, Any] = {}
         for f in self.schema:
@@ -245,6 +247,8 @@ class HDF5Dataset:
         return self._sample(self.get_batch([index]), 0)
 
     def lengths(self, field: str) -> np.ndarray:
+        """Per-sample lengths of a variable field (items for varray, bytes for strings); reads the whole
+        column, as HDF5 keeps no index of lengths. ValueError for a fixed-size field."""
         f = self.schema[field]
         if f.is_fixed:
             raise ValueError(f"field {field!r} is fixed-size")

@@ -72,6 +72,7 @@ class LMDBDataset:
         return len(self._keys)
 
     def keys(self) -> list[bytes]:
+        """Every key in key order (sample i's key is `keys()[i]`), as a new list."""
         return list(self._keys)
 
     def _key(self, i: int) -> bytes:

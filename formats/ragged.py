@@ -50,6 +50,7 @@ class Ragged:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Each sample's length in elements of `values` (bytes for bytes/string/image): `diff(offsets)`."""
         return np.diff(self.offsets)
 
     def __getitem__(self, i: int) -> Any:

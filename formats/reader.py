@@ -231,6 +231,7 @@ class FastloadDataset:
 
     @property
     def num_shards(self) -> int:
+        """Number of shard files in the manifest."""
         return len(self.manifest.shards)
 
     @property
@@ -240,6 +241,8 @@ class FastloadDataset:
 
     @property
     def attrs(self) -> dict[str, Any]:
+        """The manifest's free-form `attrs` (e.g. an image folder's `classes`); the manifest's own dict,
+        not a copy."""
         return self.manifest.attrs
 
     def lengths(self, field: str) -> np.ndarray:
@@ -306,6 +309,8 @@ class FastloadDataset:
         return reader
 
     def close(self) -> None:
+        """Drop the spliced views and close every open shard, releasing it to the storage (its mapping
+        goes once no array refers to it; a cache may then evict it); a later read reopens what it needs."""
         self._spliced = self._direct = self._ragged = self._takes = None  # unmapped once no reader holds it
         with self._lock:
             while self._open:

@@ -19,13 +19,25 @@ __all__ = ["LocalStorage", "Storage"]
 class Storage(Protocol):
     """What `FastloadDataset` needs from a place that holds a dataset."""
 
-    def read_small(self, name: str) -> bytes: ...
+    def read_small(self, name: str) -> bytes:
+        """The whole content of small file `name` (manifest, meta; relative to the dataset root);
+        raises FormatError when it is missing."""
+        ...
 
-    def acquire(self, name: str, *, size: int, xxh3: str) -> str: ...
+    def acquire(self, name: str, *, size: int, xxh3: str) -> str:
+        """A local path of shard file `name` that the reader may mmap, kept in place (not evicted)
+        until the matching `release`; `size` and `xxh3` are the manifest's, for a cache to key and
+        verify its copy. May raise FileNotFoundError."""
+        ...
 
-    def release(self, name: str) -> None: ...
+    def release(self, name: str) -> None:
+        """Undo one `acquire` of `name`: the reader no longer needs its path kept."""
+        ...
 
-    def prefetch(self, names: list[str]) -> None: ...
+    def prefetch(self, names: list[str]) -> None:
+        """A hint: the shards to be acquired next, in order (replacing any earlier hint); storage may
+        start fetching them in the background, or ignore it. Returns without waiting for downloads."""
+        ...
 
 
 class LocalStorage:
@@ -48,6 +60,7 @@ class LocalStorage:
         return full
 
     def read_small(self, name: str) -> bytes:
+        """The file's bytes, read whole; FormatError when it is missing or not a regular file."""
         path = self.path(name)
         try:
             with open(path, "rb") as fh:
@@ -58,10 +71,13 @@ class LocalStorage:
             raise FormatError(f"{path}: not a regular file ({exc.strerror})") from exc
 
     def acquire(self, name: str, *, size: int, xxh3: str) -> str:
+        """The file's own path (`path(name)`); nothing to pin or fetch, `size`/`xxh3` unused."""
         return self.path(name)
 
     def release(self, name: str) -> None:
+        """Nothing to do: local files are never evicted."""
         return None
 
     def prefetch(self, names: list[str]) -> None:
+        """Nothing to do: local files need no fetching."""
         return None

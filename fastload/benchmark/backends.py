@@ -31,6 +31,8 @@ class Backend:
 
 @dataclass
 class EpochRead:
+    """One timed `read_epoch`: samples, payload bytes and batches read in `seconds` of wall time."""
+
     samples: int
     nbytes: int
     seconds: float
@@ -38,10 +40,12 @@ class EpochRead:
 
     @property
     def samples_per_s(self) -> float:
+        """Samples read per second of wall time (0 when no time was measured)."""
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def bytes_per_s(self) -> float:
+        """Payload bytes (`payload_bytes` of each batch) read per second (0 when no time was measured)."""
         return self.nbytes / self.seconds if self.seconds > 0 else 0.0
 
 

@@ -113,17 +113,24 @@ class LoaderRun:
 
     @property
     def samples_per_s(self) -> float:
+        """Steady-state samples per second: batches after the first, over first -> last batch received
+        (so start-up and the first batch's latency do not count; 0 with fewer than two batches)."""
         return self.steady_samples / self.steady_s if self.steady_s > 0 else 0.0
 
     @property
     def bytes_per_s(self) -> float:
+        """Steady-state payload bytes per second, measured like `samples_per_s`."""
         return self.steady_bytes / self.steady_s if self.steady_s > 0 else 0.0
 
     @property
     def data_stall(self) -> float:
+        """Fraction (0..1) of the run's wall time spent waiting for batches (`next()`, plus the
+        copy to CUDA for torch loaders), first batch included (0 for a run with no wall time)."""
         return min(1.0, sum(self.waits) / self.wall_s) if self.wall_s > 0 else 0.0
 
     def latency_ms(self, q: float) -> float:
+        """The q-th percentile of the per-batch waits (as in `data_stall`), in ms; the first batch
+        (start-up) is left out unless it is the only one."""
         return percentile_ms(self.waits[1:] or self.waits, q)
 
 

@@ -87,6 +87,8 @@ class ResourceMonitor:
             self._sample()
 
     def start(self) -> ResourceMonitor:
+        """Take a first sample (CPU time so far is not counted) and start sampling on a daemon thread;
+        returns self."""
         self._sample()
         self._first = dict(self._last)  # processes alive now count from their current CPU time
         self._t0 = time.perf_counter()
@@ -104,6 +106,8 @@ class ResourceMonitor:
 
     @property
     def cpu_s(self) -> float:
+        """CPU seconds (user + system) of this process and its children since `start()`, as of the
+        latest sample."""
         return sum(max(0.0, cpu - self._first.get(pid, 0.0)) for pid, cpu in self._last.items())
 
     @property

@@ -144,6 +144,8 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def write_json(res: dict[str, Any], path: str) -> None:
+    """Write the results `res` to `path` as indented JSON (keys in insertion order), creating its
+    directory if needed."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     with open(path, "w") as fh:

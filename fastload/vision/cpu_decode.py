@@ -62,6 +62,8 @@ class CorruptImageError(ValueError):
 
 
 def is_jpeg(buf: np.ndarray | bytes) -> bool:
+    """Whether `buf` starts with the JPEG SOI marker and a segment marker (FF D8 FF); checks only
+    those 3 bytes, not that the rest decodes."""
     return len(buf) >= 3 and bytes(buf[:3]) == b"\xff\xd8\xff"
 
 

@@ -43,6 +43,8 @@ class ChannelLUT:
         self.table = np.ascontiguousarray(values.view(_int_view(dtype)).numpy().view(self.bits))
 
     def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        """An uninitialised `shape` array of the output's bit-pattern dtype (`bits`), for the `out` of
+        `apply`/`apply_batch`; `to_tensor` turns it into a tensor of `dtype`."""
         return np.empty(shape, dtype=self.bits)
 
     def apply(self, img: np.ndarray, out: np.ndarray, *, layout: str) -> None:
