@@ -80,10 +80,6 @@ def _resume_command(argv: Sequence[str]) -> str:
 
 
 def _convert_ray(args: argparse.Namespace) -> int:
-    if args.labels is not None:
-        print("fastload convert: error: --labels cannot be used with --engine ray; convert with the local engine",
-              file=sys.stderr)
-        return 2
     try:
         from fastload.formats.ray_io import convert_ray
     except ImportError as exc:
@@ -94,7 +90,7 @@ def _convert_ray(args: argparse.Namespace) -> int:
     result = convert_ray(
         args.src, args.out, kind="fastload" if args.upgrade else args.kind, address=args.address,
         shard_size=args.shard_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
-        concurrency=args.workers, on_error=args.on_error, decode_check=not args.no_decode_check,
+        concurrency=args.workers, on_error=args.on_error, decode_check=not args.no_decode_check, labels=args.labels,
     )
     if result.skipped:
         print(f"skipped {len(result.skipped)} input(s) that failed to read; reasons in {result.report}",

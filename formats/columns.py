@@ -66,7 +66,9 @@ def image_size(data: bytes | memoryview, where: str) -> tuple[int, int]:
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except UnidentifiedImageError as exc:  # PIL's text names the in-memory file by its address
+        raise SchemaError(f"{where}: not a readable image (not in any image format PIL reads)") from exc
+    except (OSError, ValueError) as exc:
         raise SchemaError(f"{where}: not a readable image ({exc})") from exc
     return height, width
 

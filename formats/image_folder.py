@@ -29,7 +29,9 @@ def check_image(data: bytes, where: str) -> None:
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.load()
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except UnidentifiedImageError as exc:  # PIL's text names the in-memory file by its address
+        raise SchemaError(f"{where}: not a decodable image (not in any image format PIL reads)") from exc
+    except (OSError, ValueError, SyntaxError) as exc:
         raise SchemaError(f"{where}: not a decodable image ({exc})") from exc
 
 

@@ -511,17 +511,19 @@ def convert_ray(
     storage_options: dict[str, Any] | None = None,
     on_error: str = "stop",
     decode_check: bool = True,
+    labels: str | None = None,
     **kwargs: Any,
 ) -> RayWriteResult:
     """`fastload convert --engine ray`: a local-converter source, or Parquet / JSON lines Ray Data reads.
 
     `on_error="skip"` leaves out the inputs that fail to read and lists them in
     `OUT/skipped-inputs.jsonl`, as `fastload convert --on-error=skip`; `decode_check=False` does not
-    decode every image fully (`--no-decode-check`). Other keywords go to `write_ray`.
+    decode every image fully (`--no-decode-check`); `labels`: an image folder's labels file
+    (`--labels`). Other keywords go to `write_ray`.
     """
     started = _connect(address)
     try:
-        if kind is None and _ray_readable(src):
+        if kind is None and labels is None and _ray_readable(src):
             if on_error != "stop":
                 raise ValueError(f"--on-error=skip applies to per-input sources, not {src} (read by Ray Data)")
             lower = src.lower().rstrip("/")
@@ -531,7 +533,7 @@ def convert_ray(
                 ds = ray.data.read_parquet(src, filesystem=_arrow_fs(src, storage_options))
             kwargs.setdefault("attrs", {"source": "ray"})
             return write_ray(ds, out, storage_options=storage_options, **kwargs)
-        source = PathSource(src, kind, decode_check=decode_check, on_error=on_error)
+        source = PathSource(src, kind, decode_check=decode_check, on_error=on_error, labels=labels)
         return write_ray(source, out, storage_options=storage_options, **kwargs)
     finally:
         if started:

@@ -37,18 +37,21 @@ class PathSource:
 
     Workers outlive jobs, so the open copy is keyed by this object's token: a later job over the same
     path (perhaps changed since) opens it afresh. `on_error="skip"` leaves out the inputs that fail
-    to read, as `--on-error=skip` does locally (per-input sources only).
+    to read, as `--on-error=skip` does locally (per-input sources only); `labels` is an image
+    folder's labels file (`--labels`), read again by each worker as the local converter reads it.
     """
 
     _opened: ClassVar[dict[str, Any]] = {}  # token -> the open source; one entry per process
 
-    def __init__(self, src: str, kind: str | None, *, decode_check: bool = True, on_error: str = "stop") -> None:
-        from .sources import open_source
-
+    def __init__(
+        self, src: str, kind: str | None, *, decode_check: bool = True, on_error: str = "stop",
+        labels: str | None = None,
+    ) -> None:
         if on_error not in ("stop", "skip"):
             raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
-        self.src, self.kind, self.decode_check, self.token = src, kind, decode_check, uuid.uuid4().hex
-        source, schema, attrs = open_source(src, kind, decode_check=decode_check)
+        self.src, self.kind, self.decode_check, self.labels = src, kind, decode_check, labels
+        self.token = uuid.uuid4().hex
+        source, schema, attrs = self._open()
         if schema is None:  # pragma: no cover - every source kind names its schema
             raise SchemaError(f"{src}: the source has no schema")
         if on_error == "skip" and isinstance(source, BlockSource):
@@ -65,9 +68,7 @@ class PathSource:
 
     def _source(self) -> Any:
         if self.token not in self._opened:
-            from .sources import open_source
-
-            source = open_source(self.src, self.kind, decode_check=self.decode_check)[0]
+            source = self._open()[0]
             if _length(source) != self.num_samples:
                 raise FormatError(
                     f"{self.src}: {_length(source)} samples on this node, {self.num_samples} when the job was planned "
@@ -76,6 +77,11 @@ class PathSource:
             self._opened.clear()
             self._opened[self.token] = source
         return self._opened[self.token]
+
+    def _open(self) -> tuple[Any, Schema | None, dict[str, Any]]:
+        from .sources import open_source
+
+        return open_source(self.src, self.kind, decode_check=self.decode_check, labels=self.labels)
 
     def sample(self, i: int) -> dict[str, Any]:
         """Sample `i` as a dict (per-input sources)."""
