@@ -56,20 +56,19 @@ sampler is trusted to do its own split, e.g. `DistributedSampler`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset
 
-from fastload.collate import fast_collate
 from fastload.device import DeviceStage, resolve_device
-from fastload.fetch import Fetcher
 from fastload.frameworks import gradient_state
 from fastload.pinned import BufferRing
-from fastload.pipeline import EpochHooks, EpochIterator, LoaderConfig, ThreadProbe, resolve_config
-from fastload.pipeline.config import order_ahead_rule
+from fastload.pipeline import EpochHooks, EpochIterator, ThreadProbe
+from fastload.pipeline.config import describe_settings, order_ahead_rule
 from fastload.pipeline.device import DeviceQueue
+from fastload.pipeline.intake import TORCH_ARGS, build_stages
 from fastload.pipeline.order import STATE_VERSION, RankedOrder, batches_from, check_state, dealt_world, order_kind
 from fastload.pipeline.pinned import PinStage
 from fastload.pipeline.progress import EpochProgress
@@ -82,30 +81,7 @@ __all__ = ["Loader"]
 
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these after construction (ValueError); so does the Loader
-TORCH_ARGS = (
-    "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn", "pin_memory",
-    "drop_last", "timeout", "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor",
-    "persistent_workers", "pin_memory_device", "in_order",
-)  # the arguments torch's DataLoader checks and mirrors (the rest are the Loader's own)
 FROZEN_ATTRS = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
-
-
-def _scalar_fields(dataset: Any) -> frozenset[str]:
-    schema = getattr(dataset, "schema", None)
-    fields = getattr(schema, "fields", schema)
-    if fields is None or not isinstance(fields, Iterable):
-        return frozenset()
-    return frozenset(f.name for f in fields if getattr(f, "kind", None) == "scalar" and hasattr(f, "name"))
-
-
-def _fetch_mode(dataset: Any, *, batched: bool, default_collate: bool) -> str:
-    """How a batch is fetched (`fastload.fetch.MODES`): "single" without batching, "columns" (the
-    fast path) for a `get_batch` dataset with the default collation, else "getitems" or "getitem"."""
-    if not batched:
-        return "single"
-    if default_collate and callable(getattr(dataset, "get_batch", None)):
-        return "columns"
-    return "getitems" if getattr(dataset, "__getitems__", None) else "getitem"
 
 
 class Loader(Generic[T_co]):
@@ -203,33 +179,17 @@ class Loader(Generic[T_co]):
         if not self._iterable:
             self.order_ahead, self.epoch_plan = order_ahead, epoch_plan
             self.autotune = bool(autotune if adaptive is None else adaptive)
-            self._init_stages(worker_type, buffer_ring=buffer_ring, ring_slots=ring_slots)
+            stages = build_stages(
+                dl.dataset, batched=dl.batch_sampler is not None, user_collate=collate_fn, collate_fn=dl.collate_fn,
+                transform=transform, worker_type=worker_type, num_workers=dl.num_workers,
+                prefetch_factor=dl.prefetch_factor, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
+                pin_memory=dl.pin_memory, device=self.device, persistent=dl.persistent_workers,
+                mp_context=dl.multiprocessing_context, buffer_ring=buffer_ring, ring_slots=ring_slots,
+                prefetch=prefetch, autotune=self.autotune, order_ahead=order_ahead, epoch_plan=epoch_plan,
+            )
+            self.worker_type, self.config = stages.worker_type, stages.config
+            self._fetcher, self._workers = stages.fetcher, stages.workers
         self._initialized = True
-
-    def _init_stages(self, worker_type: str, *, buffer_ring: bool | None, ring_slots: int | None) -> None:
-        """Resolve the settings (`self.config`) and build what lives as long as the Loader: the
-        `Fetcher` and the kept workers."""
-        batched = self.batch_sampler is not None
-        default = self._init_args["collate_fn"] is None or self._init_args["collate_fn"] is default_collate
-        self._mode = _fetch_mode(self.dataset, batched=batched, default_collate=default)
-        self.worker_type = worker_type
-        if worker_type == "auto":
-            self.worker_type = "thread" if self._mode == "columns" else "process"
-        self.config: LoaderConfig = resolve_config(
-            mode=self._mode, num_workers=self.num_workers, worker_type=self.worker_type,
-            prefetch_factor=self.prefetch_factor, timeout=self.timeout, worker_init=self.worker_init_fn is not None,
-            pin_memory=self.pin_memory, device=self.device, buffer_ring=buffer_ring, ring_slots=ring_slots,
-            prefetch=self.prefetch, autotune=self.autotune, order_ahead=self.order_ahead, epoch_plan=self.epoch_plan,
-        )
-        self._fetcher = Fetcher(
-            self.dataset, mode=self._mode, collate_fn=fast_collate if (default and batched) else self.collate_fn,
-            transform=self.transform,
-            scalar_fields=_scalar_fields(self.dataset) if self._mode == "columns" else frozenset(),
-        )
-        self._workers = WorkerSet(
-            self.config, self._fetcher, timeout=self.timeout, worker_init_fn=self.worker_init_fn,
-            persistent=self.persistent_workers, mp_context=self.multiprocessing_context,
-        )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FROZEN_ATTRS and self.__dict__.get("_initialized"):
@@ -418,7 +378,7 @@ class Loader(Generic[T_co]):
 
     # ---- settings and stats
     def describe(self) -> dict[str, Any]:
-        """The settings this Loader runs with, as resolved (see `fastload.pipeline.config`):
+        """The settings this Loader runs with, as resolved (see `fastload.pipeline.config.describe_settings`):
         `worker_kind` ("inline", "thread", "process") and `num_workers` (the workers started),
         `steal` (thread workers: whether a waiting consumer fetches later batches itself),
         `depth` (batches in flight), `ring_slots` (reused buffers, None without a ring), `pin`,
@@ -429,18 +389,8 @@ class Loader(Generic[T_co]):
         decision with the batch rates behind it."""
         if self._iterable:
             return {"worker_kind": "torch", "num_workers": self.num_workers, "order": "iterable dataset"}
-        cfg = self.config
-        info = cfg.as_dict()
-        direct = self._fetcher.direct_path()
-        info["h2d"] = f"side stream to {cfg.device}, {cfg.prefetch} in flight" if cfg.device else None
-        info["order"] = order_kind(self._order)
-        info["direct_path"] = direct
-        info["epoch_plan"] = cfg.epoch_plan and direct and cfg.worker_kind != "process"
-        # only a planned, shuffled epoch has a whole next order to compute (see `SeededOrder.epoch`)
-        planned = info["order"] == "seeded shuffle" and info["epoch_plan"]
-        info["order_ahead"] = planned and order_ahead_rule(cfg, direct=direct)
-        info["autotune"] = self._probe.report() if self._probe is not None else cfg.autotune
-        return info
+        return describe_settings(self.config, direct=self._fetcher.direct_path(), order=order_kind(self._order),
+                                 autotune=self._probe.report() if self._probe is not None else self.config.autotune)
 
     def stats(self) -> dict[str, Any]:
         """Loader statistics since construction / `reset_stats()`.
