@@ -65,7 +65,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from fastload.device import DeviceStage, resolve_device
 from fastload.frameworks import gradient_state
 from fastload.pinned import BufferRing
-from fastload.pipeline import EpochHooks, EpochIterator, ThreadProbe
+from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
 from fastload.pipeline.config import describe_settings, order_ahead_rule
 from fastload.pipeline.device import DeviceQueue
 from fastload.pipeline.intake import TORCH_ARGS, build_stages
@@ -259,14 +259,12 @@ class Loader(Generic[T_co]):
         device = None
         if self.device is not None:
             device = DeviceQueue(DeviceStage(self.device), prefetch=cfg.prefetch, stats=self._stats)
-        it = EpochIterator(
-            EpochHooks(length=self.__len__, complete=self._epoch_done, closed=self._progress.closed,
-                       failed=self._failed),
-            order=order, source=source, owns_source=owns, depth=cfg.depth,
-            pin=PinStage(ring, packed_by_source=ring_in_source, stats=self._stats), device=device,
-            stats=self._stats, batched=self.batch_sampler is not None, position=start,
-            probe=self._autotune_probe(), expected=expected, gradient_state=gradient_state(),
-        )
+        stages = EpochStages(order, source, owns, PinStage(ring, packed_by_source=ring_in_source, stats=self._stats),
+                             device, self._autotune_probe())
+        hooks = EpochHooks(length=self.__len__, complete=self._epoch_done, closed=self._progress.closed,
+                           failed=self._failed)
+        it = EpochIterator(hooks, stages, depth=cfg.depth, stats=self._stats, batched=self.batch_sampler is not None,
+                           position=start, expected=expected, gradient_state=gradient_state())
         self._progress.attach(it, start)
         if expected == 0:  # resumed at the end of an epoch: it is complete already
             it.epoch_complete()
