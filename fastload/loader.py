@@ -179,14 +179,9 @@ class Loader(Generic[T_co]):
         if not self._iterable:
             self.order_ahead, self.epoch_plan = order_ahead, epoch_plan
             self.autotune = bool(autotune if adaptive is None else adaptive)
-            stages = build_stages(
-                dl.dataset, batched=dl.batch_sampler is not None, user_collate=collate_fn, collate_fn=dl.collate_fn,
-                transform=transform, worker_type=worker_type, num_workers=dl.num_workers,
-                prefetch_factor=dl.prefetch_factor, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
-                pin_memory=dl.pin_memory, device=self.device, persistent=dl.persistent_workers,
-                mp_context=dl.multiprocessing_context, buffer_ring=buffer_ring, ring_slots=ring_slots,
-                prefetch=prefetch, autotune=self.autotune, order_ahead=order_ahead, epoch_plan=epoch_plan,
-            )
+            stages = build_stages(dl, user_collate=collate_fn, transform=transform, worker_type=worker_type,
+                                  device=self.device, buffer_ring=buffer_ring, ring_slots=ring_slots, prefetch=prefetch,
+                                  autotune=self.autotune, order_ahead=order_ahead, epoch_plan=epoch_plan)
             self.worker_type, self.config = stages.worker_type, stages.config
             self._fetcher, self._workers = stages.fetcher, stages.workers
         self._initialized = True

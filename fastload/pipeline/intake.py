@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from fastload.collate import fast_collate
 from fastload.fetch import Fetcher
@@ -55,39 +55,33 @@ class LoaderStages:
 
 
 def build_stages(
-    dataset: Any,
+    dl: DataLoader,
     *,
-    batched: bool,
     user_collate: Callable[[Any], Any] | None,
-    collate_fn: Callable[[Any], Any],
     transform: Callable[[Any], Any] | None,
     worker_type: str,
-    num_workers: int,
-    prefetch_factor: int | None,
-    timeout: float,
-    worker_init_fn: Callable[[int], None] | None,
-    pin_memory: bool,
     device: torch.device | None,
-    persistent: bool,
-    mp_context: Any,
     **settings: Any,
 ) -> LoaderStages:
-    """Resolve the settings and build the long-lived stages. `user_collate`: the `collate_fn`
-    as given (None or `default_collate` is the default collation, done by `fast_collate`);
-    `collate_fn`: torch's resolved one; `settings`: `resolve_config`'s `buffer_ring`,
+    """Resolve the settings and build the long-lived stages from `dl` (torch's `DataLoader` built
+    from the same arguments: its dataset, samplers and worker arguments, as torch resolved them).
+    `user_collate`: the `collate_fn` as given (None or `default_collate` is the default
+    collation, done by `fast_collate`); `settings`: `resolve_config`'s `buffer_ring`,
     `ring_slots`, `prefetch`, `autotune`, `order_ahead`, `epoch_plan`."""
+    dataset, batched, timeout = dl.dataset, dl.batch_sampler is not None, dl.timeout
     default = user_collate is None or user_collate is default_collate
     mode = fetch_mode(dataset, batched=batched, default_collate=default)
     if worker_type == "auto":
         worker_type = "thread" if mode == "columns" else "process"
     config = resolve_config(
-        mode=mode, num_workers=num_workers, worker_type=worker_type, prefetch_factor=prefetch_factor,
-        timeout=timeout, worker_init=worker_init_fn is not None, pin_memory=pin_memory, device=device, **settings,
+        mode=mode, num_workers=dl.num_workers, worker_type=worker_type, prefetch_factor=dl.prefetch_factor,
+        timeout=timeout, worker_init=dl.worker_init_fn is not None, pin_memory=dl.pin_memory, device=device,
+        **settings,
     )
     fetcher = Fetcher(
-        dataset, mode=mode, collate_fn=fast_collate if (default and batched) else collate_fn, transform=transform,
+        dataset, mode=mode, collate_fn=fast_collate if (default and batched) else dl.collate_fn, transform=transform,
         scalar_fields=_scalar_fields(dataset) if mode == "columns" else frozenset(),
     )
-    workers = WorkerSet(config, fetcher, timeout=timeout, worker_init_fn=worker_init_fn, persistent=persistent,
-                        mp_context=mp_context)
+    workers = WorkerSet(config, fetcher, timeout=timeout, worker_init_fn=dl.worker_init_fn,
+                        persistent=dl.persistent_workers, mp_context=dl.multiprocessing_context)
     return LoaderStages(worker_type, config, fetcher, workers)
