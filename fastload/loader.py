@@ -56,25 +56,24 @@ sampler is trusted to do its own split, e.g. `DistributedSampler`).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset
 
-from fastload.collate import fast_collate
 from fastload.device import DeviceStage, resolve_device
-from fastload.fetch import Fetcher
 from fastload.frameworks import gradient_state
 from fastload.pinned import BufferRing
-from fastload.pipeline import EpochHooks, EpochIterator, LoaderConfig, ThreadProbe, resolve_config
-from fastload.pipeline.config import order_ahead_rule
+from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
+from fastload.pipeline.config import describe_settings, order_ahead_rule
 from fastload.pipeline.device import DeviceQueue
-from fastload.pipeline.order import STATE_VERSION, batches_from, check_state, dealt_world, make_order, order_kind
+from fastload.pipeline.intake import TORCH_ARGS, build_stages
+from fastload.pipeline.order import STATE_VERSION, RankedOrder, batches_from, check_state, dealt_world, order_kind
 from fastload.pipeline.pinned import PinStage
+from fastload.pipeline.progress import EpochProgress
 from fastload.pipeline.sources import WorkerSet
-from fastload.sampling import SamplerOrder, SeededOrder, resolve_rank_world
+from fastload.sampling import SamplerOrder, SeededOrder
 from fastload.stats import LoaderStats
 from fastload.validate import validate_loader_args
 
@@ -83,24 +82,6 @@ __all__ = ["Loader"]
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these after construction (ValueError); so does the Loader
 FROZEN_ATTRS = frozenset({"batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"})
-
-
-def _scalar_fields(dataset: Any) -> frozenset[str]:
-    schema = getattr(dataset, "schema", None)
-    fields = getattr(schema, "fields", schema)
-    if fields is None or not isinstance(fields, Iterable):
-        return frozenset()
-    return frozenset(f.name for f in fields if getattr(f, "kind", None) == "scalar" and hasattr(f, "name"))
-
-
-def _fetch_mode(dataset: Any, *, batched: bool, default_collate: bool) -> str:
-    """How a batch is fetched (`fastload.fetch.MODES`): "single" without batching, "columns" (the
-    fast path) for a `get_batch` dataset with the default collation, else "getitems" or "getitem"."""
-    if not batched:
-        return "single"
-    if default_collate and callable(getattr(dataset, "get_batch", None)):
-        return "columns"
-    return "getitems" if getattr(dataset, "__getitems__", None) else "getitem"
 
 
 class Loader(Generic[T_co]):
@@ -169,25 +150,7 @@ class Loader(Generic[T_co]):
         del init_args["self"]
         init_args.pop("__class__", None)
         # torch validates the arguments (same errors) and builds the same default samplers
-        dl = DataLoader(
-            dataset,
-            batch_size,
-            shuffle,
-            sampler,
-            batch_sampler,
-            num_workers,
-            collate_fn,
-            pin_memory,
-            drop_last,
-            timeout,
-            worker_init_fn,
-            multiprocessing_context,
-            generator,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device,
-            in_order=in_order,
-        )
+        dl = DataLoader(**{name: init_args[name] for name in TORCH_ARGS})
         validate_loader_args(num_workers=num_workers, seed=seed, device=device, rank=rank, world_size=world_size,
                              prefetch=prefetch, ring_slots=ring_slots, worker_type=worker_type)
         self._init_args = init_args
@@ -198,138 +161,67 @@ class Loader(Generic[T_co]):
         self.num_workers, self.prefetch_factor, self.timeout = dl.num_workers, dl.prefetch_factor, dl.timeout
         self.pin_memory, self.worker_init_fn, self.generator = dl.pin_memory, dl.worker_init_fn, dl.generator
         self.persistent_workers, self.multiprocessing_context = dl.persistent_workers, dl.multiprocessing_context
-        self.in_order = in_order
-        self.device = resolve_device(device)
-        self.prefetch, self.transform, self.seed = prefetch, transform, seed
+        self.in_order, self.device = in_order, resolve_device(device)
+        self.prefetch, self.transform = prefetch, transform
         for stage in (transform, collate_fn):  # e.g. ImagePreset: its threads follow num_workers
             bind_workers = getattr(stage, "bind_workers", None)
             if callable(bind_workers):
                 bind_workers(self.num_workers)
-        # rank/world size: resolved when the run is set up (the first iter()), see `_rank_world`
-        self._rank_arg, self._world_arg = rank, world_size
-        if rank is not None and world_size is not None:
-            resolve_rank_world(rank, world_size)  # invalid arguments fail here
-        self._fixed_rw: tuple[int, int] | None = None
-        self._order_obj: SeededOrder | SamplerOrder | None = None
-        self._order_rw: tuple[int, int] | None = None
+        self._orders = RankedOrder(
+            dl.dataset, rank=rank, world_size=world_size, seed=seed, batch_size=dl.batch_size,
+            batch_sampler=dl.batch_sampler, sampler=dl.sampler, drop_last=dl.drop_last, generator=dl.generator,
+            user_order=sampler is not None or batch_sampler is not None, shuffle=bool(shuffle),
+        )
+        self._progress = EpochProgress()
         self._stats = LoaderStats()
-        self._epoch = 0
-        self._position: dict[str, Any] | None = None
-        self._resume: dict[str, Any] | None = None
-        self._active_ref: weakref.ref[EpochIterator] | None = None  # weak: deleting the iterator ends its workers
-        self._active_epoch = 0  # the epoch `_active` runs (`set_epoch` may have moved on since)
         self._workers: WorkerSet | None = None  # kept across epochs (none for an IterableDataset)
         self._probe: ThreadProbe | None = None  # autotune's probe, kept across epochs
-        self._initialized = False
-        if self._iterable:
-            self._initialized = True
-            return
-        self._user_order = sampler is not None or batch_sampler is not None
-        self._shuffle = bool(shuffle)
-        self.order_ahead, self.epoch_plan = order_ahead, epoch_plan
-        self.autotune = bool(autotune if adaptive is None else adaptive)
-        self._init_stages(worker_type, buffer_ring=buffer_ring, ring_slots=ring_slots)
+        if not self._iterable:
+            self.order_ahead, self.epoch_plan = order_ahead, epoch_plan
+            self.autotune = bool(autotune if adaptive is None else adaptive)
+            stages = build_stages(dl, user_collate=collate_fn, transform=transform, worker_type=worker_type,
+                                  device=self.device, buffer_ring=buffer_ring, ring_slots=ring_slots, prefetch=prefetch,
+                                  autotune=self.autotune, order_ahead=order_ahead, epoch_plan=epoch_plan)
+            self.worker_type, self.config = stages.worker_type, stages.config
+            self._fetcher, self._workers = stages.fetcher, stages.workers
         self._initialized = True
-
-    def _init_stages(self, worker_type: str, *, buffer_ring: bool | None, ring_slots: int | None) -> None:
-        """Resolve the settings (`self.config`) and build what lives as long as the Loader: the
-        `Fetcher` and the kept workers."""
-        batched = self.batch_sampler is not None
-        default = self._init_args["collate_fn"] is None or self._init_args["collate_fn"] is default_collate
-        self._mode = _fetch_mode(self.dataset, batched=batched, default_collate=default)
-        self.worker_type = worker_type
-        if worker_type == "auto":
-            self.worker_type = "thread" if self._mode == "columns" else "process"
-        self.config: LoaderConfig = resolve_config(
-            mode=self._mode,
-            num_workers=self.num_workers,
-            worker_type=self.worker_type,
-            prefetch_factor=self.prefetch_factor,
-            timeout=self.timeout,
-            worker_init=self.worker_init_fn is not None,
-            pin_memory=self.pin_memory,
-            device=self.device,
-            buffer_ring=buffer_ring,
-            ring_slots=ring_slots,
-            prefetch=self.prefetch,
-            autotune=self.autotune,
-            order_ahead=self.order_ahead,
-            epoch_plan=self.epoch_plan,
-        )
-        self._pinning = self.config.pin
-        self._fetcher = Fetcher(
-            self.dataset,
-            mode=self._mode,
-            collate_fn=fast_collate if (default and batched) else self.collate_fn,
-            transform=self.transform,
-            scalar_fields=_scalar_fields(self.dataset) if self._mode == "columns" else frozenset(),
-        )
-        self._workers = WorkerSet(
-            self.config,
-            self._fetcher,
-            timeout=self.timeout,
-            worker_init_fn=self.worker_init_fn,
-            persistent=self.persistent_workers,
-            mp_context=self.multiprocessing_context,
-        )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FROZEN_ATTRS and self.__dict__.get("_initialized"):
             raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized")
         super().__setattr__(name, value)
 
-    # ---- rank, world size and the order they decide
-    def _rank_world(self) -> tuple[int, int]:
-        """(rank, world size): fixed at the first `iter()` (or `load_state_dict`); until then
-        resolved afresh at each call, so a Loader built before the process group exists (in a
-        LightningModule's `__init__`) takes the rank the run has when it starts."""
-        if self._fixed_rw is not None:
-            return self._fixed_rw
-        return resolve_rank_world(self._rank_arg, self._world_arg)
-
+    # ---- rank, world size, order
     @property
     def rank(self) -> int:
-        """This process's rank (see `_rank_world`)."""
-        return self._rank_world()[0]
+        """This process's rank (see `fastload.pipeline.order.RankedOrder`)."""
+        return self._orders.rank_world()[0]
 
     @property
     def world_size(self) -> int:
-        """The number of ranks (see `_rank_world`)."""
-        return self._rank_world()[1]
+        """The number of ranks (see `fastload.pipeline.order.RankedOrder`)."""
+        return self._orders.rank_world()[1]
+
+    @property
+    def seed(self) -> int | None:
+        """The seeded order's seed (None: torch's samplers, unless the world has several ranks)."""
+        return self._orders.seed
 
     @property
     def _order(self) -> SeededOrder | SamplerOrder:
-        """The batch order for the current rank/world size (built when first needed)."""
-        rw = self._rank_world()
-        if self._order_obj is None or self._order_rw != rw:
-            self._order_obj, self._order_rw = self._make_order(*rw), rw
-        return self._order_obj
-
-    def _make_order(self, rank: int, world_size: int) -> SeededOrder | SamplerOrder:
-        return make_order(
-            num_samples=len(self.dataset), batch_size=self.batch_size, batch_sampler=self.batch_sampler,
-            sampler=self.sampler, user_order=self._user_order, shuffle=self._shuffle, drop_last=self.drop_last,
-            seed=self.seed, generator=self.generator, rank=rank, world_size=world_size,
-        )
-
-    def _batches_from(self, position: dict[str, Any] | None) -> int | None:
-        return batches_from(self._order, position, self.drop_last)
+        return self._orders.get()
 
     # ---- DataLoader surface
     def __len__(self) -> int:
         """The number of batches the next `iter()` yields (the rest of the epoch after a resume)."""
         if self._iterable:
             return len(self._dl)
-        if self._resume is not None:
-            left = self._batches_from(self._resume)
-            if left is not None:
-                return left
-        return len(self._order)
+        return self._progress.length(self._order, self.drop_last)
 
     @property
     def _active(self) -> EpochIterator | None:
         """The live iterator (held weakly: the consumer owns it)."""
-        return self._active_ref() if self._active_ref is not None else None
+        return self._progress.active
 
     def __iter__(self) -> Iterator[T_co]:
         """A new epoch's iterator. After the last batch of an epoch was delivered (whether or not
@@ -338,49 +230,37 @@ class Loader(Generic[T_co]):
         `load_state_dict`, the rest of the saved epoch."""
         if self._iterable:
             return iter(self._dl)
-        if self._active is not None:
-            self._active.close()
-        self._fixed_rw = self._rank_world()
-        resume, self._resume = self._resume, None
+        resume = self._progress.begin()
+        self._orders.fix()
         self._fetcher.refresh()
-        cfg = self.config
-        workers = self._workers
+        cfg, workers, order_stage = self.config, self._workers, self._order
         assert workers is not None  # a map-style Loader builds its WorkerSet in __init__
-        reuse_pool = workers.reuses_processes
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = cfg.worker_kind != "process"
         plan = self._fetcher.plan if cfg.epoch_plan and in_process and self._fetcher.direct else None
         base_seed: int | None
-        if isinstance(self._order, SeededOrder):
+        if isinstance(order_stage, SeededOrder):
             ahead = order_ahead_rule(cfg, direct=self._fetcher.direct)
-            base_seed, start, order = self._order.epoch(self._epoch, resume, ahead=ahead, plan=plan)
+            base_seed, start, order = order_stage.epoch(self._progress.epoch, resume, ahead=ahead, plan=plan)
         else:
-            base_seed, start, order = self._order.epoch(draw_base_seed=not reuse_pool, resume=resume, plan=plan)
-        self._position = start
-        expected = self._batches_from(start if resume is not None else None)
+            draw = not workers.reuses_processes
+            base_seed, start, order = order_stage.epoch(draw_base_seed=draw, resume=resume, plan=plan)
+        expected = batches_from(order_stage, start if resume is not None else None, self.drop_last)
         device_index = self._device_index()
         ring = None
         if cfg.ring_slots is not None:
             ring = BufferRing(cfg.ring_slots, pin=cfg.pin, device_index=device_index)
         source, owns, ring_in_source = workers.source(ring, device_index, base_seed)
-        it = EpochIterator(
-            EpochHooks(length=self.__len__, complete=self._epoch_done, closed=self._closed, failed=self._failed),
-            order=order,
-            source=source,
-            owns_source=owns,
-            depth=cfg.depth,
-            pin=PinStage(ring, packed_by_source=ring_in_source, stats=self._stats),
-            device=None if self.device is None else DeviceQueue(
-                DeviceStage(self.device), prefetch=cfg.prefetch, stats=self._stats
-            ),
-            stats=self._stats,
-            batched=self.batch_sampler is not None,
-            position=start,
-            probe=self._autotune_probe(),
-            expected=expected,
-            gradient_state=gradient_state(),
-        )
-        self._active_ref, self._active_epoch = weakref.ref(it), self._epoch
+        device = None
+        if self.device is not None:
+            device = DeviceQueue(DeviceStage(self.device), prefetch=cfg.prefetch, stats=self._stats)
+        stages = EpochStages(order, source, owns, PinStage(ring, packed_by_source=ring_in_source, stats=self._stats),
+                             device, self._autotune_probe())
+        hooks = EpochHooks(length=self.__len__, complete=self._epoch_done, closed=self._progress.closed,
+                           failed=self._failed)
+        it = EpochIterator(hooks, stages, depth=cfg.depth, stats=self._stats, batched=self.batch_sampler is not None,
+                           position=start, expected=expected, gradient_state=gradient_state())
+        self._progress.attach(it, start)
         if expected == 0:  # resumed at the end of an epoch: it is complete already
             it.epoch_complete()
         return it
@@ -396,7 +276,7 @@ class Loader(Generic[T_co]):
     def _device_index(self) -> int | None:
         if self.device is not None and self.device.type == "cuda":
             return self.device.index
-        if self._pinning:
+        if self.config.pin:
             return torch.cuda.current_device()
         return None
 
@@ -412,32 +292,19 @@ class Loader(Generic[T_co]):
 
     def _epoch_done(self, it: EpochIterator) -> None:
         """`it` delivered its epoch's last batch: the next `iter()` starts the next epoch."""
-        if it is self._active and self._active_epoch == self._epoch:
-            self._epoch += 1
-            self._position = None
+        if self._progress.complete(it):
             self._fetcher.release_plan()
-
-    def _closed(self, it: EpochIterator) -> None:
-        """`it` stopped (closed, exhausted or deleted): keep where its consumer was."""
-        current = self._active
-        if current is it or current is None:
-            if self._active_epoch == self._epoch and not it.complete:
-                self._position = it.position
-            self._active_ref = None
 
     # ---- epochs and state
     @property
     def epoch(self) -> int:
         """The epoch the next `iter()` runs (auto-advances when an epoch is exhausted)."""
-        return self._epoch
+        return self._progress.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (seeded order) and forward it to samplers with `set_epoch`."""
         epoch = int(epoch)
-        if epoch != self._epoch:
-            self._resume = None
-            self._position = None
-        self._epoch = epoch
+        self._progress.set_epoch(epoch)
         seen: set[int] = set()  # forwarded to the (batch) sampler, each object once
         for obj in (self.batch_sampler, self.sampler):
             if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
@@ -449,10 +316,10 @@ class Loader(Generic[T_co]):
         order depends on (world size, batch size, dataset length), checked by `load_state_dict`."""
         if self._iterable:
             raise TypeError("state_dict() is not supported for IterableDataset")
-        pos = self._resume if self._resume is not None else self._current_position()
+        pos = self._progress.saved()
         return {
             "version": STATE_VERSION,
-            "epoch": self._epoch,
+            "epoch": self._progress.epoch,
             "position": pos,
             "seed": self.seed,
             "world_size": self._dealt_world(),
@@ -462,15 +329,7 @@ class Loader(Generic[T_co]):
         }
 
     def _dealt_world(self) -> int:
-        return dealt_world(self.sampler, self.batch_sampler, self._rank_world()[1])
-
-    def _current_position(self) -> dict[str, Any] | None:
-        """The position of the last batch the consumer received (the active iterator keeps it),
-        unless `set_epoch` has moved to another epoch since that iterator started."""
-        active = self._active
-        if active is not None and self._active_epoch == self._epoch:
-            return active.position
-        return self._position
+        return dealt_world(self.sampler, self.batch_sampler, self._orders.rank_world()[1])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `iter()` continues exactly after the last batch received. A state
@@ -483,41 +342,36 @@ class Loader(Generic[T_co]):
             raise ValueError(f"unsupported Loader state version {state.get('version')!r}")
         check_state(state, self._order, num_samples=len(self.dataset), world=self._dealt_world(),
                     batch_size=self.batch_size)
-        active = self._active
-        if active is not None:
-            active.close()
-        self._active_ref = None
-        self._fixed_rw = self._rank_world()
-        self._epoch = int(state["epoch"])
-        if isinstance(self._order, SeededOrder):
+        self._progress.stop_active()
+        self._orders.fix()
+        epoch, order = int(state["epoch"]), self._order
+        if isinstance(order, SeededOrder):
             if state["position"] is not None:
-                self._order.check(state["position"])
+                order.check(state["position"])
             if state.get("seed") is not None:
-                self._order.seed = self.seed = int(state["seed"])
-        else:
-            self.set_epoch(self._epoch)
-        self._resume = state["position"]
-        self._position = state["position"]
+                self._orders.set_seed(int(state["seed"]))
+        self._progress.restore(epoch, state["position"])
+        if not isinstance(order, SeededOrder):
+            self.set_epoch(epoch)  # forwarded to the samplers (the same epoch: the position stays)
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration and position only (no threads, pools or buffers): the copy is rebuilt
         from the constructor's arguments and continues where this Loader is."""
         state = None
         if not self._iterable:
-            pos = self._resume if self._resume is not None else self._current_position()
-            state = {"epoch": self._epoch, "position": pos, "seed": self.seed}
+            state = {"epoch": self._progress.epoch, "position": self._progress.saved(), "seed": self.seed}
         return {"init": self._init_args, "state": state}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self.__init__(**pickled["init"])  # type: ignore[misc]
         state = pickled["state"]
         if state is not None:
-            self._epoch, self.seed = int(state["epoch"]), state["seed"]
-            self._resume = self._position = state["position"]
+            self._orders.seed = state["seed"]
+            self._progress.restore(int(state["epoch"]), state["position"])
 
     # ---- settings and stats
     def describe(self) -> dict[str, Any]:
-        """The settings this Loader runs with, as resolved (see `fastload.pipeline.config`):
+        """The settings this Loader runs with, as resolved (see `fastload.pipeline.config.describe_settings`):
         `worker_kind` ("inline", "thread", "process") and `num_workers` (the workers started),
         `steal` (thread workers: whether a waiting consumer fetches later batches itself),
         `depth` (batches in flight), `ring_slots` (reused buffers, None without a ring), `pin`,
@@ -528,18 +382,8 @@ class Loader(Generic[T_co]):
         decision with the batch rates behind it."""
         if self._iterable:
             return {"worker_kind": "torch", "num_workers": self.num_workers, "order": "iterable dataset"}
-        cfg = self.config
-        info = cfg.as_dict()
-        direct = self._fetcher.direct_path()
-        info["h2d"] = f"side stream to {cfg.device}, {cfg.prefetch} in flight" if cfg.device else None
-        info["order"] = order_kind(self._order)
-        info["direct_path"] = direct
-        info["epoch_plan"] = cfg.epoch_plan and direct and cfg.worker_kind != "process"
-        # only a planned, shuffled epoch has a whole next order to compute (see `SeededOrder.epoch`)
-        planned = info["order"] == "seeded shuffle" and info["epoch_plan"]
-        info["order_ahead"] = planned and order_ahead_rule(cfg, direct=direct)
-        info["autotune"] = self._probe.report() if self._probe is not None else cfg.autotune
-        return info
+        return describe_settings(self.config, direct=self._fetcher.direct_path(), order=order_kind(self._order),
+                                 autotune=self._probe.report() if self._probe is not None else self.config.autotune)
 
     def stats(self) -> dict[str, Any]:
         """Loader statistics since construction / `reset_stats()`.
@@ -559,7 +403,7 @@ class Loader(Generic[T_co]):
         """
         storage = getattr(self.dataset, "storage", None)
         extra = [self.collate_fn, self.transform, self.batch_sampler, self.sampler, storage]
-        info: dict[str, Any] = {"num_workers": self.num_workers, "epoch": self._epoch}
+        info: dict[str, Any] = {"num_workers": self.num_workers, "epoch": self._progress.epoch}
         info["worker_type"] = "inline" if self.num_workers == 0 else getattr(self, "worker_type", "torch")
         probe = getattr(self, "_probe", None)
         if probe is not None:
@@ -573,10 +417,7 @@ class Loader(Generic[T_co]):
 
     def close(self) -> None:
         """Stop the active iterator and any persistent workers (`state_dict()` still says where it was)."""
-        active = self._active
-        if active is not None:
-            active.close()
-        self._active_ref = None
+        self._progress.stop_active()
         fetcher = getattr(self, "_fetcher", None)  # none for an IterableDataset
         if fetcher is not None:
             fetcher.release_plan()

@@ -9,8 +9,14 @@ the whole epoch's order when it is computed (one vectorized `take` per field,
 gather at row numbers already known.
 
 The plan cuts the epoch's index array into its batches itself, and the order yields those very
-arrays: a batch is matched to the plan by identity (a dict lookup, where computing its place in
-the epoch from its address cost more than a microsecond). Anything else (another epoch's indices,
+arrays: a batch is matched to the plan by identity (a dict lookup keyed by `id()`, where
+computing its place in the epoch from its address cost more than a microsecond). Why an `id()`
+key cannot match the wrong array: the plan keeps every batch it keyed alive (`batches`) for as
+long as it can be looked up, and the array looked up is alive during the lookup, so two live
+objects would share an id, which CPython never allows; the entry also holds the batch and the
+lookup checks `is`. A plan replaced by the next epoch's is no longer looked up (`Fetcher` reads
+its one current plan), and an old epoch's array still in a worker's queue is alive, so it
+cannot share an id with the new plan's batches. Anything not matched (another epoch's indices,
 a user's array) is fetched as before, so a plan changes how a batch is read, never what it holds.
 """
 
@@ -50,13 +56,14 @@ class EpochPlan:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.batches = [indices[k : k + batch_size] for k in range(0, len(indices), batch_size)]
-        # id -> where the batch starts: `batches` holds them, so no other live object has their ids
-        self._starts = {id(b): k * batch_size for k, b in enumerate(self.batches)}
+        # id -> (where the batch starts, the batch): `batches` keeps them alive (see the module docstring)
+        self._starts = {id(b): (k * batch_size, b) for k, b in enumerate(self.batches)}
         self._fields = fields
 
     def offset(self, indices: Any) -> int | None:
         """Where `indices` starts in the planned array when it is one of `batches`, else None."""
-        return self._starts.get(id(indices))
+        entry = self._starts.get(id(indices))
+        return entry[0] if entry is not None and entry[1] is indices else None
 
     def batch(self, indices: Any, *, alone: bool) -> dict[str, torch.Tensor] | None:
         """The batch at `indices` (a dict of tensors, what the per-batch takes would give), or None

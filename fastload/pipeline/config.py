@@ -36,7 +36,10 @@ import torch
 
 from fastload.system import usable_cores
 
-__all__ = ["STEAL_AHEAD", "LoaderConfig", "order_ahead_rule", "resolve_config", "steal_rule", "worker_kind_rule"]
+__all__ = [
+    "STEAL_AHEAD", "LoaderConfig", "describe_settings", "order_ahead_rule", "resolve_config", "steal_rule",
+    "worker_kind_rule",
+]
 
 STEAL_AHEAD = 2  # thread workers: extra batches in flight that a waiting consumer fetches itself
 
@@ -150,3 +153,19 @@ def resolve_config(
         cores=cores,
         cuda=cuda,
     )
+
+
+def describe_settings(config: LoaderConfig, *, direct: bool, order: str, autotune: Any) -> dict[str, Any]:
+    """`Loader.describe()`: `config` as a dict plus `h2d`, `order` (its kind), `direct_path`,
+    `epoch_plan` and `order_ahead` as this epoch's path decides them, and `autotune` (False, or
+    the probe's report)."""
+    info = config.as_dict()
+    info["h2d"] = f"side stream to {config.device}, {config.prefetch} in flight" if config.device else None
+    info["order"] = order
+    info["direct_path"] = direct
+    info["epoch_plan"] = config.epoch_plan and direct and config.worker_kind != "process"
+    # only a planned, shuffled epoch has a whole next order to compute (see `SeededOrder.epoch`)
+    planned = order == "seeded shuffle" and info["epoch_plan"]
+    info["order_ahead"] = planned and order_ahead_rule(config, direct=direct)
+    info["autotune"] = autotune
+    return info

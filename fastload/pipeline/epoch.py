@@ -24,7 +24,7 @@ from fastload.pipeline.pinned import PinStage
 from fastload.stats import LoaderStats
 from fastload.workers import InlineSource, ThreadSource, WorkerError
 
-__all__ = ["EpochHooks", "EpochIterator"]
+__all__ = ["EpochHooks", "EpochIterator", "EpochStages"]
 
 _perf = time.perf_counter
 
@@ -42,26 +42,37 @@ class EpochHooks:
     failed: Callable[[Any], None]
 
 
+@dataclass(frozen=True)
+class EpochStages:
+    """One epoch's stage objects: `order` (an iterator of `(indices, position)`), `source` (the
+    fetch stage, a `BatchSource`; closed with the epoch when `owns_source`), `pin`, `device`
+    (None: batches stay on the host) and `probe` (opt-in autotune; used with thread workers only)."""
+
+    order: Iterator[tuple[Any, dict[str, Any]]]
+    source: Any
+    owns_source: bool
+    pin: PinStage
+    device: DeviceQueue | None = None
+    probe: ThreadProbe | None = None
+
+
 class EpochIterator:
     """Iterator over one epoch of batches; created by `Loader.__iter__`."""
 
     def __init__(
         self,
         hooks: EpochHooks,
+        stages: EpochStages,
         *,
-        order: Iterator[tuple[Any, dict[str, Any]]],
-        source: Any,
-        owns_source: bool,
         depth: int,
-        pin: PinStage,
-        device: DeviceQueue | None,
         stats: LoaderStats,
         batched: bool,
         position: dict[str, Any] | None = None,
-        probe: ThreadProbe | None = None,
         expected: int | None = None,
         gradient_state: Any = None,
     ) -> None:
+        order, source, owns_source = stages.order, stages.source, stages.owns_source
+        pin, device, probe = stages.pin, stages.device, stages.probe
         self._hooks, self._order, self._source, self._owns_source = hooks, order, source, owns_source
         self._depth, self._pin, self._device = max(1, depth), pin, device
         self._stats, self._batched = stats, batched

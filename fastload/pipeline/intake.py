@@ -1,0 +1,87 @@
+"""From a Loader's arguments to what lives as long as the Loader: how a batch is fetched
+(`fetch_mode`), the settings resolved once (`LoaderConfig`), the `Fetcher` and the kept workers
+(`WorkerSet`). `TORCH_ARGS` names the arguments torch's `DataLoader` checks and the Loader mirrors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from fastload.collate import fast_collate
+from fastload.fetch import Fetcher
+from fastload.pipeline.config import LoaderConfig, resolve_config
+from fastload.pipeline.sources import WorkerSet
+
+__all__ = ["TORCH_ARGS", "LoaderStages", "build_stages", "fetch_mode"]
+
+TORCH_ARGS = (
+    "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn", "pin_memory",
+    "drop_last", "timeout", "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor",
+    "persistent_workers", "pin_memory_device", "in_order",
+)  # the arguments torch's DataLoader checks and mirrors (the rest are the Loader's own)
+
+
+def _scalar_fields(dataset: Any) -> frozenset[str]:
+    schema = getattr(dataset, "schema", None)
+    fields = getattr(schema, "fields", schema)
+    if fields is None or not isinstance(fields, Iterable):
+        return frozenset()
+    return frozenset(f.name for f in fields if getattr(f, "kind", None) == "scalar" and hasattr(f, "name"))
+
+
+def fetch_mode(dataset: Any, *, batched: bool, default_collate: bool) -> str:
+    """How a batch is fetched (`fastload.fetch.MODES`): "single" without batching, "columns" (the
+    fast path) for a `get_batch` dataset with the default collation, else "getitems" or "getitem"."""
+    if not batched:
+        return "single"
+    if default_collate and callable(getattr(dataset, "get_batch", None)):
+        return "columns"
+    return "getitems" if getattr(dataset, "__getitems__", None) else "getitem"
+
+
+@dataclass(frozen=True)
+class LoaderStages:
+    """What a map-style Loader builds once: `worker_type` as resolved ("thread" or "process"
+    for "auto"), the settings, the fetcher and the kept workers."""
+
+    worker_type: str
+    config: LoaderConfig
+    fetcher: Fetcher
+    workers: WorkerSet
+
+
+def build_stages(
+    dl: DataLoader,
+    *,
+    user_collate: Callable[[Any], Any] | None,
+    transform: Callable[[Any], Any] | None,
+    worker_type: str,
+    device: torch.device | None,
+    **settings: Any,
+) -> LoaderStages:
+    """Resolve the settings and build the long-lived stages from `dl` (torch's `DataLoader` built
+    from the same arguments: its dataset, samplers and worker arguments, as torch resolved them).
+    `user_collate`: the `collate_fn` as given (None or `default_collate` is the default
+    collation, done by `fast_collate`); `settings`: `resolve_config`'s `buffer_ring`,
+    `ring_slots`, `prefetch`, `autotune`, `order_ahead`, `epoch_plan`."""
+    dataset, batched, timeout = dl.dataset, dl.batch_sampler is not None, dl.timeout
+    default = user_collate is None or user_collate is default_collate
+    mode = fetch_mode(dataset, batched=batched, default_collate=default)
+    if worker_type == "auto":
+        worker_type = "thread" if mode == "columns" else "process"
+    config = resolve_config(
+        mode=mode, num_workers=dl.num_workers, worker_type=worker_type, prefetch_factor=dl.prefetch_factor,
+        timeout=timeout, worker_init=dl.worker_init_fn is not None, pin_memory=dl.pin_memory, device=device,
+        **settings,
+    )
+    fetcher = Fetcher(
+        dataset, mode=mode, collate_fn=fast_collate if (default and batched) else dl.collate_fn, transform=transform,
+        scalar_fields=_scalar_fields(dataset) if mode == "columns" else frozenset(),
+    )
+    workers = WorkerSet(config, fetcher, timeout=timeout, worker_init_fn=dl.worker_init_fn,
+                        persistent=dl.persistent_workers, mp_context=dl.multiprocessing_context)
+    return LoaderStages(worker_type, config, fetcher, workers)

@@ -1,0 +1,107 @@
+"""`EpochProgress`: which epoch a Loader runs and where its consumer is in it (its resume state).
+
+State, read and written only in the consumer's thread (the iterator's hooks run there too):
+
+* `epoch`: the epoch the next `iter()` runs;
+* `resume`: a position loaded by `load_state_dict` (or unpickled) that the next `iter()` starts
+  from, taken by `begin()`; None: the next `iter()` starts at the epoch's start;
+* the live epoch iterator (held weakly: the consumer owns it; deleting it ends its workers) and
+  the epoch it runs (`set_epoch` may have moved on since);
+* the position the last iterator stopped at (None at an epoch's start or once it is complete).
+
+Resume contract: `saved()` is the position of the last batch the consumer received — the live
+iterator's, else where the last one stopped, else a loaded `resume` not yet started; batches in
+flight are never part of it. An epoch advances only when the live iterator of the current epoch
+reports its last batch delivered (`complete`), so a stale iterator cannot move the Loader on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from fastload.pipeline.order import batches_from
+from fastload.sampling import SamplerOrder, SeededOrder
+
+__all__ = ["EpochProgress"]
+
+
+class EpochProgress:
+    """The epoch counter, the consumer's position and the pending resume of one Loader."""
+
+    __slots__ = ("_active_epoch", "_active_ref", "_position", "epoch", "resume")
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.resume: dict[str, Any] | None = None
+        self._position: dict[str, Any] | None = None
+        self._active_ref: weakref.ref[Any] | None = None
+        self._active_epoch = 0
+
+    @property
+    def active(self) -> Any:
+        """The live epoch iterator, or None."""
+        return self._active_ref() if self._active_ref is not None else None
+
+    def stop_active(self) -> None:
+        """Close the live iterator (its `closed` hook records its position) and forget it."""
+        active = self.active
+        if active is not None:
+            active.close()
+        self._active_ref = None
+
+    def begin(self) -> dict[str, Any] | None:
+        """Start an `iter()`: close the live iterator and hand over the pending resume position."""
+        self.stop_active()
+        resume, self.resume = self.resume, None
+        return resume
+
+    def attach(self, it: Any, start: dict[str, Any] | None) -> None:
+        """`it` now runs the current epoch from `start`."""
+        self._position = start
+        self._active_ref, self._active_epoch = weakref.ref(it), self.epoch
+
+    def complete(self, it: Any) -> bool:
+        """`it` delivered its epoch's last batch: advance the epoch when `it` is the live
+        iterator of the current epoch (True), else nothing (False)."""
+        if it is self.active and self._active_epoch == self.epoch:
+            self.epoch += 1
+            self._position = None
+            return True
+        return False
+
+    def closed(self, it: Any) -> None:
+        """`it` stopped (closed, exhausted or deleted): keep where its consumer was."""
+        current = self.active
+        if current is it or current is None:
+            if self._active_epoch == self.epoch and not it.complete:
+                self._position = it.position
+            self._active_ref = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Run `epoch` next; another epoch than the current one drops the position and resume."""
+        if epoch != self.epoch:
+            self.resume = self._position = None
+        self.epoch = epoch
+
+    def restore(self, epoch: int, position: dict[str, Any] | None) -> None:
+        """Continue `epoch` after `position` at the next `iter()` (a loaded or unpickled state)."""
+        self.epoch = epoch
+        self.resume = self._position = position
+
+    def saved(self) -> dict[str, Any] | None:
+        """The position `state_dict()` records (see the module docstring)."""
+        if self.resume is not None:
+            return self.resume
+        active = self.active
+        if active is not None and self._active_epoch == self.epoch:
+            return active.position
+        return self._position
+
+    def length(self, order: SeededOrder | SamplerOrder, drop_last: bool) -> int:
+        """Batches the next `iter()` yields: the rest of the epoch after a resume, else all of it."""
+        if self.resume is not None:
+            left = batches_from(order, self.resume, drop_last)
+            if left is not None:
+                return left
+        return len(order)
