@@ -2,6 +2,7 @@
 
 Times `fastload --version`, `fastload --help` and `fastload inspect DATASET` (a small dataset
 written first) as fresh processes, interleaved round by round with the baseline `python -c pass`
+and `python -c "import numpy"` (the floor for `inspect`, which reads the index with numpy)
 of the same interpreter, and prints each command's median wall time, its quartiles, its median
 excess over the bare interpreter and its median CPU time (user + system: on a shared machine it
 moves less than the wall time). Bytecode is cached (in a temporary PYTHONPYCACHEPREFIX) as it
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         ds = os.path.join(tmp, "ds")
         write(({"x": np.full(8, i, np.float32), "tokens": np.arange(i % 7 + 1)} for i in range(1000)),
               ds, progress=False)
+        # `inspect` reads the index with numpy: `import numpy` is the floor it cannot go below
         commands = {"python -c pass": [sys.executable, "-c", "pass"],
+                    "python -c 'import numpy'": [sys.executable, "-c", "import numpy"],
                     "fastload --version": [exe, "--version"],
                     "fastload --help": [exe, "--help"],
                     "fastload inspect DATASET": [exe, "inspect", ds]}
