@@ -32,6 +32,7 @@ _EXPORTS = {
     "LMDBDataset": "fastload.formats",
     "HDF5Dataset": "fastload.formats",
     "Ragged": "fastload.formats",
+    "ShapedBatch": "fastload.formats",
     "Schema": "fastload.formats",
     "Field": "fastload.formats",
     "write": "fastload.formats",

@@ -1,22 +1,53 @@
 """fastload's on-disk formats: the sharded fastload format (spec: FORMAT.md), and LMDB/HDF5 readers.
 
-Installed as `fastload.formats`.
+Installed as `fastload.formats`. Every public name is imported on first use (PEP 562), so importing
+one submodule (e.g. `fastload.formats.errors`) does not load the reader, the writer, LMDB, HDF5 or Ray.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .columns import Block
-from .errors import ChecksumError, FormatError, SchemaError
-from .manifest import Manifest
-from .ragged import Ragged
-from .reader import FastloadDataset
-from .schema import Field, Schema
-from .shapes import ShapedBatch
-from .storage import LocalStorage, Storage
-from .units import parse_size
-from .writer import BlockSource, WriteInterrupted, write
+if TYPE_CHECKING:
+    from .columns import Block
+    from .errors import ChecksumError, FormatError, SchemaError
+    from .hdf5_dataset import HDF5Dataset
+    from .lmdb_dataset import LMDBDataset
+    from .manifest import Manifest
+    from .ragged import Ragged
+    from .ray_io import read_ray, write_ray
+    from .reader import FastloadDataset
+    from .schema import Field, Schema
+    from .shapes import ShapedBatch
+    from .storage import LocalStorage, Storage
+    from .units import parse_size
+    from .writer import BlockSource, WriteInterrupted, write
+
+# public name -> submodule that defines it; LMDB, HDF5 and Ray (fastload[ray]) load their
+# libraries only when their names are used
+_EXPORTS = {
+    "Block": "columns",
+    "BlockSource": "writer",
+    "ChecksumError": "errors",
+    "FastloadDataset": "reader",
+    "Field": "schema",
+    "FormatError": "errors",
+    "HDF5Dataset": "hdf5_dataset",
+    "LMDBDataset": "lmdb_dataset",
+    "LocalStorage": "storage",
+    "Manifest": "manifest",
+    "Ragged": "ragged",
+    "Schema": "schema",
+    "SchemaError": "errors",
+    "ShapedBatch": "shapes",
+    "Storage": "storage",
+    "WriteInterrupted": "writer",
+    "parse_size": "units",
+    "read_ray": "ray_io",
+    "write": "writer",
+    "write_ray": "ray_io",
+}
 
 __all__ = [
     "Block",
@@ -43,17 +74,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # LMDB and HDF5 readers import their libraries only when asked for.
-    if name == "LMDBDataset":
-        from .lmdb_dataset import LMDBDataset
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastload.formats' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    if module not in ("hdf5_dataset", "lmdb_dataset", "ray_io"):
+        globals()[name] = value
+    return value
 
-        return LMDBDataset
-    if name == "HDF5Dataset":
-        from .hdf5_dataset import HDF5Dataset
 
-        return HDF5Dataset
-    if name in ("write_ray", "read_ray"):  # Ray Data is imported only when these are used (fastload[ray])
-        from . import ray_io
-
-        return getattr(ray_io, name)
-    raise AttributeError(f"module 'fastload.formats' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -7,7 +7,9 @@ float32 (16,) field, int32 stays int32) and reach the model as tensors, not `Rag
 
 * numbers (`Value`, `ClassLabel`): ``scalar`` of that dtype (ClassLabel: int64)
 * lists / `ArrayND` of numbers with one shape in every row: ``ndarray`` of that shape
-* lists of numbers of varying length: ``varray``; `Value("string")`: ``string``;
+* lists of numbers of varying length: ``varray``; nested lists (a 2-D or deeper array per row)
+  whose lengths vary between rows: ``vndarray`` (``-1`` in the dimensions that vary, each row's
+  shape stored with it; a row whose inner lists differ in length raises); `Value("string")`: ``string``;
   `Value("binary")`: ``bytes``; `Image`: ``image`` (the encoded bytes as stored)
 
 Fixed columns are read as whole Arrow slices (no per-sample Python); other types raise naming
@@ -25,7 +27,7 @@ import numpy as np
 
 from .columns import Block, encode_samples
 from .errors import FormatError
-from .schema import Field, Schema
+from .schema import VARIES, Field, Schema
 from .writer import BlockSource
 
 __all__ = ["HF_MARKERS", "hf_block_source", "is_hf_dataset", "open_hf_dir", "open_parquet"]
@@ -95,19 +97,38 @@ def _field_for(name: str, column: Any, feature: Any, where: str) -> Field:
         return Field(name, "string")
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return Field(name, "bytes")
-    shape: list[int] = []
+    dims: list[int] = []  # per list level: its length, or VARIES where rows differ
     arr = column
     while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
+        if arr.null_count:
+            raise FormatError(f"{where}: column {name!r} has {arr.null_count} missing lists (nulls) inside its rows")
         lengths = pc.list_value_length(arr)
         lo, hi = pc.min(lengths).as_py(), pc.max(lengths).as_py()
-        if arr.null_count or lo != hi:
-            if shape:  # a list of varying lists
-                raise FormatError(f"{where}: column {name!r}: nested lists of varying length are not supported")
-            return Field(name, "varray", _leaf_dtype(arr.type.value_type, name, where))
-        shape.append(int(lo or 0))
+        dims.append(int(lo or 0) if lo == hi else VARIES)
         arr = pc.list_flatten(arr)
+    if arr.null_count:
+        raise FormatError(f"{where}: column {name!r} has {arr.null_count} missing values (nulls) inside its lists")
     dtype = _leaf_dtype(arr.type, name, where)
-    return Field(name, "ndarray", dtype, tuple(shape)) if shape else Field(name, "scalar", dtype)
+    if not dims:
+        return Field(name, "scalar", dtype)
+    if VARIES not in dims:
+        return Field(name, "ndarray", dtype, tuple(dims))
+    if len(dims) == 1:
+        return Field(name, "varray", dtype)
+    return Field(name, "vndarray", dtype, tuple(dims))
+
+
+def _nested_array(value: list[Any], field: Field, where: str) -> np.ndarray:
+    """One row of a vndarray column (nested lists) as an array of the field's rank and dtype; a
+    row whose lists differ in length inside it is not an array and raises."""
+    try:
+        a = np.array(value, dtype=field.dtype)
+    except ValueError as exc:  # numpy: "inhomogeneous shape"
+        raise FormatError(f"{where}: the nested lists are not rectangular (lists of one level differ "
+                          f"in length inside this row), so they are not an array of rank {len(field.shape)}") from exc
+    if a.size == 0 and a.ndim < len(field.shape):  # [] or [[]]: numpy cannot see the inner levels
+        a = a.reshape(a.shape + tuple(max(d, 0) for d in field.shape[a.ndim:]))
+    return a
 
 
 def _fixed_values(column: Any, field: Field, n: int) -> np.ndarray:
@@ -130,6 +151,7 @@ def hf_block_source(ds: Any, *, where: str = "datasets.Dataset") -> BlockSource:
     fixed = [f for f in schema if f.is_fixed]
     variable = Schema(tuple(f for f in schema if not f.is_fixed))
     images = [f.name for f in variable if f.kind == "image"]
+    nested = [f for f in variable if f.kind == "vndarray"]
     n = len(ds)
 
     def blocks(start: int) -> Iterator[Block]:
@@ -138,6 +160,7 @@ def hf_block_source(ds: Any, *, where: str = "datasets.Dataset") -> BlockSource:
             part = table.slice(s, e - s)
             cols = {f.name: _fixed_values(part.column(f.name), f, e - s) for f in fixed}
             hw: dict[str, np.ndarray] = {}
+            shapes: dict[str, np.ndarray] = {}
             if variable.fields:
                 rows = part.select(list(variable.names)).to_pylist()
                 for i, row in enumerate(rows):
@@ -146,9 +169,11 @@ def hf_block_source(ds: Any, *, where: str = "datasets.Dataset") -> BlockSource:
                         if not isinstance(value, dict) or value.get("bytes") is None:
                             raise FormatError(f"{where}: sample {s + i}, field {name!r}: the image has no stored bytes")
                         row[name] = value["bytes"]
+                    for f in nested:
+                        row[f.name] = _nested_array(row[f.name], f, f"{where}: sample {s + i}, column {f.name!r}")
                 block = encode_samples(rows, variable, first_index=s)
                 cols.update(block.columns)
-                hw = block.image_hw
-            yield Block(e - s, {f.name: cols[f.name] for f in schema}, hw)
+                hw, shapes = block.image_hw, block.shapes
+            yield Block(e - s, {f.name: cols[f.name] for f in schema}, hw, shapes)
 
     return BlockSource(schema=schema, num_samples=n, blocks=blocks, attrs={"source": "hf"})

@@ -167,3 +167,48 @@ def test_inspect_quantiles_match_numpy():
         v = rng.integers(0, 10**6, n)
         for q in (0.5, 0.99):
             assert _quantile(v, q) == int(np.percentile(v, 100 * q))
+
+
+@pytest.mark.parametrize("package", ["fastload", "fastload.formats"])
+def test_every_public_name_imports(package):
+    # in a fresh interpreter, so that no name is found only because another test imported its module
+    code = (f"import importlib; m = importlib.import_module({package!r}); "
+            "missing = [n for n in m.__all__ if n not in ('read_ray', 'write_ray') and getattr(m, n, None) is None]; "
+            "print(sorted(m.__all__) == sorted(set(m.__all__)), missing)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "True []"
+
+
+def test_ray_names_resolve_or_name_the_extra():
+    import fastload.formats as formats
+
+    for name in ("read_ray", "write_ray"):
+        try:
+            assert callable(getattr(formats, name))
+        except ImportError as exc:
+            assert "ray" in str(exc).lower()
+
+
+def test_unknown_name_is_an_attribute_error():
+    import fastload.formats as formats
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        formats.nope  # noqa: B018
+    with pytest.raises(ImportError):
+        exec("from fastload.formats import nope", {})
+
+
+_HEAVY = ("torch", "h5py", "lmdb", "fsspec", "PIL", "psutil", "fastload.formats.writer", "fastload.loader")
+
+
+def test_inspect_imports_only_the_reader(small_ds):
+    code = (
+        "import sys, contextlib, io; from fastload.cli import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()): rc = main(['inspect', {small_ds!r}])\n"
+        f"print(rc, [m for m in {_HEAVY!r} if m in sys.modules])"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "0 []"
+

@@ -68,9 +68,37 @@ def test_dataset_dict_directory_names_the_splits(tmp_path, capsys):
     assert "splits ['train', 'test']" in capsys.readouterr().err
 
 
-def test_nested_varying_lists_are_refused_naming_the_column(tmp_path):
-    ds = datasets.Dataset.from_dict({"nested": [[[1.0], [2.0, 3.0]], [[4.0]]]})
-    with pytest.raises(FormatError, match="'nested'"):
+def test_nested_lists_of_varying_length_are_vndarray_fields(tmp_path):
+    rng = np.random.default_rng(3)
+    rows = [rng.random((i % 4, 3), dtype=np.float32) for i in range(40)]  # (-1, 3); empty rows included
+    grids = [rng.integers(-9, 9, (1 + i % 3, i % 5, 2)).astype(np.int16) for i in range(40)]  # (-1, -1, 2)
+    features = datasets.Features({
+        "rows": datasets.Sequence(datasets.Sequence(datasets.Value("float32"))),
+        "grids": datasets.Sequence(datasets.Sequence(datasets.Sequence(datasets.Value("int16")))),
+    })
+    ds = datasets.Dataset.from_dict({"rows": [r.tolist() for r in rows], "grids": [g.tolist() for g in grids]},
+                                    features=features)
+    write(ds, tmp_path / "out", progress=False, shard_size="4KiB")
+    got = FastloadDataset(str(tmp_path / "out"))
+    fields = {f.name: f for f in got.schema}
+    assert (fields["rows"].kind, fields["rows"].dtype, fields["rows"].shape) == ("vndarray", np.float32, (-1, 3))
+    assert (fields["grids"].kind, fields["grids"].dtype, fields["grids"].shape) == ("vndarray", np.int16, (-1, -1, 2))
+    for i in range(len(ds)):
+        for name, want in (("rows", rows[i]), ("grids", grids[i])):
+            a = got[i][name]
+            assert (a.dtype, a.shape, a.tobytes()) == (want.dtype, want.shape, want.tobytes()), (i, name)
+
+
+def test_nested_lists_not_rectangular_in_a_row_name_sample_and_column(tmp_path):
+    ds = datasets.Dataset.from_dict({"nested": [[[4.0]], [[1.0], [2.0, 3.0]]]})
+    with pytest.raises(FormatError, match=r"sample 1, column 'nested'.*not rectangular"):
+        write(ds, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "index.json").exists()
+
+
+def test_missing_values_inside_lists_are_refused(tmp_path):
+    ds = datasets.Dataset.from_dict({"v": [[1.0, None], [2.0]]})
+    with pytest.raises(FormatError, match=r"column 'v' has 1 missing values \(nulls\) inside its lists"):
         write(ds, tmp_path / "out", progress=False)
 
 

@@ -101,3 +101,35 @@ def test_corrupt_shape_column_names_shard_sample_field(tmp_path):
         FastloadDataset(tmp_path / "ds", verify="none")[2]
     with pytest.raises(FormatError):  # the default verifies the block first
         FastloadDataset(tmp_path / "ds")[2]
+
+
+@pytest.mark.parametrize(
+    "workers", [{}, {"num_workers": 2, "worker_type": "thread"}, {"num_workers": 2, "worker_type": "process"}]
+)
+def test_loader_yields_shaped_batches(tmp_path, workers):
+    import torch
+
+    from fastload import Loader
+    from fastload import ShapedBatch as TopLevel
+
+    rng = np.random.default_rng(1)
+    feats = [rng.random((i % 5, 4), dtype=np.float32) for i in range(120)]
+    write(({"feat": f, "y": np.int64(i)} for i, f in enumerate(feats)), tmp_path / "ds", shard_size=4096,
+          progress=False)
+    ds = FastloadDataset(tmp_path / "ds")
+    batches = list(Loader(ds, batch_size=16, shuffle=True, seed=3, **workers))
+    seen = []
+    for b in batches:
+        assert type(b["feat"]) is TopLevel is ShapedBatch and isinstance(b["y"], torch.Tensor)
+        for y, a in zip(b["y"].tolist(), b["feat"].to_list()):
+            assert a.shape == feats[y].shape and a.tobytes() == feats[y].tobytes()
+            seen.append(y)
+    assert sorted(seen) == list(range(120)) and seen != list(range(120))
+
+    def pad(batch):  # the padded form as tensors
+        values, shapes = batch["feat"].padded(0.0)
+        return {**batch, "feat": torch.from_numpy(values), "feat_shape": torch.from_numpy(shapes.astype(np.int64))}
+
+    b = next(iter(Loader(ds, batch_size=16, transform=pad, **workers)))
+    assert b["feat"].shape == (16, 4, 4) and b["feat_shape"][:, 0].tolist() == [i % 5 for i in range(16)]
+    assert torch.equal(b["feat"][3, :3], torch.from_numpy(feats[3]))
