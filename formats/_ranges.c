@@ -14,14 +14,20 @@
  * values: a byte buffer; offsets: a C-contiguous int64 buffer, non-decreasing, within values.
  * Item i is values[offsets[i]:offsets[i + 1]] as bytes (utf8 false) or str decoded as UTF-8
  * (utf8 true; UnicodeDecodeError for invalid UTF-8). ValueError for bad offsets.
+ *
+ *   spans(buffers, addresses, lengths) -> None
+ *
+ * buffers: a sequence of buffer objects (e.g. memoryviews into a mapped file); addresses, lengths:
+ * writable C-contiguous int64 buffers of the same length, filled with each buffer's start address
+ * and size in bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-static int get_i64(PyObject *obj, Py_buffer *view, const char *what) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+static int get_i64_flags(PyObject *obj, Py_buffer *view, const char *what, int flags) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | flags) < 0) return -1;
     if (view->itemsize != 8 || view->format == NULL || (strcmp(view->format, "l") && strcmp(view->format, "q") &&
                                                         strcmp(view->format, "<q") && strcmp(view->format, "=q") &&
                                                         strcmp(view->format, "<l") && strcmp(view->format, "=l"))) {
@@ -31,6 +37,8 @@ static int get_i64(PyObject *obj, Py_buffer *view, const char *what) {
     }
     return 0;
 }
+
+static int get_i64(PyObject *obj, Py_buffer *view, const char *what) { return get_i64_flags(obj, view, what, 0); }
 
 static PyObject *gather(PyObject *self, PyObject *args) {
     PyObject *src_obj, *starts_obj, *lengths_obj, *dst_obj;
@@ -132,10 +140,44 @@ fail_values:
     return result;
 }
 
+static PyObject *spans(PyObject *self, PyObject *args) {
+    PyObject *seq_obj, *addr_obj, *len_obj, *result = NULL;
+    if (!PyArg_ParseTuple(args, "OOO", &seq_obj, &addr_obj, &len_obj)) return NULL;
+    PyObject *seq = PySequence_Fast(seq_obj, "buffers must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_buffer addr, lens;
+    if (get_i64_flags(addr_obj, &addr, "addresses", PyBUF_WRITABLE) < 0) goto fail_seq;
+    if (get_i64_flags(len_obj, &lens, "lengths", PyBUF_WRITABLE) < 0) goto fail_addr;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (addr.len / 8 != n || lens.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "addresses and lengths must hold one int64 per buffer");
+        goto done;
+    }
+    int64_t *a = (int64_t *)addr.buf, *l = (int64_t *)lens.buf;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(items[i], &b, PyBUF_SIMPLE) < 0) goto done;
+        a[i] = (int64_t)(intptr_t)b.buf;
+        l[i] = (int64_t)b.len;
+        PyBuffer_Release(&b);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&lens);
+fail_addr:
+    PyBuffer_Release(&addr);
+fail_seq:
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
     {"split", split, METH_VARARGS, "split(values, offsets, utf8): the items of a ragged byte buffer as a list."},
+    {"spans", spans, METH_VARARGS, "spans(buffers, addresses, lengths): each buffer's address and size."},
     {NULL, NULL, 0, NULL},
 };
 

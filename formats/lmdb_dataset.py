@@ -1,7 +1,9 @@
 """`LMDBDataset`: a map-style dataset over an LMDB environment, read lock-free with one transaction per batch.
 
 Sample i is the i-th key in key order: ``{"key": bytes, "value": bytes}``. Values are returned as raw
-bytes and never unpickled. Keys are listed once at open (a cursor walk, no values read).
+bytes and never unpickled. Keys are listed once at open (a cursor walk, no values read). Where each
+value lies in the data file is learnt as it is first read (`lmdb_spans.py`): a batch of values read
+before, in the same committed snapshot, is one ranged copy out of the file, with no per-key lookup.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError
+from .lmdb_spans import ValueSpans
 from .ragged import Ragged, gather_ranges
 from .schema import Field, Schema
 
@@ -39,6 +42,8 @@ class LMDBDataset:
         self._keys = keys
         joined = _joined(keys)  # every key in one buffer: a batch's keys are one ranged gather
         self._key_values, self._key_starts, self._key_lengths = joined.values, joined.offsets[:-1], joined.lengths
+        data_file = os.path.join(self.path, "data.mdb") if self.subdir else self.path
+        self._spans = ValueSpans(data_file, len(keys))  # learnt as values are first read
 
     def _environment(self) -> Any:
         import lmdb
@@ -71,6 +76,11 @@ class LMDBDataset:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def close(self) -> None:
+        """Drop this dataset's own mapping of the data file (the environment is shared per path and
+        stays open); a later read maps it again."""
+        self._spans.close()
+
     def keys(self) -> list[bytes]:
         """Every key in key order (sample i's key is `keys()[i]`), as a new list."""
         return list(self._keys)
@@ -98,10 +108,12 @@ class LMDBDataset:
         return {"key": key, "value": value}
 
     def get_batch(self, indices: Any) -> dict[str, Ragged]:
-        """Keys and values of a batch: one read transaction, values joined into one buffer by C code.
+        """Keys and values of a batch as `Ragged`s, the values joined into one buffer by C code.
 
-        The values are zero-copy views of the map until that one copy; the keys are one ranged
-        gather from all keys, held joined since open.
+        Values read before in the environment's current snapshot are one ranged copy out of the
+        data file; otherwise one read transaction looks each key up (zero-copy views of the map
+        until that one copy) and learns where the values lie. The keys are one ranged gather from
+        all keys, held joined since open.
         """
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(self._keys)
@@ -109,20 +121,32 @@ class LMDBDataset:
             bad = int(idx[(idx < -n) | (idx >= n)][0])
             raise IndexError(f"sample index {bad} out of range for {n} records in {self.path}")
         key_values, key_offsets = gather_ranges(self._key_values, self._key_starts[idx], self._key_lengths[idx])
+        env = self._environment()
+        known = self._spans.read(env, idx)
+        if known is not None:
+            values, offsets = known
+        else:
+            values, offsets = self._lookup(env, idx)
+        return {"key": Ragged(key_values, key_offsets, "bytes"), "value": Ragged(values, offsets, "bytes")}
+
+    def _lookup(self, env: Any, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The values of `idx` by one `txn.get` per key in one read transaction -> (values, offsets);
+        their places in the data file are learnt on the way."""
         keys = list(map(self._keys.__getitem__, idx.tolist()))
-        with self._environment().begin(buffers=True) as txn:
+        spans = self._spans
+        with env.begin(buffers=True) as txn:
             values = list(map(txn.get, keys))  # zero-copy views of the map, valid inside the transaction
             if not all(values):  # `None in values` would compare each view with None: slow
                 missing = [j for j, v in enumerate(values) if v is None]
                 if missing:
                     j = missing[0]
                     raise FormatError(f"{self.path}: key {keys[j]!r} (sample {int(idx[j])}) disappeared")
+            spans.learn(env, txn.id(), idx, values)
             joined = b"".join(values)  # the one copy of the values
             lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         offsets = np.zeros(len(values) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        value = Ragged(np.frombuffer(joined, np.uint8), offsets, "bytes")
-        return {"key": Ragged(key_values, key_offsets, "bytes"), "value": value}
+        return np.frombuffer(joined, np.uint8), offsets
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         batch = self.get_batch(indices)

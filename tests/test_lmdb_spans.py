@@ -1,0 +1,106 @@
+"""LMDB batches out of learnt value spans: byte-for-byte equal to `txn.get`, on the fast path once
+learnt, and right after another process commits between batches (the spans are dropped)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import lmdb
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastload.formats import FormatError, LMDBDataset, lmdb_spans
+
+N = 80
+
+
+def _records(seed: int) -> dict[bytes, bytes]:
+    """Values from empty to several pages: inline in leaf pages and on overflow pages."""
+    rng = np.random.default_rng(seed)
+    return {f"k{i:04d}".encode(): rng.bytes(int(rng.choice([0, 7, 900, 3000, 9000]))) for i in range(N)}
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    path = str(tmp_path / "db")
+    env = lmdb.open(path, map_size=64 << 20)
+    with env.begin(write=True) as txn:
+        for k, v in _records(0).items():
+            txn.put(k, v)
+    env.close()
+    return path
+
+
+def _expected(db: LMDBDataset, idx) -> list[bytes]:
+    with db._environment().begin() as txn:
+        return [txn.get(db.keys()[i]) for i in idx]
+
+
+def test_batches_match_txn_get_and_take_the_fast_path_once_learnt(db_path):
+    db = LMDBDataset(db_path)
+    idx = [5, -1, 0, 79, 5, 17, -80]
+    first = db.get_batch(idx)  # learns the spans through txn.get
+    assert first["value"].to_list() == _expected(db, idx)
+    assert db._spans.read(db._environment(), np.array(idx)) is not None  # every value now known
+    again = db.get_batch(idx)
+    assert again["value"].to_list() == _expected(db, idx)
+    assert again["key"].to_list() == [db.keys()[i] for i in idx]
+    everything = np.arange(N)
+    db.get_batch(everything)
+    assert db.get_batch(everything[::-1])["value"].to_list() == _expected(db, everything[::-1])
+
+
+@pytest.mark.parametrize("how", ["no extension", "no mapping"])
+def test_without_the_extension_or_a_located_mapping_batches_stay_exact(db_path, monkeypatch, how):
+    if how == "no extension":
+        monkeypatch.setattr(lmdb_spans, "_c_spans", None)
+    else:
+        monkeypatch.setattr(lmdb_spans, "mapping_base", lambda address, path: None)
+    db = LMDBDataset(db_path)
+    idx = [3, 3, -2, 40]
+    for _ in range(2):
+        assert db.get_batch(idx)["value"].to_list() == _expected(db, idx)
+    learnt = db._spans.read(db._environment(), np.array(idx)) is not None
+    assert learnt == (how == "no extension")
+
+
+def _write_in_another_process(path: str, script: str) -> None:
+    code = f"import lmdb, numpy as np\nenv = lmdb.open({path!r}, map_size=64 << 20)\n" + textwrap.dedent(script)
+    code += "env.close()\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_commit_by_another_process_between_batches_is_seen(db_path):
+    db = LMDBDataset(db_path)
+    everything = np.arange(N)
+    db.get_batch(everything)
+    db.get_batch(everything)  # fast path: all spans known
+    for round_ in range(4):  # several commits, so that freed pages are reused for new values
+        _write_in_another_process(db_path, f"""
+            rng = np.random.default_rng({round_})
+            with env.begin(write=True) as txn:
+                for i in range(0, {N}, 3):
+                    txn.put(b"k%04d" % i, rng.bytes(int(rng.choice([5, 2000, 7000]))))
+            """)
+        for _ in range(2):  # the first batch re-learns, the second reads the new spans
+            assert db.get_batch(everything)["value"].to_list() == _expected(db, everything)
+    _write_in_another_process(db_path, """
+        with env.begin(write=True) as txn:
+            txn.delete(b"k0007")
+        """)
+    with pytest.raises(FormatError, match=r"k0007.*sample 7\) disappeared"):
+        db.get_batch([6, 7])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(st.lists(st.integers(-N, N - 1), max_size=40), min_size=1, max_size=6))
+def test_fuzz_any_batches_equal_txn_get(db_path, batches):
+    db = LMDBDataset(db_path)
+    for idx in batches + batches:  # each batch twice: once learning (maybe), once from the spans
+        batch = db.get_batch(idx)
+        assert batch["value"].to_list() == _expected(db, idx)
+        assert batch["key"].to_list() == [db.keys()[i] for i in idx]
