@@ -25,7 +25,12 @@ _ENVIRONMENTS: dict[tuple[str, bool, int], Any] = {}
 
 
 class LMDBDataset:
-    """Read-only LMDB source: `readonly=True, lock=False, readahead=False`, zero-copy buffers within a batch."""
+    """Read-only LMDB source: `readonly=True, lock=False, readahead=False`, zero-copy buffers within a batch.
+
+    A commit by another process between batches is seen by the next batch (keys stay those listed
+    at open; a deleted one raises FormatError). As LMDB requires of lock-free readers, no process
+    may write while a batch is being read.
+    """
 
     schema = Schema((Field("key", "bytes"), Field("value", "bytes")))
 

@@ -189,3 +189,24 @@ def test_random_gather_reads_each_range_once(tmp_path) -> None:
     starts, lengths = np.array([0, 100, 4000, 4990]), np.array([10, 0, 1000, 10])
     samples, nbytes, secs = lim.random_gather(str(path), starts, lengths, batch_size=3, seconds=60)
     assert samples == 4 and nbytes == 1020 and secs > 0
+
+
+def test_backend_rows_time_the_open_with_the_reads() -> None:
+    import time
+
+    from fastload.benchmark.backends import Backend, measure_backend
+
+    class Tiny:
+        def __len__(self) -> int:
+            return 10
+
+        def get_batch(self, idx: np.ndarray) -> np.ndarray:
+            return np.zeros(len(idx), dtype=np.uint8)
+
+    def slow_open() -> Tiny:
+        time.sleep(0.05)  # e.g. LMDB listing its keys
+        return Tiny()
+
+    read, resident = measure_backend(Backend("tiny", "", slow_open), cold=False, batch_size=4, seconds=5, seed=0)
+    assert resident is None and read.samples == 10 and read.batches == 3
+    assert read.seconds >= 0.05

@@ -85,7 +85,7 @@ def _backends(res: dict[str, Any]) -> list[str]:
         rows.append([b["backend"], b["cache"], _num(s["median"]), _rng(s), _num(m["median"] / MB),
                      _pct(b["pct_of_limit"]), b["limit"], _pct(b.get("vs_gather")), note])
     cfg = res["config"]
-    head = (f"BACKENDS (1 thread, shuffled get_batch of {cfg['batch_size']}; % of the same-cache read limit; "
+    head = (f"BACKENDS (1 thread, open + shuffled get_batch of {cfg['batch_size']}; % of the same-cache read limit; "
             "% gather = samples/s / the same-cache random gather's)")
     header = ["backend", "cache", "samples/s", "range", "MB/s", "% limit", "limit", "% gather", "note"]
     return [head, *_grid(header, rows, left=2)]
