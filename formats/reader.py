@@ -37,6 +37,7 @@ __all__ = [
 
 RESIDENT_ITEM_BYTES = 64  # fixed fields up to this size per sample are kept in memory (local datasets)
 RESIDENT_LIMIT = 256 << 20  # at most this many bytes of them per dataset
+HUGE_FRACTION = 0.5  # datasets up to this fraction of physical memory are mapped in huge-page units
 VERIFY_MODES = ("auto", "full", "none")
 
 
@@ -81,6 +82,14 @@ def gather_ragged(
     else:
         parts = [views[k][a:b] for k, a, b in zip(source_of.tolist(), byte_starts, byte_ends)]
     return np.frombuffer(bytearray().join(parts), dtype=dtype), offsets
+
+
+def _physical_memory() -> int:
+    """Bytes of physical memory (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _guarded(column: SplicedColumn | SplicedRagged, guard: ColumnGuard, *rows: np.ndarray) -> None:
@@ -190,6 +199,9 @@ class FastloadDataset:
         self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, variable ones too
         self._new_locks()
         self._ledger = self._new_ledger()
+        # A dataset that fits in memory is read whole over an epoch: read it in 2 MiB units
+        # (`spliced.advise_huge`), for fewer, larger reads when cold and fewer faults when warm.
+        self._huge = sum(s.bytes for s in self.manifest.shards) <= HUGE_FRACTION * _physical_memory()
 
     def _new_locks(self) -> None:
         """This process's locks; a forked child gets new ones (a parent's thread may hold these)."""
@@ -301,6 +313,7 @@ class FastloadDataset:
             block_log2=m.block_log2 if m.version >= 2 else None,
             lengths=lengths,
             bits=None if self._ledger is None else self._ledger.shard_bits(k),
+            huge=self._huge,
         )
         whole = self.verify == "full" or (self.verify == "auto" and reader.table is None)
         if whole and reader.content_xxh3() != info.xxh3:
@@ -426,7 +439,7 @@ class FastloadDataset:
             reader = self.shard(k)
             parts.append(ColumnPart(reader.path, reader.fixed_offset[f.name], info.num_samples))
         try:
-            column = splice_column(parts, f.dtype, f.shape)
+            column = splice_column(parts, f.dtype, f.shape, huge=self._huge)
         except OSError as exc:  # e.g. the kernel's limit on mappings: gather shard by shard instead
             warnings.warn(f"{self.root}: field {f.name!r} read shard by shard ({exc})", RuntimeWarning, stacklevel=3)
             return None
@@ -451,7 +464,7 @@ class FastloadDataset:
                 continue
             parts = [ColumnPart(r.path, r.blob_offset[f.name], len(r.ragged[f.name][1])) for r in readers]
             try:
-                items = splice_column(parts, f.dtype, (), table=False)
+                items = splice_column(parts, f.dtype, (), table=False, huge=self._huge)
             except OSError as exc:
                 warnings.warn(f"{self.root}: field {f.name!r} read by shard ({exc})", RuntimeWarning, stacklevel=4)
                 items = None

@@ -30,6 +30,7 @@ from .layout import (
 from .ragged import Ragged
 from .schema import KIND_CODES, Schema
 from .shapes import check_shapes
+from .spliced import advise_huge
 
 __all__ = ["ShardIdentity", "ShardInfo", "ShardReader", "file_xxh3", "write_shard"]
 
@@ -168,7 +169,7 @@ def _section(buf: np.ndarray, offset: int, size: int, what: str, where: str) -> 
     return buf[offset : offset + size]
 
 
-def _open_map(path: str, nbytes: int, where: str) -> tuple[mmap.mmap, os.stat_result]:
+def _open_map(path: str, nbytes: int, where: str, huge: bool = False) -> tuple[mmap.mmap, os.stat_result]:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as exc:
@@ -183,7 +184,10 @@ def _open_map(path: str, nbytes: int, where: str) -> tuple[mmap.mmap, os.stat_re
             raise FormatError(f"{where}: file is {st.st_size} bytes, manifest says {nbytes} (truncated or replaced?)")
         if st.st_size < HEADER_DTYPE.itemsize:
             raise FormatError(f"{where}: file too small for a shard header ({st.st_size} bytes)")
-        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st
+        mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        if huge:
+            advise_huge(mm)
+        return mm, st
     finally:
         os.close(fd)
 
@@ -210,14 +214,16 @@ class ShardReader:
         block_log2: int | None = None,
         lengths: dict[str, np.ndarray] | None = None,
         bits: np.ndarray | None = None,
+        huge: bool = False,
     ) -> None:
         """`identity`, `blocks_xxh3`, `block_log2`: what the manifest says this shard is (checked
         when given, for version-2 shards); `lengths`: this shard's per-sample lengths of each
-        variable field from meta.bin (the offsets tables must agree)."""
+        variable field from meta.bin (the offsets tables must agree); `huge`: read the file in
+        huge-page units (`spliced.advise_huge`)."""
         self.path, self.schema = path, schema
         where = where or path
         self.where = where
-        self._mmap, st = _open_map(path, nbytes, where)
+        self._mmap, st = _open_map(path, nbytes, where, huge)
         # the mapped file's identity: a file rewritten or replaced since has another
         self.file_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         size = nbytes

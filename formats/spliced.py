@@ -14,6 +14,7 @@ thread still inside a `take` never sees its memory disappear.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ColumnPart", "SplicedColumn", "splice_available", "splice_column"]
+__all__ = ["ColumnPart", "SplicedColumn", "advise_huge", "splice_available", "splice_column"]
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # placements congruent modulo this let the kernel map large page-cache folios whole
@@ -34,6 +35,7 @@ TABLE_ROWS = 8 << 20  # columns up to this many rows keep a row -> virtual row t
 MAX_PARTS = 8192  # each part is one kernel mapping (vm.max_map_count is 65530 by default)
 
 # Linux values (x86_64, aarch64, riscv64 share them).
+_MADV_HUGEPAGE = 14
 _PROT_READ = 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -57,6 +59,8 @@ def _libc() -> ctypes.CDLL | None:
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.munmap.restype = ctypes.c_int
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.restype = ctypes.c_int
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     except (OSError, AttributeError):
         return None
     return libc
@@ -68,6 +72,20 @@ _LIBC = _libc()
 def splice_available() -> bool:
     """True where columns can be spliced (Linux, 64-bit, libc reachable through ctypes)."""
     return _LIBC is not None
+
+
+def advise_huge(target: mmap.mmap | tuple[int, int]) -> None:
+    """Ask the kernel to handle a file mapping (an `mmap.mmap`, or (address, length)) in huge-page
+    units: a fault on a page not in the cache reads the whole aligned 2 MiB around it as one large
+    page-cache folio, and later mappings of resident large folios take one fault per folio rather
+    than one per 64 KiB. Best effort: a kernel without transparent huge pages ignores it."""
+    if isinstance(target, mmap.mmap):
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            with contextlib.suppress(OSError):  # THP not built in: the mapping stays in small pages
+                target.madvise(advice)
+    elif _LIBC is not None:
+        _LIBC.madvise(target[0], target[1], _MADV_HUGEPAGE)
 
 
 def _layout(parts: list[ColumnPart], row_bytes: int, align: int) -> tuple[list[int], int, int] | None:
@@ -176,10 +194,11 @@ def _reserve(libc: ctypes.CDLL, parts: list[ColumnPart], row_bytes: int) -> tupl
 
 
 def splice_column(
-    parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...], *, table: bool = True
+    parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...], *, table: bool = True, huge: bool = False
 ) -> SplicedColumn | None:
     """Map the parts of a fixed column as one `SplicedColumn`, or None where that is not possible.
-    `table`: as for `SplicedColumn` (a variable field's blob, spliced as items of shape (), passes False).
+    `table`: as for `SplicedColumn` (a variable field's blob, spliced as items of shape (), passes False);
+    `huge`: `advise_huge` on each part's mapping.
 
     Each part's file must hold `num_rows` rows of `dtype` x `shape` from `offset` on (callers pass
     columns of shards they have validated). Raises OSError when the kernel refuses a mapping.
@@ -206,6 +225,8 @@ def splice_column(
             if got != start + place:
                 err = ctypes.get_errno()
                 raise OSError(err, f"{part.path}: mapping its column failed: {os.strerror(err)}")
+            if huge:
+                advise_huge((start + place, length))
     except BaseException:
         libc.munmap(start, total)
         raise

@@ -186,3 +186,35 @@ def test_huge_alignment_gives_way_to_page_alignment_past_the_reserve_limit(tmp_p
     assert huge.num_shards > 2 and column.rows.nbytes < span_huge // 100
     idx = np.random.default_rng(8).permutation(600)
     np.testing.assert_array_equal(paged.get_batch(idx)["x"], data[idx])
+
+
+def _huge_advised_maps(path) -> tuple[int, int]:
+    """(mappings of files under `path`, those of them with huge-page advice) in this process."""
+    total = advised = 0
+    mapped = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                mapped = str(path) in line
+                total += mapped
+            elif mapped and first == "VmFlags:":
+                advised += " hg" in line
+    return total, advised
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages")
+@pytest.mark.parametrize("fits", [True, False])
+def test_datasets_that_fit_in_memory_are_mapped_in_huge_page_units(tmp_path, monkeypatch, fits):
+    from fastload.formats import reader as reader_mod
+
+    data = np.random.default_rng(9).integers(0, 255, (300, 3064), dtype=np.uint8)
+    _write(tmp_path / "ds", data, 256 << 10, extra_field=True)
+    if not fits:
+        monkeypatch.setattr(reader_mod, "_physical_memory", lambda: 1 << 20)
+    ds = FastloadDataset(tmp_path / "ds")
+    idx = np.random.default_rng(10).permutation(300)
+    np.testing.assert_array_equal(ds.get_batch(idx)["x"], data[idx])
+    total, advised = _huge_advised_maps(tmp_path / "ds")
+    assert ds.num_shards > 2 and total >= 2 * ds.num_shards  # each shard, and its parts of spliced columns
+    assert advised == (total if fits else 0)
