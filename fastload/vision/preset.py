@@ -87,6 +87,8 @@ class ImagePreset:
     window is decoded straight into the batch; see `fastload.vision.cpu_batch`.
     """
 
+    accepts_batch_views = True  # as `collate_fn`: the encoded images arrive as one Ragged (fastload.views)
+
     def __init__(
         self,
         *,
