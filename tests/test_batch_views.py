@@ -185,3 +185,22 @@ def test_views_move_to_the_device_like_other_fields(mixed):
         cpu = {k: (Ragged(v.values.cpu(), v.offsets.cpu(), v.kind) if isinstance(v, Ragged) else v.cpu())
                for k, v in batch.items()}
         _check_views(cpu, ds)
+
+
+def test_image_preset_as_collate_takes_views_and_matches_its_transform_path(mixed):
+    from fastload.vision import ImagePreset
+    from fastload.vision.indexed import with_indices
+
+    ds = with_indices(FastloadDataset(mixed))
+
+    def run(**stage) -> list[dict]:
+        return list(Loader(ds, batch_size=16, seed=5, shuffle=True, num_workers=1, **stage))
+
+    def preset() -> ImagePreset:
+        return ImagePreset(kind="train", size=8, image_field="jpeg", backend="cpu", seed=3)
+
+    as_collate = Loader(ds, batch_size=16, collate_fn=preset())
+    assert as_collate.describe()["batch"] == "views"
+    for a, b in zip(run(collate_fn=preset()), run(transform=preset()), strict=True):
+        assert torch.equal(a["jpeg"], b["jpeg"]) and torch.equal(a["__indices__"], b["__indices__"])
+        assert a["blob"].to_list() == b["blob"]  # the other fields: views, not lists
