@@ -10,10 +10,11 @@ Rules:
   and the dataset has `get_batch` (the collate gets the columns: tensors and `Ragged`, see
   `fastload.views`); "torch" for the default collation on `get_batch` (torch's exact types);
   "samples" otherwise (a list of samples, as torch hands its `collate_fn`).
-* Worker kind (`worker_type="auto"`): threads on the columnar fast path (a dataset with
+* Worker kind (`worker_type="auto"`): threads on the columnar fast paths (a dataset with
   `get_batch` and the default collation or a batch-views collate: gathers that release the GIL;
-  `python -m bench.loader`, thread rows against torch's process workers), processes otherwise (Python-heavy
-  `__getitem__`s hold the GIL; `python -m bench.loader`, generic-dataset rows).
+  `python -m bench.loader`, thread rows against torch's process workers; `python -m
+  bench.batch_views`), processes otherwise (Python-heavy `__getitem__`s hold the GIL;
+  `python -m bench.loader`, generic-dataset rows).
 * Work stealing (thread workers): the consumer fetches an unstarted later batch instead of
   sleeping while it waits, only while the workers leave a core free (`num_workers < cores`),
   never with a `timeout` or a `worker_init_fn`; "bounded" (steal only when the awaited batch is
