@@ -7,6 +7,8 @@ optional dependency such as DALI):
 - `fastload.open_dataset(path_or_url, ...)`: a fastload dataset, local (mmap) or remote (cached).
 - `fastload.formats`: the on-disk format (`write`, readers for fastload/LMDB/HDF5).
 - `fastload.TokenBudgetBatchSampler`, `fastload.TextCollate`: variable-length text batches.
+- `fastload.BatchViews`: a `collate_fn` that yields each batch as its columns (`Ragged` views
+  of variable fields, no per-sample Python objects; see `fastload.views`).
 - `fastload.ShardWindowSampler`, `fastload.RemoteStorage`: object storage through a shard cache.
 - `fastload.vision`: DALI / CPU image presets; `fastload.cuda_ops`: fused CUDA kernels.
 """
@@ -23,6 +25,7 @@ _EXPORTS = {
     "open_dataset": "fastload.dataset",
     "TokenBudgetBatchSampler": "fastload.bucketing",
     "TextCollate": "fastload.text_collate",
+    "BatchViews": "fastload.views",
     "ShardWindowSampler": "fastload.shard_shuffle",
     "RemoteStorage": "fastload.remote",
     "RetryPolicy": "fastload.remote",

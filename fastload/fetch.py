@@ -11,11 +11,14 @@ Modes (chosen by the Loader):
   When the Loader has handed over the epoch's order (`plan`), the row lookups and the small
   in-memory fields of all its batches are read at once, and a batch is one gather per large
   field plus slices (`fastload.plan`).
+* ``views`` — `dataset.get_batch(indices)` once, `columns_to_views` (fixed fields as tensors,
+  variable fields as `Ragged` of tensors: no per-sample Python), then `collate_fn`, a collate
+  that declares ``accepts_batch_views`` (`fastload.views`), then `transform`.
 * ``getitems`` — `dataset.__getitems__(indices)` once (as torch does), then `collate_fn`.
 * ``getitem`` — `[dataset[i] for i in indices]`, then `collate_fn`.
 * ``single`` — `batch_size=None`: `collate_fn(dataset[index])` (torch's `default_convert`).
 
-Outside the fast path `transform` (if given) runs on the collated batch. Exceptions carry a
+Outside the ``columns`` path `transform` (if given) runs on the collated batch. Exceptions carry a
 note naming the failing sample index (found by retrying the batch sample by sample).
 """
 
@@ -32,10 +35,11 @@ import torch
 
 from fastload.collate import columns_to_torch, zero_copy_column
 from fastload.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan
+from fastload.views import columns_to_views
 
 __all__ = ["MODES", "Fetcher", "torch_gather"]
 
-MODES = ("columns", "getitems", "getitem", "single")
+MODES = ("columns", "views", "getitems", "getitem", "single")
 
 
 class Fetcher:
@@ -183,10 +187,12 @@ class Fetcher:
 
     def _fetch(self, indices: Any) -> tuple[Any, dict[str, float]]:
         ds = self.dataset
-        if self.mode != "columns" and isinstance(indices, np.ndarray):
+        if self.mode not in ("columns", "views") and isinstance(indices, np.ndarray):
             indices = indices.tolist()  # torch's datasets see lists of ints
         t0 = time.perf_counter()
-        if self.mode == "columns":
+        if self.mode == "views":
+            data = columns_to_views(ds.get_batch(indices), scalar_fields=self.scalar_fields)
+        elif self.mode == "columns":
             data = ds.get_batch(indices)
             t1 = t2 = time.perf_counter()
             if self.transform is not None:
@@ -195,7 +201,7 @@ class Fetcher:
             batch = columns_to_torch(data, scalar_fields=self.scalar_fields)
             t3 = time.perf_counter()
             return batch, {"read": t1 - t0, "transform": t2 - t1, "collate": t3 - t2}
-        if self.mode == "getitems":
+        elif self.mode == "getitems":
             data = ds.__getitems__(indices)
         elif self.mode == "getitem":
             data = [ds[i] for i in indices]

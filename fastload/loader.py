@@ -7,8 +7,12 @@ and — given the same sampler / generator / global RNG — the same batches in 
 * Fast path: a dataset with `get_batch(indices)` (fastload datasets) and no custom collate_fn
   is read with one call per batch; fixed fields become tensors with `torch.from_numpy`, Ragged
   bytes/string/image fields lists of bytes/str (as `default_collate` gives), `varray` fields stay
-  `Ragged` with tensor `values`/`offsets`. Datasets with `__getitems__` get one call per batch
-  (as in torch) and a cheaper collate with `default_collate`'s output.
+  `Ragged` with tensor `values`/`offsets`. A `collate_fn` that declares
+  ``accepts_batch_views = True`` (`fastload.BatchViews`, `TextCollate`, `ImagePreset`) gets the
+  batch's columns instead: fixed fields as tensors, variable ones as `Ragged` of tensors, one
+  gather per field and no per-sample Python object (`fastload.views`); `transform` then runs on
+  its output. `describe()["batch"]` says which. Datasets with `__getitems__` get one call per
+  batch (as in torch) and a cheaper collate with `default_collate`'s output.
 * Workers: `num_workers=N` starts exactly N workers: threads on the fast path (GIL-releasing
   gathers), processes otherwise (Python-heavy `__getitem__`s: torch-identical seeding,
   `worker_init_fn`, `get_worker_info()`; batch j goes to worker j % num_workers; batches come
@@ -372,7 +376,9 @@ class Loader(Generic[T_co]):
     # ---- settings and stats
     def describe(self) -> dict[str, Any]:
         """The settings this Loader runs with, as resolved (see `fastload.pipeline.config.describe_settings`):
-        `worker_kind` ("inline", "thread", "process") and `num_workers` (the workers started),
+        `batch` (what the collation receives: "views", "torch" or "samples", see
+        `fastload.pipeline.config.batch_rule`), `worker_kind` ("inline", "thread", "process")
+        and `num_workers` (the workers started),
         `steal` (thread workers: whether a waiting consumer fetches later batches itself),
         `depth` (batches in flight), `ring_slots` (reused buffers, None without a ring), `pin`,
         `device` and `prefetch` (H2D on a side stream, copies in flight), `order`

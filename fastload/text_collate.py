@@ -148,7 +148,12 @@ class TextCollate:
     `pad_to_multiple_of`; the padding tail lies after `cu_seqlens[-1]` (pad ids, position 0).
 
     `max_len` cuts longer samples. `stats()` reports real/padded tokens and padding waste.
+
+    As a Loader's `collate_fn` on a `get_batch` dataset it takes batch views (`fastload.views`):
+    the token column arrives as one `Ragged`, other columns as tensors / `Ragged`, passed through.
     """
+
+    accepts_batch_views = True  # the Loader hands it columns, not a list of samples
 
     def __init__(
         self,

@@ -59,10 +59,10 @@ class Ragged:
         i %= len(self)
         part = self.values[self.offsets[i] : self.offsets[i + 1]]
         if self.kind in ("bytes", "image"):
-            return part.tobytes()
+            return np.asarray(part).tobytes()  # numpy values, or CPU tensors (a Loader's batch views)
         if self.kind == "string":
             try:
-                return part.tobytes().decode("utf-8")
+                return np.asarray(part).tobytes().decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise self._utf8_error(i, exc) from exc
         return part
@@ -79,6 +79,7 @@ class Ragged:
         values = self.values
         if self.kind == "varray":
             return [values[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+        values = values if type(values) is np.ndarray else np.asarray(values)  # CPU tensors: zero copy
         try:
             if _c_split is not None and type(values) is np.ndarray and values.dtype == np.uint8 and values.ndim == 1:
                 return _c_split(np.ascontiguousarray(values), bounds, self.kind == "string")

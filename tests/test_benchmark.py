@@ -46,17 +46,25 @@ def test_end_to_end_json_has_documented_fields(bench_run: tuple[dict, str, str])
         gather = limits[f"gather_{b['cache']}"]["samples_per_s"]["median"]  # the raw random gather, same cache
         assert gather > 0 and b["vs_gather"] == pytest.approx(b["samples_per_s"]["median"] / gather)
     kinds = {r["loader"] for r in res["loaders"]}
-    assert kinds == {"fastload", "torch", "torch-batched"}
+    assert kinds == {"fastload", "fastload-views", "torch", "torch-batched"}
     for r in res["loaders"]:
         assert {"samples_per_s", "bytes_per_s", "pct_of_limit", "vs_torch", "first_batch_ms", "p50_ms", "p99_ms",
                 "cpu_percent", "peak_rss_bytes", "best", "num_workers"} <= set(r)
         assert r["samples_per_s"]["min"] <= r["samples_per_s"]["median"] <= r["samples_per_s"]["max"]
         assert len(r["samples_per_s"]["values"]) == res["config"]["repeats"]
         assert r["p50_ms"]["median"] <= r["p99_ms"]["median"] + 1e-9 and r["peak_rss_bytes"] > 0
-    assert sum(r["best"] for r in res["loaders"]) == 3
-    torch_best = max(r["samples_per_s"]["median"] for r in res["loaders"] if r["loader"] == "torch")
+    assert sum(r["best"] for r in res["loaders"]) == 4
+    torch_rows = [r for r in res["loaders"] if r["loader"] in ("torch", "torch-batched")]
+    torch_best = max(torch_rows, key=lambda r: r["samples_per_s"]["median"])
     fl = next(r for r in res["loaders"] if r["loader"] == "fastload" and r["best"])
-    assert fl["vs_torch"] == pytest.approx(fl["samples_per_s"]["median"] / torch_best)
+    assert fl["vs_torch"] == pytest.approx(fl["samples_per_s"]["median"] / torch_best["samples_per_s"]["median"])
+    views = next(r for r in res["loaders"] if r["loader"] == "fastload-views" and r["best"])
+    assert views["stats"]["batches"] > 0
+    best_fl = max((fl, views), key=lambda r: r["samples_per_s"]["median"])
+    summary = res["summary"]
+    assert summary["fastload_row"] == {"loader": best_fl["loader"], "num_workers": best_fl["num_workers"]}
+    assert summary["torch_row"] == {"loader": torch_best["loader"], "num_workers": torch_best["num_workers"]}
+    assert summary["fastload_vs_torch"] == pytest.approx(best_fl["vs_torch"])
     assert fl["stats"]["batches"] > 0  # loader.stats() is carried through
     step = res["step"]
     assert step["step_ms"] == 2 and step["kind"] == "sleep"

@@ -34,8 +34,9 @@ JSON schema (``schema_version`` 1)::
     backends: [{backend: fastload|lmdb|hdf5|remote, cache: cold|warm, samples_per_s: stat,
                 bytes_per_s: stat, pct_of_limit: fraction | null, limit: read_cold|read_warm|download,
                 resident_after_evict: fraction | null, samples_read}]
-    loaders: [{loader: fastload|torch|torch-batched, num_workers, pin_memory, samples_per_s: stat,
-               bytes_per_s: stat, pct_of_limit (of read_warm), vs_torch (samples/s / best torch),
+    loaders: [{loader: fastload|fastload-views|torch|torch-batched, num_workers, pin_memory, samples_per_s: stat,
+               bytes_per_s: stat, pct_of_limit (of read_warm),
+               vs_torch (samples/s / the best row of torch and torch-batched),
                first_batch_ms: stat, p50_ms: stat, p99_ms: stat (consumer wait per batch),
                cpu_percent: stat (process tree CPU / wall, 100 = one core), peak_rss_bytes (process tree),
                batches, best: bool, stats: loader.stats() | null}]
@@ -43,8 +44,9 @@ JSON schema (``schema_version`` 1)::
                data_stall: stat, input_bound: bool, bottleneck: stage | "compute" | null,
                stage_s: {read_s, ...} | null, step_wall_ms: stat, samples_per_s: stat,
                best: bool (lowest stall of its loader)}]}         # one row per loader x worker count
-    summary: {best: {loader: {num_workers, samples_per_s}}, fastload_vs_torch?, fastload_pct_of_read_warm?,
-              lines: [str]}
+    summary: {best: {loader: {num_workers, samples_per_s}}, fastload_vs_torch? (the best fastload row,
+              either kind, / the best torch row), fastload_row? and torch_row? ({loader, num_workers}: the
+              rows that ratio used), fastload_pct_of_read_warm?, lines: [str]}
 
 Samples/s and MB/s of loaders are steady-state (first batch received to last); the time to the
 first batch is reported separately. The data stall is the consumer's wait after the first batch

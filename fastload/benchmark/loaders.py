@@ -1,13 +1,16 @@
 """Loader runs: `fastload.Loader` vs `torch.utils.data.DataLoader` on the same data, as the consumer sees them.
 
 Loader kinds:
-- ``fastload``: `fastload.Loader(ds, ...)` on the dataset itself (its `get_batch` fast path).
+- ``fastload``: `fastload.Loader(ds, ...)` on the dataset itself (its `get_batch` fast path), with
+  torch's batch types (lists of bytes for bytes fields), as a drop-in gives them.
+- ``fastload-views`` ("fastload (batch views)"): the same Loader with `collate_fn=BatchViews()`:
+  variable fields come as `Ragged` views (values + offsets tensors), no per-sample Python objects.
 - ``torch``: `DataLoader(PerSample(ds), collate_fn=collate_samples)`: one `__getitem__` per sample,
   the way users write a map-style dataset.
 - ``torch-batched``: `DataLoader(ds, collate_fn=collate_samples)`: torch calls `ds.__getitems__`
   once per batch (torch >= 2.2), the cheapest way to use torch on a batched dataset.
 
-Both collate to the same content: fixed arrays stacked into tensors, bytes as lists, variable
+The torch loaders collate to the same content: fixed arrays stacked into tensors, bytes as lists, variable
 arrays as (values, offsets) tensors.
 """
 
@@ -23,9 +26,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from fastload.benchmark.measure import ResourceMonitor, payload_bytes, percentile_ms
 
-__all__ = ["LOADER_KINDS", "LoaderRun", "PerSample", "Step", "collate_samples", "run_loader"]
+__all__ = [
+    "FASTLOAD_KINDS", "LABELS", "LOADER_KINDS", "TORCH_KINDS", "LoaderRun", "PerSample", "Step", "collate_samples",
+    "run_loader",
+]
 
-LOADER_KINDS = ("fastload", "torch", "torch-batched")
+FASTLOAD_KINDS = ("fastload", "fastload-views")
+TORCH_KINDS = ("torch", "torch-batched")
+LOADER_KINDS = (*FASTLOAD_KINDS, *TORCH_KINDS)
+LABELS = {"fastload-views": "fastload (batch views)"}  # how reports name a kind (default: the kind)
 STAGE_KEYS = ("read_s", "transform_s", "collate_s", "pin_s", "h2d_s")
 
 
@@ -140,8 +149,9 @@ def make_loader(
     """The loader of `kind` (see the module docstring) with shuffling and matching pinning."""
     pin = device.type == "cuda"
     persistent = num_workers > 0
-    if kind == "fastload":
+    if kind in FASTLOAD_KINDS:
         from fastload.loader import Loader
+        from fastload.views import BatchViews
 
         return Loader(
             dataset,
@@ -152,6 +162,7 @@ def make_loader(
             persistent_workers=persistent,
             device=device if pin else None,
             seed=seed,
+            collate_fn=BatchViews() if kind == "fastload-views" else None,
         )
     if kind not in LOADER_KINDS:
         raise ValueError(f"unknown loader {kind!r}; expected one of {LOADER_KINDS}")
@@ -184,7 +195,7 @@ def run_loader(
     monitor = ResourceMonitor().start()
     t0 = time.perf_counter()
     loader = make_loader(kind, dataset, batch_size=batch_size, num_workers=num_workers, device=device, seed=seed)
-    move = kind != "fastload" and device.type == "cuda"
+    move = kind not in FASTLOAD_KINDS and device.type == "cuda"
     t_first = t_last = 0.0
     it = iter(loader)
     try:
@@ -219,7 +230,7 @@ def run_loader(
                 break
         run.wall_s = time.perf_counter() - t0
         run.steady_s = t_last - t_first
-        if kind == "fastload":
+        if kind in FASTLOAD_KINDS:
             run.stats = {k: v for k, v in loader.stats().items() if isinstance(v, (int, float, str))}
         monitor.stop()
     finally:

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from fastload.benchmark.loaders import LABELS
 from fastload.formats.units import plural
 
 __all__ = ["format_table", "write_json", "write_plot"]
@@ -96,7 +97,8 @@ def _loaders(res: dict[str, Any]) -> list[str]:
     for r in res["loaders"]:
         s = r["samples_per_s"]
         rows.append([
-            ("* " if r["best"] else "  ") + r["loader"], str(r["num_workers"]), _num(s["median"]), _rng(s),
+            ("* " if r["best"] else "  ") + LABELS.get(r["loader"], r["loader"]), str(r["num_workers"]),
+            _num(s["median"]), _rng(s),
             _num(r["bytes_per_s"]["median"] / MB), _pct(r["pct_of_limit"]), _ratio(r["vs_torch"]),
             _num(r["first_batch_ms"]["median"], 1), _num(r["p50_ms"]["median"], 1), _num(r["p99_ms"]["median"], 1),
             _num(r["cpu_percent"]["median"]), _num(r["peak_rss_bytes"] / 2**20),
@@ -104,7 +106,7 @@ def _loaders(res: dict[str, Any]) -> list[str]:
     header = ["loader", "workers", "samples/s", "range", "MB/s", "% raw", "vs torch", "1st batch ms",
               "p50 ms", "p99 ms", "CPU %", "RSS MiB"]
     head = ("LOADERS (shuffled epochs; * = best workers per loader; % raw = MB/s / warm read limit; "
-            "vs torch = samples/s / best torch)")
+            "vs torch = samples/s / the best torch row's)")
     return [head, *_grid(header, rows)]
 
 
@@ -112,7 +114,7 @@ def _step(res: dict[str, Any]) -> list[str]:
     st = res["step"]
     rows = []
     for r in st["rows"]:
-        rows.append([("* " if r["best"] else "  ") + r["loader"], str(r["num_workers"]),
+        rows.append([("* " if r["best"] else "  ") + LABELS.get(r["loader"], r["loader"]), str(r["num_workers"]),
                      _num(r["step_wall_ms"]["median"], 1),
                      _pct(r["data_stall"]["median"]), "yes" if r["input_bound"] else "no", r["bottleneck"] or "-"])
     head = (f"TRAINING STEP ({st['step_ms']:g} ms {st['kind']} on {st['device']} per batch; data stall = "
@@ -153,7 +155,7 @@ def write_json(res: dict[str, Any], path: str) -> None:
         fh.write("\n")
 
 
-_COLORS = {"fastload": "#4c72b0", "torch": "#dd8452", "torch-batched": "#c9a26b"}
+_COLORS = {"fastload": "#4c72b0", "fastload-views": "#3a5a8c", "torch": "#dd8452", "torch-batched": "#c9a26b"}
 
 
 def _bar_note(row: dict[str, Any]) -> str:
@@ -178,7 +180,8 @@ def write_plot(res: dict[str, Any], path: str) -> None:
         ("storage backends alone (1 thread, shuffled batches)",
          [(f"{b['backend']} {b['cache']}", b, b["backend"]) for b in res["backends"]]),
         ("loaders (shuffled epochs; what a training loop sees)",
-         [(f"{r['loader']}, {plural(r['num_workers'], 'worker')}", r, r["loader"]) for r in res["loaders"]]),
+         [(f"{LABELS.get(r['loader'], r['loader'])}, {plural(r['num_workers'], 'worker')}", r, r["loader"])
+          for r in res["loaders"]]),
     ]
     groups = [g for g in groups if g[1]]
     fig, axes = plt.subplots(len(groups), 1, figsize=(10, 1.4 + 0.45 * sum(len(g[1]) for g in groups) + len(groups)),

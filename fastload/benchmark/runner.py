@@ -17,7 +17,7 @@ import torch
 
 from fastload.benchmark import limits as lim
 from fastload.benchmark.backends import Backend, measure_backend, open_backend, read_epoch, release, remote_epochs
-from fastload.benchmark.loaders import LOADER_KINDS, Step, bottleneck, run_loader
+from fastload.benchmark.loaders import FASTLOAD_KINDS, LABELS, LOADER_KINDS, TORCH_KINDS, Step, bottleneck, run_loader
 from fastload.benchmark.measure import payload_bytes, summarize
 from fastload.formats.units import plural
 from fastload.system import usable_cores
@@ -255,7 +255,7 @@ def _loader_rows(cfg: BenchConfig, ds: Any, device: torch.device, limits: dict[s
                 "stats": runs[-1].stats,
             })
     best = _best(rows)
-    torch_best = best.get("torch") or best.get("torch-batched")
+    torch_best = _best_of(best, TORCH_KINDS)
     for r in rows:
         r["best"] = best.get(r["loader"]) is r
         if torch_best:
@@ -270,6 +270,16 @@ def _best(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if cur is None or r["samples_per_s"]["median"] > cur["samples_per_s"]["median"]:
             best[r["loader"]] = r
     return best
+
+
+def _best_of(best: dict[str, dict[str, Any]], kinds: tuple[str, ...]) -> dict[str, Any] | None:
+    """The fastest of the best rows of `kinds` (None when none ran)."""
+    rows = [best[k] for k in kinds if k in best]
+    return max(rows, key=lambda r: r["samples_per_s"]["median"]) if rows else None
+
+
+def _row_name(row: dict[str, Any]) -> str:
+    return f"{LABELS.get(row['loader'], row['loader'])}, {plural(row['num_workers'], 'worker')}"
 
 
 def _step_rows(cfg: BenchConfig, ds: Any, device: torch.device, prog: _Progress) -> dict[str, Any]:
@@ -305,21 +315,23 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"best": {k: {"num_workers": v["num_workers"], "samples_per_s": v["samples_per_s"]["median"]}
                                     for k, v in best.items()}}
     lines = []
-    fl = best.get("fastload")
-    tb = best.get("torch") or best.get("torch-batched")
+    fl = _best_of(best, FASTLOAD_KINDS)
+    tb = _best_of(best, TORCH_KINDS)
     if fl:
         out["fastload_pct_of_read_warm"] = fl["pct_of_limit"]
-        workers = plural(fl["num_workers"], "worker")
-        text = f"fastload.Loader ({workers}): {fl['samples_per_s']['median']:,.0f} samples/s"
+        out["fastload_row"] = {"loader": fl["loader"], "num_workers": fl["num_workers"]}
+        text = f"best fastload.Loader row ({_row_name(fl)}): {fl['samples_per_s']['median']:,.0f} samples/s"
         if tb:
             out["fastload_vs_torch"] = fl["vs_torch"]
-            text += (f" = {fl['vs_torch']:.2f}x the torch DataLoader ({tb['loader']}, "
-                     f"{plural(tb['num_workers'], 'worker')}: {tb['samples_per_s']['median']:,.0f} samples/s)")
+            out["torch_row"] = {"loader": tb["loader"], "num_workers": tb["num_workers"]}
+            text += (f" = {fl['vs_torch']:.2f}x the best torch DataLoader row ({_row_name(tb)}: "
+                     f"{tb['samples_per_s']['median']:,.0f} samples/s)")
         lines.append(text + f"; {100 * fl['pct_of_limit']:.0f}% of the warm sequential-read limit.")
     bs = res["config"]["batch_size"]
     for name, r in best.items():
         ms = 1e3 * bs / max(r["samples_per_s"]["median"], 1e-9)
-        lines.append(f"{name}: a training step faster than {ms:.1f} ms per batch of {bs} would be input-bound.")
+        lines.append(f"{LABELS.get(name, name)}: a training step faster than {ms:.1f} ms per batch of {bs} "
+                     "would be input-bound.")
     for s in (res.get("step") or {}).get("rows", []):
         if not s["best"]:
             continue

@@ -6,10 +6,15 @@ kind `worker_type` names (or the one rule below picks).
 
 Rules:
 
-* Worker kind (`worker_type="auto"`): threads on the columnar fast path (a dataset with
-  `get_batch` and the default collation: gathers that release the GIL; `python -m bench.loader`,
-  thread rows against torch's process workers), processes otherwise (Python-heavy
-  `__getitem__`s hold the GIL; `python -m bench.loader`, generic-dataset rows).
+* Batch form (`batch_rule`): "views" when the `collate_fn` declares ``accepts_batch_views = True``
+  and the dataset has `get_batch` (the collate gets the columns: tensors and `Ragged`, see
+  `fastload.views`); "torch" for the default collation on `get_batch` (torch's exact types);
+  "samples" otherwise (a list of samples, as torch hands its `collate_fn`).
+* Worker kind (`worker_type="auto"`): threads on the columnar fast paths (a dataset with
+  `get_batch` and the default collation or a batch-views collate: gathers that release the GIL;
+  `python -m bench.loader`, thread rows against torch's process workers; `python -m
+  bench.batch_views`), processes otherwise (Python-heavy `__getitem__`s hold the GIL;
+  `python -m bench.loader`, generic-dataset rows).
 * Work stealing (thread workers): the consumer fetches an unstarted later batch instead of
   sleeping while it waits, only while the workers leave a core free (`num_workers < cores`),
   never with a `timeout` or a `worker_init_fn`; "bounded" (steal only when the awaited batch is
@@ -37,18 +42,21 @@ import torch
 from fastload.system import usable_cores
 
 __all__ = [
-    "STEAL_AHEAD", "LoaderConfig", "describe_settings", "order_ahead_rule", "resolve_config", "steal_rule",
-    "worker_kind_rule",
+    "COLUMNAR_MODES", "STEAL_AHEAD", "LoaderConfig", "batch_rule", "describe_settings", "order_ahead_rule",
+    "resolve_config", "steal_rule", "worker_kind_rule",
 ]
 
 STEAL_AHEAD = 2  # thread workers: extra batches in flight that a waiting consumer fetches itself
+COLUMNAR_MODES = ("columns", "views")  # fetch modes that read a batch with one `get_batch`
+_BATCH_OF_MODE = {"columns": "torch", "views": "views"}  # the other modes hand over samples
 
 
 @dataclass(frozen=True)
 class LoaderConfig:
     """What one Loader runs with; every field is a resolved value, none is "auto"."""
 
-    mode: str  # how a batch is fetched: "columns" (get_batch), "getitems", "getitem", "single"
+    mode: str  # how a batch is fetched: "columns"/"views" (get_batch), "getitems", "getitem", "single"
+    batch: str  # what the collation gets: "views", "torch" (default collation, columns) or "samples"
     worker_kind: str  # "inline" (num_workers=0), "thread" or "process"
     num_workers: int  # workers started: exactly the argument
     steal: str | bool  # thread workers: "always", "bounded" or False (see `steal_rule`)
@@ -68,14 +76,24 @@ class LoaderConfig:
         return dataclasses.asdict(self)
 
 
+def batch_rule(*, views: bool, get_batch: bool, default_collate: bool, batched: bool) -> str:
+    """What a batch's collation receives: "views" (a collate that `accepts_batch_views`, on a
+    `get_batch` dataset), "torch" (the default collation on `get_batch`), else "samples"."""
+    if batched and get_batch and views:
+        return "views"
+    if batched and get_batch and default_collate:
+        return "torch"
+    return "samples"
+
+
 def worker_kind_rule(num_workers: int, worker_type: str, mode: str) -> str:
     """ "inline" for 0 workers; else `worker_type`, or for "auto": threads on the columnar fast
-    path, processes otherwise."""
+    path (`COLUMNAR_MODES`), processes otherwise."""
     if num_workers == 0:
         return "inline"
     if worker_type != "auto":
         return worker_type
-    return "thread" if mode == "columns" else "process"
+    return "thread" if mode in COLUMNAR_MODES else "process"
 
 
 def steal_rule(*, num_workers: int, cores: int, cuda: bool, timeout: float, worker_init: bool) -> str | bool:
@@ -139,6 +157,7 @@ def resolve_config(
         depth = max(1, min(depth, slots - 2))
     return LoaderConfig(
         mode=mode,
+        batch=_BATCH_OF_MODE.get(mode, "samples"),
         worker_kind=kind,
         num_workers=num_workers,
         steal=steal,

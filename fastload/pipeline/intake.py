@@ -13,8 +13,9 @@ from torch.utils.data import DataLoader, default_collate
 
 from fastload.collate import fast_collate
 from fastload.fetch import Fetcher
-from fastload.pipeline.config import LoaderConfig, resolve_config
+from fastload.pipeline.config import COLUMNAR_MODES, LoaderConfig, batch_rule, resolve_config, worker_kind_rule
 from fastload.pipeline.sources import WorkerSet
+from fastload.views import accepts_batch_views
 
 __all__ = ["TORCH_ARGS", "LoaderStages", "build_stages", "fetch_mode"]
 
@@ -33,13 +34,16 @@ def _scalar_fields(dataset: Any) -> frozenset[str]:
     return frozenset(f.name for f in fields if getattr(f, "kind", None) == "scalar" and hasattr(f, "name"))
 
 
-def fetch_mode(dataset: Any, *, batched: bool, default_collate: bool) -> str:
-    """How a batch is fetched (`fastload.fetch.MODES`): "single" without batching, "columns" (the
-    fast path) for a `get_batch` dataset with the default collation, else "getitems" or "getitem"."""
+def fetch_mode(dataset: Any, *, batched: bool, default_collate: bool, views: bool = False) -> str:
+    """How a batch is fetched (`fastload.fetch.MODES`), from what its collation receives
+    (`batch_rule`): "views" or "columns" (the fast paths, one `get_batch` per batch), else
+    "single" without batching, "getitems" or "getitem"."""
+    get_batch = callable(getattr(dataset, "get_batch", None))
+    batch = batch_rule(views=views, get_batch=get_batch, default_collate=default_collate, batched=batched)
+    if batch != "samples":
+        return "views" if batch == "views" else "columns"
     if not batched:
         return "single"
-    if default_collate and callable(getattr(dataset, "get_batch", None)):
-        return "columns"
     return "getitems" if getattr(dataset, "__getitems__", None) else "getitem"
 
 
@@ -70,9 +74,9 @@ def build_stages(
     `ring_slots`, `prefetch`, `autotune`, `order_ahead`, `epoch_plan`."""
     dataset, batched, timeout = dl.dataset, dl.batch_sampler is not None, dl.timeout
     default = user_collate is None or user_collate is default_collate
-    mode = fetch_mode(dataset, batched=batched, default_collate=default)
+    mode = fetch_mode(dataset, batched=batched, default_collate=default, views=accepts_batch_views(user_collate))
     if worker_type == "auto":
-        worker_type = "thread" if mode == "columns" else "process"
+        worker_type = worker_kind_rule(1, "auto", mode)
     config = resolve_config(
         mode=mode, num_workers=dl.num_workers, worker_type=worker_type, prefetch_factor=dl.prefetch_factor,
         timeout=timeout, worker_init=dl.worker_init_fn is not None, pin_memory=dl.pin_memory, device=device,
@@ -80,7 +84,7 @@ def build_stages(
     )
     fetcher = Fetcher(
         dataset, mode=mode, collate_fn=fast_collate if (default and batched) else dl.collate_fn, transform=transform,
-        scalar_fields=_scalar_fields(dataset) if mode == "columns" else frozenset(),
+        scalar_fields=_scalar_fields(dataset) if mode in COLUMNAR_MODES else frozenset(),
     )
     workers = WorkerSet(config, fetcher, timeout=timeout, worker_init_fn=dl.worker_init_fn,
                         persistent=dl.persistent_workers, mp_context=dl.multiprocessing_context)

@@ -87,6 +87,8 @@ class ImagePreset:
     window is decoded straight into the batch; see `fastload.vision.cpu_batch`.
     """
 
+    accepts_batch_views = True  # as `collate_fn`: the encoded images arrive as one Ragged (fastload.views)
+
     def __init__(
         self,
         *,
@@ -586,7 +588,10 @@ def _select(value: Any, keep: np.ndarray) -> Any:
         return value[torch.from_numpy(keep)]
     if hasattr(value, "offsets") and hasattr(value, "values"):
         items = [value[int(i)] for i in keep]
-        return type(value).from_list(items, kind=value.kind, dtype=value.values.dtype)
+        out = type(value).from_list(items, kind=value.kind, dtype=np.asarray(value.values[:0]).dtype)
+        if isinstance(value.values, torch.Tensor):  # batch views (fastload.views) stay tensors
+            out = type(value)(torch.from_numpy(out.values), torch.from_numpy(out.offsets), out.kind)
+        return out
     if isinstance(value, list):
         return [value[int(i)] for i in keep]
     return value
