@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 from fastload.system import usable_cores
 from fastload.vision import cpu_decode, params
 from fastload.vision.cpu_batch import BatchJob, run_batch
-from fastload.vision.cpu_decode import CorruptImageError, decode_rgb, probe_size
+from fastload.vision.cpu_decode import CorruptImageError, batch_view, decode_rgb, probe_sizes
 from fastload.vision.dali_pipeline import DALI_MISSING, DaliRunner, dali_available
 from fastload.vision.indexed import INDEX_KEY
 from fastload.vision.normalize import ChannelLUT, normalize_on_device
@@ -86,6 +86,10 @@ class ImagePreset:
     through the `_jpegwin` extension): the same pixels as a full decode then crop. A crop-only
     window is decoded straight into the batch; see `fastload.vision.cpu_batch`.
     """
+
+    # As a Loader's `collate_fn`: take the batch's columns, the encoded images as a `Ragged` batch
+    # view (values + offsets), not one bytes object per sample; `__call__` accepts both.
+    accepts_batch_views = True
 
     def __init__(
         self,
@@ -224,7 +228,7 @@ class ImagePreset:
             return self._collate_samples(batch)
         if self.image_field not in batch:
             raise KeyError(f"batch has no image field {self.image_field!r} (fields: {sorted(batch)})")
-        encoded = _encoded_list(batch[self.image_field])
+        encoded = batch[self.image_field]
         indices = batch.get(INDICES_KEY)
         epoch = int(batch.get(EPOCH_KEY, self.epoch))
         images, keep = self.transform(encoded, indices=indices, epoch=epoch)
@@ -257,51 +261,47 @@ class ImagePreset:
 
     def transform(
         self,
-        encoded: Sequence[np.ndarray | bytes],
+        encoded: Any,
         *,
         indices: Sequence[int] | np.ndarray | None = None,
         epoch: int | None = None,
     ) -> tuple[torch.Tensor, np.ndarray | None]:
-        """Encoded images -> (image tensor, kept-positions array or None when none dropped).
+        """Encoded images (a `Ragged` batch view, or a sequence of bytes / uint8 arrays) -> (image
+        tensor, kept-positions array or None when none dropped).
 
         `indices` are the dataset indices (they key the random parameters and name bad
         samples); without them, positions in the batch are named and random draws are keyed
         by a per-preset call counter (random, but not reproducible across resumes).
         """
         t0 = time.perf_counter()
-        n = len(encoded)
-        arrays = [np.frombuffer(e, dtype=np.uint8) if not isinstance(e, np.ndarray) else e for e in encoded]
+        values, offsets = batch_view(encoded)
+        n = len(offsets) - 1
         if indices is None:
             with self._lock:
                 call = self._calls
                 self._calls += 1
             keys = np.arange(n, dtype=np.int64) + (call << 32)
-            names = [f"position {i} in the batch (the loader passed no {INDICES_KEY})" for i in range(n)]
         else:
             keys = np.asarray(indices, dtype=np.int64).reshape(-1)
             if len(keys) != n:
                 raise ValueError(f"{INDICES_KEY} has {len(keys)} entries for a batch of {n} images")
-            names = [f"sample {int(k)}" for k in keys]
         epoch = self.epoch if epoch is None else int(epoch)
+        named = keys if indices is not None else None
 
-        sizes = np.ones((n, 2), dtype=np.int64)
-        errors: dict[int, str] = {}
-        for i, a in enumerate(arrays):
-            try:
-                sizes[i] = probe_size(a)
-            except (ValueError, OSError) as e:
-                errors[i] = f"{type(e).__name__}: {e}"
+        sizes, jpeg, errors = probe_sizes(values, offsets)
         windows, flips, nums = self._parameters(sizes, keys, epoch)
-        self._check_errors(errors, names, keys if indices is not None else None)
+        self._check_errors(errors, named)
 
         if self.backend == "cpu":
-            images, failed = self._run_cpu(arrays, sizes, windows, flips, nums=nums, skip=set(errors))
+            job = (values, offsets, jpeg, sizes)
+            images, failed = self._run_cpu(job, windows, flips, nums=nums, skip=set(errors))
         else:
+            arrays = [values[offsets[i] : offsets[i + 1]] for i in range(n)]
             images, failed = self._run_dali(arrays, windows, flips, skip=set(errors))
             if not self.normalize_output and self.layout == "NCHW":
                 images = images.permute(0, 3, 1, 2).contiguous()
         errors.update(failed)
-        self._check_errors(errors, names, keys if indices is not None else None)
+        self._check_errors(errors, named)
         keep = None
         if errors:
             keep = np.array([i for i in range(n) if i not in errors], dtype=np.int64)
@@ -345,12 +345,17 @@ class ImagePreset:
             windows, nums = cpu_decode.dct_windows(sizes, windows, self.out_hw)
         return windows, flips, nums
 
-    def _check_errors(self, errors: dict[int, str], names: list[str], keys: np.ndarray | None) -> None:
+    def _check_errors(self, errors: dict[int, str], keys: np.ndarray | None) -> None:
+        """Raise for the first failed image (on_error='raise'), named by its dataset index (`keys`)
+        or, without indices, by its position in the batch."""
         if errors and self.on_error == "raise":
             i = min(errors)
+            name = f"sample {int(keys[i])}" if keys is not None else (
+                f"position {i} in the batch (the loader passed no {INDICES_KEY})"
+            )
             more = f" (and {len(errors) - 1} more in this batch)" if len(errors) > 1 else ""
             raise CorruptImageError(
-                f"{names[i]} (field {self.image_field!r}) is not a decodable image: {errors[i]}{more}; "
+                f"{name} (field {self.image_field!r}) is not a decodable image: {errors[i]}{more}; "
                 "pass on_error='skip' to drop and count such samples",
                 index=int(keys[i]) if keys is not None else None,
             )
@@ -371,15 +376,15 @@ class ImagePreset:
 
     def _run_cpu(
         self,
-        arrays: list[np.ndarray],
-        sizes: np.ndarray,
+        batch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         windows: np.ndarray,
         flips: np.ndarray,
         *,
         nums: np.ndarray | None,
         skip: set[int],
     ) -> tuple[torch.Tensor, dict[int, str]]:
-        n = len(arrays)
+        values, offsets, jpeg, sizes = batch  # the batch view, JPEG flags and (H, W) sizes
+        n = len(sizes)
         oh, ow = self.out_hw
         on_host = self.device.type == "cpu"
         lut = self._lut if on_host else None
@@ -390,7 +395,9 @@ class ImagePreset:
             staging = torch.empty((n, oh, ow, 3), dtype=torch.uint8, pin_memory=pin)
         shape = (n, 3, oh, ow) if self.layout == "NCHW" else (n, oh, ow, 3)
         job = BatchJob(
-            arrays=arrays,
+            values=values,
+            offsets=offsets,
+            jpeg=jpeg,
             sizes=sizes,
             windows=windows,
             flips=flips,
@@ -568,15 +575,6 @@ def _staging(n: int, oh: int, ow: int) -> torch.Tensor:
     if t is None or t.shape != (n, oh, ow, 3):
         t = _STAGING.t = torch.empty((n, oh, ow, 3), dtype=torch.uint8)
     return t
-
-
-def _encoded_list(value: Any) -> list[np.ndarray]:
-    """A Ragged (flat values + offsets) or a list of bytes/arrays -> list of uint8 views."""
-    if hasattr(value, "offsets") and hasattr(value, "values"):
-        v = np.asarray(value.values).view(np.uint8)
-        o = np.asarray(value.offsets)
-        return [v[o[i] : o[i + 1]] for i in range(len(o) - 1)]
-    return [np.frombuffer(x, dtype=np.uint8) if not isinstance(x, np.ndarray) else x for x in value]
 
 
 def _select(value: Any, keep: np.ndarray) -> Any:
