@@ -392,9 +392,9 @@ def test_skip_drops_and_counts(images: list[bytes], backend: str) -> None:
 def test_dali_missing_falls_back_with_a_message(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import fastload.vision.preset as preset_mod
+    import fastload.vision.preset_options as options_mod
 
-    monkeypatch.setattr(preset_mod, "dali_available", lambda: False)
+    monkeypatch.setattr(options_mod, "dali_available", lambda: False)
     with pytest.warns(RuntimeWarning, match="DALI is not installed"):
         preset = ImagePreset(backend="dali")
     assert preset.backend == "cpu"
