@@ -300,16 +300,17 @@ for _ in it:
     pass
 try:  # this process's own peak (ru_maxrss keeps the forking parent's peak across exec)
     with open("/proc/self/status") as f:
-        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-except (OSError, StopIteration):
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"import_s": t1 - t0, "first_batch_s": t2 - t1, "peak_rss": rss}))
+        status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("Vm", "Rss"))}
+    rss, mapped = status["VmHWM"], status["RssFile"]
+except (OSError, KeyError):
+    rss, mapped = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0
+print(json.dumps({"import_s": t1 - t0, "first_batch_s": t2 - t1, "peak_rss": rss, "file_rss": mapped}))
 """
 
 
 def _first_batch(root: str, workers: int, size: int, bs: int, kind: str) -> dict:
-    """A fresh process: Loader + the eval crop-only or train uint8 preset; time to its first batch
-    and peak RSS."""
+    """A fresh process: Loader + the eval crop-only or train uint8 preset; time to its first batch,
+    peak RSS and the file-backed part of RSS after the epoch (the mapped dataset counts there)."""
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, root, str(workers), str(size), str(bs), kind],
         capture_output=True,
@@ -437,7 +438,8 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
     for (k, w), f in first.items():
         print(
             f"Loader {k} uint8 num_workers={w}, fresh process: first batch {1e3 * f['first_batch_s']:.0f} ms after "
-            f"the Loader was built (imports {f['import_s']:.1f} s); peak RSS {f['peak_rss'] / 2**20:.0f} MiB"
+            f"the Loader was built (imports {f['import_s']:.1f} s); peak RSS {f['peak_rss'] / 2**20:.0f} MiB, of "
+            f"which file pages (libraries, the dataset's mapped shards) {f['file_rss'] / 2**20:.0f} MiB at the end"
         )
     if torch.cuda.is_available() and dali_available():
         preset = ImagePreset(kind="train", size=size, backend="dali", device="cuda", threads=cores)
