@@ -11,8 +11,9 @@ other users of the machine hits a row and its baselines alike):
 - the CPU preset called directly on ready batches (threads = usable cores): eval crop only
   (centre 224, `resize=None`), eval resized, train (RandomResizedCrop 224 + flip, DCT downscale
   on by default; also off), uint8 NHWC and fp16 NCHW; the DALI CPU pipeline when installed;
-- `fastload.Loader` over a fastload dataset of the set, eval crop-only and train presets as
-  `transform`, num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
+- `fastload.Loader` over a fastload dataset of the set's JPEGs (repeated to `LOADER_IMAGES`, so
+  an epoch is many batches, as in training), eval crop-only and train presets as `transform`,
+  num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
 - on a CUDA machine: the DALI mixed (nvJPEG) rows and the data stall of a prefetching loop.
 Each row prints the median images/s over rounds and its ratios to the baselines measured just
 before it (median, min-max), wall-time and CPU-time; the load average at the start and end of
@@ -151,11 +152,18 @@ def _loader_pass(root: str, preset: ImagePreset, batch_size: int, workers: int) 
     return one_pass
 
 
+# The Loader rows' dataset repeats the set's JPEGs up to this many images: an epoch of a few
+# batches would time the epoch's start and its tail (the last batches, fewer than the workers).
+LOADER_IMAGES = 1536
+
+
 def _write_dataset(jpegs: list[bytes], root: str) -> None:
+    """A fastload dataset of `jpegs`, repeated to at least `LOADER_IMAGES` images."""
     from fastload.formats import Field, Schema, write
 
+    reps = -(-LOADER_IMAGES // len(jpegs))
     schema = Schema((Field("image", "image"), Field("label", "scalar", np.int64)))
-    write(({"image": j, "label": i} for i, j in enumerate(jpegs)), root, schema=schema, progress=False)
+    write(({"image": j, "label": i} for i, j in enumerate(jpegs * reps)), root, schema=schema, progress=False)
 
 
 def _full_decode_crop_pass(
@@ -226,16 +234,18 @@ def _parts_passes(jpegs: list[bytes], size: int) -> dict[str, Callable[[], int]]
     and a full decode at 1/8 scale (entropy decoding of every row, almost no IDCT/colour work)."""
     import simplejpeg
 
-    from fastload.vision.cpu_decode import decode_windows
+    from fastload.vision.cpu_decode import batch_view, decode_windows
 
     sizes, windows, flips = _train_windows(jpegs)
-    arrays = [np.frombuffer(j, dtype=np.uint8) for j in jpegs]
-    params = np.zeros((len(jpegs), 6), dtype=np.int64)
-    params[:, 0:4], params[:, 4], params[:, 5] = windows, 8, flips
-    outs = [np.empty(int(w[2] * w[3] * 3), dtype=np.uint8) for w in windows]
+    values, offsets = batch_view(jpegs)
+    need = windows[:, 2] * windows[:, 3] * 3
+    params = np.zeros((len(jpegs), 8), dtype=np.int64)
+    params[:, 0], params[:, 1:5], params[:, 5], params[:, 6] = np.arange(len(jpegs)), windows, 8, flips
+    params[:, 7] = np.cumsum(need) - need
+    out = np.empty(int(need.sum()), dtype=np.uint8)
 
     def windows_only() -> int:
-        decode_windows(arrays, params, outs)
+        decode_windows(values, offsets, params, out)
         return len(jpegs)
 
     def eighth() -> int:
@@ -290,16 +300,17 @@ for _ in it:
     pass
 try:  # this process's own peak (ru_maxrss keeps the forking parent's peak across exec)
     with open("/proc/self/status") as f:
-        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-except (OSError, StopIteration):
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"import_s": t1 - t0, "first_batch_s": t2 - t1, "peak_rss": rss}))
+        status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("Vm", "Rss"))}
+    rss, mapped = status["VmHWM"], status["RssFile"]
+except (OSError, KeyError):
+    rss, mapped = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0
+print(json.dumps({"import_s": t1 - t0, "first_batch_s": t2 - t1, "peak_rss": rss, "file_rss": mapped}))
 """
 
 
 def _first_batch(root: str, workers: int, size: int, bs: int, kind: str) -> dict:
-    """A fresh process: Loader + the eval crop-only or train uint8 preset; time to its first batch
-    and peak RSS."""
+    """A fresh process: Loader + the eval crop-only or train uint8 preset; time to its first batch,
+    peak RSS and the file-backed part of RSS after the epoch (the mapped dataset counts there)."""
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, root, str(workers), str(size), str(bs), kind],
         capture_output=True,
@@ -427,7 +438,8 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
     for (k, w), f in first.items():
         print(
             f"Loader {k} uint8 num_workers={w}, fresh process: first batch {1e3 * f['first_batch_s']:.0f} ms after "
-            f"the Loader was built (imports {f['import_s']:.1f} s); peak RSS {f['peak_rss'] / 2**20:.0f} MiB"
+            f"the Loader was built (imports {f['import_s']:.1f} s); peak RSS {f['peak_rss'] / 2**20:.0f} MiB, of "
+            f"which file pages (libraries, the dataset's mapped shards) {f['file_rss'] / 2**20:.0f} MiB at the end"
         )
     if torch.cuda.is_available() and dali_available():
         preset = ImagePreset(kind="train", size=size, backend="dali", device="cuda", threads=cores)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from probe_clock import use_step_clock
 from torch.utils.data import DataLoader
 
 from fastload import Loader
@@ -178,6 +179,7 @@ def test_direct_path_probe_starts_inline_then_keeps_the_faster_mode(tmp_path, mo
     monkeypatch.setattr(ThreadProbe, "WATCH", 10**9)  # margin 0 would also make the watch fall back to inline
     monkeypatch.setattr(ThreadProbe, "RETRY_S", 1e9)  # the choice stays as made, however slow this machine
     monkeypatch.setattr(ThreadProbe, "FIRST_S", 0.0)  # the workers' trial as soon as inline's window is full
+    use_step_clock(monkeypatch)  # the probe times batch counts: the same decisions however loaded the machine
     ds = _dataset(tmp_path / "ds")
     inline = Loader(ds, batch_size=8, shuffle=True, seed=2)
     want = [b["y"].tolist() for _ in range(2) for b in inline]  # two epochs

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from probe_clock import use_step_clock
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fastload.loader import Loader
@@ -474,8 +475,9 @@ def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margi
     monkeypatch.setattr(ThreadProbe, "WATCH_S", 0.0)
     monkeypatch.setattr(ThreadProbe, "FIRST_S", 0.0)  # the workers' trial as soon as inline's window is full
     monkeypatch.setattr(ThreadProbe, "RETRY_S", 1e9)  # no retry of the workers: switches are counted exactly
-    # 400 batches: room for the workers' window (as long as inline's in time, so a few times as many
-    # batches when inline's hit a stall) and the 64-batch watch after it
+    use_step_clock(monkeypatch)  # the probe times batch counts: the same decisions however loaded the machine
+    # 400 batches: room for inline's 24-batch window, the workers' 32-batch fill and 24-batch window,
+    # and the 64-batch watch after it
     ref = run(Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4))
     loader = Loader(IdxDS(4000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread",
                     autotune=True)

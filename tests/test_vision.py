@@ -392,9 +392,9 @@ def test_skip_drops_and_counts(images: list[bytes], backend: str) -> None:
 def test_dali_missing_falls_back_with_a_message(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import fastload.vision.preset as preset_mod
+    import fastload.vision.preset_options as options_mod
 
-    monkeypatch.setattr(preset_mod, "dali_available", lambda: False)
+    monkeypatch.setattr(options_mod, "dali_available", lambda: False)
     with pytest.warns(RuntimeWarning, match="DALI is not installed"):
         preset = ImagePreset(backend="dali")
     assert preset.backend == "cpu"
@@ -524,6 +524,13 @@ def test_collate_fn_path_with_sample_dicts(images: list[bytes]) -> None:
     ]
     columnar = preset(make_batch(images[:5], [40, 41, 42, 43, 44]))["image"]
     torch.testing.assert_close(out["image"], columnar, atol=0, rtol=0)
+    # the Loader's batch-view protocol: as a collate_fn it gets the images as one Ragged, here a
+    # view into a larger values buffer (offsets not starting at 0)
+    assert ImagePreset.accepts_batch_views is True
+    packed = Ragged.from_list([b"junk", *images[:5], b"more"], kind="image")
+    view = Ragged(values=packed.values, offsets=packed.offsets[1:-1], kind="image")
+    batch = {"image": view, "label": np.arange(5), "__indices__": np.arange(40, 45)}
+    torch.testing.assert_close(preset(batch)["image"], columnar, atol=0, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -605,6 +612,19 @@ def _jpeg_variants() -> list[bytes]:
     return out
 
 
+def _decode_into(bufs: list[bytes], params: np.ndarray, shapes: list[tuple[int, int]]):
+    """`decode_windows` over a batch view of `bufs`, rows (src, y0, x0, h, w, num, flip), each window into its own
+    part of one output buffer: (failures, the per-row outputs)."""
+    from fastload.vision.cpu_decode import batch_view
+
+    values, offsets = batch_view(bufs)
+    at = np.concatenate([[0], np.cumsum([h * w * 3 for h, w in shapes])])
+    out = np.zeros(int(at[-1]), dtype=np.uint8)
+    rows = np.concatenate([params, at[:-1, None]], axis=1).astype(np.int64)
+    failures = decode_windows(values, offsets, rows, out)
+    return failures, [out[a:b].reshape(h, w, 3) for a, b, (h, w) in zip(at[:-1], at[1:], shapes, strict=True)]
+
+
 @needs_window_decoder
 def test_window_decode_is_full_decode_then_crop() -> None:
     """Any window, mirrored or not, at any num/8 scale: pixel-identical to simplejpeg's decode at
@@ -625,9 +645,10 @@ def test_window_decode_is_full_decode_then_crop() -> None:
                 rand.append((int(rng.integers(0, sh - h + 1)), int(rng.integers(0, sw - w + 1)), h, w))
             windows = corners + rand
             flips = rng.integers(0, 2, len(windows))
-            params = np.array([[*win, num, f] for win, f in zip(windows, flips, strict=True)], dtype=np.int64)
-            outs = [np.empty((h, w, 3), dtype=np.uint8) for _, _, h, w in windows]
-            assert decode_windows([buf] * len(windows), params, outs) == [None] * len(windows)
+            # every window reads source 1 of a 3-image view: offsets not starting at 0 are honoured
+            params = np.array([[1, *win, num, f] for win, f in zip(windows, flips, strict=True)], dtype=np.int64)
+            failures, outs = _decode_into([b"x", buf, b"y"], params, [(h, w) for _, _, h, w in windows])
+            assert failures == []
             for (y0, x0, h, w), f, out in zip(windows, flips, outs, strict=True):
                 want = ref[y0 : y0 + h, x0 : x0 + w]
                 np.testing.assert_array_equal(out, want[:, ::-1] if f else want)
@@ -635,25 +656,53 @@ def test_window_decode_is_full_decode_then_crop() -> None:
 
 @needs_window_decoder
 def test_window_decode_errors() -> None:
+    from fastload.vision.cpu_decode import batch_view, decode_rgb
+
     good = encode(60, 80, seed=62)
     cmyk = encode(40, 40, mode="CMYK", seed=63)
     truncated = good[: len(good) // 2]
-    out = [np.zeros((20, 20, 3), dtype=np.uint8) for _ in range(5)]
-    params = np.array([[0, 0, 20, 20, 8, 0]] * 4 + [[50, 70, 20, 20, 8, 0]], dtype=np.int64)
-    res = decode_windows([good, truncated, b"\xff\xd8\xff" + b"\x00" * 50, cmyk, good], params, out)
-    assert res[0] is None
-    assert res[1][0] == 1 and "JPEG" in res[1][1]  # a premature end is an error, not grey rows
-    assert res[2][0] == 1
-    assert res[3][0] == 2  # CMYK: left to Pillow
-    assert res[4][0] == 1 and "outside" in res[4][1]
-    with pytest.raises(ValueError, match="bytes"):
-        decode_windows([good], params[:1], [np.zeros((20, 21, 3), dtype=np.uint8)])
+    params = np.array([[i, 0, 0, 20, 20, 8, 0] for i in range(4)] + [[4, 50, 70, 20, 20, 8, 0]], dtype=np.int64)
+    failures, outs = _decode_into([good, truncated, b"\xff\xd8\xff" + b"\x00" * 50, cmyk, good], params, [(20, 20)] * 5)
+    got = {row: (code, msg) for row, code, msg in failures}
+    assert set(got) == {1, 2, 3, 4}  # row 0 decoded, the others left intact
+    np.testing.assert_array_equal(outs[0], decode_rgb(good)[:20, :20])
+    assert not any(o.any() for o in outs[1:])
+    assert got[1][0] == 1 and "JPEG" in got[1][1]  # a premature end is an error, not grey rows
+    assert got[2][0] == 1
+    assert got[3][0] == 2  # CMYK: left to Pillow
+    assert got[4][0] == 1 and "outside" in got[4][1]
+    values, offsets = batch_view([good])
+    row = np.array([[0, 0, 0, 20, 20, 8, 0, 0]], dtype=np.int64)
+    with pytest.raises(ValueError, match="outside"):  # the output buffer is too small for the window
+        decode_windows(values, offsets, row, np.zeros(20 * 20 * 3 - 1, dtype=np.uint8))
+    with pytest.raises(ValueError, match="outside"):
+        decode_windows(values, offsets, row + [[0, 0, 0, 0, 0, 0, 0, 1]], np.zeros(20 * 20 * 3, dtype=np.uint8))
     with pytest.raises(ValueError, match="num"):
-        decode_windows([good], np.array([[0, 0, 20, 20, 9, 0]], dtype=np.int64), out[:1])
-    with pytest.raises(ValueError, match="one"):
-        decode_windows([good, good], params[:1], out[:2])
-    with pytest.raises((BufferError, TypeError, ValueError)):
-        decode_windows([good], params[:1], [np.zeros((20, 40, 3), dtype=np.uint8)[:, ::2]])
+        decode_windows(values, offsets, row + [[0, 0, 0, 0, 0, 1, 0, 0]], np.zeros(1200, dtype=np.uint8))
+    with pytest.raises(ValueError, match="source"):
+        decode_windows(values, offsets, row + [[1, 0, 0, 0, 0, 0, 0, 0]], np.zeros(1200, dtype=np.uint8))
+    with pytest.raises(ValueError, match="rows"):
+        decode_windows(values, offsets, row[:, :7], np.zeros(1200, dtype=np.uint8))
+    with pytest.raises(ValueError, match="offsets"):  # past the values' end
+        decode_windows(values, offsets + [0, 1], row, np.zeros(1200, dtype=np.uint8))
+    with pytest.raises(ValueError, match="offsets"):
+        decode_windows(values, np.array([0, 9, 3], dtype=np.int64), row, np.zeros(1200, dtype=np.uint8))
+    with pytest.raises((BufferError, TypeError, ValueError)):  # a read-only output
+        decode_windows(values, offsets, row, bytes(1200))
+
+
+@needs_window_decoder
+def test_header_sizes_of_a_batch_view() -> None:
+    """`probe_sizes` reads JPEG headers in C, others (and headers libjpeg rejects) in Python: the same
+    sizes, the JPEG signature flags, and a named error for a non-image."""
+    from fastload.vision.cpu_decode import batch_view, probe_size, probe_sizes
+
+    bufs = [encode(37, 51, seed=1), encode(20, 30, fmt="PNG", seed=2), b"", b"\xff\xd8\xff\x00", encode(9, 7, seed=3)]
+    values, offsets = batch_view(Ragged.from_list(bufs, kind="image"))
+    sizes, jpeg, errors = probe_sizes(values, offsets)
+    assert sizes[[0, 1, 4]].tolist() == [list(probe_size(bufs[i])) for i in (0, 1, 4)] == [[37, 51], [20, 30], [9, 7]]
+    assert jpeg.tolist() == [True, False, False, True, True]
+    assert set(errors) == {2, 3} and "empty" in errors[2]
 
 
 def test_fallback_decoder_gives_the_same_pixels(monkeypatch: pytest.MonkeyPatch, images: list[bytes]) -> None:

@@ -23,6 +23,7 @@ Rules (the class constants):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ThreadProbe"]
@@ -39,8 +40,10 @@ class ThreadProbe:
     RETRY_S, RETRY_MAX_S = 0.25, 64.0  # inline chosen: seconds until the workers are tried again (doubling)
     MAX_DECISIONS = 64  # the newest decisions kept for `describe()`
 
-    def __init__(self, *, depth: int) -> None:
+    def __init__(self, *, depth: int, clock: Callable[[], float] | None = None) -> None:
         self.depth = depth  # the epoch's in-flight batches with the workers on
+        # None: time by the `now` the epoch passes; a clock: read it instead (deterministic tests)
+        self.clock = clock
         self.phase = "inline"  # inline, fill (the workers warming up), threads (timed), watch (workers chosen)
         self.count = 0  # batches in the current window
         self.t0 = self.last = 0.0  # when the window's part in this epoch started; the last batch
@@ -64,6 +67,7 @@ class ThreadProbe:
     def attach(self, now: float) -> bool:
         """An epoch starts in the mode the probe has reached (the current window goes on);
         returns whether the workers fetch."""
+        now = now if self.clock is None else self.clock()
         if self.retry_at is None:  # the Loader's first epoch: the workers' first trial is due in FIRST_S
             self.retry_at = now + self.FIRST_S
             self._restart(now)
@@ -77,6 +81,7 @@ class ThreadProbe:
 
     def tick(self, now: float) -> bool:
         """A batch was delivered at `now`; returns whether the workers fetch from here on."""
+        now = now if self.clock is None else self.clock()
         self.count += 1
         self.batches += 1
         self.last = now

@@ -4,8 +4,9 @@
  * conversion to the window's columns (widened to the iMCU grid, the extra columns dropped here),
  * jpeg_skip_scanlines skips the rows above it (entropy decoding only), and decoding stops after
  * its last row. scale_num/8 (1..8) scales in the DCT domain. Pixels are those of a full decode
- * at the same scale, cropped. A batch decodes in one call with the GIL released, each window
- * straight into the caller's buffer (optionally mirrored). Corrupt-data warnings are errors.
+ * at the same scale, cropped. A batch (a Ragged view: one values buffer + offsets) decodes in one
+ * call with the GIL released, each window straight into its place in the caller's output buffer
+ * (optionally mirrored); its headers are read the same way. Corrupt-data warnings are errors.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -123,96 +124,159 @@ static int fl_decode_one(const unsigned char *src, size_t len, long y0, long x0,
     return 0;
 }
 
+/* The sources as one values buffer + int64 offsets (a Ragged batch view): checks them. */
+static int fl_check_offsets(const Py_buffer *values, const Py_buffer *offsets, Py_ssize_t *count) {
+    if (offsets->len % (Py_ssize_t)sizeof(long long) != 0 || offsets->len < (Py_ssize_t)sizeof(long long)) {
+        PyErr_SetString(PyExc_ValueError, "offsets must be int64 with at least one entry");
+        return -1;
+    }
+    const long long *o = (const long long *)offsets->buf;
+    Py_ssize_t k = offsets->len / (Py_ssize_t)sizeof(long long) - 1;
+    if (o[0] < 0 || o[k] > (long long)values->len) {
+        PyErr_Format(PyExc_ValueError, "offsets span [%lld, %lld), values hold %zd bytes", o[0], o[k], values->len);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (o[i + 1] < o[i]) {
+            PyErr_Format(PyExc_ValueError, "offsets decrease at %zd", i);
+            return -1;
+        }
+    }
+    *count = k;
+    return 0;
+}
+
 PyDoc_STRVAR(decode_windows_doc,
-             "decode_windows(sources, params, outputs) -> list\n\n"
-             "sources: n JPEG buffers; params: C-contiguous int64 buffer of n rows (y0, x0, h, w, num, flip),\n"
-             "the window in pixels of the image decoded at scale num/8 (1..8); outputs: n writable\n"
-             "C-contiguous buffers of h*w*3 bytes each (RGB, rows of w pixels). Returns a list with None\n"
-             "per decoded image, else (code, message): code 1 a decode error, 2 an unsupported colour\n"
-             "space (CMYK/YCCK). Runs without the GIL.");
+             "decode_windows(values, offsets, params, out) -> list\n\n"
+             "The sources are a Ragged batch view: source j is values[offsets[j]:offsets[j + 1]] (offsets:\n"
+             "int64). params: C-contiguous int64 rows (src, y0, x0, h, w, num, flip, out_offset): decode\n"
+             "source src's window (in pixels of the image decoded at scale num/8, 1..8), mirrored if flip,\n"
+             "into out[out_offset : out_offset + h*w*3] (RGB, rows of w pixels); out: one writable\n"
+             "C-contiguous buffer. Returns the failures only, as (row, code, message): code 1 a decode\n"
+             "error, 2 an unsupported colour space (CMYK/YCCK). Runs without the GIL.");
 
 static PyObject *decode_windows(PyObject *self, PyObject *args) {
-    PyObject *sources, *outputs;
-    Py_buffer params;
-    if (!PyArg_ParseTuple(args, "Oy*O", &sources, &params, &outputs)) return NULL;
-    PyObject *result = NULL, *src_seq = NULL, *out_seq = NULL;
-    Py_buffer *bufs = NULL;
+    Py_buffer values, offsets, params, out;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &values, &offsets, &params, &out)) return NULL;
+    PyObject *result = NULL;
     int *codes = NULL;
     char *messages = NULL;
-    Py_ssize_t n = 0, got_src = 0, got_out = 0;
-
-    src_seq = PySequence_Fast(sources, "sources must be a sequence");
-    out_seq = src_seq ? PySequence_Fast(outputs, "outputs must be a sequence") : NULL;
-    if (out_seq == NULL) goto done;
-    n = PySequence_Fast_GET_SIZE(src_seq);
-    if (PySequence_Fast_GET_SIZE(out_seq) != n || params.len != n * 6 * (Py_ssize_t)sizeof(long long)) {
-        PyErr_SetString(PyExc_ValueError, "need one (y0, x0, h, w, num, flip) int64 row and one output per source");
+    Py_ssize_t k = 0, n = params.len / (8 * (Py_ssize_t)sizeof(long long));
+    if (fl_check_offsets(&values, &offsets, &k) < 0) goto done;
+    if (params.len != n * 8 * (Py_ssize_t)sizeof(long long)) {
+        PyErr_SetString(PyExc_ValueError, "params must be int64 rows of (src, y0, x0, h, w, num, flip, out_offset)");
         goto done;
     }
-    const long long *p = (const long long *)params.buf;
-    bufs = PyMem_Calloc((size_t)(2 * n + 1), sizeof(Py_buffer));
+    const long long *p = (const long long *)params.buf, *o = (const long long *)offsets.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const long long *q = p + 8 * i;
+        if (q[0] < 0 || q[0] >= k) {
+            PyErr_Format(PyExc_ValueError, "row %zd: source %lld of %zd", i, q[0], k);
+            goto done;
+        }
+        if (q[3] < 1 || q[4] < 1 || q[3] > (1 << 16) || q[4] > (1 << 16) || q[5] < 1 || q[5] > 8) {
+            PyErr_Format(PyExc_ValueError, "row %zd: need 1 <= h, w <= 65536 and 1 <= num <= 8", i);
+            goto done;
+        }
+        if (q[7] < 0 || q[7] + q[3] * q[4] * 3 > (long long)out.len) {
+            PyErr_Format(PyExc_ValueError, "row %zd: output bytes [%lld, %lld) outside the %zd-byte output", i, q[7],
+                         q[7] + q[3] * q[4] * 3, out.len);
+            goto done;
+        }
+    }
     codes = PyMem_Calloc((size_t)n + 1, sizeof(int));
     messages = PyMem_Calloc((size_t)n + 1, JMSG_LENGTH_MAX);
-    if (bufs == NULL || codes == NULL || messages == NULL) {
+    if (codes == NULL || messages == NULL) {
         PyErr_NoMemory();
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const long long *q = p + 6 * i;
-        if (q[2] < 1 || q[3] < 1 || q[4] < 1 || q[4] > 8) {
-            PyErr_Format(PyExc_ValueError, "row %zd: need h, w >= 1 and 1 <= num <= 8", i);
-            goto done;
-        }
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(src_seq, i), &bufs[i], PyBUF_SIMPLE) < 0) goto done;
-        got_src++;
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(out_seq, i), &bufs[n + i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        got_out++;
-        if (bufs[n + i].len != (Py_ssize_t)(q[2] * q[3] * 3)) {
-            PyErr_Format(PyExc_ValueError, "output %zd has %zd bytes, the window needs %lld", i, bufs[n + i].len,
-                         q[2] * q[3] * 3);
-            goto done;
-        }
     }
     Py_BEGIN_ALLOW_THREADS
     fl_scratch scratch = {NULL, 0};
     for (Py_ssize_t i = 0; i < n; i++) {
-        const long long *q = p + 6 * i;
-        codes[i] = fl_decode_one((const unsigned char *)bufs[i].buf, (size_t)bufs[i].len, (long)q[0], (long)q[1],
-                                 (long)q[2], (long)q[3], (int)q[4], q[5] != 0, (unsigned char *)bufs[n + i].buf,
-                                 &scratch, messages + (size_t)i * JMSG_LENGTH_MAX);
+        const long long *q = p + 8 * i;
+        const unsigned char *src = (const unsigned char *)values.buf + o[q[0]];
+        codes[i] = fl_decode_one(src, (size_t)(o[q[0] + 1] - o[q[0]]), (long)q[1], (long)q[2], (long)q[3], (long)q[4],
+                                 (int)q[5], q[6] != 0, (unsigned char *)out.buf + q[7], &scratch,
+                                 messages + (size_t)i * JMSG_LENGTH_MAX);
     }
     free(scratch.row);
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    if (result == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item;
-        if (codes[i] == 0) {
-            item = Py_NewRef(Py_None);
-        } else {
-            item = Py_BuildValue("(is)", codes[i], messages + (size_t)i * JMSG_LENGTH_MAX);
-            if (item == NULL) {
-                Py_CLEAR(result);
-                goto done;
-            }
-        }
-        PyList_SET_ITEM(result, i, item);
+    result = PyList_New(0);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        if (codes[i] == 0) continue;
+        PyObject *item = Py_BuildValue("(nis)", i, codes[i], messages + (size_t)i * JMSG_LENGTH_MAX);
+        if (item == NULL || PyList_Append(result, item) < 0) Py_CLEAR(result);
+        Py_XDECREF(item);
     }
 done:
-    for (Py_ssize_t i = 0; i < got_src; i++) PyBuffer_Release(&bufs[i]);
-    for (Py_ssize_t i = 0; i < got_out; i++) PyBuffer_Release(&bufs[n + i]);
-    PyMem_Free(bufs);
     PyMem_Free(codes);
     PyMem_Free(messages);
-    Py_XDECREF(src_seq);
-    Py_XDECREF(out_seq);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&offsets);
     PyBuffer_Release(&params);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* (height, width) of a JPEG from its header; 0, 1 (no JPEG signature) or 2 (unreadable header). */
+static int fl_header(const unsigned char *src, size_t len, long long *hw) {
+    if (len < 3 || src[0] != 0xFF || src[1] != 0xD8 || src[2] != 0xFF) return 1;
+    struct jpeg_decompress_struct cinfo;
+    fl_error err;
+    volatile int created = 0;
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = fl_error_exit;
+    err.pub.emit_message = fl_emit_message;
+    if (setjmp(err.jump)) {
+        if (created) jpeg_destroy_decompress(&cinfo);
+        return 2;
+    }
+    jpeg_create_decompress(&cinfo);
+    created = 1;
+    jpeg_mem_src(&cinfo, src, (unsigned long)len);
+    jpeg_read_header(&cinfo, TRUE);
+    hw[0] = cinfo.image_height;
+    hw[1] = cinfo.image_width;
+    jpeg_destroy_decompress(&cinfo);
+    return 0;
+}
+
+PyDoc_STRVAR(read_sizes_doc,
+             "read_sizes(values, offsets, sizes) -> None\n\n"
+             "For each source of the Ragged batch view (values, int64 offsets), reads the JPEG header into\n"
+             "the writable int64 buffer sizes, one (height, width, code) row per source: code 0 read,\n"
+             "1 not a JPEG (no FF D8 FF signature), 2 a header libjpeg rejects. Runs without the GIL.");
+
+static PyObject *read_sizes(PyObject *self, PyObject *args) {
+    Py_buffer values, offsets, sizes;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &values, &offsets, &sizes)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t k = 0;
+    if (fl_check_offsets(&values, &offsets, &k) < 0) goto done;
+    if (sizes.len != k * 3 * (Py_ssize_t)sizeof(long long)) {
+        PyErr_SetString(PyExc_ValueError, "sizes must hold one int64 (height, width, code) row per source");
+        goto done;
+    }
+    const long long *o = (const long long *)offsets.buf;
+    long long *rows = (long long *)sizes.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long long *r = rows + 3 * i;
+        r[0] = r[1] = 0;
+        r[2] = fl_header((const unsigned char *)values.buf + o[i], (size_t)(o[i + 1] - o[i]), r);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&sizes);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"decode_windows", decode_windows, METH_VARARGS, decode_windows_doc},
+    {"read_sizes", read_sizes, METH_VARARGS, read_sizes_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,15 +1,18 @@
 """The CPU backend's batch stage: decode, crop, resize, flip, normalise and lay out one batch.
 
-A batch is cut into one contiguous chunk per thread (the calling thread takes the first).
-Per chunk, one call of the window decoder (`cpu_decode.decode_windows`, GIL released) decodes
-every JPEG's crop window (DCT-downscaled when asked), mirrored in the decoder when flipped:
-straight into the uint8 batch buffer when the window is the output size (crop only), otherwise
-into one chunk scratch buffer that torch's antialiased resize then reads. The normalising lookup table
-then writes the chunk's output in one call. Python runs per chunk, except
-one resize call per resized image and the fallbacks: non-JPEG images (Pillow), CMYK/YCCK JPEGs
-and builds without the extension decode whole images (`decode_rgb`) and are cropped after,
-with the same pixels; so does a JPEG the window decoder rejects as corrupt (it treats every
-corrupt-data warning as an error), which then fails unless simplejpeg or Pillow decode it.
+A batch arrives as a batch view (`cpu_decode.batch_view`: the encoded images' bytes in one
+values buffer + offsets, as a `Ragged` holds them) and is cut into one contiguous chunk per
+thread (the calling thread takes the first). Per chunk, one call of the window decoder
+(`cpu_decode.decode_windows`, GIL released) decodes every JPEG's crop window (DCT-downscaled
+when asked), mirrored in the decoder when flipped, straight from the values buffer: into the
+uint8 batch buffer when the window is the output size (crop only), otherwise into one chunk
+scratch buffer that torch's antialiased resize then reads (a second call, when a chunk has
+both). The normalising lookup table then writes the chunk's output in one call. Python runs per
+chunk, except one resize call per resized image and the fallbacks: non-JPEG images (Pillow),
+CMYK/YCCK JPEGs and builds without the extension decode whole images (`decode_rgb`) and are
+cropped after, with the same pixels; so does a JPEG the window decoder rejects as corrupt (it
+treats every corrupt-data warning as an error), which then fails unless simplejpeg or Pillow
+decode it.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ __all__ = ["MODES", "BatchJob", "run_batch"]
 
 @dataclass
 class BatchJob:
-    """One batch: encoded images, their (H, W) sizes, crop windows (original pixels), flips."""
+    """One batch: the encoded images as a batch view (`values`, `offsets`), which of them are
+    JPEGs, their (H, W) sizes, crop windows (original pixels), flips."""
 
-    arrays: list[np.ndarray]
+    values: np.ndarray  # uint8: image i is values[offsets[i]:offsets[i + 1]]
+    offsets: np.ndarray  # int64, n + 1
+    jpeg: np.ndarray  # (n,) bool: the JPEG signature
     sizes: np.ndarray
     windows: np.ndarray
     flips: np.ndarray
@@ -44,27 +50,33 @@ class BatchJob:
     layout: str = "NCHW"
     modes: dict[str, int] = field(default_factory=dict)  # filled by `run_batch`: images per decode mode
 
+    def encoded(self, i: int) -> np.ndarray:
+        """Image i's encoded bytes (a view)."""
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
 
 def run_batch(job: BatchJob, *, threads: int, executor: Executor | None) -> dict[int, str]:
     """Fill `job.images` (and `job.normalized`); returns {position: error} for images that failed."""
-    n = len(job.arrays)
+    n = len(job.offsets) - 1
     nums = np.full(n, 8, dtype=np.int64)
     resized = (job.windows[:, 2] != job.out_hw[0]) | (job.windows[:, 3] != job.out_hw[1])
     if job.nums is not None:
-        jpeg = np.array([cpu_decode.is_jpeg(a) for a in job.arrays], dtype=bool)
-        scale = resized & jpeg  # a crop-only window, or a PNG, is decoded at full size
+        scale = resized & job.jpeg  # a crop-only window, or a PNG, is decoded at full size
         nums[scale] = job.nums[scale]
     scaled = cpu_decode.scaled_windows(job.sizes, job.windows, nums)
+    todo = np.ones(n, dtype=bool)
+    todo[list(job.skip)] = False
     bounds = np.linspace(0, n, min(max(threads, 1), max(n, 1)) + 1).astype(np.int64)
     chunks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
     failed: dict[int, str] = {}
     futures = []
+    plan = (todo, nums, scaled, resized)
     if executor is not None:
-        futures = [executor.submit(_chunk, job, lo, hi, nums, scaled, resized, failed) for lo, hi in chunks[1:]]
+        futures = [executor.submit(_chunk, job, lo, hi, plan, failed) for lo, hi in chunks[1:]]
         chunks = chunks[:1]
     modes: Counter[str] = Counter()
     for lo, hi in chunks:
-        modes.update(_chunk(job, lo, hi, nums, scaled, resized, failed))
+        modes.update(_chunk(job, lo, hi, plan, failed))
     for f in futures:
         modes.update(f.result())
     job.modes = dict(modes)
@@ -79,42 +91,24 @@ def _mode(num: int, *, whole: bool = False) -> str:
     return MODES[num].replace("window", "whole image") if whole else MODES[num]
 
 
-def _chunk(
-    job: BatchJob,
-    lo: int,
-    hi: int,
-    nums: np.ndarray,
-    scaled: np.ndarray,
-    resized: np.ndarray,
-    failed: dict[int, str],
-) -> Counter[str]:
+def _chunk(job: BatchJob, lo: int, hi: int, plan: tuple[np.ndarray, ...], failed: dict[int, str]) -> Counter[str]:
     """Decode images lo..hi-1 of `job`; returns how many took each decode mode."""
+    todo, nums, scaled, resized = plan
+    idx = np.arange(lo, hi)[todo[lo:hi]]
     modes: Counter[str] = Counter()
-    todo = [i for i in range(lo, hi) if i not in job.skip]
-    windowed = [i for i in todo if cpu_decode.decode_windows is not None and cpu_decode.is_jpeg(job.arrays[i])]
-    whole = sorted(set(todo) - set(windowed))
-    if windowed:
-        # Resized images land in one scratch block (per-image views); crop-only ones in the batch.
-        need = [int(scaled[i, 2] * scaled[i, 3] * 3) if resized[i] else 0 for i in windowed]
-        scratch = np.empty(sum(need), dtype=np.uint8)
-        outs, at = [], 0
-        for i, k in zip(windowed, need, strict=True):
-            outs.append(scratch[at : at + k] if k else job.images[i])
-            at += k
-        params = np.empty((len(windowed), 6), dtype=np.int64)
-        params[:, 0:4] = scaled[windowed]
-        params[:, 4] = nums[windowed]
-        params[:, 5] = job.flips[windowed]  # mirrored by the decoder (see `_resize`)
-        results = cpu_decode.decode_windows([job.arrays[i] for i in windowed], params, outs)
-        for i, out, res in zip(windowed, outs, results, strict=True):
-            if res is not None:  # CMYK/YCCK, or corrupt data: the whole-image decoders decide
-                whole.append(i)
-                continue
-            modes[_mode(int(nums[i]))] += 1
-            if resized[i]:
-                h, w = int(scaled[i, 2]), int(scaled[i, 3])
-                _resize(out.reshape(h, w, 3), job.images[i])
-    for i in whole:
+    if cpu_decode.decode_windows is not None:
+        windowed = idx[job.jpeg[idx]]
+        whole = idx[~job.jpeg[idx]].tolist()
+    else:
+        windowed, whole = idx[:0], idx.tolist()
+    if len(windowed):
+        direct, scaled_out = windowed[~resized[windowed]], windowed[resized[windowed]]
+        whole += _decode_direct(job, direct, nums, scaled)
+        whole += _decode_resized(job, scaled_out, nums, scaled)
+        done = np.setdiff1d(windowed, whole)
+        for num, count in zip(*np.unique(nums[done], return_counts=True), strict=True):
+            modes[_mode(int(num))] += int(count)
+    for i in sorted(whole):
         try:
             img, window = _decode_whole(job, i, int(nums[i]), scaled[i])
             y0, x0, h, w = (int(v) for v in window)
@@ -129,15 +123,53 @@ def _chunk(
     return modes
 
 
+def _params(job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np.ndarray, out_at: np.ndarray) -> np.ndarray:
+    """`decode_windows` rows (src, y0, x0, h, w, num, flip, out_offset) for images `sel`."""
+    params = np.empty((len(sel), 8), dtype=np.int64)
+    params[:, 0] = sel
+    params[:, 1:5] = scaled[sel]
+    params[:, 5] = nums[sel]
+    params[:, 6] = job.flips[sel]  # mirrored by the decoder (see `_resize`)
+    params[:, 7] = out_at
+    return params
+
+
+def _decode_direct(job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np.ndarray) -> list[int]:
+    """Crop-only windows of `sel` straight into their slots of `job.images`; returns the images
+    the window decoder left to the whole-image decoders (CMYK/YCCK, corrupt data)."""
+    if not len(sel):
+        return []
+    out = job.images.reshape(-1)
+    params = _params(job, sel, nums, scaled, sel * (out.size // len(job.images)))
+    return [int(sel[row]) for row, _, _ in cpu_decode.decode_windows(job.values, job.offsets, params, out)]
+
+
+def _decode_resized(job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np.ndarray) -> list[int]:
+    """Windows of `sel` into one scratch block, then each resized into its slot of `job.images`;
+    returns the images left to the whole-image decoders."""
+    if not len(sel):
+        return []
+    need = scaled[sel, 2] * scaled[sel, 3] * 3
+    at = np.concatenate([[0], np.cumsum(need)])
+    scratch = np.empty(int(at[-1]), dtype=np.uint8)
+    params = _params(job, sel, nums, scaled, at[:-1])
+    left = {int(sel[row]) for row, _, _ in cpu_decode.decode_windows(job.values, job.offsets, params, scratch)}
+    for k, i in enumerate(sel.tolist()):
+        if i not in left:
+            h, w = int(scaled[i, 2]), int(scaled[i, 3])
+            _resize(scratch[at[k] : at[k + 1]].reshape(h, w, 3), job.images[i])
+    return sorted(left)
+
+
 def _decode_whole(job: BatchJob, i: int, num: int, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Image i decoded whole (at num/8 when it can be) and its window in the decoded pixels."""
     hw = (int(job.sizes[i, 0]), int(job.sizes[i, 1]))
     if num < 8:
         try:
-            return cpu_decode.decode_rgb(job.arrays[i], hw=hw, num=num), scaled
+            return cpu_decode.decode_rgb(job.encoded(i), hw=hw, num=num), scaled
         except ValueError:
             pass  # CMYK/YCCK: no scaled decode there, the full-size one below
-    return cpu_decode.decode_rgb(job.arrays[i]), job.windows[i]
+    return cpu_decode.decode_rgb(job.encoded(i)), job.windows[i]
 
 
 def _resize(src: np.ndarray, dst: np.ndarray) -> None:

@@ -1,8 +1,10 @@
 """Host-side image decode: header probing, JPEG via simplejpeg, everything else via Pillow.
 
 `decode_windows` (the `_jpegwin` extension, libjpeg-turbo, built when its headers are present)
-decodes only a crop window of a JPEG, optionally DCT-downscaled by num/8, straight into the
-caller's buffers: the same pixels as `decode_rgb(buf, num=num)` cropped to the window.
+decodes only a crop window of each JPEG of a batch view (`batch_view`: one values buffer +
+offsets), optionally DCT-downscaled by num/8, straight into the caller's output buffer: the
+same pixels as `decode_rgb(buf, num=num)` cropped to the window. `probe_sizes` reads a batch
+view's headers (`read_sizes`, same extension, for JPEGs).
 All heavy calls (the window decoder, simplejpeg, Pillow decode, torch resize) release the
 GIL, so a thread pool scales across cores. Images come out as RGB uint8 HWC: grayscale is expanded,
 CMYK converted, an alpha channel dropped (not composited). EXIF orientation is not applied
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,13 +32,14 @@ except ImportError:  # pragma: no cover - pillow is in the `image` extra
     Image = None
 
 try:
-    from fastload.vision._jpegwin import decode_windows
+    from fastload.vision._jpegwin import decode_windows, read_sizes
 except ImportError:  # built by setup.py only where libjpeg-turbo's headers are installed
-    decode_windows = None
+    decode_windows = read_sizes = None
 
 __all__ = [
     "UNSUPPORTED",
     "CorruptImageError",
+    "batch_view",
     "crop_resize",
     "dct_nums",
     "dct_windows",
@@ -43,6 +47,8 @@ __all__ = [
     "decode_windows",
     "is_jpeg",
     "probe_size",
+    "probe_sizes",
+    "read_sizes",
     "resize_hwc",
     "resize_into",
     "scaled_windows",
@@ -94,6 +100,46 @@ def probe_size(buf: np.ndarray | bytes) -> tuple[int, int]:
     with _pil_open(buf) as im:
         w, h = im.size
     return int(h), int(w)
+
+
+def batch_view(encoded: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A `Ragged` (values + offsets) or a sequence of bytes / uint8 arrays -> (uint8 values, int64
+    offsets): image i is `values[offsets[i]:offsets[i + 1]]`. A Ragged's values are not copied; a
+    sequence is concatenated once."""
+    if hasattr(encoded, "offsets") and hasattr(encoded, "values"):
+        values = np.ascontiguousarray(encoded.values)
+        offsets = np.ascontiguousarray(encoded.offsets, dtype=np.int64) * values.itemsize
+        return values.reshape(-1).view(np.uint8), offsets
+    parts = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) if isinstance(x, np.ndarray) else x for x in encoded]
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([memoryview(x).nbytes for x in parts], out=offsets[1:])
+    values = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    return values, offsets
+
+
+def probe_sizes(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """A batch view's (sizes (n, 2) (H, W) int64, is-JPEG flags (the FF D8 FF signature), {position:
+    error} for images whose header is unreadable). JPEG headers are read in one `read_sizes` call
+    (GIL released); other images, and those it rejects, by `probe_size`."""
+    n = len(offsets) - 1
+    sizes = np.ones((n, 2), dtype=np.int64)
+    if read_sizes is not None:
+        rows = np.empty((n, 3), dtype=np.int64)
+        read_sizes(values, offsets, rows)
+        read = rows[:, 2] == 0
+        sizes[read] = rows[read, :2]
+        jpeg = rows[:, 2] != 1
+        rest = np.flatnonzero(~read).tolist()
+    else:
+        jpeg = np.array([is_jpeg(values[offsets[i] : offsets[i + 1]]) for i in range(n)], dtype=bool)
+        rest = range(n)
+    errors: dict[int, str] = {}
+    for i in rest:
+        try:
+            sizes[i] = probe_size(values[offsets[i] : offsets[i + 1]])
+        except (ValueError, OSError) as e:
+            errors[i] = f"{type(e).__name__}: {e}"
+    return sizes, jpeg, errors
 
 
 def dct_nums(windows: np.ndarray, out_hw: tuple[int, int]) -> np.ndarray:

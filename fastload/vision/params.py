@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 __all__ = [
+    "batch_windows",
     "center_crop",
     "center_window",
     "output_hw",
@@ -157,3 +158,43 @@ def random_window(
     u = uniforms(seed=seed ^ 0xC20B, epoch=epoch, indices=indices, draws=2)
     y0x0 = np.floor(u * (sizes - hw + 1)).astype(np.int64)
     return np.concatenate([y0x0, hw], axis=1)
+
+
+def batch_windows(
+    sizes: np.ndarray,
+    *,
+    keys: np.ndarray,
+    seed: int,
+    epoch: int,
+    train: bool,
+    out_hw: tuple[int, int],
+    resize: bool,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    crop_fraction: float,
+    flip_p: float,
+    dct_downscale: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """An image preset's (windows, flips, DCT scale nums or None) for images of `sizes` keyed by
+    dataset index `keys`: RandomResizedCrop (`train`) or the centre crop, or without `resize` a
+    random / centre output-sized window. With `dct_downscale`, resized windows of 2x the output
+    or more are aligned to their DCT scale's pixel grid (`cpu_decode.dct_windows`), on the host,
+    so every backend crops the same window."""
+    from fastload.vision.cpu_decode import dct_windows
+
+    if not resize and train:
+        windows = random_window(sizes, size=out_hw, seed=seed, epoch=epoch, indices=keys)
+    elif not resize:
+        windows = center_window(sizes, size=out_hw)
+    elif train:
+        windows = random_resized_crop(sizes, seed=seed, epoch=epoch, indices=keys, scale=scale, ratio=ratio)
+    else:
+        windows = center_crop(sizes, size=out_hw, crop_fraction=crop_fraction)
+    if flip_p > 0:
+        flips = random_flips(seed=seed, epoch=epoch, indices=keys, p=flip_p)
+    else:
+        flips = np.zeros(len(sizes), dtype=bool)
+    nums = None
+    if dct_downscale and resize:
+        windows, nums = dct_windows(sizes, windows, out_hw)
+    return windows, flips, nums

@@ -14,34 +14,29 @@ differ only by decoder/resampler rounding (eval parity is tested).
 
 from __future__ import annotations
 
-import threading
 import time
-import warnings
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
 
 from fastload.system import usable_cores
-from fastload.vision import cpu_decode, params
-from fastload.vision.cpu_batch import BatchJob, run_batch
-from fastload.vision.cpu_decode import CorruptImageError, decode_rgb, probe_size
-from fastload.vision.dali_pipeline import DALI_MISSING, DaliRunner, dali_available
-from fastload.vision.indexed import INDEX_KEY
+from fastload.vision import batch_forms, params, preset_report
+from fastload.vision.cpu_decode import CorruptImageError, batch_view, probe_sizes
+from fastload.vision.cpu_stage import CpuStage
+from fastload.vision.dali_stage import DaliStage
 from fastload.vision.normalize import ChannelLUT, normalize_on_device
+from fastload.vision.preset_options import (
+    EPOCH_KEY,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    INDICES_KEY,
+    check_options,
+    resolve_backend,
+)
 
 __all__ = ["EPOCH_KEY", "IMAGENET_MEAN", "IMAGENET_STD", "INDICES_KEY", "ImagePreset"]
-
-IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-INDICES_KEY = "__indices__"
-EPOCH_KEY = "__epoch__"
-
-_BACKENDS = ("auto", "cpu", "dali")
-_RESIZE = ("bilinear", None)
 
 
 class ImagePreset:
@@ -87,7 +82,9 @@ class ImagePreset:
     window is decoded straight into the batch; see `fastload.vision.cpu_batch`.
     """
 
-    accepts_batch_views = True  # as `collate_fn`: the encoded images arrive as one Ragged (fastload.views)
+    # As a Loader's `collate_fn`: take the batch's columns, the encoded images as a `Ragged` batch
+    # view (values + offsets), not one bytes object per sample; `__call__` accepts both.
+    accepts_batch_views = True
 
     def __init__(
         self,
@@ -112,22 +109,12 @@ class ImagePreset:
         dct_downscale: bool | None = None,
         resize: str | None = "bilinear",
     ) -> None:
-        if kind not in ("train", "eval"):
-            raise ValueError(f"kind must be 'train' or 'eval', got {kind!r}")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        if layout not in ("NCHW", "NHWC", None):
-            raise ValueError(f"layout must be 'NCHW', 'NHWC' or None, got {layout!r}")
-        if resize not in _RESIZE:
-            raise ValueError(f"resize must be one of {_RESIZE}, got {resize!r}")
-        if threads is not None and int(threads) < 1:
-            raise ValueError(f"threads must be >= 1 or None, got {threads!r}")
+        check_options(
+            kind=kind, backend=backend, layout=layout, resize=resize, threads=threads, on_error=on_error,
+            mean=mean, std=std,
+        )
         if dtype == torch.uint8:
             normalize = False
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if len(mean) != 3 or len(std) != 3:
-            raise ValueError("mean and std need 3 values (RGB, 0..255 units)")
         self.kind = kind
         self.out_hw = params.output_hw(size)
         self.mean = tuple(float(v) for v in mean)
@@ -150,29 +137,23 @@ class ImagePreset:
         self.on_error = on_error
         self.dct_downscale = kind == "train" if dct_downscale is None else bool(dct_downscale)
         self.resize = resize
-        self.backend = self._resolve_backend(backend)
-        self._lut = ChannelLUT(mean=self.mean, std=self.std, dtype=dtype) if normalize else None
-        self._dali: DaliRunner | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
-        self._lock = threading.Lock()
-        self._calls = 0
-        self._stats = {"images": 0, "skipped": 0, "batches": 0, "seconds": 0.0}
-        self._modes: dict[str, int] = {}  # CPU backend: images per decode mode (cpu_batch.MODES)
+        self.backend = resolve_backend(backend, self.device)
+        on_host = self.device.type == "cpu"
+        lut = ChannelLUT(mean=self.mean, std=self.std, dtype=dtype) if normalize and on_host else None
+        self._cpu = CpuStage(out_hw=self.out_hw, layout=self.layout, lut=lut)
+        self._dali = DaliStage(
+            mixed=self.backend == "dali-mixed",
+            device=self.device,
+            out_hw=self.out_hw,
+            mean=self.mean,
+            std=self.std,
+            layout=self.layout,
+            dtype=self.dtype,
+            normalize=self.normalize_output,
+        )
+        self.counters = preset_report.PresetCounters()  # this process's ledger of the preset's work
 
     # -- configuration -------------------------------------------------------------------
-
-    def _resolve_backend(self, requested: str) -> str:
-        on_gpu = self.device.type == "cuda"
-        if requested == "cpu":
-            return "cpu"
-        if not dali_available():
-            if requested == "dali" or on_gpu:
-                warnings.warn(DALI_MISSING, RuntimeWarning, stacklevel=3)
-            return "cpu"
-        if requested == "dali":
-            return "dali-mixed" if on_gpu else "dali-cpu"
-        return "dali-mixed" if on_gpu else "cpu"
 
     @property
     def threads(self) -> int:
@@ -186,9 +167,8 @@ class ImagePreset:
         """Called by `fastload.Loader`: the Loader's `num_workers` are the parallelism (each
         batch decodes on the thread or process that fetched it; `threads=` overrides)."""
         self.loader_workers = int(num_workers)
-        if self.threads_requested is None and self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        if self.threads_requested is None:
+            self._cpu.close_pool()
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch that keys random crops/flips (a batch's `__epoch__` entry overrides it)."""
@@ -200,16 +180,6 @@ class ImagePreset:
             f"resize={self.resize!r}, layout={self.layout!r}, dtype={self.dtype}, threads={self.threads}, "
             f"device={str(self.device)!r})"
         )
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_pool"] = None
-        state["_lock"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     # -- the collate stage ---------------------------------------------------------------
 
@@ -223,266 +193,129 @@ class ImagePreset:
         `__epoch__` or `set_epoch`.
         """
         if isinstance(batch, list):
-            return self._collate_samples(batch)
-        if self.image_field not in batch:
-            raise KeyError(f"batch has no image field {self.image_field!r} (fields: {sorted(batch)})")
-        encoded = _encoded_list(batch[self.image_field])
-        indices = batch.get(INDICES_KEY)
-        epoch = int(batch.get(EPOCH_KEY, self.epoch))
-        images, keep = self.transform(encoded, indices=indices, epoch=epoch)
-        out: dict[str, Any] = {}
-        for key, value in batch.items():
-            if key == self.image_field:
-                out[key] = images
-            elif keep is not None and key != EPOCH_KEY:
-                out[key] = _select(value, keep)
-            else:
-                out[key] = value
-        return out
-
-    def _collate_samples(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        if not samples:
-            raise ValueError("empty batch")
-        if self.image_field not in samples[0]:
-            raise KeyError(f"samples have no image field {self.image_field!r} (fields: {sorted(samples[0])})")
-        encoded = [s[self.image_field] for s in samples]
-        has_idx = all(INDEX_KEY in s for s in samples)
-        indices = [s[INDEX_KEY] for s in samples] if has_idx else None
-        epoch = int(samples[0].get(EPOCH_KEY, self.epoch))
-        images, keep = self.transform(encoded, indices=indices, epoch=epoch)
-        if keep is not None:
-            samples = [samples[int(i)] for i in keep]
-        rest = [{k: v for k, v in s.items() if k != self.image_field} for s in samples]
-        out = default_collate(rest) if rest and rest[0] else {}
-        out[self.image_field] = images
-        return out
+            return batch_forms.collate_samples(self, batch)
+        return batch_forms.transform_columns(self, batch)
 
     def transform(
         self,
-        encoded: Sequence[np.ndarray | bytes],
+        encoded: Any,
         *,
         indices: Sequence[int] | np.ndarray | None = None,
         epoch: int | None = None,
     ) -> tuple[torch.Tensor, np.ndarray | None]:
-        """Encoded images -> (image tensor, kept-positions array or None when none dropped).
+        """Encoded images (a `Ragged` batch view, or a sequence of bytes / uint8 arrays) -> (image
+        tensor, kept-positions array or None when none dropped).
 
         `indices` are the dataset indices (they key the random parameters and name bad
         samples); without them, positions in the batch are named and random draws are keyed
         by a per-preset call counter (random, but not reproducible across resumes).
         """
         t0 = time.perf_counter()
-        n = len(encoded)
-        arrays = [np.frombuffer(e, dtype=np.uint8) if not isinstance(e, np.ndarray) else e for e in encoded]
+        values, offsets = batch_view(encoded)
+        n = len(offsets) - 1
         if indices is None:
-            with self._lock:
-                call = self._calls
-                self._calls += 1
-            keys = np.arange(n, dtype=np.int64) + (call << 32)
-            names = [f"position {i} in the batch (the loader passed no {INDICES_KEY})" for i in range(n)]
+            keys = np.arange(n, dtype=np.int64) + (self.counters.next_call() << 32)
         else:
             keys = np.asarray(indices, dtype=np.int64).reshape(-1)
             if len(keys) != n:
                 raise ValueError(f"{INDICES_KEY} has {len(keys)} entries for a batch of {n} images")
-            names = [f"sample {int(k)}" for k in keys]
         epoch = self.epoch if epoch is None else int(epoch)
+        named = keys if indices is not None else None
 
-        sizes = np.ones((n, 2), dtype=np.int64)
-        errors: dict[int, str] = {}
-        for i, a in enumerate(arrays):
-            try:
-                sizes[i] = probe_size(a)
-            except (ValueError, OSError) as e:
-                errors[i] = f"{type(e).__name__}: {e}"
+        sizes, jpeg, errors = probe_sizes(values, offsets)
         windows, flips, nums = self._parameters(sizes, keys, epoch)
-        self._check_errors(errors, names, keys if indices is not None else None)
+        self._check_errors(errors, named)
 
         if self.backend == "cpu":
-            images, failed = self._run_cpu(arrays, sizes, windows, flips, nums=nums, skip=set(errors))
+            images, failed = self._run_cpu((values, offsets, jpeg, sizes), windows, flips, nums, set(errors))
         else:
-            images, failed = self._run_dali(arrays, windows, flips, skip=set(errors))
+            arrays = [values[offsets[i] : offsets[i + 1]] for i in range(n)]
+            raise_errors = self.on_error == "raise"
+            images, failed = self._dali.run(
+                arrays, windows, flips, skip=set(errors), raise_errors=raise_errors, threads=self.threads
+            )
             if not self.normalize_output and self.layout == "NCHW":
                 images = images.permute(0, 3, 1, 2).contiguous()
         errors.update(failed)
-        self._check_errors(errors, names, keys if indices is not None else None)
+        self._check_errors(errors, named)
         keep = None
         if errors:
             keep = np.array([i for i in range(n) if i not in errors], dtype=np.int64)
             if self.backend == "cpu":
                 images = images[torch.from_numpy(keep).to(images.device)]
-        dt = time.perf_counter() - t0
-        with self._lock:
-            self._stats["images"] += n - len(errors)
-            self._stats["skipped"] += len(errors)
-            self._stats["batches"] += 1
-            self._stats["seconds"] += dt
+        self.counters.add_batch(images=n - len(errors), skipped=len(errors), seconds=time.perf_counter() - t0)
         return images, keep
 
     def _parameters(
         self, sizes: np.ndarray, keys: np.ndarray, epoch: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(windows, flips, DCT scale nums or None). With `dct_downscale`, resized windows of
-        2x the output or more are aligned to their DCT scale's pixel grid (`dct_windows`), on the
-        host, so every backend crops the same window."""
-        if self.resize is None and self.kind == "train":
-            windows = params.random_window(sizes, size=self.out_hw, seed=self.seed, epoch=epoch, indices=keys)
-        elif self.resize is None:
-            windows = params.center_window(sizes, size=self.out_hw)
-        elif self.kind == "train":
-            windows = params.random_resized_crop(
-                sizes,
-                seed=self.seed,
-                epoch=epoch,
-                indices=keys,
-                scale=self.scale,
-                ratio=self.ratio,
-            )
-        else:
-            windows = params.center_crop(sizes, size=self.out_hw, crop_fraction=self.crop_fraction)
-        if self.flip_p > 0:
-            flips = params.random_flips(seed=self.seed, epoch=epoch, indices=keys, p=self.flip_p)
-        else:
-            flips = np.zeros(len(sizes), dtype=bool)
-        nums = None
-        if self.dct_downscale and self.resize is not None:
-            windows, nums = cpu_decode.dct_windows(sizes, windows, self.out_hw)
-        return windows, flips, nums
+        """(windows, flips, DCT scale nums or None) of this preset's crop for a batch: see
+        `params.batch_windows`."""
+        return params.batch_windows(
+            sizes,
+            keys=keys,
+            seed=self.seed,
+            epoch=epoch,
+            train=self.kind == "train",
+            out_hw=self.out_hw,
+            resize=self.resize is not None,
+            scale=self.scale,
+            ratio=self.ratio,
+            crop_fraction=self.crop_fraction,
+            flip_p=self.flip_p,
+            dct_downscale=self.dct_downscale,
+        )
 
-    def _check_errors(self, errors: dict[int, str], names: list[str], keys: np.ndarray | None) -> None:
+    def _check_errors(self, errors: dict[int, str], keys: np.ndarray | None) -> None:
+        """Raise for the first failed image (on_error='raise'), named by its dataset index (`keys`)
+        or, without indices, by its position in the batch."""
         if errors and self.on_error == "raise":
             i = min(errors)
+            name = f"sample {int(keys[i])}" if keys is not None else (
+                f"position {i} in the batch (the loader passed no {INDICES_KEY})"
+            )
             more = f" (and {len(errors) - 1} more in this batch)" if len(errors) > 1 else ""
             raise CorruptImageError(
-                f"{names[i]} (field {self.image_field!r}) is not a decodable image: {errors[i]}{more}; "
+                f"{name} (field {self.image_field!r}) is not a decodable image: {errors[i]}{more}; "
                 "pass on_error='skip' to drop and count such samples",
                 index=int(keys[i]) if keys is not None else None,
             )
 
-    # -- CPU backend ---------------------------------------------------------------------
-
-    def _executor(self) -> ThreadPoolExecutor | None:
-        """Helpers for the calling thread: `threads - 1` of them (none for one thread)."""
-        helpers = self.threads - 1
-        if helpers < 1:
-            return None
-        if self._pool is None or self._pool_size != helpers:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="fastload-vision")
-            self._pool_size = helpers
-        return self._pool
+    # -- backends ------------------------------------------------------------------------
 
     def _run_cpu(
         self,
-        arrays: list[np.ndarray],
-        sizes: np.ndarray,
+        batch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         windows: np.ndarray,
         flips: np.ndarray,
-        *,
         nums: np.ndarray | None,
         skip: set[int],
     ) -> tuple[torch.Tensor, dict[int, str]]:
-        n = len(arrays)
-        oh, ow = self.out_hw
+        """The CPU stage's batch, then what is left of the output's form: the copy to the device,
+        normalising there, the NCHW layout of uint8 output."""
         on_host = self.device.type == "cpu"
-        lut = self._lut if on_host else None
         pin = not on_host and torch.cuda.is_available()
-        if lut is not None:  # internal: this thread's reused pixel block (only the output is returned)
-            staging = _staging(n, oh, ow)
-        else:  # returned (or copied to the device without waiting): a fresh one every batch
-            staging = torch.empty((n, oh, ow, 3), dtype=torch.uint8, pin_memory=pin)
-        shape = (n, 3, oh, ow) if self.layout == "NCHW" else (n, oh, ow, 3)
-        job = BatchJob(
-            arrays=arrays,
-            sizes=sizes,
-            windows=windows,
-            flips=flips,
-            skip=skip,
-            out_hw=self.out_hw,
-            nums=nums,
-            images=staging.numpy(),
-            lut=lut,
-            normalized=lut.empty(shape) if lut is not None else None,
-            layout=self.layout,
+        images, done, failed, modes = self._cpu.run(
+            batch, windows, flips, nums=nums, skip=skip, threads=self.threads, pin=pin
         )
-        with self._lock:
-            executor = self._executor()
-        failed = run_batch(job, threads=self.threads, executor=executor)
-        with self._lock:
-            for mode, count in job.modes.items():
-                self._modes[mode] = self._modes.get(mode, 0) + count
-        if lut is not None and job.normalized is not None:
-            return lut.to_tensor(job.normalized), failed
-        images = staging if on_host else staging.to(self.device, non_blocking=True)
+        self.counters.add_modes(modes)
+        if done:
+            return images, failed
+        images = images if on_host else images.to(self.device, non_blocking=True)
         if self.normalize_output:
             return self.normalize(images), failed
         if self.layout == "NCHW":
             images = images.permute(0, 3, 1, 2).contiguous()
         return images, failed
 
-    # -- DALI backend --------------------------------------------------------------------
-
-    def _runner(self) -> DaliRunner:
-        if self._dali is None:
-            mixed = self.backend == "dali-mixed"
-            self._dali = DaliRunner(
-                mode="mixed" if mixed else "cpu",
-                out_hw=self.out_hw,
-                mean=self.mean,
-                std=self.std,
-                layout=self.layout,
-                dtype=self.dtype,
-                normalize=self.normalize_output,
-                threads=self.threads,
-                device_id=(self.device.index or 0) if mixed else None,
-            )
-        return self._dali
-
     def dali_graph(self) -> bytes:
         """The DALI pipeline this preset runs (backend 'dali'), defined without a device and
         serialized: validates the mixed (nvJPEG) graph where it cannot be built (no CUDA)."""
         if self.backend not in ("dali-mixed", "dali-cpu"):
             raise ValueError(f"this preset runs the {self.backend!r} backend, not DALI")
-        return self._runner().graph()
+        return self._dali.runner(self.threads).graph()
 
-    def _run_dali(
-        self,
-        arrays: list[np.ndarray],
-        windows: np.ndarray,
-        flips: np.ndarray,
-        *,
-        skip: set[int],
-    ) -> tuple[torch.Tensor, dict[int, str]]:
-        good = [i for i in range(len(arrays)) if i not in skip]
-        failed: dict[int, str] = {}
-        if not good:
-            return self._empty(), failed
-        try:
-            return self._runner().run([arrays[i] for i in good], windows[good], flips[good]), failed
-        except RuntimeError as e:
-            dali_error = e
-        # Find the culprit(s) with the CPU decoder, then retry without them.
-        for i in good:
-            try:
-                decode_rgb(arrays[i])
-            except (ValueError, OSError) as e:
-                failed[i] = f"{type(e).__name__}: {e}"
-        if not failed:
-            raise RuntimeError(
-                f"DALI failed on a batch whose images all decode on the CPU: {dali_error}"
-            ) from dali_error
-        if self.on_error == "raise":
-            return self._empty(), failed
-        good = [i for i in good if i not in failed]
-        if not good:
-            return self._empty(), failed
-        return self._runner().run([arrays[i] for i in good], windows[good], flips[good]), failed
-
-    def _empty(self) -> torch.Tensor:
-        oh, ow = self.out_hw
-        shape = (0, 3, oh, ow) if self.layout == "NCHW" else (0, oh, ow, 3)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
-
-    # -- after the H2D copy, and stats -----------------------------------------------------
+    # -- after the H2D copy, and reports ---------------------------------------------------
 
     def normalize(self, images_u8: torch.Tensor) -> torch.Tensor:
         """Normalise a uint8 batch (NHWC, or NCHW as a uint8 preset with layout='NCHW' returns it)
@@ -493,105 +326,13 @@ class ImagePreset:
             x = x.permute(0, 2, 3, 1)
         return normalize_on_device(x, mean=self.mean, std=self.std, layout=layout, dtype=dtype)
 
-    def _threads_rule(self) -> str:
-        if self.threads_requested is not None:
-            return "threads="
-        if self.loader_workers is not None:
-            return f"Loader num_workers={self.loader_workers}: each batch on the worker that fetches it"
-        return "usable cores"
-
-    def _decoder(self) -> str:
-        if self.backend == "dali-mixed":
-            return "DALI decoders.image_slice, mixed (nvJPEG ROI decode)"
-        if self.backend == "dali-cpu":
-            return "DALI decoders.image_slice, cpu (libjpeg-turbo ROI decode)"
-        if cpu_decode.decode_windows is not None:
-            return "libjpeg-turbo window decode (fastload.vision._jpegwin)"
-        return "simplejpeg / Pillow whole-image decode"
-
-    def _decode_modes(self) -> list[str]:
-        """The decode modes this configuration can take for a JPEG (CPU backend)."""
-        win = "window" if cpu_decode.decode_windows is not None else "whole image"
-        if self.backend != "cpu":
-            return ["window (ROI)"]
-        if self.dct_downscale and self.resize is not None:
-            return [win] + [f"{win} {f}" for f in ("1/2", "1/4", "1/8")]
-        return [win]
-
     def describe(self) -> dict[str, Any]:
         """The image stage's configuration, for `loader.describe()`: what runs, where, with how
         many threads, and which decode modes (window / DCT scale) it picks."""
-        return {
-            "stage": "ImagePreset",
-            "kind": self.kind,
-            "size": self.out_hw,
-            "resize": self.resize,
-            "backend": self.backend,
-            "decoder": self._decoder(),
-            "decode_modes": self._decode_modes(),
-            "dct_downscale": self.dct_downscale,
-            "threads": self.threads,
-            "threads_rule": self._threads_rule(),
-            "output": {
-                "dtype": str(self.dtype).replace("torch.", ""),
-                "layout": self.layout,
-                "normalized": self.normalize_output,
-                "device": str(self.device),
-            },
-        }
+        return preset_report.describe(self)
 
     def stats(self) -> dict[str, Any]:
         """Counters for `loader.stats()` (this process's: with process workers they stay in the
         workers): images, skipped, batches, seconds, images/s, backend, threads, and the images
         per decode mode (`vision_decode_modes`, CPU backend)."""
-        with self._lock:
-            s = dict(self._stats)
-            modes = dict(self._modes)
-        return {
-            "vision_backend": self.backend,
-            "vision_threads": self.threads,
-            "vision_threads_rule": self._threads_rule(),
-            "vision_window_decode": cpu_decode.decode_windows is not None,
-            "vision_decode_modes": modes,
-            "vision_images": s["images"],
-            "vision_skipped": s["skipped"],
-            "vision_batches": s["batches"],
-            "vision_seconds": s["seconds"],
-            "vision_images_per_s": s["images"] / s["seconds"] if s["seconds"] > 0 else 0.0,
-        }
-
-
-_STAGING = threading.local()
-
-
-def _staging(n: int, oh: int, ow: int) -> torch.Tensor:
-    """This thread's (n, oh, ow, 3) uint8 block for pixels that are normalised before returning."""
-    t = getattr(_STAGING, "t", None)
-    if t is None or t.shape != (n, oh, ow, 3):
-        t = _STAGING.t = torch.empty((n, oh, ow, 3), dtype=torch.uint8)
-    return t
-
-
-def _encoded_list(value: Any) -> list[np.ndarray]:
-    """A Ragged (flat values + offsets) or a list of bytes/arrays -> list of uint8 views."""
-    if hasattr(value, "offsets") and hasattr(value, "values"):
-        v = np.asarray(value.values).view(np.uint8)
-        o = np.asarray(value.offsets)
-        return [v[o[i] : o[i + 1]] for i in range(len(o) - 1)]
-    return [np.frombuffer(x, dtype=np.uint8) if not isinstance(x, np.ndarray) else x for x in value]
-
-
-def _select(value: Any, keep: np.ndarray) -> Any:
-    if isinstance(value, np.ndarray) and value.ndim >= 1:
-        return value[keep]
-    if isinstance(value, torch.Tensor) and value.ndim >= 1:
-        return value[torch.from_numpy(keep)]
-    if hasattr(value, "offsets") and hasattr(value, "values"):
-        items = [value[int(i)] for i in keep]
-        out = type(value).from_list(items, kind=value.kind, dtype=np.asarray(value.values[:0]).dtype)
-        if isinstance(value.values, torch.Tensor):  # batch views (fastload.views) stay tensors
-            out = type(value)(torch.from_numpy(out.values), torch.from_numpy(out.offsets), out.kind)
-        return out
-    if isinstance(value, list):
-        return [value[int(i)] for i in keep]
-    return value
+        return preset_report.stats(self)

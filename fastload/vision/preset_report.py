@@ -1,0 +1,129 @@
+"""What an image preset reports: its configuration (`describe`) and its counters (`stats`).
+
+`PresetCounters` is the one ledger of a preset's work, shared by the threads that run its
+batches (one lock): images, skipped samples, batches, seconds, images per decode mode, and
+the count of batches without dataset indices (it keys their random draws).
+`describe(preset)` / `stats(preset)` read the preset's public settings and its counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from fastload.vision import cpu_decode
+
+__all__ = ["PresetCounters", "describe", "stats"]
+
+
+class PresetCounters:
+    """Images, skipped samples, batches, seconds and images per decode mode; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals = {"images": 0, "skipped": 0, "batches": 0, "seconds": 0.0}
+        self._modes: dict[str, int] = {}
+        self._calls = 0  # batches without dataset indices: keys their random draws
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def next_call(self) -> int:
+        """A number for a batch without dataset indices (0, 1, ...): keys its random draws."""
+        with self._lock:
+            self._calls += 1
+            return self._calls - 1
+
+    def add_batch(self, *, images: int, skipped: int, seconds: float) -> None:
+        """One batch done: `images` returned, `skipped` dropped, in `seconds`."""
+        with self._lock:
+            t = self._totals
+            t["images"] += images
+            t["skipped"] += skipped
+            t["batches"] += 1
+            t["seconds"] += seconds
+
+    def add_modes(self, modes: dict[str, int]) -> None:
+        """Images per decode mode of one batch (`cpu_batch.MODES`)."""
+        with self._lock:
+            for mode, count in modes.items():
+                self._modes[mode] = self._modes.get(mode, 0) + count
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, int]]:
+        """(totals, images per decode mode), copied."""
+        with self._lock:
+            return dict(self._totals), dict(self._modes)
+
+
+def threads_rule(preset: Any) -> str:
+    """Why the preset decodes a batch on `preset.threads` threads."""
+    if preset.threads_requested is not None:
+        return "threads="
+    if preset.loader_workers is not None:
+        return f"Loader num_workers={preset.loader_workers}: each batch on the worker that fetches it"
+    return "usable cores"
+
+
+def _decoder(backend: str) -> str:
+    if backend == "dali-mixed":
+        return "DALI decoders.image_slice, mixed (nvJPEG ROI decode)"
+    if backend == "dali-cpu":
+        return "DALI decoders.image_slice, cpu (libjpeg-turbo ROI decode)"
+    if cpu_decode.decode_windows is not None:
+        return "libjpeg-turbo window decode (fastload.vision._jpegwin)"
+    return "simplejpeg / Pillow whole-image decode"
+
+
+def _decode_modes(preset: Any) -> list[str]:
+    """The decode modes this configuration can take for a JPEG (CPU backend)."""
+    win = "window" if cpu_decode.decode_windows is not None else "whole image"
+    if preset.backend != "cpu":
+        return ["window (ROI)"]
+    if preset.dct_downscale and preset.resize is not None:
+        return [win] + [f"{win} {f}" for f in ("1/2", "1/4", "1/8")]
+    return [win]
+
+
+def describe(preset: Any) -> dict[str, Any]:
+    """The preset's configuration: what runs, where, with how many threads, which decode modes."""
+    return {
+        "stage": "ImagePreset",
+        "kind": preset.kind,
+        "size": preset.out_hw,
+        "resize": preset.resize,
+        "backend": preset.backend,
+        "decoder": _decoder(preset.backend),
+        "decode_modes": _decode_modes(preset),
+        "dct_downscale": preset.dct_downscale,
+        "threads": preset.threads,
+        "threads_rule": threads_rule(preset),
+        "output": {
+            "dtype": str(preset.dtype).replace("torch.", ""),
+            "layout": preset.layout,
+            "normalized": preset.normalize_output,
+            "device": str(preset.device),
+        },
+    }
+
+
+def stats(preset: Any) -> dict[str, Any]:
+    """The preset's counters for `loader.stats()`, with its backend and threads."""
+    s, modes = preset.counters.snapshot()
+    return {
+        "vision_backend": preset.backend,
+        "vision_threads": preset.threads,
+        "vision_threads_rule": threads_rule(preset),
+        "vision_window_decode": cpu_decode.decode_windows is not None,
+        "vision_decode_modes": modes,
+        "vision_images": s["images"],
+        "vision_skipped": s["skipped"],
+        "vision_batches": s["batches"],
+        "vision_seconds": s["seconds"],
+        "vision_images_per_s": s["images"] / s["seconds"] if s["seconds"] > 0 else 0.0,
+    }
