@@ -57,6 +57,7 @@ def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monk
             assert st["remote_fetched"] == ds.num_shards and st["remote_fetched_bytes"] == total
             assert st["remote_bytes"] == total and st["remote_requests"] == ds.num_shards
             assert st["remote_fsync_s"] == 0 and st["remote_gets_in_flight_max"] >= 1
+            assert 1 <= st["remote_gets_target"] <= ds.storage.fetch_threads  # the GET count it chose
             for k in ("request_s", "receive_s", "write_s", "verify_s", "commit_s", "get_busy_s"):
                 assert st[f"remote_{k}"] > 0, k
             if epoch == 0:  # no sampler handed a plan over: the storage read ahead in manifest order
