@@ -15,12 +15,8 @@ A server that accepts connections and never answers, or one that is gone, theref
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
-from collections import deque
-from functools import partial
 from typing import Any, Self
 
 import fsspec
@@ -47,6 +43,7 @@ from .remote_get import (
     stream_into,
     takes_ranges,
 )
+from .remote_plan import PrefetchPlan
 from .retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
 
 __all__ = [
@@ -59,9 +56,6 @@ __all__ = [
     "is_transient",
     "network_options",
 ]
-
-log = logging.getLogger(__name__)
-
 
 def _exact(nbytes: int) -> str:
     """A budget to recommend: exact bytes (a rounded size could fall short), with the readable size."""
@@ -147,10 +141,6 @@ class RemoteStorage:
         self.fetch_threads = max(1, gets)
         self._adaptive = fetch_threads is None
         self.prefetch_depth = max(0, int(2 * self.fetch_threads if prefetch_depth is None else prefetch_depth))
-        self._window = self._new_window()
-
-    def _new_window(self) -> GetWindow:
-        return GetWindow(floor=2, ceiling=self.fetch_threads, adaptive=self._adaptive)
 
     def _check_budget(self, manifest: Manifest, max_open_shards: int | None) -> int:
         biggest = max((s.bytes for s in manifest.shards), default=0)
@@ -210,29 +200,26 @@ class RemoteStorage:
         self._pid = os.getpid()
         self._fs: Any = None
         self._fs_root = ""
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._keys: dict[str, str] = {}
-        self._plan: deque[str] = deque()
-        self._plan_pos: dict[str, int] = {}
-        self._ready: set[str] = set()  # prefetched, not acquired yet (soft pinned)
-        self._inflight: set[str] = set()
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
-        self._sizes: dict[str, tuple[int, str]] = {}
-        self._taken: set[str] = set()  # plan entries acquired since the plan was set
+        self._planner: PrefetchPlan | None = None
         self._manifest_cache: dict[str, tuple[int, str]] | None = None
         self._stream_ok = True
         self._ranges_ok = True
         self._claimed = False
         self._explicit_plan = False  # set by `prefetch`; until then acquires read ahead in manifest order
-        self._demand = 0  # fetches run by readers themselves (GETs in flight beside the prefetches)
-        if hasattr(self, "_adaptive"):  # after a fork or unpickling; __init__ builds the first
-            self._window = self._new_window()
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
             self._reset_process_state()
+
+    @property
+    def planner(self) -> PrefetchPlan:
+        """This process's prefetch plan and threads (built on first use)."""
+        self._check_pid()
+        if self._planner is None:
+            window = GetWindow(floor=2, ceiling=self.fetch_threads, adaptive=self._adaptive)
+            self._planner = PrefetchPlan(cache=self.cache, fetch=self._fetch, key_of=self._key, url=self.url,
+                                         threads=self.fetch_threads, depth=self.prefetch_depth, window=window)
+        return self._planner
 
     @property
     def fs(self) -> Any:
@@ -300,22 +287,13 @@ class RemoteStorage:
         key = self._key(name, size, xxh3)
         if not self._explicit_plan and self.prefetch_depth:
             self._read_ahead(name)
-        with self._lock:
-            self._keys[name] = key
-            self._sizes[name] = (size, xxh3)
-            self._advance(name)
-            self._cond.notify_all()
+        planner = self.planner
+        planner.acquired(name, key, size, xxh3)
 
         def demand(sink: Download) -> None:
             self.cache.transfer.add("demand_fetches", 1)
-            with self._lock:
-                self._demand += 1
-            try:
+            with planner.demand():
                 self._fetch(name, sink)
-            finally:
-                with self._lock:
-                    self._demand -= 1
-                    self._cond.notify_all()
 
         t0 = time.perf_counter()
         path = self.cache.acquire(key, size=size, xxh3=xxh3, fetch=demand, where=f"{self.url}/{name}")
@@ -327,9 +305,7 @@ class RemoteStorage:
     def release(self, name: str) -> None:
         """Unpin a shard returned by `acquire`."""
         self._check_pid()
-        with self._lock:
-            key = self._keys.get(name)
-            self._cond.notify_all()
+        key = self.planner.released(name)
         if key is not None:
             self.cache.release(key)
             if self._claimed and not self.cache.pinned_keys():  # idle now: its share is free for others
@@ -342,7 +318,7 @@ class RemoteStorage:
         self._check_pid()
         out = self.cache.stats()
         out["MBps"] = out["bytes"] / out["get_busy_s"] / 1e6 if out["get_busy_s"] > 0 else 0.0
-        out.update(self._window.stats())
+        out.update(self.planner.window.stats())
         return {f"remote_{k}": v for k, v in out.items()}
 
     def prefetch(self, names: list[str], *, sizes: dict[str, tuple[int, str]] | None = None) -> None:
@@ -357,9 +333,7 @@ class RemoteStorage:
     def _read_ahead(self, name: str) -> None:
         """No plan was handed over: plan the shards after `name` in manifest order, unless `name`
         is in the current read-ahead plan already (the reader is following it)."""
-        with self._lock:
-            following = name in self._plan_pos
-        if not following:
+        if not self.planner.following(name):
             order = list(self._manifest_sizes())
             if name in order:
                 self._set_plan(order[order.index(name) + 1 :])
@@ -372,38 +346,14 @@ class RemoteStorage:
             known = {**known, **sizes}
         for n in names:
             self.remote_path(n)
-        pinned = self.cache.pinned_keys()  # mapped by this process's reader already: nothing to fetch
-        with self._lock:
-            order: list[str] = []
-            seen: set[str] = set()
-            for n in names:
-                if self._keys.get(n) in pinned:
-                    continue
-                if n not in seen and n in known:
-                    seen.add(n)
-                    order.append(n)
-            self._sizes.update({n: known[n] for n in order})
-            stale = [n for n in self._ready if n not in seen]
-            self._ready -= set(stale)
-            self._plan = deque(order)
-            self._plan_pos = {n: i for i, n in enumerate(order)}
-            self._taken = set()
-            self._start_threads()
-            self._cond.notify_all()
-        if stale:
-            self.cache.unsoft([self._keys[n] for n in stale if n in self._keys])
+        self.planner.replace(names, known)
 
     def close(self) -> None:
         """Stop prefetch threads and drop soft pins (pins taken by `acquire` stay until `release`)."""
         if self._pid != os.getpid():
             return
-        self._stop.set()
-        with self._lock:
-            self._plan.clear()
-            self._cond.notify_all()
-            threads = list(self._threads)
-        for t in threads:
-            t.join(timeout=10)
+        if self._planner is not None:
+            self._planner.close()
         self.cache.unsoft()
 
     def __enter__(self) -> Self:
@@ -467,79 +417,4 @@ class RemoteStorage:
 
         retry_call(once, url=url, policy=self.retry)
         self.cache.transfer.add_many(fetched=1, fetched_bytes=sink.written)
-        before = self._window.target
-        if self._window.finished(now=time.perf_counter(), received=self.cache.transfer.received()) != before:
-            with self._lock:
-                self._cond.notify_all()
-
-    def _advance(self, name: str) -> None:
-        """`name` is being acquired: it is no longer ahead.
-
-        Plan entries before it stay: a batch acquires the shards it touches in shard-id order, not in
-        first-use order, so acquiring the last shard of a window does not mean the window's other
-        shards were skipped (treating them as skipped left them to one demand fetch after another).
-        """
-        self._ready.discard(name)
-        if name not in self._plan_pos:
-            return
-        self._taken.add(name)
-        while self._plan and self._plan[0] in self._taken:
-            self._plan.popleft()
-
-    def _start_threads(self) -> None:
-        self._threads = [t for t in self._threads if t.is_alive()]
-        while len(self._threads) < self.fetch_threads:
-            t = threading.Thread(target=self._prefetch_loop, name="fastload-prefetch", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _next_job(self) -> str | None:
-        while not self._stop.is_set():
-            with self._lock:
-                room = len(self._inflight) + self._demand < self._window.target
-                if room and self._plan and len(self._ready) + len(self._inflight) < self.prefetch_depth:
-                    name = self._plan.popleft()
-                    if name in self._ready or name in self._inflight or name in self._taken:
-                        continue
-                    self._inflight.add(name)
-                    return name
-                self._cond.wait(timeout=0.1)
-                full = bool(self._plan) and bool(self._ready)
-            if full:
-                self._forget_consumed()
-        return None
-
-    def _forget_consumed(self) -> None:
-        """Prefetched shards another process (a loader worker) acquired, or that were evicted, are not ahead now."""
-        soft = self.cache.soft_keys()
-        with self._lock:
-            gone = {n for n in self._ready if self._keys.get(n) not in soft}
-            if gone:
-                self._ready -= gone
-                self._cond.notify_all()
-
-    def _prefetch_loop(self) -> None:
-        while (name := self._next_job()) is not None:
-            size, xxh3 = self._sizes[name]
-            key = self._key(name, size, xxh3)
-            ok = False
-            try:
-                with self._lock:
-                    self._keys.setdefault(name, key)
-                ok = self.cache.prefetch(
-                    key, size=size, xxh3=xxh3, fetch=partial(self._fetch, name), where=f"{self.url}/{name}"
-                )
-            except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
-                log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)
-                ok = True  # do not retry it in a loop; acquire will fetch and raise
-            finally:
-                with self._lock:
-                    self._inflight.discard(name)
-                    if ok and name in self._plan_pos:
-                        self.cache.transfer.add("prefetched", 1)
-                        if name not in self._taken:  # else acquired while this thread fetched or waited for it
-                            self._ready.add(name)
-                    elif not ok and name in self._plan_pos and name not in self._taken:
-                        self._plan.appendleft(name)  # no room now: try again after a release
-                        self._cond.wait(timeout=0.2)
-                    self._cond.notify_all()
+        self.planner.finished()

@@ -276,7 +276,14 @@ def test_missing_object_and_bad_names_are_not_retried(remote, proxy, tmp_path):
     assert sum(proxy.counts.values()) <= 3  # no retry loop on a 404
 
 
+def _prefetch_threads() -> set:
+    import threading
+
+    return {t for t in threading.enumerate() if t.name == "fastload-prefetch" and t.is_alive()}
+
+
 def test_prefetch_fetches_ahead_within_depth(remote, local_ds, proxy, tmp_path):
+    before = _prefetch_threads()
     ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", prefetch_depth=3)
     st: RemoteStorage = ds.storage
     names = shard_names(ds, list(range(ds.num_shards)))
@@ -293,7 +300,9 @@ def test_prefetch_fetches_ahead_within_depth(remote, local_ds, proxy, tmp_path):
         time.sleep(0.02)
     assert shard_gets(proxy) == 4  # the window slid by one
     st.release(names[0])
+    assert _prefetch_threads() - before  # running until close
     st.close()
+    assert _prefetch_threads() <= before  # every prefetch thread of this storage ended
 
 
 def test_memory_filesystem(local_ds, tmp_path):
