@@ -16,13 +16,14 @@ A server that accepts connections and never answers, or one that is gone, theref
 from __future__ import annotations
 
 import os
+import threading
 import time
+import weakref
 from typing import Any, Self
 
 import fsspec
 import xxhash
 from fsspec.asyn import AsyncFileSystem
-from fsspec.asyn import sync as fsspec_sync
 
 from .cache import CacheBudgetError, Download, ShardCache
 from .formats.errors import FormatError
@@ -30,6 +31,7 @@ from .formats.forksafe import reset_in_child
 from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from .formats.units import format_size
 from .get_window import GetWindow
+from .receive_loops import ReceiveLoops
 from .remote_get import (
     CONNECT_TIMEOUT_S,
     PART_BYTES,
@@ -82,7 +84,9 @@ class RemoteStorage:
     cache budget holds next to two shards) and chooses how many to run from measured throughput
     (`GetWindow`: from 2, doubled while that raises the throughput by 15%; `stats()` reports
     `remote_gets_target` and the throughput at each count tried); `prefetch_depth=None` is twice
-    the bound.
+    the bound. `receive_loops` (default: `fetch_threads`, at most 4) private event loops, each in its
+    own thread with its own async file system, receive the GETs (`ReceiveLoops`), so that bodies of
+    different shards are received, written and hashed on different cores.
     Shards larger than `4 x part_bytes` (16 MiB by default; 0/None: never) are fetched as ranged
     GETs of `part_bytes`, `PARTS_IN_FLIGHT` (4) at a time, written at their offsets and hashed in
     file order as they become contiguous; a store that ignores `Range` (a part of the wrong length)
@@ -113,6 +117,7 @@ class RemoteStorage:
         max_open_shards: int | None = None,
         prefetch_depth: int | None = None,
         fetch_threads: int | None = None,
+        receive_loops: int | None = None,
         part_bytes: int | None = PART_BYTES,
         retry: RetryPolicy | None = None,
         verify: str = "once",
@@ -140,6 +145,7 @@ class RemoteStorage:
         gets = gets_in_flight(self._biggest, self.cache.limit) if fetch_threads is None else int(fetch_threads)
         self.fetch_threads = max(1, gets)
         self._adaptive = fetch_threads is None
+        self.receive_loops = max(1, int(min(4, self.fetch_threads) if receive_loops is None else receive_loops))
         self.prefetch_depth = max(0, int(2 * self.fetch_threads if prefetch_depth is None else prefetch_depth))
 
     def _check_budget(self, manifest: Manifest, max_open_shards: int | None) -> int:
@@ -180,6 +186,7 @@ class RemoteStorage:
             "prefetch_depth",
             "fetch_threads",
             "_adaptive",
+            "receive_loops",
             "part_bytes",
             "cache",
             "_id",
@@ -201,6 +208,9 @@ class RemoteStorage:
         self._fs: Any = None
         self._fs_root = ""
         self._planner: PrefetchPlan | None = None
+        self._receivers: ReceiveLoops | None = None
+        self._receivers_final: Any = None
+        self._receive_lock = threading.Lock()
         self._manifest_cache: dict[str, tuple[int, str]] | None = None
         self._stream_ok = True
         self._ranges_ok = True
@@ -219,6 +229,7 @@ class RemoteStorage:
             window = GetWindow(floor=2, ceiling=self.fetch_threads, adaptive=self._adaptive)
             self._planner = PrefetchPlan(cache=self.cache, fetch=self._fetch, key_of=self._key, url=self.url,
                                          threads=self.fetch_threads, depth=self.prefetch_depth, window=window)
+            weakref.finalize(self, self._planner.stop)  # dropped without close(): the threads end
         return self._planner
 
     @property
@@ -354,6 +365,9 @@ class RemoteStorage:
             return
         if self._planner is not None:
             self._planner.close()
+        if self._receivers_final is not None:
+            self._receivers_final()  # closes the receive loops' sessions, stops and joins their threads
+            self._receivers = self._receivers_final = None
         self.cache.unsoft()
 
     def __enter__(self) -> Self:
@@ -369,34 +383,53 @@ class RemoteStorage:
             self._manifest_cache = {s.file: (s.bytes, s.xxh3) for s in m.shards}
         return self._manifest_cache
 
+    def _receivers_now(self) -> ReceiveLoops | None:
+        """This process's `ReceiveLoops` (built on first use; closed by `close` or when this object is
+        collected), or None when the file system is not async (it is read with `cat_file` then)."""
+        fs = self.fs
+        if not (isinstance(fs, AsyncFileSystem) and getattr(fs, "async_impl", False)):
+            return None
+        with self._receive_lock:
+            if self._receivers is None:
+                loops = ReceiveLoops(url=self.url, storage_options=self.storage_options, count=self.receive_loops)
+                self._receivers, self._receivers_final = loops, weakref.finalize(self, loops.close)
+            return self._receivers
+
     def _get_into(self, rpath: str, sink: Download) -> None:
         """One whole-object GET of `rpath` into `sink`.
 
-        On async file systems that stream a response (s3fs, http) the body goes to `sink` in
-        `STREAM_CHUNK` pieces as it arrives, written and hashed by the event loop thread itself (a
-        page-cache write of 256 KB takes tens of microseconds): each byte is copied once into the
-        cache file and hashed once, no whole-object buffer is built, and no HEAD request precedes the
-        GET (`cat_file` on s3fs sends one). Elsewhere `cat_file` returns the object, written in one piece.
+        On async file systems (s3fs, gcsfs, http) the GET runs on one of this process's
+        `receive_loops` private event loops, and when it streams a response (s3fs, http) the body
+        goes to `sink` in `STREAM_CHUNK` pieces as it arrives, written and hashed by that loop's
+        thread: each byte is copied once into the cache file and hashed once, no whole-object buffer
+        is built, and no HEAD request precedes the GET (`cat_file` on s3fs sends one). Shards over
+        `4 x part_bytes` come in ranged GETs. Elsewhere `cat_file` returns the object, written in one piece.
         """
-        fs = self.fs
         stats = self.cache.transfer
         stats.add("requests", 1)
+        loops = self._receivers_now()
+        if loops is None:
+            t0 = time.perf_counter()
+            data = self.fs.cat_file(rpath)
+            stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
+            sink.write(data)
+            return
         size = getattr(sink, "size", 0)
-        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok and takes_ranges(fs):
+        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok and takes_ranges(self.fs):
             try:
-                fsspec_sync(fs.loop, ranged_into, fs, rpath, sink, self.part_bytes, stats)
+                loops.run(ranged_into, rpath, sink, self.part_bytes, stats)
                 return
             except NoRanges:
                 self._ranges_ok = False  # whole-object GETs from now on
                 sink.reset()
-        if self._stream_ok and isinstance(fs, AsyncFileSystem) and getattr(fs, "loop", None) is not None:
+        if self._stream_ok:
             try:
-                fsspec_sync(fs.loop, stream_into, fs, rpath, sink, STREAM_CHUNK, stats)
+                loops.run(stream_into, rpath, sink, STREAM_CHUNK, stats)
                 return
             except (NotImplementedError, NoStream):
                 self._stream_ok = False  # this file system cannot stream (nothing was written): cat_file from now on
         t0 = time.perf_counter()
-        data = fs.cat_file(rpath)
+        data = loops.run(lambda fs, path: fs._cat_file(path), rpath)
         stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
         sink.write(data)
 

@@ -6,7 +6,9 @@ entries, keeping at most `depth` shards fetched-but-not-acquired or in flight, a
 `GetWindow.target` GETs in flight (a reader's own fetch counts as one). Acquiring a shard takes
 it off the plan; a plan entry already acquired is skipped.
 
-One object per storage and process; every field changes under `lock`.
+One object per storage and process; every field changes under `lock`. The threads hold the
+storage's `fetch` and `key_of` weakly: a storage dropped without `close` is collected, and its
+finalizer (`stop`) ends them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +45,8 @@ class PrefetchPlan:
         depth: int,
         window: GetWindow,
     ) -> None:
-        self.cache, self.fetch, self.key_of, self.url = cache, fetch, key_of, url
+        self.cache, self.url = cache, url
+        self._fetch_ref, self._key_ref = weakref.WeakMethod(fetch), weakref.WeakMethod(key_of)
         self.threads, self.depth, self.window = threads, depth, window
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
@@ -128,12 +132,17 @@ class PrefetchPlan:
             with self.lock:
                 self._cond.notify_all()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the prefetch threads (each ends after its current fetch) and wait up to `timeout` for each."""
+    def stop(self) -> None:
+        """Tell the prefetch threads to end (each after its current fetch); does not wait for them."""
         self._stop.set()
         with self.lock:
             self._plan.clear()
             self._cond.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """`stop`, then wait up to `timeout` for each prefetch thread."""
+        self.stop()
+        with self.lock:
             workers = list(self._workers)
         for t in workers:
             t.join(timeout=timeout)
@@ -173,19 +182,27 @@ class PrefetchPlan:
 
     def _loop(self) -> None:
         while (name := self._next_job()) is not None:
-            with self.lock:
-                size, xxh3 = self._sizes[name]
-                key = self.keys.setdefault(name, self.key_of(name, size, xxh3))
-            ok = False
-            try:
-                ok = self.cache.prefetch(
-                    key, size=size, xxh3=xxh3, fetch=partial(self.fetch, name), where=f"{self.url}/{name}"
-                )
-            except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
-                log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)
-                ok = True  # do not retry it in a loop; acquire will fetch and raise
-            finally:
-                self._done(name, ok)
+            if not self._prefetch_one(name):
+                return
+
+    def _prefetch_one(self, name: str) -> bool:
+        """Prefetch `name`; False when the storage is gone (strong references live only in this call)."""
+        fetch, key_of = self._fetch_ref(), self._key_ref()
+        if fetch is None or key_of is None:
+            self._done(name, True)
+            return False
+        with self.lock:
+            size, xxh3 = self._sizes[name]
+            key = self.keys.setdefault(name, key_of(name, size, xxh3))
+        ok = False
+        try:
+            ok = self.cache.prefetch(key, size=size, xxh3=xxh3, fetch=partial(fetch, name), where=f"{self.url}/{name}")
+        except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
+            log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)
+            ok = True  # do not retry it in a loop; acquire will fetch and raise
+        finally:
+            self._done(name, ok)
+        return True
 
     def _done(self, name: str, ok: bool) -> None:
         with self.lock:

@@ -38,6 +38,7 @@ def served(tmp_path):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monkeypatch):
     url, n = served
+    before = _threads()
     unraisable: list[str] = []  # a warning raised inside __del__ (an un-awaited close) lands here
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(f"{u.exc_value!r} in {u.object!r}"))
     with warnings.catch_warnings():
@@ -62,9 +63,17 @@ def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monk
                 assert st[f"remote_{k}"] > 0, k
             if epoch == 0:  # no sampler handed a plan over: the storage read ahead in manifest order
                 assert st["remote_prefetched"] > 0 and st["remote_gets_in_flight_max"] > 1
-        del ds
+        del ds, loader
         gc.collect()
     assert unraisable == []
+    assert _threads() <= before  # a storage dropped without close() ends its receive loops when collected
+
+
+def _threads() -> set:
+    """Live receive-loop and prefetch threads."""
+    import threading
+
+    return {t for t in threading.enumerate() if t.name in ("fastload-receive", "fastload-prefetch") and t.is_alive()}
 
 
 def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
@@ -98,7 +107,9 @@ def _ranged_epoch(url: str, cache_dir: str, n: int) -> dict:
     for s in ds.manifest.shards:  # every cached file equals the source byte for byte (xxh3 checked on acquire)
         assert st.cache.contains(st._key(s.file, s.bytes, s.xxh3))
     stats = st.stats()
+    before = _threads()
     st.close()
+    assert before and not _threads()  # close() ended this storage's receive loops and prefetch threads
     return stats
 
 
