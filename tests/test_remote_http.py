@@ -92,6 +92,8 @@ def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
     assert set(res["rows"]) == {"raw", "w0 shuffled cold", "w0 shuffled warm", "w0 sequential cold",
                                 "w0 sequential warm"}
     assert all(len(v) == 1 and v[0] > 0 for v in res["rows"].values())
+    assert set(res["cpu_s_per_GB"]) == {"raw", "w0 shuffled cold", "w0 sequential cold"}
+    assert all(v[0] > 0 for v in res["cpu_s_per_GB"].values())
     cold = res["stages"]["w0 shuffled cold"][0]
     assert cold["receive_s"] > 0 and cold["write_s"] > 0 and cold["gets_in_flight_mean"] >= 1
 

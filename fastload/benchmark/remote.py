@@ -10,8 +10,10 @@ For a fastload dataset at any fsspec URL, measured in one run, interleaved per r
 
 for `num_workers` in `workers` (thread workers) and two orders: shuffled (`ShardWindowSampler`,
 `window` shards at a time) and sequential. Each cold row carries the `remote_*` stage timings its
-epoch added to `loader.stats()`. Every epoch reads the whole dataset: point it at a small one
-(a few hundred MB). `watch_pids`: processes (a local server) whose CPU share is reported.
+epoch added to `loader.stats()`, and each raw and cold pass the CPU seconds per GB this process spent
+(all its threads: a cost that the machine's load changes far less than it changes wall time).
+Every epoch reads the whole dataset: point it at a small one (a few hundred MB). `watch_pids`:
+processes (a local server) whose CPU share is reported.
 """
 
 from __future__ import annotations
@@ -109,8 +111,9 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
         raise RuntimeError(f"epoch saw {n} samples, the dataset has {len(ds)}")
     after = loader.stats()
     stages = {k: after[f"remote_{k}"] - before[f"remote_{k}"] for k in STAGES if f"remote_{k}" in after}
-    if "remote_gets_in_flight_mean" in after:
-        stages["gets_in_flight_mean"] = after["remote_gets_in_flight_mean"]
+    for k in ("gets_in_flight_mean", "gets_target"):  # the GETs in flight, and how many the window chose
+        if f"remote_{k}" in after:
+            stages[k] = after[f"remote_{k}"]
     loader.close()
     return took, stages
 
@@ -154,6 +157,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
 
     work = tempfile.mkdtemp(prefix="fastload-bench-remote-", dir=workdir)
     rows: dict[str, list[float]] = {}
+    cost: dict[str, list[float]] = {}  # raw and cold rows: this process's CPU seconds per GB
     stages: dict[str, list[dict]] = {}
     shares: list[float] = []
     try:
@@ -165,16 +169,20 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
         local_ds = FastloadDataset(local) if local else None
         for r in range(rounds):
             cpu = _Cpu(watch_pids) if watch_pids else None
+            c0 = time.process_time()
             rows.setdefault("raw", []).append(
                 raw_pipeline(url, shards, os.path.join(work, "raw"), threads=threads, storage_options=storage_options)
             )
+            cost.setdefault("raw", []).append((time.process_time() - c0) / (nbytes / 1e9))
             for w in workers:
                 for shuffled in (True, False):
                     key = f"w{w} {'shuffled' if shuffled else 'sequential'}"
                     cache = os.path.join(work, f"cache-{r}-{w}-{int(shuffled)}")
                     ds = open_dataset(url, storage_options=storage_options, cache_dir=cache, cache_limit=2 * nbytes)
                     args = {"shuffled": shuffled, "workers": w, "batch_size": batch_size, "window": window}
+                    c0 = time.process_time()
                     cold, st = _epoch(ds, seed=r, **args)
+                    cost.setdefault(f"{key} cold", []).append((time.process_time() - c0) / (nbytes / 1e9))
                     warm, _ = _epoch(ds, seed=r + 1, **args)
                     rows.setdefault(f"{key} cold", []).append(nbytes / cold)
                     rows.setdefault(f"{key} warm", []).append(nbytes / warm)
@@ -189,7 +197,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"url": url, "bytes": nbytes, "shards": len(shards), "rounds": rounds, "threads": threads,
-            "rows": rows, "stages": stages, "server_cpu_share": shares}
+            "rows": rows, "cpu_s_per_GB": cost, "stages": stages, "server_cpu_share": shares}
 
 
 def _med(v: list[float]) -> float:
@@ -213,6 +221,9 @@ def format_remote(res: dict[str, Any]) -> str:
         if runs and runs[0]:
             keys = list(runs[0])
             lines.append(f"stages {k}: " + " ".join(f"{s}={_med([x[s] for x in runs]):.2f}" for s in keys))
+    if res.get("cpu_s_per_GB"):
+        lines.append("CPU s/GB of this process: " + " ".join(
+            f"{k}={_med(v):.2f}" for k, v in res["cpu_s_per_GB"].items()))
     if res["server_cpu_share"]:
         sh = res["server_cpu_share"]
         lines.append(f"server CPU share of the cores per round: {' '.join(f'{100 * s:.1f}%' for s in sh)}")
