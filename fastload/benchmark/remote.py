@@ -94,7 +94,8 @@ def raw_pipeline(url: str, shards: list[Any], out_dir: str, *, threads: int = 8,
 
 
 def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: int, seed: int) -> tuple[float, dict]:
-    """Seconds for one epoch over `ds` and the `remote_*` stage seconds it added to `loader.stats()`."""
+    """Seconds for one epoch over `ds` and the `remote_*` stage seconds it added to `loader.stats()`
+    (with `cpu_s`: this process's CPU seconds over the epoch, imports and loader set-up excluded)."""
     from fastload.loader import Loader
     from fastload.shard_shuffle import ShardWindowSampler
 
@@ -102,15 +103,16 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
     loader = Loader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, worker_type="thread")
     storage = getattr(ds, "storage", None)
     before = storage.stats() if callable(getattr(storage, "stats", None)) else {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for batch in loader:
         n += len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
-    took = time.perf_counter() - t0
+    took, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     if n != len(ds):
         raise RuntimeError(f"epoch saw {n} samples, the dataset has {len(ds)}")
     after = loader.stats()
     stages = {k: after[f"remote_{k}"] - before[f"remote_{k}"] for k in STAGES if f"remote_{k}" in after}
+    stages["cpu_s"] = cpu_s
     for k in ("gets_in_flight_mean", "gets_target"):  # the GETs in flight, and how many the window chose
         if f"remote_{k}" in after:
             stages[k] = after[f"remote_{k}"]
@@ -180,9 +182,8 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
                     cache = os.path.join(work, f"cache-{r}-{w}-{int(shuffled)}")
                     ds = open_dataset(url, storage_options=storage_options, cache_dir=cache, cache_limit=2 * nbytes)
                     args = {"shuffled": shuffled, "workers": w, "batch_size": batch_size, "window": window}
-                    c0 = time.process_time()
                     cold, st = _epoch(ds, seed=r, **args)
-                    cost.setdefault(f"{key} cold", []).append((time.process_time() - c0) / (nbytes / 1e9))
+                    cost.setdefault(f"{key} cold", []).append(st.pop("cpu_s") / (nbytes / 1e9))
                     warm, _ = _epoch(ds, seed=r + 1, **args)
                     rows.setdefault(f"{key} cold", []).append(nbytes / cold)
                     rows.setdefault(f"{key} warm", []).append(nbytes / warm)
