@@ -15,24 +15,23 @@ A server that accepts connections and never answers, or one that is gone, theref
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
-from collections import deque
-from functools import partial
+import weakref
 from typing import Any, Self
 
 import fsspec
 import xxhash
 from fsspec.asyn import AsyncFileSystem
-from fsspec.asyn import sync as fsspec_sync
 
 from .cache import CacheBudgetError, Download, ShardCache
 from .formats.errors import FormatError
 from .formats.forksafe import reset_in_child
 from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from .formats.units import format_size
+from .get_window import GetWindow
+from .receive_loops import ReceiveLoops
 from .remote_get import (
     CONNECT_TIMEOUT_S,
     PART_BYTES,
@@ -46,6 +45,7 @@ from .remote_get import (
     stream_into,
     takes_ranges,
 )
+from .remote_plan import PrefetchPlan
 from .retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
 
 __all__ = [
@@ -58,9 +58,6 @@ __all__ = [
     "is_transient",
     "network_options",
 ]
-
-log = logging.getLogger(__name__)
-
 
 def _exact(nbytes: int) -> str:
     """A budget to recommend: exact bytes (a rounded size could fall short), with the readable size."""
@@ -79,11 +76,17 @@ class RemoteStorage:
     swaps, so `cache_limit` must hold `max_open_shards + 1` of the largest shard (checked here,
     `CacheBudgetError` otherwise). When None it is chosen from the budget (at most 64).
     `prefetch(names)` hands over the upcoming shard order; `prefetch_depth` shards are kept
-    fetched ahead of the last acquired one by `fetch_threads` threads (one whole-shard GET in flight
-    each). Until a plan is handed over, an acquire reads ahead in manifest order from the shard it
-    asked for (sequential readers then stream too). `fetch_threads=None` (default) chooses from the
-    shard size: enough GETs for `BYTES_IN_FLIGHT` (256 MiB) at once, 2 to `MAX_GETS` (16), and no
-    more than the cache budget holds next to two shards; `prefetch_depth=None` is twice that.
+    fetched ahead of the last acquired one by up to `fetch_threads` threads (one whole-shard GET in
+    flight each). Until a plan is handed over, an acquire reads ahead in manifest order from the shard
+    it asked for (sequential readers then stream too). `fetch_threads=N` keeps N GETs in flight (a
+    reader's own fetch counts as one). `fetch_threads=None` (default) bounds them from the shard size
+    (enough GETs for `BYTES_IN_FLIGHT` (256 MiB) at once, 2 to `MAX_GETS` (16), and no more than the
+    cache budget holds next to two shards) and chooses how many to run from measured throughput
+    (`GetWindow`: from 2, doubled while that raises the throughput by 15%; `stats()` reports
+    `remote_gets_target` and the throughput at each count tried); `prefetch_depth=None` is twice
+    the bound. `receive_loops` (default: `fetch_threads`, at most 4) private event loops, each in its
+    own thread with its own async file system, receive the GETs (`ReceiveLoops`), so that bodies of
+    different shards are received, written and hashed on different cores.
     Shards larger than `4 x part_bytes` (16 MiB by default; 0/None: never) are fetched as ranged
     GETs of `part_bytes`, `PARTS_IN_FLIGHT` (4) at a time, written at their offsets and hashed in
     file order as they become contiguous; a store that ignores `Range` (a part of the wrong length)
@@ -114,6 +117,7 @@ class RemoteStorage:
         max_open_shards: int | None = None,
         prefetch_depth: int | None = None,
         fetch_threads: int | None = None,
+        receive_loops: int | None = None,
         part_bytes: int | None = PART_BYTES,
         retry: RetryPolicy | None = None,
         verify: str = "once",
@@ -140,6 +144,8 @@ class RemoteStorage:
         self._num_shards = len(manifest.shards)
         gets = gets_in_flight(self._biggest, self.cache.limit) if fetch_threads is None else int(fetch_threads)
         self.fetch_threads = max(1, gets)
+        self._adaptive = fetch_threads is None
+        self.receive_loops = max(1, int(min(4, self.fetch_threads) if receive_loops is None else receive_loops))
         self.prefetch_depth = max(0, int(2 * self.fetch_threads if prefetch_depth is None else prefetch_depth))
 
     def _check_budget(self, manifest: Manifest, max_open_shards: int | None) -> int:
@@ -179,6 +185,8 @@ class RemoteStorage:
             "retry",
             "prefetch_depth",
             "fetch_threads",
+            "_adaptive",
+            "receive_loops",
             "part_bytes",
             "cache",
             "_id",
@@ -199,17 +207,10 @@ class RemoteStorage:
         self._pid = os.getpid()
         self._fs: Any = None
         self._fs_root = ""
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._keys: dict[str, str] = {}
-        self._plan: deque[str] = deque()
-        self._plan_pos: dict[str, int] = {}
-        self._ready: set[str] = set()  # prefetched, not acquired yet (soft pinned)
-        self._inflight: set[str] = set()
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
-        self._sizes: dict[str, tuple[int, str]] = {}
-        self._taken: set[str] = set()  # plan entries acquired since the plan was set
+        self._planner: PrefetchPlan | None = None
+        self._receivers: ReceiveLoops | None = None
+        self._receivers_final: Any = None
+        self._receive_lock = threading.Lock()
         self._manifest_cache: dict[str, tuple[int, str]] | None = None
         self._stream_ok = True
         self._ranges_ok = True
@@ -219,6 +220,17 @@ class RemoteStorage:
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
             self._reset_process_state()
+
+    @property
+    def planner(self) -> PrefetchPlan:
+        """This process's prefetch plan and threads (built on first use)."""
+        self._check_pid()
+        if self._planner is None:
+            window = GetWindow(floor=2, ceiling=self.fetch_threads, adaptive=self._adaptive)
+            self._planner = PrefetchPlan(cache=self.cache, fetch=self._fetch, key_of=self._key, url=self.url,
+                                         threads=self.fetch_threads, depth=self.prefetch_depth, window=window)
+            weakref.finalize(self, self._planner.stop)  # dropped without close(): the threads end
+        return self._planner
 
     @property
     def fs(self) -> Any:
@@ -286,15 +298,13 @@ class RemoteStorage:
         key = self._key(name, size, xxh3)
         if not self._explicit_plan and self.prefetch_depth:
             self._read_ahead(name)
-        with self._lock:
-            self._keys[name] = key
-            self._sizes[name] = (size, xxh3)
-            self._advance(name)
-            self._cond.notify_all()
+        planner = self.planner
+        planner.acquired(name, key, size, xxh3)
 
         def demand(sink: Download) -> None:
             self.cache.transfer.add("demand_fetches", 1)
-            self._fetch(name, sink)
+            with planner.demand():
+                self._fetch(name, sink)
 
         t0 = time.perf_counter()
         path = self.cache.acquire(key, size=size, xxh3=xxh3, fetch=demand, where=f"{self.url}/{name}")
@@ -306,9 +316,7 @@ class RemoteStorage:
     def release(self, name: str) -> None:
         """Unpin a shard returned by `acquire`."""
         self._check_pid()
-        with self._lock:
-            key = self._keys.get(name)
-            self._cond.notify_all()
+        key = self.planner.released(name)
         if key is not None:
             self.cache.release(key)
             if self._claimed and not self.cache.pinned_keys():  # idle now: its share is free for others
@@ -321,6 +329,7 @@ class RemoteStorage:
         self._check_pid()
         out = self.cache.stats()
         out["MBps"] = out["bytes"] / out["get_busy_s"] / 1e6 if out["get_busy_s"] > 0 else 0.0
+        out.update(self.planner.window.stats())
         return {f"remote_{k}": v for k, v in out.items()}
 
     def prefetch(self, names: list[str], *, sizes: dict[str, tuple[int, str]] | None = None) -> None:
@@ -335,9 +344,7 @@ class RemoteStorage:
     def _read_ahead(self, name: str) -> None:
         """No plan was handed over: plan the shards after `name` in manifest order, unless `name`
         is in the current read-ahead plan already (the reader is following it)."""
-        with self._lock:
-            following = name in self._plan_pos
-        if not following:
+        if not self.planner.following(name):
             order = list(self._manifest_sizes())
             if name in order:
                 self._set_plan(order[order.index(name) + 1 :])
@@ -350,38 +357,17 @@ class RemoteStorage:
             known = {**known, **sizes}
         for n in names:
             self.remote_path(n)
-        pinned = self.cache.pinned_keys()  # mapped by this process's reader already: nothing to fetch
-        with self._lock:
-            order: list[str] = []
-            seen: set[str] = set()
-            for n in names:
-                if self._keys.get(n) in pinned:
-                    continue
-                if n not in seen and n in known:
-                    seen.add(n)
-                    order.append(n)
-            self._sizes.update({n: known[n] for n in order})
-            stale = [n for n in self._ready if n not in seen]
-            self._ready -= set(stale)
-            self._plan = deque(order)
-            self._plan_pos = {n: i for i, n in enumerate(order)}
-            self._taken = set()
-            self._start_threads()
-            self._cond.notify_all()
-        if stale:
-            self.cache.unsoft([self._keys[n] for n in stale if n in self._keys])
+        self.planner.replace(names, known)
 
     def close(self) -> None:
         """Stop prefetch threads and drop soft pins (pins taken by `acquire` stay until `release`)."""
         if self._pid != os.getpid():
             return
-        self._stop.set()
-        with self._lock:
-            self._plan.clear()
-            self._cond.notify_all()
-            threads = list(self._threads)
-        for t in threads:
-            t.join(timeout=10)
+        if self._planner is not None:
+            self._planner.close()
+        if self._receivers_final is not None:
+            self._receivers_final()  # closes the receive loops' sessions, stops and joins their threads
+            self._receivers = self._receivers_final = None
         self.cache.unsoft()
 
     def __enter__(self) -> Self:
@@ -397,34 +383,53 @@ class RemoteStorage:
             self._manifest_cache = {s.file: (s.bytes, s.xxh3) for s in m.shards}
         return self._manifest_cache
 
+    def _receivers_now(self) -> ReceiveLoops | None:
+        """This process's `ReceiveLoops` (built on first use; closed by `close` or when this object is
+        collected), or None when the file system is not async (it is read with `cat_file` then)."""
+        fs = self.fs
+        if not (isinstance(fs, AsyncFileSystem) and getattr(fs, "async_impl", False)):
+            return None
+        with self._receive_lock:
+            if self._receivers is None:
+                loops = ReceiveLoops(url=self.url, storage_options=self.storage_options, count=self.receive_loops)
+                self._receivers, self._receivers_final = loops, weakref.finalize(self, loops.close)
+            return self._receivers
+
     def _get_into(self, rpath: str, sink: Download) -> None:
         """One whole-object GET of `rpath` into `sink`.
 
-        On async file systems that stream a response (s3fs, http) the body goes to `sink` in
-        `STREAM_CHUNK` pieces as it arrives, written and hashed by the event loop thread itself (a
-        page-cache write of 256 KB takes tens of microseconds): each byte is copied once into the
-        cache file and hashed once, no whole-object buffer is built, and no HEAD request precedes the
-        GET (`cat_file` on s3fs sends one). Elsewhere `cat_file` returns the object, written in one piece.
+        On async file systems (s3fs, gcsfs, http) the GET runs on one of this process's
+        `receive_loops` private event loops, and when it streams a response (s3fs, http) the body
+        goes to `sink` in `STREAM_CHUNK` pieces as it arrives, written and hashed by that loop's
+        thread: each byte is copied once into the cache file and hashed once, no whole-object buffer
+        is built, and no HEAD request precedes the GET (`cat_file` on s3fs sends one). Shards over
+        `4 x part_bytes` come in ranged GETs. Elsewhere `cat_file` returns the object, written in one piece.
         """
-        fs = self.fs
         stats = self.cache.transfer
         stats.add("requests", 1)
+        loops = self._receivers_now()
+        if loops is None:
+            t0 = time.perf_counter()
+            data = self.fs.cat_file(rpath)
+            stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
+            sink.write(data)
+            return
         size = getattr(sink, "size", 0)
-        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok and takes_ranges(fs):
+        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok and takes_ranges(self.fs):
             try:
-                fsspec_sync(fs.loop, ranged_into, fs, rpath, sink, self.part_bytes, stats)
+                loops.run(ranged_into, rpath, sink, self.part_bytes, stats)
                 return
             except NoRanges:
                 self._ranges_ok = False  # whole-object GETs from now on
                 sink.reset()
-        if self._stream_ok and isinstance(fs, AsyncFileSystem) and getattr(fs, "loop", None) is not None:
+        if self._stream_ok:
             try:
-                fsspec_sync(fs.loop, stream_into, fs, rpath, sink, STREAM_CHUNK, stats)
+                loops.run(stream_into, rpath, sink, STREAM_CHUNK, stats)
                 return
             except (NotImplementedError, NoStream):
                 self._stream_ok = False  # this file system cannot stream (nothing was written): cat_file from now on
         t0 = time.perf_counter()
-        data = fs.cat_file(rpath)
+        data = loops.run(lambda fs, path: fs._cat_file(path), rpath)
         stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
         sink.write(data)
 
@@ -445,74 +450,4 @@ class RemoteStorage:
 
         retry_call(once, url=url, policy=self.retry)
         self.cache.transfer.add_many(fetched=1, fetched_bytes=sink.written)
-
-    def _advance(self, name: str) -> None:
-        """`name` is being acquired: it is no longer ahead.
-
-        Plan entries before it stay: a batch acquires the shards it touches in shard-id order, not in
-        first-use order, so acquiring the last shard of a window does not mean the window's other
-        shards were skipped (treating them as skipped left them to one demand fetch after another).
-        """
-        self._ready.discard(name)
-        if name not in self._plan_pos:
-            return
-        self._taken.add(name)
-        while self._plan and self._plan[0] in self._taken:
-            self._plan.popleft()
-
-    def _start_threads(self) -> None:
-        self._threads = [t for t in self._threads if t.is_alive()]
-        while len(self._threads) < self.fetch_threads:
-            t = threading.Thread(target=self._prefetch_loop, name="fastload-prefetch", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _next_job(self) -> str | None:
-        while not self._stop.is_set():
-            with self._lock:
-                if self._plan and len(self._ready) + len(self._inflight) < self.prefetch_depth:
-                    name = self._plan.popleft()
-                    if name in self._ready or name in self._inflight or name in self._taken:
-                        continue
-                    self._inflight.add(name)
-                    return name
-                self._cond.wait(timeout=0.1)
-                full = bool(self._plan) and bool(self._ready)
-            if full:
-                self._forget_consumed()
-        return None
-
-    def _forget_consumed(self) -> None:
-        """Prefetched shards another process (a loader worker) acquired, or that were evicted, are not ahead now."""
-        soft = self.cache.soft_keys()
-        with self._lock:
-            gone = {n for n in self._ready if self._keys.get(n) not in soft}
-            if gone:
-                self._ready -= gone
-                self._cond.notify_all()
-
-    def _prefetch_loop(self) -> None:
-        while (name := self._next_job()) is not None:
-            size, xxh3 = self._sizes[name]
-            key = self._key(name, size, xxh3)
-            ok = False
-            try:
-                with self._lock:
-                    self._keys.setdefault(name, key)
-                ok = self.cache.prefetch(
-                    key, size=size, xxh3=xxh3, fetch=partial(self._fetch, name), where=f"{self.url}/{name}"
-                )
-            except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
-                log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)
-                ok = True  # do not retry it in a loop; acquire will fetch and raise
-            finally:
-                with self._lock:
-                    self._inflight.discard(name)
-                    if ok and name in self._plan_pos:
-                        self.cache.transfer.add("prefetched", 1)
-                        if name not in self._taken:  # else acquired while this thread fetched or waited for it
-                            self._ready.add(name)
-                    elif not ok and name in self._plan_pos and name not in self._taken:
-                        self._plan.appendleft(name)  # no room now: try again after a release
-                        self._cond.wait(timeout=0.2)
-                    self._cond.notify_all()
+        self.planner.finished()

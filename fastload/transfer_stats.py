@@ -63,6 +63,11 @@ class TransferStats:
             for name, value in values.items():
                 self._vals[name] += value
 
+    def received(self) -> int:
+        """Body bytes received so far (`bytes`, counted as they arrive)."""
+        with self._lock:
+            return int(self._vals["bytes"])
+
     def _tick(self, now: float) -> None:
         if self._gets:
             self._area += self._gets * (now - self._since)

@@ -38,6 +38,7 @@ def served(tmp_path):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monkeypatch):
     url, n = served
+    before = _threads()
     unraisable: list[str] = []  # a warning raised inside __del__ (an un-awaited close) lands here
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(f"{u.exc_value!r} in {u.object!r}"))
     with warnings.catch_warnings():
@@ -57,13 +58,22 @@ def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monk
             assert st["remote_fetched"] == ds.num_shards and st["remote_fetched_bytes"] == total
             assert st["remote_bytes"] == total and st["remote_requests"] == ds.num_shards
             assert st["remote_fsync_s"] == 0 and st["remote_gets_in_flight_max"] >= 1
+            assert 1 <= st["remote_gets_target"] <= ds.storage.fetch_threads  # the GET count it chose
             for k in ("request_s", "receive_s", "write_s", "verify_s", "commit_s", "get_busy_s"):
                 assert st[f"remote_{k}"] > 0, k
             if epoch == 0:  # no sampler handed a plan over: the storage read ahead in manifest order
                 assert st["remote_prefetched"] > 0 and st["remote_gets_in_flight_max"] > 1
-        del ds
+        del ds, loader
         gc.collect()
     assert unraisable == []
+    assert _threads() <= before  # a storage dropped without close() ends its receive loops when collected
+
+
+def _threads() -> set:
+    """Live receive-loop and prefetch threads."""
+    import threading
+
+    return {t for t in threading.enumerate() if t.name in ("fastload-receive", "fastload-prefetch") and t.is_alive()}
 
 
 def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
@@ -82,6 +92,8 @@ def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
     assert set(res["rows"]) == {"raw", "w0 shuffled cold", "w0 shuffled warm", "w0 sequential cold",
                                 "w0 sequential warm"}
     assert all(len(v) == 1 and v[0] > 0 for v in res["rows"].values())
+    assert set(res["cpu_s_per_GB"]) == {"raw", "w0 shuffled cold", "w0 sequential cold"}
+    assert all(v[0] > 0 for v in res["cpu_s_per_GB"].values())
     cold = res["stages"]["w0 shuffled cold"][0]
     assert cold["receive_s"] > 0 and cold["write_s"] > 0 and cold["gets_in_flight_mean"] >= 1
 
@@ -97,7 +109,9 @@ def _ranged_epoch(url: str, cache_dir: str, n: int) -> dict:
     for s in ds.manifest.shards:  # every cached file equals the source byte for byte (xxh3 checked on acquire)
         assert st.cache.contains(st._key(s.file, s.bytes, s.xxh3))
     stats = st.stats()
+    before = _threads()
     st.close()
+    assert before and not _threads()  # close() ended this storage's receive loops and prefetch threads
     return stats
 
 

@@ -276,7 +276,12 @@ def test_missing_object_and_bad_names_are_not_retried(remote, proxy, tmp_path):
     assert sum(proxy.counts.values()) <= 3  # no retry loop on a 404
 
 
+def _threads(name: str) -> set:
+    return {t for t in threading.enumerate() if t.name == name and t.is_alive()}
+
+
 def test_prefetch_fetches_ahead_within_depth(remote, local_ds, proxy, tmp_path):
+    before = _threads("fastload-prefetch")
     ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", prefetch_depth=3)
     st: RemoteStorage = ds.storage
     names = shard_names(ds, list(range(ds.num_shards)))
@@ -293,7 +298,9 @@ def test_prefetch_fetches_ahead_within_depth(remote, local_ds, proxy, tmp_path):
         time.sleep(0.02)
     assert shard_gets(proxy) == 4  # the window slid by one
     st.release(names[0])
+    assert _threads("fastload-prefetch") - before  # running until close
     st.close()
+    assert _threads("fastload-prefetch") <= before  # every prefetch thread of this storage ended
 
 
 def test_memory_filesystem(local_ds, tmp_path):
@@ -359,19 +366,19 @@ def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the
     from fastload.formats import ChecksumError
 
     monkeypatch.setattr(remote_mod, "STREAM_CHUNK", 16 << 10)
+    before = _threads("fastload-receive")
     ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB")
     st: RemoteStorage = ds.storage
     info = ds.manifest.shards[0]
-    loop_thread = getattr(st.fs.loop, "_thread_id", None)  # asyncio sets it while the loop runs
 
     class Sink:
         def __init__(self, fail_after: int | None = None) -> None:
             self.parts: list[bytes] = []
-            self.threads: set[int | None] = set()
+            self.threads: set[str] = set()
             self.fail_after = fail_after
 
         def write(self, b: bytes) -> None:
-            self.threads.add(threading.get_ident())
+            self.threads.add(threading.current_thread().name)
             self.parts.append(bytes(b))
             if self.fail_after is not None and len(self.parts) >= self.fail_after:
                 raise ChecksumError("more bytes than the manifest records")
@@ -381,9 +388,7 @@ def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the
     with open(os.path.join(local_ds, info.file), "rb") as fh:
         assert b"".join(sink.parts) == fh.read()
     assert len(sink.parts) >= info.bytes // (16 << 10)  # streamed in pieces, not one buffer
-    assert len(sink.threads) == 1 and threading.get_ident() not in sink.threads  # written by the loop thread
-    if loop_thread is not None:
-        assert sink.threads == {loop_thread}
+    assert sink.threads == {"fastload-receive"}  # written by a receive loop's thread, not the caller
     assert st._stream_ok and shard_gets(proxy) == 1
     # an error raised by a write reaches the caller and the half-read response is dropped
     with pytest.raises(ChecksumError):
@@ -392,6 +397,8 @@ def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the
     st._get_into(st.remote_path(info.file), full)  # the connection pool still works
     assert sum(map(len, full.parts)) == info.bytes
     ds.close()
+    st.close()
+    assert _threads("fastload-receive") <= before  # this storage's receive loops ended
 
 
 # -- budget: bytes on disk, readers sharing one cache --------------------------------------------------

@@ -43,3 +43,36 @@ def test_in_flight_gauge_mean_and_max():
     assert snap["remote_get_busy_s"] >= 0.05 and snap["remote_write_s"] == 0.5 and snap["remote_bytes"] == 20
     st.reset()
     assert st.snapshot()["gets_in_flight_max"] == 0 and st.snapshot()["bytes"] == 0
+
+
+def _drive(window, rate_at) -> list[int]:
+    """Finish GETs one after another, each turn receiving `rate_at(target)` bytes/s; the targets seen."""
+    now, received, seen = 0.0, 0, []
+    for _ in range(60):
+        now += 0.1
+        received += int(rate_at(window.target) * 0.1)
+        seen.append(window.finished(now=now, received=received))
+    return seen
+
+
+def test_get_window_doubles_while_it_pays_then_undoes_the_step_that_did_not():
+    from fastload.get_window import GetWindow
+
+    w = GetWindow(floor=2, ceiling=16)
+    seen = _drive(w, lambda k: min(k, 4) * 100e6)  # each GET 100 MB/s, the link full at 4
+    assert seen[0] == 2 and 4 in seen and 8 in seen and seen[-1] == 4 and w.settled
+    st = w.stats()
+    assert st["gets_target"] == 4 and st["gets_settled"] == 1
+    assert [round(st[f"gets_MBps_at_{k}"]) for k in (2, 4, 8)] == [200, 400, 400]
+
+
+def test_get_window_stays_at_two_on_a_full_link_and_climbs_to_the_ceiling_on_a_slow_store():
+    from fastload.get_window import GetWindow
+
+    lan = GetWindow(floor=2, ceiling=16)
+    assert set(_drive(lan, lambda k: 1e9)) == {2, 4} and lan.target == 2 and lan.settled
+    store = GetWindow(floor=2, ceiling=16)
+    assert _drive(store, lambda k: k * 50e6)[-1] == 16 and store.settled  # 50 MB/s per GET, never full
+    assert GetWindow(floor=2, ceiling=1).target == 1  # the cache budget's bound wins
+    fixed = GetWindow(floor=2, ceiling=6, adaptive=False)  # `fetch_threads=6`: six, no search
+    assert set(_drive(fixed, lambda k: 1e9)) == {6} and fixed.stats()["gets_target"] == 6

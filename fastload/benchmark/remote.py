@@ -10,8 +10,10 @@ For a fastload dataset at any fsspec URL, measured in one run, interleaved per r
 
 for `num_workers` in `workers` (thread workers) and two orders: shuffled (`ShardWindowSampler`,
 `window` shards at a time) and sequential. Each cold row carries the `remote_*` stage timings its
-epoch added to `loader.stats()`. Every epoch reads the whole dataset: point it at a small one
-(a few hundred MB). `watch_pids`: processes (a local server) whose CPU share is reported.
+epoch added to `loader.stats()`, and each raw and cold pass the CPU seconds per GB this process spent
+(all its threads: a cost that the machine's load changes far less than it changes wall time).
+Every epoch reads the whole dataset: point it at a small one (a few hundred MB). `watch_pids`:
+processes (a local server) whose CPU share is reported.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def raw_pipeline(url: str, shards: list[Any], out_dir: str, *, threads: int = 8,
 
 
 def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: int, seed: int) -> tuple[float, dict]:
-    """Seconds for one epoch over `ds` and the `remote_*` stage seconds it added to `loader.stats()`."""
+    """Seconds for one epoch over `ds` and the `remote_*` stage seconds it added to `loader.stats()`
+    (with `cpu_s`: this process's CPU seconds over the epoch, imports and loader set-up excluded)."""
     from fastload.loader import Loader
     from fastload.shard_shuffle import ShardWindowSampler
 
@@ -100,17 +103,19 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
     loader = Loader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, worker_type="thread")
     storage = getattr(ds, "storage", None)
     before = storage.stats() if callable(getattr(storage, "stats", None)) else {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for batch in loader:
         n += len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
-    took = time.perf_counter() - t0
+    took, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     if n != len(ds):
         raise RuntimeError(f"epoch saw {n} samples, the dataset has {len(ds)}")
     after = loader.stats()
     stages = {k: after[f"remote_{k}"] - before[f"remote_{k}"] for k in STAGES if f"remote_{k}" in after}
-    if "remote_gets_in_flight_mean" in after:
-        stages["gets_in_flight_mean"] = after["remote_gets_in_flight_mean"]
+    stages["cpu_s"] = cpu_s
+    for k in ("gets_in_flight_mean", "gets_target"):  # the GETs in flight, and how many the window chose
+        if f"remote_{k}" in after:
+            stages[k] = after[f"remote_{k}"]
     loader.close()
     return took, stages
 
@@ -154,6 +159,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
 
     work = tempfile.mkdtemp(prefix="fastload-bench-remote-", dir=workdir)
     rows: dict[str, list[float]] = {}
+    cost: dict[str, list[float]] = {}  # raw and cold rows: this process's CPU seconds per GB
     stages: dict[str, list[dict]] = {}
     shares: list[float] = []
     try:
@@ -165,9 +171,11 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
         local_ds = FastloadDataset(local) if local else None
         for r in range(rounds):
             cpu = _Cpu(watch_pids) if watch_pids else None
+            c0 = time.process_time()
             rows.setdefault("raw", []).append(
                 raw_pipeline(url, shards, os.path.join(work, "raw"), threads=threads, storage_options=storage_options)
             )
+            cost.setdefault("raw", []).append((time.process_time() - c0) / (nbytes / 1e9))
             for w in workers:
                 for shuffled in (True, False):
                     key = f"w{w} {'shuffled' if shuffled else 'sequential'}"
@@ -175,6 +183,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
                     ds = open_dataset(url, storage_options=storage_options, cache_dir=cache, cache_limit=2 * nbytes)
                     args = {"shuffled": shuffled, "workers": w, "batch_size": batch_size, "window": window}
                     cold, st = _epoch(ds, seed=r, **args)
+                    cost.setdefault(f"{key} cold", []).append(st.pop("cpu_s") / (nbytes / 1e9))
                     warm, _ = _epoch(ds, seed=r + 1, **args)
                     rows.setdefault(f"{key} cold", []).append(nbytes / cold)
                     rows.setdefault(f"{key} warm", []).append(nbytes / warm)
@@ -189,7 +198,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"url": url, "bytes": nbytes, "shards": len(shards), "rounds": rounds, "threads": threads,
-            "rows": rows, "stages": stages, "server_cpu_share": shares}
+            "rows": rows, "cpu_s_per_GB": cost, "stages": stages, "server_cpu_share": shares}
 
 
 def _med(v: list[float]) -> float:
@@ -213,6 +222,9 @@ def format_remote(res: dict[str, Any]) -> str:
         if runs and runs[0]:
             keys = list(runs[0])
             lines.append(f"stages {k}: " + " ".join(f"{s}={_med([x[s] for x in runs]):.2f}" for s in keys))
+    if res.get("cpu_s_per_GB"):
+        lines.append("CPU s/GB of this process: " + " ".join(
+            f"{k}={_med(v):.2f}" for k, v in res["cpu_s_per_GB"].items()))
     if res["server_cpu_share"]:
         sh = res["server_cpu_share"]
         lines.append(f"server CPU share of the cores per round: {' '.join(f'{100 * s:.1f}%' for s in sh)}")

@@ -1,0 +1,69 @@
+"""`GetWindow`: how many whole-shard GETs a `RemoteStorage` keeps in flight, chosen from measured throughput.
+
+GETs in flight share the link, so each extra one delays the shard the reader needs next: with 8
+GETs of equal shards in flight, the first needed shard arrives when all 8 do. The window therefore
+starts small (`floor`, 2) and doubles while doubling raises the received throughput by at least
+`gain` (15%); the first doubling that does not pays off is undone and the window settles there. A
+store that serves each connection slowly (object stores: tens of MB/s per GET) climbs to the
+`ceiling` (the cache budget's bound); a link that two GETs already fill (a server on the LAN) stays
+at 2 and its shards arrive in the order they are read.
+
+Throughput at a window size is measured over whole turns of the window: from the first GET that
+finishes at this size to the `size`-th after it, as body bytes received over that time (`received`
+counts every byte as it arrives, so GETs still running are counted too).
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["GetWindow"]
+
+
+class GetWindow:
+    """The adaptive GET count between `floor` and `ceiling` (fixed at `ceiling` when `adaptive` is False)."""
+
+    def __init__(self, *, floor: int, ceiling: int, adaptive: bool = True, gain: float = 1.15) -> None:
+        self.ceiling = max(1, int(ceiling))
+        self.target = self.ceiling if not adaptive else min(max(1, int(floor)), self.ceiling)
+        self.gain = gain
+        self.settled = self.target >= self.ceiling
+        self.tried: dict[int, float] = {}  # window size -> bytes/s measured at that size
+        self._lock = threading.Lock()
+        self._mark: tuple[float, int] | None = None  # (time, bytes received) at the measurement's start
+        self._done = 0  # GETs finished since the mark
+
+    def finished(self, *, now: float, received: int) -> int:
+        """One GET finished at `now` with `received` body bytes received in all so far; returns the target."""
+        with self._lock:
+            if self.settled:
+                return self.target
+            if self._mark is None:
+                self._mark, self._done = (now, received), 0
+                return self.target
+            self._done += 1
+            if self._done < self.target or now <= self._mark[0]:
+                return self.target
+            rate = (received - self._mark[1]) / (now - self._mark[0])
+            self._decide(rate)
+            self._mark = None
+            return self.target
+
+    def _decide(self, rate: float) -> None:
+        smaller = [k for k in self.tried if k < self.target]
+        before = self.tried[max(smaller)] if smaller else 0.0
+        self.tried[self.target] = rate
+        if smaller and rate < self.gain * before:
+            self.target, self.settled = max(smaller), True  # more GETs did not pay: undo the last step
+        elif self.target >= self.ceiling:
+            self.settled = True
+        else:
+            self.target = min(self.ceiling, 2 * self.target)
+
+    def stats(self) -> dict[str, float]:
+        """`gets_target` (GETs kept in flight now), `gets_settled` (1 when the search ended), and
+        `gets_MBps_at_<k>`: the throughput measured with k GETs in flight, for each k tried."""
+        with self._lock:
+            out = {"gets_target": float(self.target), "gets_settled": float(self.settled)}
+            out.update({f"gets_MBps_at_{k}": v / 1e6 for k, v in sorted(self.tried.items())})
+        return out

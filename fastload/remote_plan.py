@@ -1,0 +1,217 @@
+"""`PrefetchPlan`: which shards a `RemoteStorage` fetches ahead of its reader, and the threads that do it.
+
+The plan is the upcoming shard order (handed over by a sampler, or read-ahead in manifest order).
+Prefetch threads take plan entries in order and fetch them into the `ShardCache` as soft-pinned
+entries, keeping at most `depth` shards fetched-but-not-acquired or in flight, and at most
+`GetWindow.target` GETs in flight (a reader's own fetch counts as one). Acquiring a shard takes
+it off the plan; a plan entry already acquired is skipped.
+
+One object per storage and process; every field changes under `lock`. The threads hold the
+storage's `fetch` and `key_of` weakly: a storage dropped without `close` is collected, and its
+finalizer (`stop`) ends them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
+from .cache import Download, ShardCache
+from .get_window import GetWindow
+
+__all__ = ["PrefetchPlan"]
+
+log = logging.getLogger("fastload.remote")
+
+
+class PrefetchPlan:
+    """Plan and prefetch threads for one storage: `fetch(name, sink)` downloads a shard, `key_of`
+    names its cache entry, `url` prefixes shard names in messages."""
+
+    def __init__(
+        self,
+        *,
+        cache: ShardCache,
+        fetch: Callable[[str, Download], None],
+        key_of: Callable[[str, int, str], str],
+        url: str,
+        threads: int,
+        depth: int,
+        window: GetWindow,
+    ) -> None:
+        self.cache, self.url = cache, url
+        self._fetch_ref, self._key_ref = weakref.WeakMethod(fetch), weakref.WeakMethod(key_of)
+        self.threads, self.depth, self.window = threads, depth, window
+        self.lock = threading.Lock()
+        self._cond = threading.Condition(self.lock)
+        self.keys: dict[str, str] = {}  # name -> cache key of every shard seen
+        self._sizes: dict[str, tuple[int, str]] = {}
+        self._plan: deque[str] = deque()
+        self._plan_pos: dict[str, int] = {}
+        self._ready: set[str] = set()  # prefetched, not acquired yet (soft pinned)
+        self._inflight: set[str] = set()
+        self._taken: set[str] = set()  # plan entries acquired since the plan was set
+        self._demand = 0  # fetches run by readers themselves (GETs in flight beside the prefetches)
+        self._workers: list[threading.Thread] = []
+        self._stop = threading.Event()
+
+    def following(self, name: str) -> bool:
+        """Whether `name` is in the current plan."""
+        with self.lock:
+            return name in self._plan_pos
+
+    def replace(self, names: list[str], known: dict[str, tuple[int, str]]) -> None:
+        """Make `names` (those in `known`: name -> (size, xxh3)) the plan; shards this process
+        has pinned are skipped, prefetched shards no longer planned lose their soft pins."""
+        pinned = self.cache.pinned_keys()  # mapped by this process's reader already: nothing to fetch
+        with self.lock:
+            order: list[str] = []
+            seen: set[str] = set()
+            for n in names:
+                if self.keys.get(n) in pinned or n in seen or n not in known:
+                    continue
+                seen.add(n)
+                order.append(n)
+            self._sizes.update({n: known[n] for n in order})
+            stale = [n for n in self._ready if n not in seen]
+            self._ready -= set(stale)
+            self._plan = deque(order)
+            self._plan_pos = {n: i for i, n in enumerate(order)}
+            self._taken = set()
+            self._start_threads()
+            self._cond.notify_all()
+            stale_keys = [self.keys[n] for n in stale if n in self.keys]
+        if stale_keys:
+            self.cache.unsoft(stale_keys)
+
+    def acquired(self, name: str, key: str, size: int, xxh3: str) -> None:
+        """The reader acquires `name`: it is no longer ahead.
+
+        Plan entries before it stay: a batch acquires the shards it touches in shard-id order, not in
+        first-use order, so acquiring the last shard of a window does not mean the window's other
+        shards were skipped (treating them as skipped left them to one demand fetch after another).
+        """
+        with self.lock:
+            self.keys[name] = key
+            self._sizes[name] = (size, xxh3)
+            self._ready.discard(name)
+            if name in self._plan_pos:
+                self._taken.add(name)
+                while self._plan and self._plan[0] in self._taken:
+                    self._plan.popleft()
+            self._cond.notify_all()
+
+    def released(self, name: str) -> str | None:
+        """The reader released `name`: its cache key (None if never acquired); wakes waiting threads."""
+        with self.lock:
+            self._cond.notify_all()
+            return self.keys.get(name)
+
+    @contextmanager
+    def demand(self) -> Iterator[None]:
+        """Count a reader's own fetch as a GET in flight for the duration of the block."""
+        with self.lock:
+            self._demand += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._demand -= 1
+                self._cond.notify_all()
+
+    def finished(self) -> None:
+        """One GET finished: feed `window` the bytes received so far (wakes the threads if it resized)."""
+        before = self.window.target
+        if self.window.finished(now=time.perf_counter(), received=self.cache.transfer.received()) != before:
+            with self.lock:
+                self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Tell the prefetch threads to end (each after its current fetch); does not wait for them."""
+        self._stop.set()
+        with self.lock:
+            self._plan.clear()
+            self._cond.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """`stop`, then wait up to `timeout` for each prefetch thread."""
+        self.stop()
+        with self.lock:
+            workers = list(self._workers)
+        for t in workers:
+            t.join(timeout=timeout)
+
+    # -- threads --------------------------------------------------------------------------------
+    def _start_threads(self) -> None:
+        self._workers = [t for t in self._workers if t.is_alive()]
+        while len(self._workers) < self.threads:
+            t = threading.Thread(target=self._loop, name="fastload-prefetch", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def _next_job(self) -> str | None:
+        while not self._stop.is_set():
+            with self.lock:
+                room = len(self._inflight) + self._demand < self.window.target
+                if room and self._plan and len(self._ready) + len(self._inflight) < self.depth:
+                    name = self._plan.popleft()
+                    if name in self._ready or name in self._inflight or name in self._taken:
+                        continue
+                    self._inflight.add(name)
+                    return name
+                self._cond.wait(timeout=0.1)
+                full = bool(self._plan) and bool(self._ready)
+            if full:
+                self._forget_consumed()
+        return None
+
+    def _forget_consumed(self) -> None:
+        """Prefetched shards another process (a loader worker) acquired, or that were evicted, are not ahead now."""
+        soft = self.cache.soft_keys()
+        with self.lock:
+            gone = {n for n in self._ready if self.keys.get(n) not in soft}
+            if gone:
+                self._ready -= gone
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while (name := self._next_job()) is not None:
+            if not self._prefetch_one(name):
+                return
+
+    def _prefetch_one(self, name: str) -> bool:
+        """Prefetch `name`; False when the storage is gone (strong references live only in this call)."""
+        fetch, key_of = self._fetch_ref(), self._key_ref()
+        if fetch is None or key_of is None:
+            self._done(name, True)
+            return False
+        with self.lock:
+            size, xxh3 = self._sizes[name]
+            key = self.keys.setdefault(name, key_of(name, size, xxh3))
+        ok = False
+        try:
+            ok = self.cache.prefetch(key, size=size, xxh3=xxh3, fetch=partial(fetch, name), where=f"{self.url}/{name}")
+        except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
+            log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)
+            ok = True  # do not retry it in a loop; acquire will fetch and raise
+        finally:
+            self._done(name, ok)
+        return True
+
+    def _done(self, name: str, ok: bool) -> None:
+        with self.lock:
+            self._inflight.discard(name)
+            if ok and name in self._plan_pos:
+                self.cache.transfer.add("prefetched", 1)
+                if name not in self._taken:  # else acquired while this thread fetched or waited for it
+                    self._ready.add(name)
+            elif not ok and name in self._plan_pos and name not in self._taken:
+                self._plan.appendleft(name)  # no room now: try again after a release
+                self._cond.wait(timeout=0.2)
+            self._cond.notify_all()
