@@ -91,11 +91,13 @@ def test_views_are_exact_while_every_batch_is_held(mixed, workers, worker_type, 
     assert sorted(seen) == list(range(N)) and seen != sorted(seen)  # the whole epoch, shuffled
 
 
-def test_resume_continues_exactly_with_views(mixed):
+@pytest.mark.parametrize(("workers", "worker_type"), [(0, "auto"), (1, "thread"), (2, "process")])
+def test_resume_continues_exactly_with_views(mixed, workers, worker_type):
     ds = FastloadDataset(mixed)
 
     def make() -> Loader:
-        return Loader(ds, batch_size=8, num_workers=1, seed=9, shuffle=True, collate_fn=BatchViews())
+        return Loader(ds, batch_size=8, num_workers=workers, worker_type=worker_type, seed=9, shuffle=True,
+                      collate_fn=BatchViews())
 
     full = [b["index"].tolist() for b in make()]
     first = make()
