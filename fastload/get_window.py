@@ -3,27 +3,31 @@
 GETs in flight share the link, so each extra one delays the shard the reader needs next: with 8
 GETs of equal shards in flight, the first needed shard arrives when all 8 do. The window therefore
 starts small (`floor`, 2) and doubles while doubling raises the received throughput by at least
-`gain` (15%); the first doubling that does not pays off is undone and the window settles there. A
+`gain` (25%); the first doubling that does not pay off is undone and the window settles there. A
 store that serves each connection slowly (object stores: tens of MB/s per GET) climbs to the
 `ceiling` (the cache budget's bound); a link that two GETs already fill (a server on the LAN) stays
 at 2 and its shards arrive in the order they are read.
 
-Throughput at a window size is measured over whole turns of the window: from the first GET that
-finishes at this size to the `size`-th after it, as body bytes received over that time (`received`
-counts every byte as it arrives, so GETs still running are counted too).
+Throughput at a window size is measured over `TURNS` (2) whole turns of the window: from the first
+GET that finishes at this size to the `2 x size`-th after it, as body bytes received over that time
+(`received` counts every byte as it arrives, so GETs still running are counted too). Two turns and
+a 25% bar keep a machine's load swings (which move one turn's throughput by tens of percent) from
+passing for a gain.
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["GetWindow"]
+__all__ = ["TURNS", "GetWindow"]
+
+TURNS = 2  # window turns measured at each size
 
 
 class GetWindow:
     """The adaptive GET count between `floor` and `ceiling` (fixed at `ceiling` when `adaptive` is False)."""
 
-    def __init__(self, *, floor: int, ceiling: int, adaptive: bool = True, gain: float = 1.15) -> None:
+    def __init__(self, *, floor: int, ceiling: int, adaptive: bool = True, gain: float = 1.25) -> None:
         self.ceiling = max(1, int(ceiling))
         self.target = self.ceiling if not adaptive else min(max(1, int(floor)), self.ceiling)
         self.gain = gain
@@ -42,7 +46,7 @@ class GetWindow:
                 self._mark, self._done = (now, received), 0
                 return self.target
             self._done += 1
-            if self._done < self.target or now <= self._mark[0]:
+            if self._done < TURNS * self.target or now <= self._mark[0]:
                 return self.target
             rate = (received - self._mark[1]) / (now - self._mark[0])
             self._decide(rate)

@@ -82,7 +82,7 @@ class RemoteStorage:
     reader's own fetch counts as one). `fetch_threads=None` (default) bounds them from the shard size
     (enough GETs for `BYTES_IN_FLIGHT` (256 MiB) at once, 2 to `MAX_GETS` (16), and no more than the
     cache budget holds next to two shards) and chooses how many to run from measured throughput
-    (`GetWindow`: from 2, doubled while that raises the throughput by 15%; `stats()` reports
+    (`GetWindow`: from 2, doubled while that raises the throughput by 25%; `stats()` reports
     `remote_gets_target` and the throughput at each count tried); `prefetch_depth=None` is twice
     the bound. `receive_loops` (default: `fetch_threads`, at most 4) private event loops, each in its
     own thread with its own async file system, receive the GETs (`ReceiveLoops`), so that bodies of

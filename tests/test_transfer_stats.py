@@ -48,7 +48,7 @@ def test_in_flight_gauge_mean_and_max():
 def _drive(window, rate_at) -> list[int]:
     """Finish GETs one after another, each turn receiving `rate_at(target)` bytes/s; the targets seen."""
     now, received, seen = 0.0, 0, []
-    for _ in range(60):
+    for _ in range(100):
         now += 0.1
         received += int(rate_at(window.target) * 0.1)
         seen.append(window.finished(now=now, received=received))
