@@ -15,7 +15,8 @@ other users of the machine hits a row and its baselines alike):
   an epoch is many batches, as in training), eval crop-only and train presets as `transform`,
   num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
 - on a CUDA machine: the DALI mixed (nvJPEG) rows and the data stall of a prefetching loop.
-Each row prints the median images/s over rounds and its ratios to the baselines measured just
+`--resize-kernels` times, instead, the resize kernels on the train windows (torch, Pillow, OpenCV
+where it imports). Each row prints the median images/s over rounds and its ratios to the baselines measured just
 before it (median, min-max), wall-time and CPU-time; the load average at the start and end of
 each set. Then, per preset and num_workers, a fresh process times the Loader's first batch and
 reads its peak RSS. torch runs one intra-op thread: presets and references parallelise over images.
@@ -259,6 +260,51 @@ def _parts_passes(jpegs: list[bytes], size: int) -> dict[str, Callable[[], int]]
     return rows
 
 
+def _resize_kernels(jpegs: list[bytes], size: int, repeats: int = 5) -> None:
+    """Print, per resize kernel, the best-of-`repeats` time per RandomResizedCrop window of `jpegs`
+    to `size` (one thread), and its mean difference to torch's antialiased bilinear (the preset's):
+    torch, Pillow BILINEAR, and OpenCV INTER_LINEAR / INTER_AREA where cv2 imports."""
+    from PIL import Image
+
+    from fastload.vision.cpu_decode import decode_rgb, resize_hwc
+
+    _, windows, _ = _train_windows(jpegs)
+    crops = [np.ascontiguousarray(decode_rgb(j)[y : y + h, x : x + w]) for j, (y, x, h, w) in zip(jpegs, windows)]
+    out = torch.empty((size, size, 3), dtype=torch.uint8)
+
+    def torch_aa(c: np.ndarray) -> np.ndarray:
+        resize_hwc(c, out)
+        return out.numpy()
+
+    kernels = {
+        "torch antialiased bilinear": torch_aa,
+        "Pillow BILINEAR": lambda c: np.asarray(Image.fromarray(c).resize((size, size), Image.BILINEAR)),
+    }
+    try:
+        import cv2
+
+        cv2.setNumThreads(1)
+        kernels["OpenCV INTER_LINEAR"] = lambda c: cv2.resize(c, (size, size), interpolation=cv2.INTER_LINEAR)
+        kernels["OpenCV INTER_AREA"] = lambda c: cv2.resize(c, (size, size), interpolation=cv2.INTER_AREA)
+    except ImportError:
+        print("OpenCV not importable: its rows skipped")
+    ref = [torch_aa(c).astype(np.int16) for c in crops]
+    full = min(_timed(lambda: [decode_rgb(j) for j in jpegs]) for _ in range(repeats)) / len(jpegs)
+    for name, fn in kernels.items():
+        t = min(_timed(lambda fn=fn: [fn(c) for c in crops]) for _ in range(repeats)) / len(crops)
+        diff = max(float(np.abs(fn(c).astype(np.int16) - r).mean()) for c, r in zip(crops, ref))
+        print(
+            f"resize {name}: {1e6 * t:.0f} us per window ({t / full:.2f} of a full decode, {1e6 * full:.0f} us); "
+            f"mean |difference| to torch's, worst window: {diff:.2f} / 255"
+        )
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _stall(preset: ImagePreset, batches: list[dict], *, step_s: float, steps: int) -> float:
     """Fraction of wall time a simulated training step waits for data (prefetch depth 2)."""
     q: queue.Queue = queue.Queue(maxsize=2)
@@ -459,12 +505,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", action="append", help="only the rows whose label contains this (repeatable)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--resize-kernels", action="store_true", help="only time resize kernels on each set's windows")
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 4)
     min_time = 0.3 if args.quick else 0.5
     cores = usable_cores()
     torch.set_num_threads(1)
     for name in args.set or DEFAULT_SETS:
+        if args.resize_kernels:
+            print(f"\n## {name}: resize kernels, {args.images or 64} windows, 1 thread, load {os.getloadavg()[0]:.2f}")
+            _resize_kernels(make_jpegs(args.images or 64, **SETS[name]), args.size)
+            continue
         _bench_set(name, args, cores, rounds, min_time)
     if not (torch.cuda.is_available() and dali_available()):
         print("mixed (nvJPEG) rows and the data-stall check need CUDA + DALI: skipped")

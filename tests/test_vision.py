@@ -12,6 +12,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastload.formats.ragged import Ragged
 from fastload.vision import (
@@ -705,6 +707,37 @@ def test_header_sizes_of_a_batch_view() -> None:
     assert set(errors) == {2, 3} and "empty" in errors[2]
 
 
+@needs_window_decoder
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(0, 4000), flips=st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 255)), max_size=4))
+def test_damaged_jpegs_fail_by_name_never_crash(cut: int, flips: list[tuple[int, int]]) -> None:
+    """A truncated or bit-flipped JPEG in a batch view: the header reader and the window decoder
+    return a size or an error code (no crash, no write outside the image's own output), and the
+    preset raises `CorruptImageError` naming the sample or decodes it."""
+    good = encode(48, 64, seed=90)
+    bad = bytearray(good[: max(3, len(good) - cut)])
+    for at, x in flips:
+        bad[at % len(bad)] ^= x
+    preset = ImagePreset(kind="eval", size=32, resize=None, backend="cpu", normalize=False)
+    batch = make_batch([good, bytes(bad), good], [7, 8, 9])
+    try:
+        out = preset(batch)["image"]
+    except CorruptImageError as e:
+        assert "sample 8" in str(e)
+    else:
+        assert out.shape == (3, 32, 32, 3)
+    np.testing.assert_array_equal(preset.transform([good], indices=[7])[0][0].numpy(),
+                                  decode_rgb_center(good, 32))
+
+
+def decode_rgb_center(buf: bytes, size: int) -> np.ndarray:
+    from fastload.vision.cpu_decode import decode_rgb
+
+    img = decode_rgb(buf)
+    y0, x0 = (img.shape[0] - size) // 2, (img.shape[1] - size) // 2
+    return img[y0 : y0 + size, x0 : x0 + size]
+
+
 def test_fallback_decoder_gives_the_same_pixels(monkeypatch: pytest.MonkeyPatch, images: list[bytes]) -> None:
     """Without the extension (or for CMYK) whole-image decode + crop: the same pixels."""
     from fastload.vision import cpu_decode
@@ -713,6 +746,7 @@ def test_fallback_decoder_gives_the_same_pixels(monkeypatch: pytest.MonkeyPatch,
     kw = {"kind": "train", "size": 32, "backend": "cpu", "normalize": False, "seed": 8, "dct_downscale": True}
     a = ImagePreset(**kw)(batch)["image"]
     monkeypatch.setattr(cpu_decode, "decode_windows", None)
+    monkeypatch.setattr(cpu_decode, "read_sizes", None)  # headers probed in Python too
     b = ImagePreset(**kw)(batch)["image"]
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
