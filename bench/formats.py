@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         )
 
         n = args.kv_records
-        kv_batches = [b[b < n] for b in batches if (b < n).any()][: max(1, n // BATCH)]
+        kv_perm = rng.permutation(n)
+        kv_batches = [kv_perm[s : s + BATCH] for s in range(0, n, BATCH)]  # whole batches over the first n
         _lmdb_rows(root, data[:n], kv_batches, args.repeats, rows)
         _hdf5_rows(root, data[:n], kv_batches, args.repeats, rows)
     finally:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError
-from .lmdb_spans import ValueSpans
+from .lmdb_spans import ValueSpans, view_spans
 from .ragged import Ragged, gather_ranges
 from .schema import Field, Schema
 
@@ -146,9 +146,9 @@ class LMDBDataset:
                 if missing:
                     j = missing[0]
                     raise FormatError(f"{self.path}: key {keys[j]!r} (sample {int(idx[j])}) disappeared")
-            spans.learn(env, txn.id(), idx, values)
+            addresses, lengths = view_spans(values)
+            spans.learn(env, txn.id(), idx, addresses, lengths)
             joined = b"".join(values)  # the one copy of the values
-            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         offsets = np.zeros(len(values) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         return np.frombuffer(joined, np.uint8), offsets

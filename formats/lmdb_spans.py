@@ -28,7 +28,7 @@ try:  # optional C extension (setup.py): buffer addresses in one call
 except ImportError:  # pragma: no cover - built everywhere CI runs
     _c_spans = None
 
-__all__ = ["ValueSpans", "mapping_base"]
+__all__ = ["ValueSpans", "mapping_base", "view_spans"]
 
 
 def mapping_base(address: int, path: str) -> int | None:
@@ -111,12 +111,12 @@ class ValueSpans:
         self.starts.fill(-1)
         self.txnid = txnid
 
-    def learn(self, env: Any, txnid: int, indices: np.ndarray, views: list[Any]) -> None:
-        """Record where `views` (values of records `indices`, read in transaction `txnid` with
-        buffers=True, still open) lie in the file; nothing is recorded where that cannot be told."""
-        if not views:
+    def learn(self, env: Any, txnid: int, indices: np.ndarray, addresses: np.ndarray, lengths: np.ndarray) -> None:
+        """Record where the values of records `indices` lie in the file, from `view_spans` of their
+        views (read in transaction `txnid` with buffers=True, still open); nothing is recorded where
+        that cannot be told."""
+        if len(addresses) == 0:
             return
-        addresses, lengths = view_spans(views)
         with self._lock:
             if env is not self._env:
                 self._env, self._base = env, mapping_base(int(addresses[0]), self.path)
