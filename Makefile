@@ -26,7 +26,7 @@ $(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lu
 	touch $(STAMP)
 
 # The demo needs only the image decoder (its synthetic JPEGs) and matplotlib (bench.png).
-$(DEMO_STAMP): setup.py $(VENV)/.torch
+$(DEMO_STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c
 	$(PIP) install -e '.[image,plot]' torch==2.13.0
 	touch $(DEMO_STAMP)
 
