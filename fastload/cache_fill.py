@@ -18,6 +18,7 @@ from typing import Any
 from .cache_files import Download, file_xxh3, stamp
 from .cache_policy import LruPolicy, Room
 from .cache_state import CacheBudgetError, CacheState, unlink
+from .formats.blocks import vouch_file
 from .formats.units import format_size
 from .transfer_stats import TransferStats
 
@@ -196,7 +197,9 @@ class CacheFill:
                 sink.close()
             t0 = time.perf_counter()
             os.replace(tmp_path, final)
-            st = stamp(os.stat(final))
+            info = os.stat(final)
+            vouch_file(info)  # every byte was hashed against the manifest above: readers here skip their block hashes
+            st = stamp(info)
             with self._store.locked() as state:
                 state["reserved"].pop(key, None)
                 state["entries"][key] = {"size": size, "used": time.time(), "stamp": st}
@@ -239,6 +242,7 @@ class CacheFill:
             return True
         if file_xxh3(path) != xxh3.lower():
             return False
+        vouch_file(st)  # `st` is from before the hash: a file changed since has another identity
         with self._store.locked() as state:
             self._verified[key] = now
             if key in state["entries"]:

@@ -17,11 +17,14 @@ import xxhash
 
 from .errors import ChecksumError
 
-__all__ = ["BlockLedger", "ColumnGuard", "block_ids", "share_verified", "verify_blocks"]
+__all__ = ["BlockLedger", "ColumnGuard", "block_ids", "file_identity", "share_verified", "verify_blocks", "vouch_file",
+           "vouched"]
 
 
 _SEEN: dict[tuple, np.ndarray] = {}  # file identity + table checksum -> the latest ledger bits of that file
-_SEEN_LOCK = threading.Lock()  # guards _SEEN (the bit arrays themselves are monotone, see BlockLedger)
+_SEEN_LOCK = threading.Lock()  # guards _SEEN and _WHOLE (the bit arrays themselves are monotone, see BlockLedger)
+_WHOLE: dict[tuple, None] = {}  # identities of files this process hashed whole against the manifest's xxh3
+_WHOLE_MAX = 1 << 16  # the oldest are dropped past this (a dropped one is verified per block again)
 
 
 def _new_seen_lock_after_fork() -> None:
@@ -46,6 +49,28 @@ def share_verified(key: tuple, bits: np.ndarray) -> None:
         if seen is not None and seen is not bits and seen.shape == bits.shape:
             np.logical_or(bits, seen, out=bits)
         _SEEN[key] = bits
+
+
+def file_identity(st: os.stat_result) -> tuple:
+    """A file's (device, inode, size, mtime, ctime): any write, truncate or rename since gives another."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def vouch_file(st: os.stat_result) -> None:
+    """Record that the file `st` describes matched its whole-file xxh3 from the manifest, hashed by this
+    process (a shard cache's download or check): readers of that very file in this process then take
+    every block as verified instead of hashing its bytes a second time. `st` must be taken before the
+    hash began or after it ended, with nothing writing the file in between."""
+    with _SEEN_LOCK:
+        _WHOLE[file_identity(st)] = None
+        if len(_WHOLE) > _WHOLE_MAX:
+            del _WHOLE[next(iter(_WHOLE))]
+
+
+def vouched(key: tuple) -> bool:
+    """Whether `vouch_file` recorded the file whose `file_identity` is `key`."""
+    with _SEEN_LOCK:
+        return key in _WHOLE
 
 
 def block_ids(lo: np.ndarray, hi: np.ndarray, shift: int) -> np.ndarray:

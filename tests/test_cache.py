@@ -433,3 +433,58 @@ def test_download_parts_in_any_order_are_hashed_in_file_order(tmp_path):
     with pytest.raises(ChecksumError, match="xxh3"):
         dl.check()
     dl.close()
+
+
+# -- a verified download vouches for its file -------------------------------------------------------
+
+
+def test_a_verified_download_or_check_vouches_for_that_file_only(tmp_path):
+    """A download whose xxh3 matched, and a cached file hashed again, are vouched by identity; a file
+    changed since, or a download that failed its check, is not."""
+    from fastload.formats.blocks import file_identity, vouched
+
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    p = src.acquire(cache, 1)
+    assert vouched(file_identity(os.stat(p)))
+    cache.release("k1")
+    src.bad.add(2)
+    with pytest.raises(ChecksumError):
+        src.acquire(cache, 2)
+    with open(p, "r+b") as fh:
+        fh.write(b"\xff")
+    os.utime(p, ns=(1, 1))  # changed after its check: another identity
+    assert not vouched(file_identity(os.stat(p)))
+    other = ShardCache(tmp_path, limit="1MB", verify="always")
+    p2 = src.acquire(other, 1)  # hashed, found corrupt, fetched again: the new file is vouched
+    assert read(p2) == blob(1) and vouched(file_identity(os.stat(p2)))
+
+
+def test_reader_skips_block_hashes_of_a_vouched_file_only(tmp_path, monkeypatch):
+    """A shard vouched for is read without hashing its blocks; one changed after it was vouched is hashed
+    and its corruption reported."""
+    import numpy as np
+
+    import fastload.formats.shard as shard_mod
+    from fastload.formats import FastloadDataset, write
+    from fastload.formats.blocks import vouch_file
+
+    root = str(tmp_path / "ds")
+    write(({"x": np.full(100, i % 7, np.uint8)} for i in range(50)), root, shard_size=10_000, progress=False)
+    hashed = []
+    real = shard_mod.verify_blocks
+    monkeypatch.setattr(shard_mod, "verify_blocks", lambda *a: (hashed.append(len(a[3])), real(*a))[1])
+    ds = FastloadDataset(root)
+    paths = [os.path.join(root, s.file) for s in ds.manifest.shards]
+    for p in paths:
+        vouch_file(os.stat(p))
+    assert [int(ds[i]["x"][0]) for i in range(len(ds))] == [i % 7 for i in range(50)]
+    assert hashed == []
+    with open(paths[0], "r+b") as fh:  # a byte of the first sample's data, changed after the vouch
+        data = fh.read()
+        pos = data.find(bytes([0] * 100))
+        fh.seek(pos)
+        fh.write(b"\x01")
+    os.utime(paths[0], ns=(1, 1))
+    with pytest.raises(ChecksumError):
+        FastloadDataset(root)[0]
+    assert hashed
