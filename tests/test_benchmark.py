@@ -146,6 +146,12 @@ def test_evict_drops_pages(tmp_path) -> None:
     assert lim.resident_fraction([path]) < 0.1
 
 
+def test_recycle_page_cache_writes_the_bytes_and_leaves_nothing(tmp_path) -> None:
+    (tmp_path / "keep").write_bytes(b"k")
+    assert lim.recycle_page_cache(str(tmp_path), (3 << 20) + 5, chunk=1 << 20) == (3 << 20) + 5
+    assert sorted(os.listdir(tmp_path)) == ["keep"]
+
+
 def test_collate_payload_and_helpers() -> None:
     samples = [{"x": np.full((2, 3), i, np.uint8), "t": np.arange(i + 1, dtype=np.int32), "b": b"ab" * i, "y": i}
                for i in range(4)]

@@ -3,6 +3,7 @@ a dataset's sample byte ranges (cold and warm), memcpy, JPEG decode."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -18,6 +19,7 @@ __all__ = [
     "jpeg_decode_rate",
     "memcpy_bandwidth",
     "random_gather",
+    "recycle_page_cache",
     "resident_fraction",
     "sequential_read",
 ]
@@ -52,6 +54,31 @@ def evict(paths: Iterable[str]) -> bool:
         finally:
             os.close(fd)
     return True
+
+
+def recycle_page_cache(directory: str, nbytes: int, *, chunk: int = _READ_CHUNK) -> int:
+    """Write `nbytes` to a scratch file in `directory` and delete it, so that a pass writing that
+    much right after writes into page-cache pages the machine has just used.
+
+    On a VM whose balloon driver reports free pages to the host (virtio free page reporting), a
+    page left free for a few seconds is handed back, and the first write into it costs a host
+    fault: on this project's VMs a new 1 GB file is written at ~0.4 GB/s into such pages and at
+    ~3 GB/s into pages freed a moment before. Passes that write (a download into a cache, the raw
+    GET + write pipeline) are otherwise ranked by which of them got recycled pages. Called before
+    each such pass, baseline and measured row alike; on a machine whose memory stays backed it only
+    costs the write. Returns the bytes written.
+    """
+    path = os.path.join(directory, f".recycle-{os.getpid()}")
+    block = memoryview(b"\0" * chunk)
+    written = 0
+    try:
+        with open(path, "wb") as f:
+            while written < nbytes:
+                written += f.write(block[: min(chunk, nbytes - written)])
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return written
 
 
 def resident_fraction(paths: Iterable[str]) -> float | None:

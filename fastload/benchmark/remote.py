@@ -13,7 +13,11 @@ for `num_workers` in `workers` (thread workers) and two orders: shuffled (`Shard
 epoch added to `loader.stats()`, and each raw and cold pass the CPU seconds per GB this process spent
 (all its threads: a cost that the machine's load changes far less than it changes wall time).
 Every epoch reads the whole dataset: point it at a small one (a few hundred MB). `watch_pids`:
-processes (a local server) whose CPU share is reported.
+processes (a local server) whose CPU share is reported. Before each raw pass and each cold epoch
+(untimed) as many bytes as the dataset holds are written to a scratch file and deleted
+(`limits.recycle_page_cache`), so that both write into recently used page-cache pages: on a VM that
+hands free pages back to its host, the pass that got never-touched pages would otherwise lose by
+several times.
 """
 
 from __future__ import annotations
@@ -154,6 +158,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
                batch_size: int = 256, window: int = 4, workers: tuple[int, ...] = (0, 2), local: str | None = None,
                watch_pids: tuple[int, ...] = (), workdir: str | None = None) -> dict[str, Any]:
     """Measure `rounds` interleaved rounds (see the module docstring); rates in bytes/s per round."""
+    from fastload.benchmark.limits import recycle_page_cache
     from fastload.dataset import open_dataset
     from fastload.formats import FastloadDataset
 
@@ -171,6 +176,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
         local_ds = FastloadDataset(local) if local else None
         for r in range(rounds):
             cpu = _Cpu(watch_pids) if watch_pids else None
+            recycle_page_cache(work, nbytes)
             c0 = time.process_time()
             rows.setdefault("raw", []).append(
                 raw_pipeline(url, shards, os.path.join(work, "raw"), threads=threads, storage_options=storage_options)
@@ -182,6 +188,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
                     cache = os.path.join(work, f"cache-{r}-{w}-{int(shuffled)}")
                     ds = open_dataset(url, storage_options=storage_options, cache_dir=cache, cache_limit=2 * nbytes)
                     args = {"shuffled": shuffled, "workers": w, "batch_size": batch_size, "window": window}
+                    recycle_page_cache(work, nbytes)
                     cold, st = _epoch(ds, seed=r, **args)
                     cost.setdefault(f"{key} cold", []).append(st.pop("cpu_s") / (nbytes / 1e9))
                     warm, _ = _epoch(ds, seed=r + 1, **args)
