@@ -94,6 +94,9 @@ def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
     assert all(len(v) == 1 and v[0] > 0 for v in res["rows"].values())
     assert set(res["cpu_s_per_GB"]) == {"raw", "w0 shuffled cold", "w0 sequential cold"}
     assert all(v[0] > 0 for v in res["cpu_s_per_GB"].values())
+    assert set(res["user_cpu_s_per_GB"]) == set(res["cpu_s_per_GB"])
+    assert all(0 <= res["user_cpu_s_per_GB"][k][0] <= v[0] for k, v in res["cpu_s_per_GB"].items())
+    assert "\nof which user-mode: raw=" in text
     cold = res["stages"]["w0 shuffled cold"][0]
     assert cold["receive_s"] > 0 and cold["write_s"] > 0 and cold["gets_in_flight_mean"] >= 1
 
