@@ -100,6 +100,12 @@ def raw_pipeline(url: str, shards: list[Any], out_dir: str, *, threads: int = 8,
     return total / took
 
 
+def _cpu_since(t0: os.times_result) -> tuple[float, float]:
+    """(CPU seconds, user-mode CPU seconds) of this process since `os.times()` gave `t0`."""
+    t1 = os.times()
+    return t1.user + t1.system - t0.user - t0.system, t1.user - t0.user
+
+
 def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: int, seed: int) -> tuple[float, dict]:
     """Seconds for one epoch over `ds` and the `remote_*` stage seconds it added to `loader.stats()`
     (with `cpu_s` and `user_s`: this process's CPU and user-mode CPU seconds over the epoch, imports
@@ -115,13 +121,13 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
     n = 0
     for batch in loader:
         n += len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
-    took, c1 = time.perf_counter() - t0, os.times()
+    took = time.perf_counter() - t0
+    cpu_s, user_s = _cpu_since(c0)
     if n != len(ds):
         raise RuntimeError(f"epoch saw {n} samples, the dataset has {len(ds)}")
     after = loader.stats()
     stages = {k: after[f"remote_{k}"] - before[f"remote_{k}"] for k in STAGES if f"remote_{k}" in after}
-    stages["cpu_s"] = c1.user + c1.system - c0.user - c0.system
-    stages["user_s"] = c1.user - c0.user
+    stages["cpu_s"], stages["user_s"] = cpu_s, user_s
     for k in ("gets_in_flight_mean", "gets_target"):  # the GETs in flight, and how many the window chose
         if f"remote_{k}" in after:
             stages[k] = after[f"remote_{k}"]
@@ -187,9 +193,9 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
             rows.setdefault("raw", []).append(
                 raw_pipeline(url, shards, os.path.join(work, "raw"), threads=threads, storage_options=storage_options)
             )
-            c1 = os.times()
-            cost.setdefault("raw", []).append((c1.user + c1.system - c0.user - c0.system) / (nbytes / 1e9))
-            user.setdefault("raw", []).append((c1.user - c0.user) / (nbytes / 1e9))
+            cpu_s, user_s = _cpu_since(c0)
+            cost.setdefault("raw", []).append(cpu_s / (nbytes / 1e9))
+            user.setdefault("raw", []).append(user_s / (nbytes / 1e9))
             for w in workers:
                 for shuffled in (True, False):
                     key = f"w{w} {'shuffled' if shuffled else 'sequential'}"
