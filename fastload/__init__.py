@@ -34,6 +34,8 @@ _EXPORTS = {
     "FastloadDataset": "fastload.formats",
     "LMDBDataset": "fastload.formats",
     "HDF5Dataset": "fastload.formats",
+    "ParquetDataset": "fastload.formats",
+    "LanceDataset": "fastload.formats",
     "Ragged": "fastload.formats",
     "ShapedBatch": "fastload.formats",
     "Schema": "fastload.formats",

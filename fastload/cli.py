@@ -39,7 +39,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     source, schema, attrs = open_source(
         args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check,
-        labels=args.labels,
+        labels=args.labels, decode=args.decode,
     )
     skipping = None
     if args.on_error == "skip":
@@ -203,7 +203,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
     p.add_argument("src", help="source path (image folder, .npy file/dir, tokens.npy+offsets.npy dir, Megatron "
-                   "PREFIX(.bin/.idx), .jsonl, LMDB dir, HDF5 file, HF save_to_disk dir, Parquet; with "
+                   "PREFIX(.bin/.idx), .jsonl, LMDB dir, HDF5 file, HF save_to_disk dir, Parquet, Lance dataset, LitData "
+                   "optimized dir, ArrayRecord file/dir; with "
                    "--engine ray also Parquet files or any fsspec URL of Parquet / JSON lines)")
     p.add_argument("out", help="output dataset directory (with --engine ray also an fsspec URL, e.g. s3://b/ds)")
     if command == "convert":  # the source kinds live in fastload.formats, which imports numpy
@@ -232,6 +233,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="image folder: labels file (CSV rows file,label or a JSON object file -> label); "
                    "SRC/labels.csv or labels.json are used when present")
     p.add_argument("--no-decode-check", action="store_true", help="do not decode every image fully while converting")
+    p.add_argument("--decode", default=None, metavar="MODULE:FUNC",
+                   help="ArrayRecord: a function of yours that turns a record's bytes into a dict of fields "
+                   "(default: each record as the bytes field 'record')")
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data tasks on a cluster (needs fastload[ray])")
     p.add_argument("--address", default=None, help="Ray cluster address for --engine ray (default: start Ray here)")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastload.formats import FastloadDataset
 from fastload.formats.resume import incomplete_conversion
+
+if TYPE_CHECKING:
+    from fastload.formats.arrow_dataset import LanceDataset, ParquetDataset
 
 __all__ = ["is_url", "open_dataset"]
 
@@ -45,6 +48,33 @@ def _check_local(path: str) -> None:
         )
 
 
+def _in_place(path: str) -> str | None:
+    """"parquet" for a Parquet file or a folder of only Parquet files, "lance" for a Lance dataset, else None."""
+    from fastload.formats.arrow_dataset import is_lance
+
+    if os.path.isfile(path):
+        return "parquet" if path.lower().endswith(".parquet") else None
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "index.json")):
+        return None
+    if is_lance(path):
+        return "lance"
+    data = [e for e in os.listdir(path) if not e.startswith(".")]
+    return "parquet" if data and all(e.endswith(".parquet") for e in data) else None
+
+
+def _open_in_place(
+    kind: str, path: str, verify: str | None, verify_checksums: bool | None
+) -> ParquetDataset | LanceDataset:
+    if verify not in (None, "auto") or verify_checksums is not None:
+        raise ValueError(
+            f"{path!r} is read in place ({kind}): it has no fastload block checksums to verify, only the "
+            "checks its own format makes (see docs/migrate.md); convert it for verified reads"
+        )
+    from fastload.formats.arrow_dataset import LanceDataset, ParquetDataset
+
+    return ParquetDataset(path) if kind == "parquet" else LanceDataset(path)
+
+
 def _check_protocol(url: str) -> None:
     """Raise naming the package (and fastload's extra) when the URL's fsspec protocol is not installed."""
     import fsspec
@@ -69,8 +99,12 @@ def open_dataset(
     verify: str | None = None,
     verify_checksums: bool | None = None,
     max_open_shards: int | None = None,
-) -> FastloadDataset:
+) -> FastloadDataset | ParquetDataset | LanceDataset:
     """Open a fastload dataset from a local directory (zero-copy mmap) or any fsspec URL (through a shard cache).
+
+    A Parquet file, a folder of Parquet files or a Lance dataset is read in place instead
+    (`ParquetDataset`, `LanceDataset`: batches through `get_batch`, no fastload checksums), so a
+    Loader can run on it before it is converted.
 
     `verify`: "auto" (default: every byte read is checked against its block checksum once per
     process), "full" (also every shard whole when opened) or "none" (structure only); see
@@ -80,6 +114,9 @@ def open_dataset(
     if text.startswith("file://"):
         text = text[len("file://") :]
     if not is_url(text):
+        kind = _in_place(text)
+        if kind is not None:
+            return _open_in_place(kind, text, verify, verify_checksums)
         _check_local(text)
         return FastloadDataset(
             text, verify=verify, verify_checksums=verify_checksums, max_open_shards=max_open_shards or 64

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .columns import Block
     from .errors import ChecksumError, FormatError, SchemaError
+    from .arrow_dataset import LanceDataset, ParquetDataset
     from .hdf5_dataset import HDF5Dataset
     from .lmdb_dataset import LMDBDataset
     from .manifest import Manifest
@@ -34,6 +35,8 @@ _EXPORTS = {
     "Field": "schema",
     "FormatError": "errors",
     "HDF5Dataset": "hdf5_dataset",
+    "LanceDataset": "arrow_dataset",
+    "ParquetDataset": "arrow_dataset",
     "LMDBDataset": "lmdb_dataset",
     "LocalStorage": "storage",
     "Manifest": "manifest",
@@ -58,8 +61,10 @@ __all__ = [
     "FormatError",
     "HDF5Dataset",
     "LMDBDataset",
+    "LanceDataset",
     "LocalStorage",
     "Manifest",
+    "ParquetDataset",
     "Ragged",
     "Schema",
     "SchemaError",
@@ -78,7 +83,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'fastload.formats' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
-    if module not in ("hdf5_dataset", "lmdb_dataset", "ray_io"):
+    if module not in ("hdf5_dataset", "lmdb_dataset", "ray_io", "arrow_dataset"):
         globals()[name] = value
     return value
 

@@ -54,9 +54,17 @@ def open_hf_dir(src: str) -> BlockSource:
 
 def open_parquet(src: str) -> BlockSource:
     """A Parquet file, or a folder of them (read in name order, one table), as a `BlockSource`;
-    Hugging Face features stored in the files' metadata (e.g. `Image`, `ClassLabel`) are kept."""
-    import datasets
+    Hugging Face features stored in the files' metadata (e.g. `Image`, `ClassLabel`) are kept.
+    Without the `datasets` package, the files are read through pyarrow alone (`ParquetDataset`'s
+    fields: lists stay ``varray`` unless their Arrow type has a fixed size)."""
     import pyarrow.parquet as pq
+
+    try:
+        import datasets
+    except ImportError:
+        from .arrow_dataset import ParquetDataset, in_place_source
+
+        return in_place_source(ParquetDataset(src))
 
     files = [src] if os.path.isfile(src) else sorted(
         os.path.join(src, e) for e in os.listdir(src) if e.endswith(".parquet") and not e.startswith(".")

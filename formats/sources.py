@@ -18,6 +18,7 @@ from .columns import Block
 from .errors import FormatError, SchemaError
 from .image_folder import ImageFolder, check_image, is_image
 from .megatron import megatron_paths
+from .migrate_sources import MIGRATE_KINDS, detect_migrate_kind, open_migrate_source
 from .npy_files import is_column_folder
 from .schema import Field, Schema, infer_field
 from .writer import BlockSource
@@ -34,7 +35,8 @@ __all__ = [
 ]
 
 SOURCE_KINDS = (
-    "imagefolder", "npy", "npyfiles", "tokens", "megatron", "jsonl", "lmdb", "hdf5", "hf", "parquet", "fastload"
+    "imagefolder", "npy", "npyfiles", "tokens", "megatron", "jsonl", "lmdb", "hdf5", "hf", "parquet", "fastload",
+    *MIGRATE_KINDS,
 )
 _BLOCK_ROWS = 8192
 _FILE_KINDS = (
@@ -49,6 +51,9 @@ _FILE_KINDS = (
 
 def detect_kind(src: str) -> str:
     """Guess the source kind from the path; raise naming the path when it cannot."""
+    migrated = detect_migrate_kind(src)
+    if migrated is not None:
+        return migrated
     if os.path.isfile(src):
         return _file_kind(src)
     if os.path.isdir(src):
@@ -245,10 +250,12 @@ def _fastload_source(src: str) -> BlockSource:
 
 
 def open_source(
-    src: str, kind: str | None = None, *, decode_check: bool = True, labels: str | None = None
+    src: str, kind: str | None = None, *, decode_check: bool = True, labels: str | None = None,
+    decode: str | None = None,
 ) -> tuple[Any, Schema | None, dict[str, Any]]:
     """(source for `write`, schema or None, attrs to store in the manifest); `decode_check`: decode
-    every image of an image folder fully while converting; `labels`: an image folder's labels file."""
+    every image of an image folder fully while converting; `labels`: an image folder's labels file;
+    `decode`: an ArrayRecord source's ``MODULE:FUNC`` plug-in (record bytes -> dict of fields)."""
     kind = kind or detect_kind(src)
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown source kind {kind!r}; expected one of {SOURCE_KINDS}")
@@ -256,6 +263,10 @@ def open_source(
         raise ValueError(f"a labels file applies to image folders, not to a {kind} source ({src})")
     if not os.path.exists(src) and kind != "megatron":
         raise FileNotFoundError(f"source {src!r} does not exist")
+    if kind in MIGRATE_KINDS:
+        return open_migrate_source(src, kind, decode=decode)
+    if decode is not None:
+        raise ValueError(f"--decode applies to ArrayRecord sources, not to a {kind} source ({src})")
     if kind == "imagefolder":
         folder = ImageFolder(src, decode_check=decode_check, labels=labels)
         attrs = {"classes": folder.classes} if folder.classes is not None else {}
