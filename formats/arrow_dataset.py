@@ -337,7 +337,9 @@ def _select(schema: Any, columns: list[str], where: str) -> Any:
 class LanceDataset(_ArrowDataset):
     """A Lance dataset (its latest version, or `version`) read in place: each batch one Lance `take`.
 
-    The dataset is opened once per process (a forked worker opens its own).
+    Lance is not fork-safe (its I/O runtime's threads do not survive a fork), so a forked process
+    refuses to read it: use thread workers (`Loader(worker_type="thread")`), or spawned processes,
+    which unpickle the dataset and open it afresh.
     """
 
     def __init__(
@@ -357,6 +359,10 @@ class LanceDataset(_ArrowDataset):
         if self._ds is None or self._pid != os.getpid():
             import lance
 
+            if self._pid not in (-1, os.getpid()):
+                raise FormatError(f"{self.path}: a Lance dataset opened before a fork cannot be read in the forked "
+                                  "process (Lance is not fork-safe); use worker_type='thread'")
+
             try:
                 self._ds = lance.dataset(self.path, version=self.version)
             except (OSError, ValueError) as exc:
@@ -370,8 +376,8 @@ class LanceDataset(_ArrowDataset):
         return state
 
     def close(self) -> None:
-        """Drop the open dataset (a later read opens it again)."""
-        self._ds, self._pid = None, -1
+        """Drop the open dataset (a later read in this process opens it again)."""
+        self._ds = None
 
     def _rows(self, idx: np.ndarray, names: list[str]) -> Any:
         try:
