@@ -22,7 +22,10 @@ $(VENV)/.torch:
 	touch $@
 
 $(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c
-	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs]' torch==2.13.0
+	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs,migrate]' torch==2.13.0
+	# LitData's `optimize` writes the test inputs of tests/test_migrate_chunks.py; without its deps, since
+	# it pulls a torchvision built for another torch (fastload reads LitData chunks without LitData)
+	$(PIP) install --no-deps litdata obstore tifffile
 	touch $(STAMP)
 
 # The demo needs only the image decoder (its synthetic JPEGs) and matplotlib (bench.png).

@@ -84,6 +84,9 @@ setup(
         # frameworks driving a Loader, exercised by tests/test_frameworks.py and test_hf_datasets.py
         "frameworks": ["lightning", "accelerate", "datasets"],
         "ray": ["ray[data]>=2.60,<3"],  # the Ray version tested; write_ray / read_ray / `fastload convert --engine ray`
+        # other loaders' formats: Lance (pylance) and Parquet (pyarrow) read in place or converted, Grain's
+        # ArrayRecord files converted; LitData chunks are read without a package
+        "migrate": ["pylance", "pyarrow", "array-record"],
         # `make docs`: the API reference (mkdocs + mkdocstrings, strict); `make test` builds it and type-checks.
         "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mypy>=1.10"],
         "dev": [

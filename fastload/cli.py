@@ -203,8 +203,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
     p.add_argument("src", help="source path (image folder, .npy file/dir, tokens.npy+offsets.npy dir, Megatron "
-                   "PREFIX(.bin/.idx), .jsonl, LMDB dir, HDF5 file, HF save_to_disk dir, Parquet, Lance dataset, LitData "
-                   "optimized dir, ArrayRecord file/dir; with "
+                   "PREFIX(.bin/.idx), .jsonl, LMDB dir, HDF5 file, HF save_to_disk dir, Parquet, Lance dataset, "
+                   "LitData optimized dir, ArrayRecord file/dir; with "
                    "--engine ray also Parquet files or any fsspec URL of Parquet / JSON lines)")
     p.add_argument("out", help="output dataset directory (with --engine ray also an fsspec URL, e.g. s3://b/ds)")
     if command == "convert":  # the source kinds live in fastload.formats, which imports numpy

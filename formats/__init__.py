@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .arrow_dataset import LanceDataset, ParquetDataset
     from .columns import Block
     from .errors import ChecksumError, FormatError, SchemaError
-    from .arrow_dataset import LanceDataset, ParquetDataset
     from .hdf5_dataset import HDF5Dataset
     from .lmdb_dataset import LMDBDataset
     from .manifest import Manifest

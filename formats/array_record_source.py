@@ -28,7 +28,7 @@ _INFER = 64  # decoded records the schema is inferred from
 
 
 def is_array_record(path: str) -> bool:
-    """A ``.array_record`` file, or a folder holding only ``.array_record`` files (names like ``x.array_record-00000-of-00008`` count)."""
+    """A ``.array_record`` file, or a folder of only such files (``x.array_record-00000-of-00008`` names count)."""
     if os.path.isfile(path):
         return EXTENSION in os.path.basename(path)
     entries = [e for e in os.listdir(path) if not e.startswith(".")] if os.path.isdir(path) else []
@@ -70,6 +70,8 @@ class ArrayRecordFiles:
         for k, name in enumerate(self.files):
             try:
                 reader = array_record_module.ArrayRecordReader(name)
+                if not reader.ok():  # e.g. no ArrayRecord footer: the reader opens but reports a bad status
+                    raise ValueError("not an ArrayRecord file (the reader's status is not OK)")
                 counts.append(reader.num_records())
                 reader.close()
             except (OSError, RuntimeError, ValueError) as exc:
