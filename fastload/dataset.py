@@ -48,20 +48,6 @@ def _check_local(path: str) -> None:
         )
 
 
-def _in_place(path: str) -> str | None:
-    """"parquet" for a Parquet file or a folder of only Parquet files, "lance" for a Lance dataset, else None."""
-    from fastload.formats.arrow_dataset import is_lance
-
-    if os.path.isfile(path):
-        return "parquet" if path.lower().endswith(".parquet") else None
-    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "index.json")):
-        return None
-    if is_lance(path):
-        return "lance"
-    data = [e for e in os.listdir(path) if not e.startswith(".")]
-    return "parquet" if data and all(e.endswith(".parquet") for e in data) else None
-
-
 def _open_in_place(
     kind: str, path: str, verify: str | None, verify_checksums: bool | None
 ) -> ParquetDataset | LanceDataset:
@@ -114,7 +100,9 @@ def open_dataset(
     if text.startswith("file://"):
         text = text[len("file://") :]
     if not is_url(text):
-        kind = _in_place(text)
+        from fastload.formats.arrow_dataset import in_place_kind
+
+        kind = in_place_kind(text)
         if kind is not None:
             return _open_in_place(kind, text, verify, verify_checksums)
         _check_local(text)

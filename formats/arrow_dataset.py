@@ -36,7 +36,15 @@ from .ragged import Ragged
 from .schema import Field, Schema
 from .writer import BlockSource
 
-__all__ = ["DEFAULT_GROUP_CACHE", "LanceDataset", "ParquetDataset", "arrow_fields", "in_place_source", "is_lance"]
+__all__ = [
+    "DEFAULT_GROUP_CACHE",
+    "LanceDataset",
+    "ParquetDataset",
+    "arrow_fields",
+    "in_place_kind",
+    "in_place_source",
+    "is_lance",
+]
 
 DEFAULT_GROUP_CACHE = 512 << 20  # decoded Parquet row groups kept per process
 _BLOCK_ROWS = 8192
@@ -45,6 +53,18 @@ _BLOCK_ROWS = 8192
 def is_lance(path: str) -> bool:
     """Whether `path` is a Lance dataset directory (its ``_versions`` folder of manifests)."""
     return os.path.isdir(os.path.join(path, "_versions"))
+
+
+def in_place_kind(path: str) -> str | None:
+    """"parquet" for a Parquet file or a folder of only Parquet files, "lance" for a Lance dataset, else None."""
+    if os.path.isfile(path):
+        return "parquet" if path.lower().endswith(".parquet") else None
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "index.json")):
+        return None
+    if is_lance(path):
+        return "lance"
+    data = [e for e in os.listdir(path) if not e.startswith(".")]
+    return "parquet" if data and all(e.endswith(".parquet") for e in data) else None
 
 
 def _hf_images(metadata: dict[bytes, bytes] | None) -> set[str]:
@@ -214,6 +234,8 @@ class ParquetDataset(_ArrowDataset):
     Page CRCs are checked where the files carry them (`page_checksum_verification`).
     """
 
+    fork_safe = True
+
     def __init__(
         self, path: str | os.PathLike[str], *, columns: list[str] | None = None,
         group_cache_bytes: int = DEFAULT_GROUP_CACHE,
@@ -341,6 +363,8 @@ class LanceDataset(_ArrowDataset):
     refuses to read it: use thread workers (`Loader(worker_type="thread")`), or spawned processes,
     which unpickle the dataset and open it afresh.
     """
+
+    fork_safe = False  # read by `fastload bench`: torch DataLoader workers are spawned, not forked
 
     def __init__(
         self, path: str | os.PathLike[str], *, columns: list[str] | None = None, version: int | None = None

@@ -237,3 +237,20 @@ def test_hf_image_column_reads_in_place_as_image(tmp_path):
     assert ds.get_batch([4, 1])["image"].to_list() == [images[4], images[1]]
     assert main(["convert", str(tmp_path / "img.parquet"), str(tmp_path / "out"), "--quiet"]) == 0
     assert FastloadDataset(tmp_path / "out").get_batch([4])["image"].to_list() == [images[4]]
+
+
+@pytest.mark.filterwarnings("ignore:lance is not fork-safe")
+def test_bench_on_lance_compares_in_place_with_converted(lance_dir, capsys):
+    """`fastload bench DATASET` on a Lance dataset: in-place and converted rows, the gain in the summary,
+    and torch DataLoader workers (spawned for Lance) reading it."""
+    assert main(["bench", str(lance_dir), "--tiny", "--no-progress", "--loaders", "fastload,torch", "--workers", "0,1",
+                 "--repeats", "1", "--seconds", "0.1", "--json", str(lance_dir.parent / "bench.json")]) == 0
+    res = json.loads((lance_dir.parent / "bench.json").read_text())
+    assert res["dataset"]["kind"] == "lance" and res["dataset"]["samples"] == N
+    rows = {(r["backend"], r["cache"]) for r in res["backends"]}
+    assert rows == {(b, c) for b in ("lance", "fastload (converted)") for c in ("cold", "warm")}
+    gains = [line for line in res["summary"]["lines"] if line.startswith("converting would gain")]
+    assert len(gains) == 2 and "lance in place" in gains[0]
+    assert {(r["loader"], r["num_workers"]) for r in res["loaders"]} == {
+        (k, w) for k in ("fastload", "torch") for w in (0, 1)}
+    assert "fastload (converted)" in capsys.readouterr().out

@@ -55,7 +55,8 @@ class EpochRead:
 
 
 def open_backend(name: str, path: str) -> Backend:
-    """`fastload` (a dataset directory), `lmdb` (an LMDB environment) or `hdf5` (an HDF5 file)."""
+    """`fastload` (a dataset directory), `lmdb` (an LMDB environment), `hdf5` (an HDF5 file), `parquet`
+    (a Parquet file or folder) or `lance` (a Lance dataset), the last two read in place."""
     if name == "fastload":
         from fastload.dataset import open_dataset
 
@@ -68,7 +69,14 @@ def open_backend(name: str, path: str) -> Backend:
         from fastload.formats import HDF5Dataset
 
         return Backend(name, path, lambda: HDF5Dataset(path), dataset_files(path))
-    raise ValueError(f"unknown backend {name!r}; expected fastload, lmdb or hdf5 (or pass a URL for remote)")
+    if name in ("parquet", "lance"):  # read in place
+        from fastload.formats import LanceDataset, ParquetDataset
+
+        opener = ParquetDataset if name == "parquet" else LanceDataset
+        return Backend(name, path, lambda: opener(path), dataset_files(path))
+    raise ValueError(
+        f"unknown backend {name!r}; expected fastload, lmdb, hdf5, parquet or lance (or pass a URL for remote)"
+    )
 
 
 def release(ds: Any) -> None:

@@ -176,6 +176,8 @@ def make_loader(
         persistent_workers=persistent,
         collate_fn=collate_samples,
         generator=torch.Generator().manual_seed(seed),
+        # a dataset that cannot be read in a forked process (Lance) gets spawned workers
+        multiprocessing_context="spawn" if num_workers and not getattr(dataset, "fork_safe", True) else None,
     )
 
 

@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,9 @@ from fastload.system import usable_cores
 __all__ = ["SCHEMA_VERSION", "BenchConfig", "run_benchmark"]
 
 SCHEMA_VERSION = 1
-BACKENDS = ("fastload", "lmdb", "hdf5", "remote")
+BACKENDS = ("fastload", "lmdb", "hdf5", "parquet", "lance", "remote")
+IN_PLACE = ("parquet", "lance")  # read in place; their bench also reads a converted copy ("fastload (converted)")
+CONVERTED = "fastload (converted)"
 INPUT_BOUND_STALL = 0.10  # a data stall above this fraction of wall time means input-bound
 
 
@@ -76,6 +78,11 @@ def _kind_of(path: str) -> str:
         return "lmdb"
     if os.path.isfile(path) and path.lower().endswith((".h5", ".hdf5", ".hdf")):
         return "hdf5"
+    from fastload.formats.arrow_dataset import in_place_kind
+
+    in_place = in_place_kind(path)
+    if in_place is not None:
+        return in_place
     if not os.path.exists(path):
         raise FileNotFoundError(f"dataset {path!r} does not exist")
     return "fastload"
@@ -314,6 +321,32 @@ def _step_rows(cfg: BenchConfig, ds: Any, device: torch.device, prog: _Progress)
     return {"step_ms": cfg.step_ms, "kind": kind, "device": str(device), "threshold": INPUT_BOUND_STALL, "rows": rows}
 
 
+def _convert_copy(kind: str, path: str, out: str, cfg: BenchConfig) -> str:
+    """`path` (Parquet or Lance) converted to a fastload dataset in `out`, as `fastload convert` writes it."""
+    from fastload.formats import write
+    from fastload.formats.arrow_dataset import LanceDataset, ParquetDataset, in_place_source
+
+    if cfg.progress:
+        print(f"fastload bench: converting {path} to {out} to compare", file=sys.stderr)
+    ds = ParquetDataset(path) if kind == "parquet" else LanceDataset(path)
+    write(in_place_source(ds), out, progress=False)
+    return out
+
+
+def _conversion_gain(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per cache state: the converted copy's samples/s over the in-place reads'."""
+    lines = []
+    for cache in ("cold", "warm"):
+        mine = {r["backend"]: r["samples_per_s"]["median"] for r in rows if r["cache"] == cache}
+        converted = mine.pop(CONVERTED, None)
+        for name, rate in mine.items():
+            if name in IN_PLACE and converted is not None and rate > 0:
+                lines.append(f"converting would gain {converted / rate:.2f}x on {cache} reads: {name} in place "
+                             f"{rate:,.0f} samples/s, converted {converted:,.0f} samples/s "
+                             "(1 thread, shuffled batches).")
+    return lines
+
+
 def _summary(res: dict[str, Any]) -> dict[str, Any]:
     best = _best(res["loaders"])
     out: dict[str, Any] = {"best": {k: {"num_workers": v["num_workers"], "samples_per_s": v["samples_per_s"]["median"]}
@@ -344,6 +377,7 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
         workers = plural(s["num_workers"], "worker")
         lines.append(f"with a {res['step']['step_ms']:g} ms step, {s['loader']} ({workers}) stalls "
                      f"{100 * s['data_stall']['median']:.0f}% of the time: {verdict}.")
+    lines += _conversion_gain(res.get("backends") or [])
     out["lines"] = lines
     return out
 
@@ -377,6 +411,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             else:
                 paths = {primary: cfg.dataset}
             desc = cfg.dataset
+            if primary in IN_PLACE and "fastload" in cfg.backends:
+                paths["fastload"] = _convert_copy(primary, cfg.dataset, os.path.join(workdir, "converted"), cfg)
         names = [b for b in cfg.backends if b in paths]
         prog = _Progress(_plan(cfg, names, url is not None), cfg.progress)
         try:
@@ -409,6 +445,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             if cfg.dataset is None:
                 res["limits"].update(_gather_limits(cfg, syn.raw, prog))
             backends = [open_backend(n, paths[n]) for n in names]
+            if primary in IN_PLACE:
+                backends = [replace(b, name=CONVERTED) if b.name == "fastload" else b for b in backends]
             res["backends"] = _backend_rows(cfg, backends, res["limits"], prog, url, workdir)
             if url is None:
                 ds = open_backend(primary, paths[primary]).open()
