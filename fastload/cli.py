@@ -137,19 +137,24 @@ def _histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
 def _inspect(args: argparse.Namespace) -> int:
 
     from fastload.dataset import open_dataset
+    from fastload.formats import FastloadDataset
     from fastload.formats.units import format_size
 
     ds = open_dataset(args.dataset)
-    m = ds.manifest
-    sizes = [s.bytes for s in m.shards]
-    print(f"dataset   {ds.root}")
-    print(f"samples   {len(ds)}")
-    print(
-        f"shards    {len(m.shards)}  (total {format_size(sum(sizes))}, "
-        f"min {format_size(min(sizes))}, max {format_size(max(sizes))})"
-    )
-    if m.attrs:
-        print(f"attrs     {', '.join(f'{k}={v!r:.60}' for k, v in m.attrs.items())}")
+    if isinstance(ds, FastloadDataset):
+        m = ds.manifest
+        sizes = [s.bytes for s in m.shards]
+        print(f"dataset   {ds.root}")
+        print(f"samples   {len(ds)}")
+        print(
+            f"shards    {len(m.shards)}  (total {format_size(sum(sizes))}, "
+            f"min {format_size(min(sizes))}, max {format_size(max(sizes))})"
+        )
+        if m.attrs:
+            print(f"attrs     {', '.join(f'{k}={v!r:.60}' for k, v in m.attrs.items())}")
+    else:  # Parquet or Lance, read in place
+        print(f"dataset   {ds.path}  ({type(ds).__name__}: read in place, no fastload checksums)")
+        print(f"samples   {len(ds)}")
     print("fields")
     for f in ds.schema:
         shape = f" shape={list(f.shape)}" if f.shape else ""
@@ -162,7 +167,7 @@ def _inspect(args: argparse.Namespace) -> int:
                     f"p50 {_quantile(lengths, 0.5)}, p99 {_quantile(lengths, 0.99)}, max {lengths.max()}"
                 )
             print("\n".join(_histogram(lengths)))
-        if f.kind == "image":
+        if f.kind == "image" and isinstance(ds, FastloadDataset):
             hw = ds.image_sizes(f.name)
             if len(hw):
                 print(f"    height {hw[:, 0].min()}..{hw[:, 0].max()}, width {hw[:, 1].min()}..{hw[:, 1].max()}")

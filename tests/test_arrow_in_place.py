@@ -104,6 +104,13 @@ def test_parquet_batches_equal_the_table_for_any_indices(tmp_path_factory, rows,
     _assert_batch(ds.get_batch(rows), _table(), rows)
 
 
+def test_inspect_an_in_place_source(parquet_dir, capsys):
+    assert main(["inspect", str(parquet_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "ParquetDataset: read in place, no fastload checksums" in out and f"samples   {N}" in out
+    assert "tokens               varray   dtype=<i4" in out and "length: min 0, mean 4.0" in out
+
+
 def test_parquet_page_crcs_are_checked_where_written(tmp_path):
     table = pa.table({"text": [f"value {i:05d}" for i in range(2000)]})
     for name, crc in (("crc", True), ("plain", False)):

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fastload.formats.units import parse_size
 
     parser.add_argument("dataset", nargs="?", default=None, metavar="DATASET_OR_URL",
-                        help="fastload dataset dir, LMDB dir, HDF5 file or fsspec URL "
+                        help="fastload dataset dir, LMDB dir, HDF5 file, Parquet file/dir, Lance dataset (these two "
+                             "read in place and compared with a converted copy) or fsspec URL "
                              "(default: build the embedded synthetic default in a temp dir)")
     parser.add_argument("--backends", type=_csv(BACKENDS), default=None,
                         help=f"backends to read (default: all available of {','.join(BACKENDS)})")
