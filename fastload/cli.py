@@ -80,6 +80,8 @@ def _resume_command(argv: Sequence[str]) -> str:
 
 
 def _convert_ray(args: argparse.Namespace) -> int:
+    if args.decode is not None:
+        raise ValueError("--decode runs on the local engine only (drop --engine ray)")
     try:
         from fastload.formats.ray_io import convert_ray
     except ImportError as exc:

@@ -26,15 +26,16 @@ import itertools
 import json
 import os
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .columns import Block, image_size
 from .errors import FormatError
 from .ragged import Ragged
 from .schema import Field, Schema
-from .writer import BlockSource
+
+if TYPE_CHECKING:
+    from .writer import BlockSource
 
 __all__ = [
     "DEFAULT_GROUP_CACHE",
@@ -416,6 +417,9 @@ class LanceDataset(_ArrowDataset):
 def in_place_source(ds: ParquetDataset | LanceDataset) -> BlockSource:
     """An in-place dataset as a `BlockSource` for `write` (`fastload convert`): blocks of rows in order,
     fixed fields as arrays and variable ones as `Ragged`; image fields' sizes read from their headers."""
+    from .columns import Block, image_size
+    from .writer import BlockSource
+
     n = len(ds)
     images = [f.name for f in ds.schema if f.kind == "image"]
     label = {"ParquetDataset": "parquet", "LanceDataset": "lance"}[type(ds).__name__]
