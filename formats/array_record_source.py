@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,7 @@ class ArrayRecordFiles:
         self._first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._n = int(self._first[-1])
         self._readers: dict[int, Any] = {}
+        self._lock = threading.Lock()  # one read at a time per process: readers are shared by threads
         self._pid = os.getpid()
         self.schema = self._infer_schema()
 
@@ -105,7 +107,12 @@ class ArrayRecordFiles:
         return self._n
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_readers": {}, "_pid": -1}
+        state = {**self.__dict__, "_readers": {}, "_pid": -1}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def _locate(self, i: int) -> tuple[int, int]:
         if not 0 <= i < self._n:
@@ -119,10 +126,9 @@ class ArrayRecordFiles:
         return self.files[k] if k in self.unreadable else f"{self.files[k]}: record {j} (sample {i})"
 
     def _reader(self, k: int) -> Any:
+        """File k's reader in this process (the caller holds `_lock`)."""
         from array_record.python import array_record_module
 
-        if self._pid != os.getpid():
-            self._readers, self._pid = {}, os.getpid()
         reader = self._readers.get(k)
         if reader is None:
             reader = self._readers[k] = array_record_module.ArrayRecordReader(
@@ -135,8 +141,11 @@ class ArrayRecordFiles:
         k, j = self._locate(int(i))
         if k in self.unreadable:
             raise FormatError(f"{self.files[k]}: cannot open as ArrayRecord ({self.unreadable[k]})")
+        if self._pid != os.getpid():  # a forked child: its own readers and lock, never the parent's
+            self._readers, self._lock, self._pid = {}, threading.Lock(), os.getpid()
         try:
-            return bytes(self._reader(k).read([j])[0])
+            with self._lock:
+                return bytes(self._reader(k).read([j])[0])
         except (OSError, RuntimeError, ValueError, IndexError) as exc:
             raise FormatError(f"{self.describe(i)}: cannot read ({exc})") from exc
 

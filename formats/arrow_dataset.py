@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import random
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -232,7 +233,8 @@ class ParquetDataset(_ArrowDataset):
 
     A batch reads each row group it touches whole (decoded once, kept in a cache of decoded groups
     bounded by `group_cache_bytes`, random eviction) and takes its rows with one `Table.take`.
-    Page CRCs are checked where the files carry them (`page_checksum_verification`).
+    Page CRCs are checked where the files carry them (`page_checksum_verification`). Each thread
+    reads through its own open files; the cache is shared by the process's threads.
     """
 
     fork_safe = True
@@ -255,7 +257,8 @@ class ParquetDataset(_ArrowDataset):
             raise FormatError(f"{self.path}: no .parquet files")
         self.group_cache_bytes = group_cache_bytes
         self._pid = -1
-        self._handles: list[Any] = []
+        self._local = threading.local()  # this thread's open files
+        self._lock = threading.Lock()  # guards the cache
         starts, groups = [0], []  # global first row of each row group; (file, group) of each
         first = None
         for k, name in enumerate(self.files):
@@ -283,40 +286,57 @@ class ParquetDataset(_ArrowDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pid=-1, _handles=[], _cache={}, _cache_bytes=0)
+        del state["_local"], state["_lock"]
+        state.update(_pid=-1, _cache={}, _cache_bytes=0)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _local=threading.local(), _lock=threading.Lock())
+
+    def _process(self) -> None:
+        """In a process other than the one that last read (a forked child): fresh files, lock and cache."""
+        if self._pid != os.getpid():
+            self._local, self._lock = threading.local(), threading.Lock()
+            self._cache, self._cache_bytes, self._pid = {}, 0, os.getpid()
 
     def _file(self, k: int) -> Any:
         import pyarrow.parquet as pq
 
-        if self._pid != os.getpid():
-            self._handles, self._cache, self._cache_bytes, self._pid = [None] * len(self.files), {}, 0, os.getpid()
-        if self._handles[k] is None:
-            self._handles[k] = pq.ParquetFile(self.files[k], page_checksum_verification=True)
-        return self._handles[k]
+        handles = getattr(self._local, "files", None)
+        if handles is None:
+            handles = self._local.files = [None] * len(self.files)
+        if handles[k] is None:
+            handles[k] = pq.ParquetFile(self.files[k], page_checksum_verification=True)
+        return handles[k]
 
     def close(self) -> None:
-        """Close the open files and drop the cached row groups (a later read opens them again)."""
-        for h in self._handles:
+        """Drop this thread's open files and the cached row groups (a later read opens them again)."""
+        for h in getattr(self._local, "files", None) or []:
             if h is not None:
                 h.close()
-        self._handles, self._cache, self._cache_bytes, self._pid = [], {}, 0, -1
+        self._local.files = None
+        with self._lock:
+            self._cache, self._cache_bytes = {}, 0
 
     def _group(self, g: int) -> Any:
-        table = self._cache.get(g)
+        self._process()
+        with self._lock:
+            table = self._cache.get(g)
         if table is not None:
             return table
         k, local = self._groups[g]
-        try:
+        try:  # decoded outside the lock: pyarrow releases the GIL, threads decode in parallel
             table = self._file(k).read_row_group(local, columns=self.schema.names)
         except (OSError, ValueError) as exc:
             raise FormatError(f"{self.files[k]}: row group {local}: cannot read ({exc})") from exc
-        self._cache[g] = table
-        self._cache_bytes += table.nbytes
-        while self._cache_bytes > self.group_cache_bytes and len(self._cache) > 1:
-            # random eviction, as for HDF5 chunks: a shuffled epoch is a scan an LRU cache always misses
-            victim = next(itertools.islice(iter(self._cache), self._rng.randrange(len(self._cache) - 1), None))
-            self._cache_bytes -= self._cache.pop(victim).nbytes
+        with self._lock:
+            if g not in self._cache:
+                self._cache[g] = table
+                self._cache_bytes += table.nbytes
+            while self._cache_bytes > self.group_cache_bytes and len(self._cache) > 1:
+                # random eviction, as for HDF5 chunks: a shuffled epoch is a scan an LRU cache always misses
+                victim = next(itertools.islice(iter(self._cache), self._rng.randrange(len(self._cache) - 1), None))
+                self._cache_bytes -= self._cache.pop(victim).nbytes
         return table
 
     def _rows(self, idx: np.ndarray, names: list[str]) -> Any:
@@ -343,9 +363,8 @@ class ParquetDataset(_ArrowDataset):
     def _whole_column(self, name: str) -> Any:
         import pyarrow as pa
 
-        return pa.chunked_array(
-            [self._file(k).read(columns=[name]).column(name) for k in range(len(self.files))],
-        )
+        self._process()
+        return pa.chunked_array([self._file(k).read(columns=[name]).column(name) for k in range(len(self.files))])
 
 
 def _select(schema: Any, columns: list[str], where: str) -> Any:

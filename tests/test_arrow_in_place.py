@@ -104,6 +104,17 @@ def test_parquet_batches_equal_the_table_for_any_indices(tmp_path_factory, rows,
     _assert_batch(ds.get_batch(rows), _table(), rows)
 
 
+def test_parquet_threads_share_the_group_cache(parquet_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    ds = ParquetDataset(parquet_dir, group_cache_bytes=20_000)  # a few groups: threads evict each other's
+    table = _table()
+    batches = [np.random.default_rng(s).integers(0, N, 48) for s in range(64)]
+    with ThreadPoolExecutor(4) as pool:
+        for rows, batch in zip(batches, pool.map(ds.get_batch, batches)):
+            _assert_batch(batch, table, rows)
+
+
 def test_inspect_an_in_place_source(parquet_dir, capsys):
     assert main(["inspect", str(parquet_dir)]) == 0
     out = capsys.readouterr().out
