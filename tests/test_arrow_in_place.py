@@ -109,7 +109,7 @@ def test_parquet_threads_share_the_group_cache(parquet_dir):
 
     ds = ParquetDataset(parquet_dir, group_cache_bytes=20_000)  # a few groups: threads evict each other's
     table = _table()
-    batches = [np.random.default_rng(s).integers(0, N, 48) for s in range(64)]
+    batches = [np.random.default_rng(s).integers(0, N, 24) for s in range(16)]
     with ThreadPoolExecutor(4) as pool:
         for rows, batch in zip(batches, pool.map(ds.get_batch, batches)):
             _assert_batch(batch, table, rows)
