@@ -148,6 +148,27 @@ def _ragged(arr: Any, kind: str, dtype: np.dtype) -> Ragged:
     return Ragged(values, offsets - base, kind)
 
 
+def _first_null(arr: Any) -> int | None:
+    """The first row of `arr` that is null or holds a null at any list level; None when there is none."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    levels = [arr]
+    while any(check(levels[-1].type) for check in (pa.types.is_list, pa.types.is_large_list,
+                                                     pa.types.is_fixed_size_list)):
+        levels.append(pc.list_flatten(levels[-1]))
+    if not any(a.null_count for a in levels):  # the common case: counts only, no per-row work
+        return None
+    bad = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    row_of = np.arange(len(arr))  # the row each item of the current level belongs to
+    for outer, inner in zip(levels, levels[1:]):
+        row_of = row_of[np.asarray(pc.list_parent_indices(outer).to_numpy(zero_copy_only=False), dtype=np.int64)]
+        nulls = np.asarray(inner.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        bad[row_of[nulls]] = True
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if len(hits) else None
+
+
 def _fixed(arr: Any, f: Field) -> np.ndarray:
     import pyarrow.compute as pc
 
@@ -193,9 +214,9 @@ class _ArrowDataset:
             arr = _flat(table.column(f.name))
             if f.kind == "image":
                 arr = arr.field("bytes")
-            if arr.null_count:
-                j = int(np.flatnonzero(~np.asarray(arr.is_valid().to_numpy(zero_copy_only=False)))[0])
-                raise FormatError(f"{self._where(int(idx[j]))}, column {f.name!r}: missing value (null)")
+            row = _first_null(arr)
+            if row is not None:
+                raise FormatError(f"{self._where(int(idx[row]))}, column {f.name!r}: missing value (null)")
             out[f.name] = _fixed(arr, f) if f.is_fixed else _ragged(arr, f.kind, f.dtype)
         return out
 

@@ -272,3 +272,15 @@ def test_bench_on_lance_compares_in_place_with_converted(lance_dir, capsys):
     assert {(r["loader"], r["num_workers"]) for r in res["loaders"]} == {
         (k, w) for k in ("fastload", "torch") for w in (0, 1)}
     assert "fastload (converted)" in capsys.readouterr().out
+
+
+def test_nulls_inside_lists_are_named(tmp_path):
+    table = pa.table({"v": pa.array([[1, 2], [3], [4, None]], pa.list_(pa.int64())),
+                      "m": pa.FixedSizeListArray.from_arrays(pa.array([1.0, 2.0, None, 4.0, 5.0, 6.0]), 2)})
+    pq.write_table(table, tmp_path / "n.parquet")
+    ds = ParquetDataset(tmp_path / "n.parquet")
+    assert [a.tolist() for a in ds.get_batch([1, 0], fields=["v"])["v"].to_list()] == [[3], [1, 2]]
+    with pytest.raises(FormatError, match=r"sample 2, column 'v': missing value"):
+        ds.get_batch([0, 2], fields=["v"])
+    with pytest.raises(FormatError, match=r"sample 1, column 'm': missing value"):
+        ds.get_batch([0, 1, 2], fields=["m"])
