@@ -74,6 +74,7 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.migrate
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # LitData's own tensor reads
 def test_litdata_samples_equal_litdatas_own_reader(lit_dir):
     from litdata import StreamingDataset
     from litdata.streaming.serializers import BytesSerializer
@@ -254,3 +255,18 @@ def test_array_record_bad_records_and_files_are_named(record_dir, tmp_path, monk
         str(record_dir / "zz.array_record")]
     assert FastloadDataset(tmp_path / "out").get_batch(np.arange(54))["id"].tolist() == [
         i for i in range(60) if i % 10 != 7]
+
+
+def test_array_record_flipped_byte_is_caught_by_its_chunk_hash(tmp_path):
+    pytest.importorskip("array_record.python.array_record_module")
+    path = tmp_path / "one.array_record"
+    _write_records(path, [f"record-{i:04d}-".encode() * 20 for i in range(100)], group_size=1)
+    raw = bytearray(path.read_bytes())
+    raw[raw.find(b"record-0050-") + 3] ^= 0x01  # inside record 50's payload
+    path.write_bytes(bytes(raw))
+    assert main(["convert", str(path), str(tmp_path / "out"), "--quiet", "--on-error", "skip"]) == 0
+    report = [json.loads(line) for line in (tmp_path / "out" / "skipped-inputs.jsonl").read_text().splitlines()]
+    assert [r["input"] for r in report] == [f"{path}: record 50 (sample 50)"]
+    assert "hash mismatch" in report[0]["reason"]
+    records = FastloadDataset(tmp_path / "out").get_batch(np.arange(99))["record"].to_list()
+    assert records == [f"record-{i:04d}-".encode() * 20 for i in range(100) if i != 50]
