@@ -152,7 +152,10 @@ def test_loader_reads_parquet_and_lance_in_place(parquet_dir, lance_dir):
     for path in (parquet_dir, lance_dir):
         ds = fastload.open_dataset(path)
         seen = []
-        for batch in fastload.Loader(ds, batch_size=32, shuffle=True, seed=3, num_workers=2):
+        loader = fastload.Loader(ds, batch_size=32, shuffle=True, seed=3, num_workers=2)
+        described = loader.describe()  # the batched fast path: one get_batch per batch, on threads
+        assert (described["mode"], described["worker_kind"]) == ("columns", "thread")
+        for batch in loader:
             assert batch["emb"].shape[1:] == (4,) and batch["emb"].dtype == torch.float32
             assert torch.equal(batch["emb"][:, 0], batch["id"].float() * 4)
             seen.extend(batch["id"].tolist())
