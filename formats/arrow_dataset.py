@@ -58,14 +58,15 @@ def is_lance(path: str) -> bool:
 
 
 def in_place_kind(path: str) -> str | None:
-    """"parquet" for a Parquet file or a folder of only Parquet files, "lance" for a Lance dataset, else None."""
+    """"parquet" for a Parquet file or a folder of only Parquet files (besides names starting with "." or
+    "_"), "lance" for a Lance dataset, else None."""
     if os.path.isfile(path):
         return "parquet" if path.lower().endswith(".parquet") else None
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, "index.json")):
         return None
     if is_lance(path):
         return "lance"
-    data = [e for e in os.listdir(path) if not e.startswith(".")]
+    data = [e for e in os.listdir(path) if not e.startswith((".", "_"))]  # Spark's _SUCCESS, .crc files
     return "parquet" if data and all(e.endswith(".parquet") for e in data) else None
 
 
@@ -270,7 +271,7 @@ class ParquetDataset(_ArrowDataset):
         if os.path.isdir(self.path):
             self.files = sorted(
                 os.path.join(self.path, e) for e in os.listdir(self.path)
-                if e.endswith(".parquet") and not e.startswith(".")
+                if e.endswith(".parquet") and not e.startswith((".", "_"))
             )
         else:
             self.files = [self.path]

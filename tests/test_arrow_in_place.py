@@ -91,6 +91,8 @@ def test_open_dataset_reads_parquet_in_place(parquet_dir):
     assert np.array_equal(ds.lengths("blob"), np.arange(N) % 11)
     with pytest.raises(IndexError, match=f"sample index {N} out of range"):
         ds.get_batch([1, N])
+    (parquet_dir / "_SUCCESS").write_bytes(b"")  # what Spark leaves beside its files
+    assert isinstance(fastload.open_dataset(parquet_dir), ParquetDataset)
     single = fastload.open_dataset(parquet_dir / "part-1.parquet")
     assert isinstance(single, ParquetDataset) and len(single) == N - 200 and single[0]["id"] == 200
 
