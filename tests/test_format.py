@@ -270,7 +270,7 @@ def _field_entry_offset(field_index: int) -> int:
     ("entry_byte", "value", "message"),
     [
         (24, (1 << 62).to_bytes(8, "little"), "offsets_offset is .* the layout puts it"),  # far out of range
-        (40, (10**9).to_bytes(8, "little"), "past their space"),  # blob_bytes larger than the file
+        (40, (10**9).to_bytes(8, "little"), "blob_bytes 1000000000 exceed the file"),  # larger than the file
         (8, (1 << 63).to_bytes(8, "little"), "fixed_offset is .* the layout puts it"),  # huge ("negative")
         (8, (4096 + 4).to_bytes(8, "little"), "fixed_offset is 4100, the layout puts it at 4096"),  # moved by 4
     ],
