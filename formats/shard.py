@@ -369,7 +369,7 @@ class ShardReader:
         if stop > end or (self.version >= 2 and stop != end):
             raise FormatError(f"{where}: sections end at byte {stop}, past their space ({end} bytes)")
         for f, got, want in zip(self.schema, table, expected):
-            for key in ("fixed_offset", "fixed_bytes", "offsets_offset", "blob_offset", "item_bytes"):
+            for key in ("fixed_offset", "fixed_bytes", "offsets_offset", "blob_offset", "blob_bytes", "item_bytes"):
                 if int(got[key]) != int(want[key]):
                     raise FormatError(
                         f"{where}, field {f.name!r}: {key} is {int(got[key])}, the layout puts it at {int(want[key])} "
