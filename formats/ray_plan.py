@@ -22,7 +22,7 @@ from ray.data.block import BlockAccessor
 from .columns import Block, encode_samples
 from .errors import FormatError, SchemaError
 from .schema import Schema
-from .writer import BlockSource, cut_points
+from .writer import BlockSource, cut_points, source_describer
 
 __all__ = ["Plan", "plan_shards"]
 
@@ -103,7 +103,8 @@ class PathSource:
         """Samples [start, stop) encoded as a Block."""
         source = self._source()
         if not isinstance(source, BlockSource):
-            return encode_samples([source[i] for i in range(start, stop)], self.schema, first_index=start)
+            rows = [source[i] for i in range(start, stop)]
+            return encode_samples(rows, self.schema, first_index=start, describe=source_describer(source))
         if source.block is not None:
             return source.block(start, stop)
         parts, pos = [], start

@@ -7,14 +7,16 @@ lines, LMDB) that `write()` encodes in worker processes.
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from .columns import Block
+from .columns import Block, sample_label
 from .errors import FormatError, SchemaError
 from .image_folder import ImageFolder, check_image, is_image
 from .megatron import megatron_paths
@@ -130,6 +132,11 @@ class SkipBadInputs:
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.source[self.good[i]]
 
+    def describe(self, i: int) -> str:
+        """Where kept sample `i` comes from: the source's `describe`, or its index in the source."""
+        describe = getattr(self.source, "describe", None)
+        return describe(self.good[i]) if describe else f"input sample {self.good[i]}"
+
     def report(self, path: str) -> None:
         """Write the skipped inputs to `path` as JSON lines ``{"input", "reason"}``."""
         with open(path, "w") as fh:
@@ -143,11 +150,14 @@ class JsonLines:
     def __init__(self, path: str) -> None:
         self.path = path
         self._spans: list[tuple[int, int]] = []  # (offset, length) of each non-blank line
+        self._blanks: list[tuple[int, int]] = []  # (next sample, blank lines so far) at each blank line
         with open(path, "rb") as fh:
             pos = 0
             for line in fh:
                 if line.strip():
                     self._spans.append((pos, len(line)))
+                else:
+                    self._blanks.append((len(self._spans), len(self._blanks) + 1))
                 pos += len(line)
         if not self._spans:
             raise FormatError(f"{path}: no JSON lines")
@@ -174,14 +184,15 @@ class JsonLines:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise SchemaError(f"{self.path}: sample {i} is not valid JSON ({exc})") from exc
+            raise SchemaError(f"{sample_label(i, self.describe)} is not valid JSON ({exc})") from exc
         if not isinstance(obj, dict):
-            raise SchemaError(f"{self.path}: sample {i} is not a JSON object")
+            raise SchemaError(f"{sample_label(i, self.describe)} is not a JSON object")
         return obj
 
     def describe(self, i: int) -> str:
-        """Where sample `i` comes from (file and line), for error reports."""
-        return f"{self.path}:{i + 1} (line of sample {i})"
+        """Where sample `i` comes from, ``FILE:LINE`` (blank lines hold no sample), for error reports."""
+        k = bisect.bisect_right(self._blanks, (i, math.inf))
+        return f"{self.path}:{i + 1 + (self._blanks[k - 1][1] if k else 0)}"
 
 
 def _json_field(name: str, value: Any, path: str) -> Field:
@@ -210,7 +221,7 @@ def _hdf5_source(src: str) -> BlockSource | Any:
         for s in range(start, n, _BLOCK_ROWS):
             yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks, block=block)
+    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks, block=block, describe=lambda i: src)
 
 
 def decode_images(ds: Any, *, batch: int = 256) -> list[str]:
@@ -241,7 +252,9 @@ def _fastload_source(src: str) -> BlockSource:
         for a in range(start, len(ds), _BLOCK_ROWS):
             yield ds.read_block(a, min(a + _BLOCK_ROWS, len(ds)))
 
-    return BlockSource(schema=ds.schema, num_samples=len(ds), blocks=blocks, attrs=ds.attrs)
+    return BlockSource(
+        schema=ds.schema, num_samples=len(ds), blocks=blocks, attrs=ds.attrs, describe=lambda i: ds.root
+    )
 
 
 def open_source(
