@@ -200,10 +200,10 @@ class ColumnGuard:
         if missing.size:
             missing = np.unique(missing)
             part_of = self.base.searchsorted(missing, side="right") - 1
-            cuts = np.flatnonzero(np.diff(part_of)) + 1
-            for group in np.split(missing, cuts):
-                p = int(self.base.searchsorted(group[0], side="right")) - 1
-                self.ledger.ensure(self.shards[p], group - self.base[p])
+            firsts = np.flatnonzero(np.diff(part_of, prepend=-1))
+            ends = [*firsts[1:].tolist(), len(missing)]
+            for a, b, p in zip(firsts.tolist(), ends, part_of[firsts].tolist()):
+                self.ledger.ensure(self.shards[p], missing[a:b] - self.base[p])
             self.seen[missing] = True
         self._calls += 1
         self._left -= missing.size
