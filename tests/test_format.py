@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -610,13 +611,21 @@ def test_absurd_shard_size_from_open_inspect_and_verify(small_ds, capsys, value,
     assert err.startswith(f"BAD  {where}") and "Traceback" not in err
 
 
-def test_large_in_range_shard_size_is_checked_against_the_file_before_any_memory_is_sized(small_ds):
+def test_large_in_range_shard_size_is_checked_against_the_file_before_any_memory_is_sized(small_ds, capsys):
+    from fastload.cli import main
+
     body = _manifest(small_ds)
     body["shards"][1]["bytes"] = 2**62  # a legal file size: the ledger must not be sized from it
     _rewrite_manifest(small_ds, body)
     ds = open_dataset(small_ds)
     with pytest.raises(FormatError, match=rf"shard-00001\.fls \(shard 1\): file is \d+ bytes, manifest says {2**62}"):
         ds.get_batch(np.arange(len(ds)))
+    shard = rf"{small_ds}/shards/shard-00001\.fls \(shard 1\)"
+    where = rf"{shard}: \d+ bytes, manifest says {2**62} \(truncated or replaced\?\)"
+    assert main(["inspect", str(small_ds)]) == 2
+    assert re.fullmatch(rf"fastload inspect: error: {where}\n", capsys.readouterr().err)
+    assert main(["verify", str(small_ds)]) == 1
+    assert re.match(rf"BAD  {where}\n", capsys.readouterr().err)
 
 
 def test_sample_counts_must_fit_their_shards(small_ds):
