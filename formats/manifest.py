@@ -130,8 +130,8 @@ class Manifest:
         """Parse and check `index.json` bytes (untrusted: every field checked); errors name `where`."""
         try:
             body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{where}: not valid JSON ({exc})") from exc
+        except (ValueError, RecursionError) as exc:  # not JSON, an integer of over 4300 digits, nesting too deep
+            raise FormatError(f"{where}: not valid JSON ({type(exc).__name__}: {exc!s:.200})") from exc
         if not isinstance(body, dict):
             raise FormatError(f"{where}: manifest must be a JSON object")
         if body.get("format") != FORMAT_NAME:

@@ -611,6 +611,17 @@ def test_absurd_shard_size_from_open_inspect_and_verify(small_ds, capsys, value,
     assert err.startswith(f"BAD  {where}") and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [(b'{"format": "fastload-dataset", "version": 2, "num_samples": 9' + b"9" * 5000 + b"}", "ValueError: Exceeds"),
+     (b"[" * 100_000 + b"]" * 100_000, "RecursionError")],
+)  # fmt: skip
+def test_manifest_beyond_what_json_parses_is_a_format_error(small_ds, text, why):
+    (small_ds / "index.json").write_bytes(text)
+    with pytest.raises(FormatError, match=rf"{small_ds}/index\.json: not valid JSON \({why}"):
+        open_dataset(small_ds)
+
+
 def test_large_in_range_shard_size_is_checked_against_the_file_before_any_memory_is_sized(small_ds, capsys):
     from fastload.cli import main
 
