@@ -22,7 +22,7 @@ from .image_folder import ImageFolder, check_image, is_image
 from .megatron import megatron_paths
 from .npy_files import is_column_folder
 from .schema import Field, Schema, infer_field
-from .writer import BlockSource
+from .writer import BlockSource, kept_describer, source_describer
 
 __all__ = [
     "SOURCE_KINDS",
@@ -125,17 +125,14 @@ class SkipBadInputs:
             pool.shutdown(wait=True, cancel_futures=True)
         self.good = [i for i, err in results if err is None]
         self.skipped = [(describe(i) if describe else f"sample {i}", err) for i, err in results if err is not None]
+        # kept sample i's input, as the source describes it (None: the source names no inputs)
+        self.describe: Callable[[int], str] | None = kept_describer(source_describer(source), self.good)
 
     def __len__(self) -> int:
         return len(self.good)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.source[self.good[i]]
-
-    def describe(self, i: int) -> str:
-        """Where kept sample `i` comes from: the source's `describe`, or its index in the source."""
-        describe = getattr(self.source, "describe", None)
-        return describe(self.good[i]) if describe else f"input sample {self.good[i]}"
 
     def report(self, path: str) -> None:
         """Write the skipped inputs to `path` as JSON lines ``{"input", "reason"}``."""

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ __all__ = [
     "dataset_id_for",
     "fsync_path",
     "incomplete_conversion",
+    "kept_describer",
     "kept_shard",
     "pack_meta",
     "shard_meta",
@@ -89,6 +91,16 @@ def source_describer(source: Any) -> Callable[[int], str] | None:
     """The source's `describe(i)` (what input sample `i` comes from: a file, a line), if it has one."""
     describe = getattr(source, "describe", None)
     return describe if callable(describe) else None
+
+
+def _describe_kept(describe: Callable[[int], str], kept: Any, first: int, i: int) -> str:
+    return describe(int(kept[i - first]))
+
+
+def kept_describer(describe: Callable[[int], str] | None, kept: Any, first: int = 0) -> Callable[[int], str] | None:
+    """`describe` for samples numbered among those kept: sample `i` is source sample `kept[i - first]`
+    (inputs left out by `on_error="skip"`); picklable, None without `describe`."""
+    return None if describe is None else partial(_describe_kept, describe, kept, first)
 
 
 _WORKER_SOURCE: tuple[Any, Schema] | None = None
