@@ -67,7 +67,7 @@ def incomplete_conversion(out_dir: str) -> str | None:
     try:
         with open(os.path.join(out_dir, PROGRESS_NAME)) as fh:
             recorded = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     command = recorded.get(COMMAND_KEY) if isinstance(recorded, dict) else None
     if not isinstance(command, str):
@@ -131,7 +131,7 @@ def resume_point(out_dir: str, settings: dict[str, Any], schema: Schema, dataset
     try:
         with open(progress_path) as fh:
             recorded = json.load(fh)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # ValueError: not JSON, or an integer of over 4300 digits
         return []
     if isinstance(recorded, dict):
         recorded.pop(COMMAND_KEY, None)
