@@ -140,11 +140,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from fastload.dataset import open_dataset
     from fastload.formats import FastloadDataset
-    from fastload.formats.units import format_size
+    from fastload.formats.errors import FormatError
+    from fastload.formats.storage import LocalStorage
+    from fastload.formats.units import format_size, plural
+    from fastload.formats.verify import shard_file_problem
 
     ds = open_dataset(args.dataset)
     if isinstance(ds, FastloadDataset):
         m = ds.manifest
+        if isinstance(ds.storage, LocalStorage):  # sizes are printed from the manifest: check them against the files
+            problems = [p for k, s in enumerate(m.shards) if (p := shard_file_problem(ds.storage, k, s)) is not None]
+            if problems:
+                more = f" (and {plural(len(problems) - 1, 'more shard')})" if len(problems) > 1 else ""
+                raise FormatError(problems[0] + more)
         sizes = [s.bytes for s in m.shards]
         print(f"dataset   {ds.root}")
         print(f"samples   {len(ds)}")

@@ -91,40 +91,41 @@ def block_ids(lo: np.ndarray, hi: np.ndarray, shift: int) -> np.ndarray:
 class BlockLedger:
     """Which blocks of a dataset's shards this process has verified.
 
-    One bool per block, for all shards in one array (shard k's blocks start at `base[k]`), owned
-    by the dataset; shard readers hold views of their part. Lock-free by design: a bit goes from
-    False to True only after that block's bytes matched its checksum, and never back, so reader
-    threads may test and set bits concurrently; two threads racing on one block both hash it,
-    which is harmless. Not shared between processes: a process worker starts with a fresh ledger
-    and verifies what it reads itself.
+    One bool per block, one array per shard, owned by the dataset; a shard's array is made when the
+    shard is first opened, sized from its checksum table (so after its file was found to hold the
+    size the manifest says: a manifest's size never sizes memory by itself), and shard readers hold
+    it. Lock-free by design: a bit goes from False to True only after that block's bytes matched
+    its checksum, and never back, so reader threads may test and set bits concurrently; two threads
+    racing on one block both hash it, which is harmless. Not shared between processes: a process
+    worker starts with a fresh ledger and verifies what it reads itself.
     """
 
-    def __init__(self, max_blocks: list[int], shift: int, verify: Callable[[int, np.ndarray], None]) -> None:
-        """`max_blocks[k]`: an upper bound on shard k's blocks; `verify(k, local_ids)` checks blocks
-        of shard k (raising ChecksumError) and sets their bits."""
+    def __init__(self, num_shards: int, shift: int, verify: Callable[[int, np.ndarray], None]) -> None:
+        """`verify(k, local_ids)` checks blocks of shard k (raising ChecksumError) and sets their bits."""
         self.shift = shift
-        self.base = np.zeros(len(max_blocks) + 1, dtype=np.int64)
-        np.cumsum(max_blocks, out=self.base[1:])
-        self.bits = np.zeros(int(self.base[-1]), dtype=bool)
+        self._parts: list[np.ndarray | None] = [None] * num_shards
         self._verify = verify
 
-    def shard_bits(self, k: int) -> np.ndarray:
-        """Shard k's verified-block bits: a view into `bits` (not a copy), indexed by the shard's local
-        block ids, so a shard reader sets bits in the shared ledger."""
-        return self.bits[self.base[k] : self.base[k + 1]]
+    def shard_bits(self, k: int, count: int | None = None) -> np.ndarray:
+        """Shard k's verified-block bits, indexed by its local block ids (the array readers set, not a
+        copy); made with `count` blocks on the first call, which must give it (the shard's opening)."""
+        part = self._parts[k]
+        if part is None:
+            if count is None:
+                raise LookupError(f"shard {k} has not been opened: its block count is unknown")
+            part = self._parts[k] = np.zeros(count, dtype=bool)
+        return part
 
-    def ensure(self, ids: np.ndarray) -> int:
-        """Verify the blocks with global ids `ids` that are not verified yet; returns how many."""
-        missing = ids[~self.bits[ids]]
-        if not missing.size:
-            return 0
-        missing = np.unique(missing)
-        shard_of = self.base.searchsorted(missing, side="right") - 1
-        cuts = np.flatnonzero(np.diff(shard_of)) + 1
-        for part in np.split(np.arange(len(missing)), cuts):
-            k = int(shard_of[part[0]])
-            self._verify(k, missing[part] - self.base[k])
-        return len(missing)
+    def ensure(self, k: int, ids: np.ndarray) -> None:
+        """Verify the blocks `ids` (local, unique) of opened shard k that are not verified yet."""
+        bits = self.shard_bits(k)
+        missing = ids[~bits[ids]]
+        if missing.size:
+            self._verify(k, missing)
+
+    def verified_blocks(self) -> int:
+        """How many blocks this process has verified, over all shards."""
+        return sum(int(np.count_nonzero(p)) for p in self._parts if p is not None)
 
 
 def verify_blocks(
@@ -151,7 +152,10 @@ class ColumnGuard:
     (a spliced column's virtual rows) before they are read; `done` once all of them are verified.
 
     `parts`: per shard in order `(shard, file offset of its column, virtual row of its first row,
-    rows)`. Set as a `SplicedColumn.check`; the owner drops it once `done`.
+    rows)`; every one of these shards must have been opened (its ledger bits exist). The guard numbers
+    the blocks of its shards one after another (`seen`: which of them it knows to be verified, a
+    subset of the ledger's bits, refreshed from them every `RECHECK` calls). Set as a
+    `SplicedColumn.check`; the owner drops it once `done`.
     """
 
     RECHECK = 32  # calls between full recounts (another column may verify blocks shared with this one)
@@ -159,12 +163,18 @@ class ColumnGuard:
     def __init__(self, ledger: BlockLedger, parts: list[tuple[int, int, int, int]], row_bytes: int) -> None:
         self.ledger, self.row_bytes = ledger, row_bytes
         shift = ledger.shift
+        self.shards = [k for k, _, _, _ in parts]
+        self.bits = [ledger.shard_bits(k) for k in self.shards]
+        self.base = np.zeros(len(parts) + 1, dtype=np.int64)  # part p's blocks: [base[p], base[p + 1])
+        np.cumsum([len(b) for b in self.bits], out=self.base[1:])
+        self.seen = np.zeros(int(self.base[-1]), dtype=bool)
         self.vstarts = np.array([p[2] for p in parts], dtype=np.int64)
-        # global byte of virtual row v in part k: origin[k] + v * row_bytes (shard k's blocks start at base[k])
+        # the guard's byte of virtual row v in part p: origin[p] + v * row_bytes
         self.origin = np.array(
-            [(int(ledger.base[k]) << shift) + off - vstart * row_bytes for k, off, vstart, _ in parts], dtype=np.int64
+            [(int(self.base[p]) << shift) + off - vstart * row_bytes for p, (_, off, vstart, _) in enumerate(parts)],
+            dtype=np.int64,
         )
-        lo = np.array([(int(ledger.base[k]) << shift) + off for k, off, _, _ in parts], dtype=np.int64)
+        lo = np.array([(int(self.base[p]) << shift) + off for p, (_, off, _, _) in enumerate(parts)], dtype=np.int64)
         hi = lo + np.array([n * row_bytes for _, _, _, n in parts], dtype=np.int64)
         self.needed = np.unique(block_ids(lo, hi, shift))
         self.done = False
@@ -172,7 +182,9 @@ class ColumnGuard:
         self._recount()
 
     def _recount(self) -> None:
-        self._left = int(np.count_nonzero(~self.ledger.bits[self.needed]))
+        if len(self.bits):
+            np.concatenate(self.bits, out=self.seen)
+        self._left = int(np.count_nonzero(~self.seen[self.needed]))
         self.done = self._left == 0
 
     def __call__(self, rows: np.ndarray, counts: np.ndarray | None = None) -> None:
@@ -183,8 +195,17 @@ class ColumnGuard:
         part = self.vstarts.searchsorted(rows, side="right") - 1
         lo = self.origin.take(part) + rows * self.row_bytes
         hi = lo + (self.row_bytes if counts is None else counts * self.row_bytes)
-        verified = self.ledger.ensure(block_ids(lo, hi, self.ledger.shift))
+        ids = block_ids(lo, hi, self.ledger.shift)
+        missing = ids[~self.seen[ids]]
+        if missing.size:
+            missing = np.unique(missing)
+            part_of = self.base.searchsorted(missing, side="right") - 1
+            firsts = np.flatnonzero(np.diff(part_of, prepend=-1))
+            ends = [*firsts[1:].tolist(), len(missing)]
+            for a, b, p in zip(firsts.tolist(), ends, part_of[firsts].tolist()):
+                self.ledger.ensure(self.shards[p], missing[a:b] - self.base[p])
+            self.seen[missing] = True
         self._calls += 1
-        self._left -= verified
+        self._left -= missing.size
         if self._left <= 0 or self._calls % self.RECHECK == 0:
             self._recount()

@@ -7,6 +7,7 @@ per-sample Python at all; a dict source pays one validation pass per sample, her
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,9 @@ from .errors import SchemaError
 from .ragged import Ragged
 from .schema import Field, Schema
 
-__all__ = ["Block", "encode_samples", "image_size"]
+__all__ = ["Block", "encode_samples", "image_size", "sample_label"]
+
+_Label = Callable[[int], str]  # the label of the i-th sample of a chunk, for messages
 
 
 @dataclass
@@ -73,11 +76,17 @@ def image_size(data: bytes | memoryview, where: str) -> tuple[int, int]:
     return height, width
 
 
-def _where(first_index: int, i: int, name: str) -> str:
-    return f"sample {first_index + i}, field {name!r}"
+def sample_label(index: int, describe: Callable[[int], str] | None = None) -> str:
+    """How messages name source sample `index`: ``sample 7``, or with `describe` (a source's
+    `describe(i)`: the input file, line or key it comes from) ``data.jsonl:8: sample 7``."""
+    return f"{describe(index)}: sample {index}" if describe is not None else f"sample {index}"
 
 
-def _cast(arr: np.ndarray, f: Field, first_index: int, values: list[Any]) -> np.ndarray:
+def _where(label: _Label, i: int, name: str) -> str:
+    return f"{label(i)}, field {name!r}"
+
+
+def _cast(arr: np.ndarray, f: Field, label: _Label, values: list[Any]) -> np.ndarray:
     """Cast to the field dtype, refusing lossy casts (float->int, overflow)."""
     src = arr.dtype
     if (
@@ -89,66 +98,66 @@ def _cast(arr: np.ndarray, f: Field, first_index: int, values: list[Any]) -> np.
             a = np.asarray(v)
             if a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and f.dtype.kind in "biu"):
                 raise SchemaError(
-                    f"{_where(first_index, i, f.name)}: expected {f.kind} of {f.dtype}, "
+                    f"{_where(label, i, f.name)}: expected {f.kind} of {f.dtype}, "
                     f"got {type(v).__name__} {a.dtype}"
                 )
         raise SchemaError(f"field {f.name!r}: values of dtype {src} cannot be stored as {f.dtype}")
     out = arr.astype(f.dtype, copy=False)
     if src != f.dtype and src.kind in "iu" and f.dtype.kind in "iu" and not np.array_equal(out, arr):
         bad = int(np.flatnonzero(out.reshape(len(out), -1) != arr.reshape(len(arr), -1))[0] // max(1, out[0].size))
-        raise SchemaError(f"{_where(first_index, bad, f.name)}: value out of range for {f.dtype}")
+        raise SchemaError(f"{_where(label, bad, f.name)}: value out of range for {f.dtype}")
     return out
 
 
-def _fixed_column(f: Field, values: list[Any], first_index: int) -> np.ndarray:
+def _fixed_column(f: Field, values: list[Any], label: _Label) -> np.ndarray:
     if f.kind == "ndarray":
         for i, v in enumerate(values):
             shape = np.shape(v)
             if shape != f.shape:
                 raise SchemaError(
-                    f"{_where(first_index, i, f.name)}: shape {shape} != schema shape {f.shape} "
+                    f"{_where(label, i, f.name)}: shape {shape} != schema shape {f.shape} "
                     f"(for arrays whose shape varies per sample, use Field({f.name!r}, 'vndarray', "
                     f"dtype, shape=(-1, ...)) with -1 where it varies)"
                 )
     else:
         for i, v in enumerate(values):
             if not isinstance(v, (int, float, bool, np.generic)) and np.ndim(v) != 0:
-                raise SchemaError(f"{_where(first_index, i, f.name)}: expected a scalar, got {type(v).__name__}")
+                raise SchemaError(f"{_where(label, i, f.name)}: expected a scalar, got {type(v).__name__}")
     arr = np.asarray(values) if values else np.zeros((0, *f.shape), f.dtype)
-    return _cast(arr, f, first_index, values)
+    return _cast(arr, f, label, values)
 
 
-def _variable_column(f: Field, values: list[Any], first_index: int) -> Ragged:
+def _variable_column(f: Field, values: list[Any], label: _Label) -> Ragged:
     if f.kind in ("bytes", "image"):
         for i, v in enumerate(values):
             if not isinstance(v, (bytes, bytearray, memoryview, np.ndarray)) or (
                 isinstance(v, np.ndarray) and (v.dtype != np.uint8 or v.ndim != 1)
             ):
-                raise SchemaError(f"{_where(first_index, i, f.name)}: expected bytes, got {type(v).__name__}")
+                raise SchemaError(f"{_where(label, i, f.name)}: expected bytes, got {type(v).__name__}")
         return Ragged.from_list([bytes(v) if isinstance(v, np.ndarray) else v for v in values], kind=f.kind)
     if f.kind == "string":
         for i, v in enumerate(values):
             if not isinstance(v, str):
-                raise SchemaError(f"{_where(first_index, i, f.name)}: expected str, got {type(v).__name__}")
+                raise SchemaError(f"{_where(label, i, f.name)}: expected str, got {type(v).__name__}")
         return Ragged.from_list(values, kind="string")
     parts = []
     for i, v in enumerate(values):
         a = np.asarray(v)
         if a.ndim != 1:
             raise SchemaError(
-                f"{_where(first_index, i, f.name)}: expected a 1-D array, got shape {a.shape} (for N-D arrays "
+                f"{_where(label, i, f.name)}: expected a 1-D array, got shape {a.shape} (for N-D arrays "
                 f"whose shape varies, use Field({f.name!r}, 'vndarray', dtype, shape=(-1, ...)))"
             )
         if a.size and (a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and f.dtype.kind in "biu")):
-            raise SchemaError(f"{_where(first_index, i, f.name)}: expected numbers of {f.dtype}, got {a.dtype}")
+            raise SchemaError(f"{_where(label, i, f.name)}: expected numbers of {f.dtype}, got {a.dtype}")
         cast = a.astype(f.dtype)
         if a.size and a.dtype.kind in "iu" and not np.array_equal(cast, a):
-            raise SchemaError(f"{_where(first_index, i, f.name)}: value out of range for {f.dtype}")
+            raise SchemaError(f"{_where(label, i, f.name)}: value out of range for {f.dtype}")
         parts.append(cast)
     return Ragged.from_list(parts, kind="varray", dtype=f.dtype)
 
 
-def _shape_column(f: Field, values: list[Any], first_index: int) -> tuple[list[Any], np.ndarray]:
+def _shape_column(f: Field, values: list[Any], label: _Label) -> tuple[list[Any], np.ndarray]:
     """A vndarray field's values as flat arrays, and their shapes as (n, ndim) uint32; every shape is
     checked against the schema's (its rank, and every dimension that is not -1)."""
     flat, shapes = [], np.zeros((len(values), len(f.shape)), dtype=np.uint32)
@@ -156,36 +165,46 @@ def _shape_column(f: Field, values: list[Any], first_index: int) -> tuple[list[A
         a = np.asarray(v)
         bad = a.ndim != len(f.shape) or any(want not in (-1, got) for want, got in zip(f.shape, a.shape))
         if bad or any(d >= 2**32 for d in a.shape):
-            raise SchemaError(f"{_where(first_index, i, f.name)}: shape {a.shape} does not fit {f.shape} (-1: any)")
+            raise SchemaError(f"{_where(label, i, f.name)}: shape {a.shape} does not fit {f.shape} (-1: any)")
         shapes[i] = a.shape
         flat.append(a.reshape(-1))
     return flat, shapes
 
 
-def encode_samples(samples: list[dict[str, Any]], schema: Schema, *, first_index: int = 0) -> Block:
-    """Validate sample dicts against the schema and build a Block. Errors name sample and field."""
+def encode_samples(
+    samples: list[dict[str, Any]],
+    schema: Schema,
+    *,
+    first_index: int = 0,
+    describe: Callable[[int], str] | None = None,
+) -> Block:
+    """Validate sample dicts (source samples `first_index`, ...) against the schema and build a Block.
+    Errors name the sample and field, and with `describe` (the source's `describe(i)`) the input it
+    comes from (`sample_label`)."""
+
+    def label(i: int) -> str:
+        return sample_label(first_index + i, describe)
+
     names = set(schema.names)
     for i, s in enumerate(samples):
         if not isinstance(s, dict):
-            raise SchemaError(f"sample {first_index + i}: expected a dict of fields, got {type(s).__name__}")
+            raise SchemaError(f"{label(i)}: expected a dict of fields, got {type(s).__name__}")
         if s.keys() != names:
             missing, extra = sorted(names - s.keys()), sorted(set(s) - names)
-            raise SchemaError(
-                f"sample {first_index + i}: fields differ from the schema (missing {missing}, extra {extra})"
-            )
+            raise SchemaError(f"{label(i)}: fields differ from the schema (missing {missing}, extra {extra})")
     cols: dict[str, np.ndarray | Ragged] = {}
     hw: dict[str, np.ndarray] = {}
     shapes: dict[str, np.ndarray] = {}
     for f in schema:
         values = [s[f.name] for s in samples]
         if f.kind == "vndarray":
-            values, shapes[f.name] = _shape_column(f, values, first_index)
+            values, shapes[f.name] = _shape_column(f, values, label)
         if f.is_fixed:
-            cols[f.name] = _fixed_column(f, values, first_index)
+            cols[f.name] = _fixed_column(f, values, label)
         else:
-            cols[f.name] = _variable_column(f, values, first_index)
+            cols[f.name] = _variable_column(f, values, label)
         if f.kind == "image":
             hw[f.name] = np.array(
-                [image_size(v, _where(first_index, i, f.name)) for i, v in enumerate(values)], dtype=np.uint32
+                [image_size(v, _where(label, i, f.name)) for i, v in enumerate(values)], dtype=np.uint32
             ).reshape(-1, 2)
     return Block(len(samples), cols, hw, shapes)

@@ -179,9 +179,9 @@ def hf_block_source(ds: Any, *, where: str = "datasets.Dataset") -> BlockSource:
                         row[name] = value["bytes"]
                     for f in nested:
                         row[f.name] = _nested_array(row[f.name], f, f"{where}: sample {s + i}, column {f.name!r}")
-                block = encode_samples(rows, variable, first_index=s)
+                block = encode_samples(rows, variable, first_index=s, describe=lambda i: where)
                 cols.update(block.columns)
                 hw, shapes = block.image_hw, block.shapes
             yield Block(e - s, {f.name: cols[f.name] for f in schema}, hw, shapes)
 
-    return BlockSource(schema=schema, num_samples=n, blocks=blocks, attrs={"source": "hf"})
+    return BlockSource(schema=schema, num_samples=n, blocks=blocks, attrs={"source": "hf"}, describe=lambda i: where)

@@ -27,6 +27,7 @@ __all__ = [
     "SHARD_MAGIC",
     "align_up",
     "field_xxh3",
+    "min_sample_bytes",
     "section_table",
     "shard_name",
 ]
@@ -85,6 +86,12 @@ def align_up(n: int, align: int = ALIGN) -> int:
 def field_xxh3(f: Field) -> int:
     """The checksum of a field's schema entry that version-2 shards record (name, kind, dtype, shape)."""
     return xxhash.xxh3_64_intdigest(json.dumps(f.to_json(), sort_keys=True, separators=(",", ":")).encode())
+
+
+def min_sample_bytes(schema: Schema) -> int:
+    """The bytes every sample takes in a shard at least: its rows of the fixed columns and one
+    8-byte offset per variable field (so `num_samples * min_sample_bytes <= file size`)."""
+    return sum(f.item_bytes for f in schema if f.has_fixed_column) + 8 * sum(1 for f in schema if not f.is_fixed)
 
 
 def section_table(schema: Schema, num_samples: int, blob_bytes: Sequence[int]) -> tuple[np.ndarray, int]:

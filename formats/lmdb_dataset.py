@@ -96,6 +96,10 @@ class LMDBDataset:
             raise IndexError(f"sample index {i} out of range for {n} records in {self.path}")
         return self._keys[i]
 
+    def describe(self, i: int) -> str:
+        """Where sample `i` comes from (the database and its key), for error reports."""
+        return f"{self.path}: key {self._key(i)!r}"
+
     def lengths(self, field: str = "value") -> np.ndarray:
         """Value sizes in bytes (reads every value once; LMDB keeps no separate index of sizes)."""
         if field != "value":

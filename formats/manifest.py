@@ -8,7 +8,9 @@ length bucketing and crop planning need no data reads. The manifest checksums it
 from __future__ import annotations
 
 import json
+import math
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,16 +18,27 @@ import numpy as np
 import xxhash
 
 from .errors import ChecksumError, FormatError
-from .layout import BLOCK_LOG2, FORMAT_VERSION, READ_VERSIONS
+from .layout import BLOCK_LOG2, FORMAT_VERSION, READ_VERSIONS, min_sample_bytes
 from .schema import Schema
 from .shard import ShardInfo
 
-__all__ = ["FORMAT_NAME", "MANIFEST_NAME", "META_NAME", "Manifest", "MetaColumn", "check_relative_path"]
+__all__ = [
+    "FORMAT_NAME",
+    "MANIFEST_NAME",
+    "MAX_FILE_BYTES",
+    "META_NAME",
+    "Manifest",
+    "MetaColumn",
+    "check_relative_path",
+]
 
 MANIFEST_NAME = "index.json"
 META_NAME = "meta.bin"
 FORMAT_NAME = "fastload-dataset"
+MAX_FILE_BYTES = 2**63 - 1  # the largest file size (off_t) a POSIX file system can hold
 _META_DTYPES = {"<i8", "<u4"}
+_META_MAX_DIMS = 8
+_DATASET_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def check_relative_path(name: Any, where: str) -> str:
@@ -56,7 +69,7 @@ class MetaColumn:
     @property
     def nbytes(self) -> int:
         """Size of the column in meta.bin, in bytes."""
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 @dataclass
@@ -117,8 +130,8 @@ class Manifest:
         """Parse and check `index.json` bytes (untrusted: every field checked); errors name `where`."""
         try:
             body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{where}: not valid JSON ({exc})") from exc
+        except (ValueError, RecursionError) as exc:  # not JSON, an integer of over 4300 digits, nesting too deep
+            raise FormatError(f"{where}: not valid JSON ({type(exc).__name__}: {exc!s:.200})") from exc
         if not isinstance(body, dict):
             raise FormatError(f"{where}: manifest must be a JSON object")
         if body.get("format") != FORMAT_NAME:
@@ -141,25 +154,26 @@ class Manifest:
                 schema=schema,
                 shards=shards,
                 meta_file=check_relative_path(meta["file"], f"{where} meta"),
-                meta_bytes=_nonneg_int(meta["bytes"], f"{where} meta bytes"),
+                meta_bytes=_size(meta["bytes"], f"{where} meta bytes"),
                 meta_xxh3=str(meta["xxh3"]),
                 meta_columns=columns,
                 attrs=dict(body.get("attrs") or {}),
                 version=version,
             )
             if version >= 2:
-                manifest.dataset_id = int(str(body["dataset_id"]), 16)
-                manifest.block_log2 = _nonneg_int(body["block_log2"], f"{where} block_log2")
-                if not 12 <= manifest.block_log2 <= 30:
-                    raise FormatError(f"{where}: block_log2 {manifest.block_log2} out of range [12, 30]")
+                dataset_id = body["dataset_id"]
+                if not isinstance(dataset_id, str) or not _DATASET_ID.fullmatch(dataset_id):
+                    raise FormatError(f"{where} dataset_id: expected 16 hex digits, got {dataset_id!r}")
+                manifest.dataset_id = int(dataset_id, 16)
+                manifest.block_log2 = _size(body["block_log2"], f"{where} block_log2", 12, 30)
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, FormatError):
                 raise
             raise FormatError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
-        if manifest.num_samples != body.get("num_samples"):
-            raise FormatError(
-                f"{where}: num_samples {body.get('num_samples')} != sum over shards {manifest.num_samples}"
-            )
+        total = _size(body.get("num_samples"), f"{where} num_samples")
+        if manifest.num_samples != total:
+            raise FormatError(f"{where}: num_samples {total} != sum over shards {manifest.num_samples}")
+        _check_shard_sizes(manifest, where)
         for c in columns:
             if c.offset + c.nbytes > manifest.meta_bytes:
                 raise FormatError(f"{where}: meta column {c.name!r} lies outside {manifest.meta_file}")
@@ -178,10 +192,28 @@ class Manifest:
         return out
 
 
-def _nonneg_int(v: Any, where: str) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise FormatError(f"{where}: expected a non-negative integer, got {v!r}")
+def _size(v: Any, where: str, low: int = 0, high: int = MAX_FILE_BYTES) -> int:
+    """`v` when it is an integer (not a bool) in [low, high]; otherwise a FormatError naming `where`."""
+    if type(v) is not int:
+        raise FormatError(f"{where}: expected an integer, got {v!r:.60}")
+    if not low <= v <= high:
+        bounds = "2**63 - 1, the largest file size" if high == MAX_FILE_BYTES else str(high)
+        raise FormatError(f"{where}: {v} is out of range [{low}, {bounds}]")
     return v
+
+
+def _check_shard_sizes(manifest: Manifest, where: str) -> None:
+    """Every shard's `bytes` must hold its `num_samples` (each sample takes the bytes of its fixed
+    columns and one offset per variable field), and the dataset's sizes must add up to a file size."""
+    per_sample = min_sample_bytes(manifest.schema)
+    for k, s in enumerate(manifest.shards):
+        if s.num_samples * per_sample > s.bytes:
+            raise FormatError(
+                f"{where} shard #{k} ({s.file}) num_samples: {s.num_samples} samples need at least "
+                f"{s.num_samples * per_sample} bytes, the shard's bytes say {s.bytes}"
+            )
+    _size(sum(s.bytes for s in manifest.shards), f"{where}: the shards' bytes, summed")
+    _size(manifest.num_samples, f"{where}: the shards' num_samples, summed")
 
 
 def _shard_info(s: Any, where: str, k: int, version: int) -> ShardInfo:
@@ -191,10 +223,12 @@ def _shard_info(s: Any, where: str, k: int, version: int) -> ShardInfo:
     blocks = s.get("blocks_xxh3") if version >= 2 else ""
     if not isinstance(blocks, str):
         raise FormatError(f"{w}: malformed blocks_xxh3 {blocks!r}")
+    file = check_relative_path(s.get("file"), w)
+    w = f"{w} ({file})"
     return ShardInfo(
-        file=check_relative_path(s.get("file"), w),
-        num_samples=_nonneg_int(s.get("num_samples"), f"{w} num_samples"),
-        bytes=_nonneg_int(s.get("bytes"), f"{w} bytes"),
+        file=file,
+        num_samples=_size(s.get("num_samples"), f"{w} num_samples"),
+        bytes=_size(s.get("bytes"), f"{w} bytes"),
         xxh3=str(s.get("xxh3")),
         blocks_xxh3=blocks,
     )
@@ -202,6 +236,10 @@ def _shard_info(s: Any, where: str, k: int, version: int) -> ShardInfo:
 
 def _meta_column(c: Any, where: str) -> MetaColumn:
     if not isinstance(c, dict) or c.get("dtype") not in _META_DTYPES:
-        raise FormatError(f"{where}: malformed meta column {c!r}")
-    shape = tuple(_nonneg_int(s, f"{where} meta shape") for s in c.get("shape", []))
-    return MetaColumn(name=str(c["name"]), dtype=c["dtype"], shape=shape, offset=_nonneg_int(c.get("offset"), where))
+        raise FormatError(f"{where}: malformed meta column {c!r:.200}")
+    w = f"{where} meta column {str(c.get('name'))!r:.80}"
+    shape = c.get("shape", [])
+    if not isinstance(shape, list) or len(shape) > _META_MAX_DIMS:
+        raise FormatError(f"{w} shape: expected a list of at most {_META_MAX_DIMS} sizes, got {shape!r:.80}")
+    dims = tuple(_size(d, f"{w} shape") for d in shape)
+    return MetaColumn(name=str(c["name"]), dtype=c["dtype"], shape=dims, offset=_size(c.get("offset"), f"{w} offset"))

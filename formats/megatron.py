@@ -81,7 +81,8 @@ def _check(idx_path: str, bin_size: int, dtype: np.dtype, sizes: np.ndarray, poi
     """Every sequence inside the `.bin` file, doc_idx a non-decreasing run from 0 to n."""
     n = len(sizes)
     ends = pointers + sizes.astype(np.int64) * dtype.itemsize
-    bad = np.flatnonzero((sizes < 0) | (pointers < 0) | (pointers % dtype.itemsize != 0) | (ends > bin_size))
+    outside = (pointers > bin_size) | (sizes.astype(np.int64) > bin_size // dtype.itemsize)  # (ends cannot overflow)
+    bad = np.flatnonzero((sizes < 0) | (pointers < 0) | (pointers % dtype.itemsize != 0) | outside | (ends > bin_size))
     if bad.size:
         i = int(bad[0])
         more = f" (and {bad.size - 1} more)" if bad.size > 1 else ""
@@ -130,4 +131,4 @@ def megatron_source(src: str) -> BlockSource:
         for s in range(start, n, _BLOCK_ROWS):
             yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=Schema(fields), num_samples=n, blocks=blocks, block=block)
+    return BlockSource(schema=Schema(fields), num_samples=n, blocks=blocks, block=block, describe=lambda i: bin_path)

@@ -120,7 +120,7 @@ def npy_columns(src: str) -> BlockSource:
         for s in range(start, n, _BLOCK_ROWS):
             yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=schema, num_samples=n, blocks=blocks, block=block)
+    return BlockSource(schema=schema, num_samples=n, blocks=blocks, block=block, describe=lambda i: src)
 
 
 class NpyFiles:
@@ -197,4 +197,4 @@ def token_source(src: str) -> BlockSource:
         for s in range(start, n, _BLOCK_ROWS):
             yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=schema, num_samples=n, blocks=blocks, block=block)
+    return BlockSource(schema=schema, num_samples=n, blocks=blocks, block=block, describe=lambda i: tok_path)

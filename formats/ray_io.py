@@ -452,7 +452,7 @@ def _write(
         recorded = output.read(PROGRESS_NAME)
         try:
             previous = json.loads(recorded) if recorded is not None else None
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or an integer of over 4300 digits
             previous = None
         if not isinstance(previous, dict):
             resume = False  # nothing says what the files there belong to: start over

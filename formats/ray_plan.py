@@ -22,7 +22,7 @@ from ray.data.block import BlockAccessor
 from .columns import Block, encode_samples
 from .errors import FormatError, SchemaError
 from .schema import Schema
-from .writer import BlockSource, cut_points
+from .writer import BlockSource, cut_points, kept_describer, source_describer
 
 __all__ = ["Plan", "plan_shards"]
 
@@ -103,7 +103,8 @@ class PathSource:
         """Samples [start, stop) encoded as a Block."""
         source = self._source()
         if not isinstance(source, BlockSource):
-            return encode_samples([source[i] for i in range(start, stop)], self.schema, first_index=start)
+            rows = [source[i] for i in range(start, stop)]
+            return encode_samples(rows, self.schema, first_index=start, describe=source_describer(source))
         if source.block is not None:
             return source.block(start, stop)
         parts, pos = [], start
@@ -120,7 +121,16 @@ class PathSource:
     def block_of(self, indices: np.ndarray, *, first_index: int) -> Block:
         """The samples at `indices` (a shard with inputs left out), numbered from `first_index` in errors."""
         source = self._source()
-        return encode_samples([source[int(i)] for i in indices], self.schema, first_index=first_index)
+        describe = kept_describer(source_describer(source), indices, first_index)
+        return encode_samples(
+            [source[int(i)] for i in indices], self.schema, first_index=first_index, describe=describe
+        )
+
+    def describer(self, kept: np.ndarray | None = None) -> Callable[[int], str] | None:
+        """What names sample i in errors, as the local writer names it: the source's `describe`, of
+        source sample `kept[i]` when inputs were left out."""
+        describe = source_describer(self._source())
+        return describe if kept is None else kept_describer(describe, kept)
 
 
 def _length(source: Any) -> int:
@@ -267,9 +277,15 @@ def plan_shards(source: Any, shard_size: int, *, concurrency: int | None) -> Pla
     all_sizes = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
     if len(all_sizes) == 0:
         raise ValueError("the source is empty: nothing to convert")
-    cuts, _ = cut_points(all_sizes, shard_size)
+    kept = np.setdiff1d(np.arange(n, dtype=np.int64), Plan([], skipped).bad) if skipped else None
+    cuts, _ = cut_points(all_sizes, shard_size, describe=_describer(source, kept))
     bounds = [0, *cuts, len(all_sizes)]
     return Plan([b - a for a, b in zip(bounds, bounds[1:]) if b > a], skipped)
+
+
+def _describer(source: Any, kept: np.ndarray | None) -> Callable[[int], str] | None:
+    """What names sample i in the local writer's errors (`PathSource.describer`; None for Ray datasets)."""
+    return source.describer(kept) if isinstance(source, PathSource) else None
 
 
 def _raise_first_error(
@@ -280,16 +296,17 @@ def _raise_first_error(
     `sizes` are the stored sizes of the kept samples before the chunk, `plan.skipped` the inputs
     left out up to the chunk's end. The local writer encodes in chunks of 512 kept samples and cuts
     shards in order, so the samples are read again here in those chunks."""
-    cut_points(sizes, shard_size)  # a sample too big for a shard before the chunk: local stops there first
     start, stop = chunk
+    bad = plan.bad
+    kept = np.setdiff1d(np.arange(stop, dtype=np.int64), bad)
+    describe = _describer(source, kept if len(bad) else None)
+    cut_points(sizes, shard_size, describe=describe)  # a sample too big before the chunk: local stops there first
     if isinstance(source, PathSource) and isinstance(source._source(), BlockSource):
         source.block(start, stop)  # a columnar source: the same read fails here
     else:
-        bad = plan.bad
-        kept = np.setdiff1d(np.arange(stop, dtype=np.int64), bad)
         first = len(sizes) - len(sizes) % _LOCAL_CHUNK
         for a in range(first, len(kept), _LOCAL_CHUNK):
             b = min(a + _LOCAL_CHUNK, len(kept))
             block = source.block_of(kept[a:b], first_index=a) if len(bad) else source.block(a, b)
-            cut_points(block.sample_bytes(source.schema), shard_size, first_index=a)
+            cut_points(block.sample_bytes(source.schema), shard_size, first_index=a, describe=describe)
     raise FormatError(f"samples [{start}, {stop}) failed on a Ray worker and read correctly here: {text}")

@@ -214,8 +214,7 @@ class FastloadDataset:
         """This process's record of verified blocks (None when nothing is verified per block)."""
         if self.verify == "none" or self.manifest.version < 2:
             return None
-        shift = self.manifest.block_log2
-        return BlockLedger([-(-s.bytes >> shift) for s in self.manifest.shards], shift, self._verify_blocks)
+        return BlockLedger(self.num_shards, self.manifest.block_log2, self._verify_blocks)
 
     def _verify_blocks(self, k: int, ids: np.ndarray) -> None:
         self.shard(k).verify_blocks(ids)
@@ -312,10 +311,13 @@ class FastloadDataset:
             blocks_xxh3=info.blocks_xxh3 if m.version >= 2 else None,
             block_log2=m.block_log2 if m.version >= 2 else None,
             lengths=lengths,
-            bits=None if self._ledger is None else self._ledger.shard_bits(k),
+            bits=None if self._ledger is None else partial(self._ledger.shard_bits, k),
             huge=self._huge,
+            version=m.version,
         )
-        whole = self.verify == "full" or (self.verify == "auto" and reader.table is None)
+        # a version-1 shard (the manifest's version, which the reader checked the shard repeats) has
+        # no block checksums: by default it is hashed whole here, before any of its bytes is returned
+        whole = self.verify == "full" or (self.verify == "auto" and m.version < 2)
         if whole and reader.content_xxh3() != info.xxh3:
             reader.close()
             raise ChecksumError(f"{where}: checksum mismatch (corrupt shard; run `fastload verify`)")

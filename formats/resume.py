@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 
 from .errors import FormatError
-from .layout import BLOCK_LOG2, shard_name
+from .layout import shard_name
 from .manifest import MANIFEST_NAME, Manifest
 from .schema import Schema
 from .shard import ShardIdentity, ShardInfo, ShardReader, file_xxh3
@@ -67,7 +67,7 @@ def incomplete_conversion(out_dir: str) -> str | None:
     try:
         with open(os.path.join(out_dir, PROGRESS_NAME)) as fh:
             recorded = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     command = recorded.get(COMMAND_KEY) if isinstance(recorded, dict) else None
     if not isinstance(command, str):
@@ -110,8 +110,9 @@ def kept_shard(path: str, schema: Schema, *, name: str, identity: ShardIdentity)
         with open(path, "rb") as fh:
             header = np.frombuffer(fh.read(64), dtype=np.uint8)
         n = int(header[16:24].view("<u8")[0]) if len(header) == 64 else -1
-        bits = np.zeros(-(-size >> BLOCK_LOG2), dtype=bool)
-        reader = ShardReader(path, schema, num_samples=n, nbytes=size, identity=identity, bits=bits)
+        reader = ShardReader(
+            path, schema, num_samples=n, nbytes=size, identity=identity, bits=lambda count: np.zeros(count, bool)
+        )
         try:
             if reader.table is None:  # a version-1 shard: convert again
                 return None
@@ -130,7 +131,7 @@ def resume_point(out_dir: str, settings: dict[str, Any], schema: Schema, dataset
     try:
         with open(progress_path) as fh:
             recorded = json.load(fh)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # ValueError: not JSON, or an integer of over 4300 digits
         return []
     if isinstance(recorded, dict):
         recorded.pop(COMMAND_KEY, None)

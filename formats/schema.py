@@ -14,6 +14,7 @@ Kinds:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ FIXED_KINDS = ("scalar", "ndarray")
 VARIABLE_KINDS = ("bytes", "string", "image", "varray", "vndarray")
 KIND_CODES = {"scalar": 1, "ndarray": 2, "bytes": 3, "string": 4, "image": 5, "varray": 6, "vndarray": 7}
 VARIES = -1  # a `vndarray` dimension that differs between samples
+MAX_DIMS = 32  # dimensions of an ndarray / vndarray field
+MAX_ITEM_BYTES = 2**32 - 1  # a fixed column's bytes per sample (a shard's field table stores them as u32)
 
 
 def _check_dtype(dtype: np.dtype, where: str) -> np.dtype:
@@ -63,7 +66,17 @@ class Field:
             raise SchemaError(
                 f"field {self.name!r}: a vndarray needs a shape with -1 where it varies, e.g. (-1, 80)"
             )
+        if len(shape) > MAX_DIMS:
+            raise SchemaError(f"field {self.name!r}: {len(shape)} dimensions, at most {MAX_DIMS} are supported")
         object.__setattr__(self, "shape", shape)
+        # vndarray samples store their shape as u4 each; a fixed column's row size is a u4 in the shard
+        if self.kind == "vndarray" and any(s > MAX_ITEM_BYTES for s in shape):
+            raise SchemaError(f"field {self.name!r}: a dimension of shape {shape} exceeds {MAX_ITEM_BYTES}")
+        if self.item_bytes > MAX_ITEM_BYTES:
+            raise SchemaError(
+                f"field {self.name!r}: shape {shape} of {dtype} is {self.item_bytes} bytes per sample, "
+                f"more than a shard's field table can record ({MAX_ITEM_BYTES})"
+            )
 
     @property
     def is_fixed(self) -> bool:
@@ -84,7 +97,7 @@ class Field:
             return 8
         if self.kind == "vndarray":
             return 4 * len(self.shape)
-        return self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+        return self.dtype.itemsize * math.prod(self.shape)
 
     def to_json(self) -> dict[str, Any]:
         """The field as the manifest stores it."""
@@ -96,7 +109,7 @@ class Field:
         if not isinstance(obj, dict) or not {"name", "kind", "dtype"} <= set(obj):
             raise SchemaError(f"malformed field entry {obj!r}")
         shape = obj.get("shape", [])
-        if not isinstance(shape, list) or not all(isinstance(s, int) for s in shape):
+        if not isinstance(shape, list) or not all(type(s) is int for s in shape):
             raise SchemaError(f"field {obj.get('name')!r}: malformed shape {shape!r}")
         try:
             dtype = np.dtype(str(obj["dtype"]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -25,6 +26,7 @@ from .layout import (
     HEADER_DTYPE,
     READ_VERSIONS,
     SHARD_MAGIC,
+    min_sample_bytes,
     section_table,
 )
 from .ragged import Ragged
@@ -213,13 +215,17 @@ class ShardReader:
         blocks_xxh3: str | None = None,
         block_log2: int | None = None,
         lengths: dict[str, np.ndarray] | None = None,
-        bits: np.ndarray | None = None,
+        bits: Callable[[int], np.ndarray] | None = None,
         huge: bool = False,
+        version: int | None = None,
     ) -> None:
         """`identity`, `blocks_xxh3`, `block_log2`: what the manifest says this shard is (checked
-        when given, for version-2 shards); `lengths`: this shard's per-sample lengths of each
-        variable field from meta.bin (the offsets tables must agree); `huge`: read the file in
-        huge-page units (`spliced.advise_huge`)."""
+        when given, for version-2 shards); `version`: the manifest's format version, which the
+        shard's header must repeat (a version-2 shard's checksum table is read only under a
+        version-2 manifest); `lengths`: this shard's per-sample lengths of each variable field from
+        meta.bin (the offsets tables must agree); `bits`: called with the shard's number of checksum
+        blocks once its table is located, returns this shard's verified-block bits (a version-2
+        shard is then read verified); `huge`: read the file in huge-page units (`spliced.advise_huge`)."""
         self.path, self.schema = path, schema
         where = where or path
         self.where = where
@@ -237,6 +243,11 @@ class ShardReader:
         self.version = int(header["version"])
         if self.version not in READ_VERSIONS:
             raise FormatError(f"{where}: format version {self.version}, this reader supports {list(READ_VERSIONS)}")
+        if version is not None and self.version != version:
+            raise FormatError(
+                f"{where}: the shard is format version {self.version}, the manifest says version {version} "
+                f"(a manifest's version must be its shards': edited manifest, or a shard from another dataset)"
+            )
         self.table: np.ndarray | None = None  # block checksums (version 2)
         self._all_verified = False  # every block verified: reads skip the per-read check
         self._calls = 0
@@ -246,13 +257,14 @@ class ShardReader:
         self.sections_end = size  # where the checksummed bytes end (version 2: the checksum table starts)
         if self.version >= 2:
             end = self.sections_end = self._checksum_table(buf, header, size, blocks_xxh3, block_log2, where)
-            self.bits = bits
-            if bits is not None and len(bits) < len(self.table):
-                raise FormatError(f"{where}: {len(self.table)} checksum blocks, more than its size allows")
-            if bits is not None and blocks_xxh3 is not None:  # what this process verified of this very file
-                share_verified((*self.file_key, blocks_xxh3), bits)
-            if bits is not None and vouched(self.file_key):  # hashed whole against the manifest in this process
-                bits[: len(self.table)] = True
+            assert self.table is not None
+            verified = self.bits = None if bits is None else bits(len(self.table))
+            if verified is not None and len(verified) != len(self.table):
+                raise FormatError(f"{where}: {len(self.table)} checksum blocks, the ledger holds {len(verified)}")
+            if verified is not None and blocks_xxh3 is not None:  # what this process verified of this very file
+                share_verified((*self.file_key, blocks_xxh3), verified)
+            if verified is not None and vouched(self.file_key):  # hashed whole against the manifest in this process
+                verified[:] = True
             self._verify_range(0, HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema))
             if identity is not None:
                 got = ShardIdentity(int(header["dataset_id"]), int(header["shard_index"]), int(header["first_sample"]))
@@ -272,6 +284,8 @@ class ShardReader:
             raise FormatError(f"{where}: {n} samples in shard header, manifest says {num_samples}")
         if int(header["file_bytes"]) != size:
             raise FormatError(f"{where}: header says {int(header['file_bytes'])} bytes, file has {size}")
+        if n * min_sample_bytes(schema) > size:
+            raise FormatError(f"{where}: {n} samples in shard header cannot fit in its {size} bytes")
         self.num_samples = n
         table = _section(buf, HEADER_DTYPE.itemsize, ENTRY_DTYPE.itemsize * len(schema), "field table", where)
         table = table.view(ENTRY_DTYPE)
@@ -348,11 +362,14 @@ class ShardReader:
             if f.has_fixed_column and sizes != (f.item_bytes, n * f.item_bytes):
                 raise FormatError(f"{fw}: fixed column size does not match {n} samples of {f.item_bytes} bytes")
         blobs = [0 if f.is_fixed else int(e["blob_bytes"]) for f, e in zip(self.schema, table)]
+        for f, blob in zip(self.schema, blobs):
+            if blob > end:  # before it sizes the layout: a sum of such sizes would overflow the table's u64
+                raise FormatError(f"{where}, field {f.name!r}: blob_bytes {blob} exceed the file's {end} bytes")
         expected, stop = section_table(self.schema, n, blobs)
         if stop > end or (self.version >= 2 and stop != end):
             raise FormatError(f"{where}: sections end at byte {stop}, past their space ({end} bytes)")
         for f, got, want in zip(self.schema, table, expected):
-            for key in ("fixed_offset", "fixed_bytes", "offsets_offset", "blob_offset", "item_bytes"):
+            for key in ("fixed_offset", "fixed_bytes", "offsets_offset", "blob_offset", "blob_bytes", "item_bytes"):
                 if int(got[key]) != int(want[key]):
                     raise FormatError(
                         f"{where}, field {f.name!r}: {key} is {int(got[key])}, the layout puts it at {int(want[key])} "

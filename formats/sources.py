@@ -7,21 +7,23 @@ lines, LMDB) that `write()` encodes in worker processes.
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from .columns import Block
+from .columns import Block, sample_label
 from .errors import FormatError, SchemaError
 from .image_folder import ImageFolder, check_image, is_image
 from .megatron import megatron_paths
 from .migrate_sources import MIGRATE_KINDS, detect_migrate_kind, open_migrate_source
 from .npy_files import is_column_folder
 from .schema import Field, Schema, infer_field
-from .writer import BlockSource
+from .writer import BlockSource, kept_describer, source_describer
 
 __all__ = [
     "SOURCE_KINDS",
@@ -128,6 +130,8 @@ class SkipBadInputs:
             pool.shutdown(wait=True, cancel_futures=True)
         self.good = [i for i, err in results if err is None]
         self.skipped = [(describe(i) if describe else f"sample {i}", err) for i, err in results if err is not None]
+        # kept sample i's input, as the source describes it (None: the source names no inputs)
+        self.describe: Callable[[int], str] | None = kept_describer(source_describer(source), self.good)
 
     def __len__(self) -> int:
         return len(self.good)
@@ -148,11 +152,14 @@ class JsonLines:
     def __init__(self, path: str) -> None:
         self.path = path
         self._spans: list[tuple[int, int]] = []  # (offset, length) of each non-blank line
+        self._blanks: list[tuple[int, int]] = []  # (next sample, blank lines so far) at each blank line
         with open(path, "rb") as fh:
             pos = 0
             for line in fh:
                 if line.strip():
                     self._spans.append((pos, len(line)))
+                else:
+                    self._blanks.append((len(self._spans), len(self._blanks) + 1))
                 pos += len(line)
         if not self._spans:
             raise FormatError(f"{path}: no JSON lines")
@@ -179,14 +186,15 @@ class JsonLines:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise SchemaError(f"{self.path}: sample {i} is not valid JSON ({exc})") from exc
+            raise SchemaError(f"{sample_label(i, self.describe)} is not valid JSON ({exc})") from exc
         if not isinstance(obj, dict):
-            raise SchemaError(f"{self.path}: sample {i} is not a JSON object")
+            raise SchemaError(f"{sample_label(i, self.describe)} is not a JSON object")
         return obj
 
     def describe(self, i: int) -> str:
-        """Where sample `i` comes from (file and line), for error reports."""
-        return f"{self.path}:{i + 1} (line of sample {i})"
+        """Where sample `i` comes from, ``FILE:LINE`` (blank lines hold no sample), for error reports."""
+        k = bisect.bisect_right(self._blanks, (i, math.inf))
+        return f"{self.path}:{i + 1 + (self._blanks[k - 1][1] if k else 0)}"
 
 
 def _json_field(name: str, value: Any, path: str) -> Field:
@@ -215,7 +223,7 @@ def _hdf5_source(src: str) -> BlockSource | Any:
         for s in range(start, n, _BLOCK_ROWS):
             yield block(s, min(s + _BLOCK_ROWS, n))
 
-    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks, block=block)
+    return BlockSource(schema=ds.schema, num_samples=n, blocks=blocks, block=block, describe=lambda i: src)
 
 
 def decode_images(ds: Any, *, batch: int = 256) -> list[str]:
@@ -246,7 +254,9 @@ def _fastload_source(src: str) -> BlockSource:
         for a in range(start, len(ds), _BLOCK_ROWS):
             yield ds.read_block(a, min(a + _BLOCK_ROWS, len(ds)))
 
-    return BlockSource(schema=ds.schema, num_samples=len(ds), blocks=blocks, attrs=ds.attrs)
+    return BlockSource(
+        schema=ds.schema, num_samples=len(ds), blocks=blocks, attrs=ds.attrs, describe=lambda i: ds.root
+    )
 
 
 def open_source(

@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 
 from .errors import FormatError
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import FastloadDataset
-from .shard import file_xxh3
+from .shard import ShardInfo, file_xxh3
 from .storage import LocalStorage
 
-__all__ = ["verify_dataset"]
+__all__ = ["shard_file_problem", "verify_dataset"]
+
+
+def shard_file_problem(storage: LocalStorage, k: int, info: ShardInfo) -> str | None:
+    """What is wrong with local shard `k`'s file against its manifest entry `info` (missing, not a
+    regular file, another size), or None; one `stat`, no reads."""
+    path = storage.path(info.file)
+    name = f"{path} (shard {k})"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"{name}: shard file is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{name}: not a regular file"
+    if st.st_size != info.bytes:
+        return f"{name}: {st.st_size} bytes, manifest says {info.bytes} (truncated or replaced?)"
+    return None
 
 
 def verify_dataset(root: str | os.PathLike[str], *, decode: bool = False) -> list[str]:
@@ -38,12 +55,11 @@ def verify_dataset(root: str | os.PathLike[str], *, decode: bool = False) -> lis
         )
     for k, info in enumerate(ds.manifest.shards):
         try:
+            problem = shard_file_problem(storage, k, info)
+            if problem is not None:
+                raise FormatError(problem)
             path = storage.path(info.file)
             name = f"{path} (shard {k})"
-            if not os.path.isfile(path):
-                raise FormatError(f"{name}: shard file is missing or not a regular file")
-            if os.path.getsize(path) != info.bytes:
-                raise FormatError(f"{name}: {os.path.getsize(path)} bytes, manifest says {info.bytes} (truncated?)")
             if file_xxh3(path) != info.xxh3:
                 raise FormatError(f"{name}: checksum mismatch (corrupted shard)")
             ds.shard(k).verify_all_blocks()

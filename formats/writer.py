@@ -17,15 +17,16 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from .columns import Block, encode_samples
+from .columns import Block, encode_samples, sample_label
 from .errors import FormatError, SchemaError
 from .layout import shard_name
 from .manifest import MANIFEST_NAME, META_NAME, Manifest, MetaColumn
@@ -52,10 +53,12 @@ __all__ = [
     "dataset_id_for",
     "fsync_path",
     "incomplete_conversion",
+    "kept_describer",
     "kept_shard",
     "pack_meta",
     "shard_meta",
     "shard_name",
+    "source_describer",
     "write",
 ]
 
@@ -68,7 +71,9 @@ _INFER_SAMPLES = 64  # samples looked at when inferring a schema
 class BlockSource:
     """A columnar source: `schema`, `num_samples`, and `blocks(start)` yielding Blocks from sample `start` on.
 
-    `block(start, stop)`, when given, returns samples [start, stop) as one Block (random access).
+    `block(start, stop)`, when given, returns samples [start, stop) as one Block (random access);
+    `describe(i)`, when given, names the input sample `i` comes from (a file, a file and row), for
+    error messages, as a map-style source's `describe` method does.
     """
 
     schema: Schema
@@ -76,9 +81,26 @@ class BlockSource:
     blocks: Any  # Callable[[int], Iterator[Block]]
     attrs: dict[str, Any] | None = None
     block: Any = None  # Callable[[int, int], Block] | None
+    describe: Any = None  # Callable[[int], str] | None
 
 
 _shard_name = shard_name
+
+
+def source_describer(source: Any) -> Callable[[int], str] | None:
+    """The source's `describe(i)` (what input sample `i` comes from: a file, a line), if it has one."""
+    describe = getattr(source, "describe", None)
+    return describe if callable(describe) else None
+
+
+def _describe_kept(describe: Callable[[int], str], kept: Any, first: int, i: int) -> str:
+    return describe(int(kept[i - first]))
+
+
+def kept_describer(describe: Callable[[int], str] | None, kept: Any, first: int = 0) -> Callable[[int], str] | None:
+    """`describe` for samples numbered among those kept: sample `i` is source sample `kept[i - first]`
+    (inputs left out by `on_error="skip"`); picklable, None without `describe`."""
+    return None if describe is None else partial(_describe_kept, describe, kept, first)
 
 
 _WORKER_SOURCE: tuple[Any, Schema] | None = None
@@ -94,7 +116,9 @@ def _encode_range(bounds: tuple[int, int]) -> Block:
     assert _WORKER_SOURCE is not None
     dataset, schema = _WORKER_SOURCE
     start, stop = bounds
-    return encode_samples([dataset[i] for i in range(start, stop)], schema, first_index=start)
+    return encode_samples(
+        [dataset[i] for i in range(start, stop)], schema, first_index=start, describe=source_describer(dataset)
+    )
 
 
 def _iter_dict_blocks(samples: Iterable[dict[str, Any]], schema: Schema, start: int) -> Iterator[Block]:
@@ -120,8 +144,9 @@ def _iter_dataset_blocks(dataset: Any, schema: Schema, start: int, workers: int)
     n = len(dataset)
     ranges = [(s, min(s + _ENCODE_CHUNK, n)) for s in range(start, n, _ENCODE_CHUNK)]
     if workers <= 1 or len(ranges) <= 1:
+        describe = source_describer(dataset)
         for s, e in ranges:
-            yield encode_samples([dataset[i] for i in range(s, e)], schema, first_index=s)
+            yield encode_samples([dataset[i] for i in range(s, e)], schema, first_index=s, describe=describe)
         return
     import multiprocessing as mp
 
@@ -133,8 +158,8 @@ def _iter_dataset_blocks(dataset: Any, schema: Schema, start: int, workers: int)
 class _ShardCutter:
     """Accumulates blocks and cuts them into shards of at most `shard_size` bytes at sample boundaries."""
 
-    def __init__(self, schema: Schema, shard_size: int) -> None:
-        self.schema, self.shard_size = schema, shard_size
+    def __init__(self, schema: Schema, shard_size: int, describe: Callable[[int], str] | None = None) -> None:
+        self.schema, self.shard_size, self.describe = schema, shard_size, describe
         self.pending: list[Block] = []
         self.pending_bytes = 0
         self.total_bytes = 0  # bytes of every sample added so far (progress MB/s)
@@ -142,7 +167,9 @@ class _ShardCutter:
     def add(self, block: Block, first_index: int) -> Iterator[list[Block]]:
         sizes = block.sample_bytes(self.schema)
         self.total_bytes += int(sizes.sum())
-        cuts, pending = cut_points(sizes, self.shard_size, pending_bytes=self.pending_bytes, first_index=first_index)
+        cuts, pending = cut_points(
+            sizes, self.shard_size, pending_bytes=self.pending_bytes, first_index=first_index, describe=self.describe
+        )
         pos = 0
         for cut in cuts:
             if cut > pos:
@@ -159,19 +186,25 @@ class _ShardCutter:
 
 
 def cut_points(
-    sizes: np.ndarray, shard_size: int, *, pending_bytes: int = 0, first_index: int = 0
+    sizes: np.ndarray,
+    shard_size: int,
+    *,
+    pending_bytes: int = 0,
+    first_index: int = 0,
+    describe: Callable[[int], str] | None = None,
 ) -> tuple[list[int], int]:
     """Where `write` cuts shards in a run of samples with stored `sizes` (as `Block.sample_bytes` gives).
 
     `pending_bytes` are already in the open shard. Returns the positions in `sizes` at which a shard
-    closes (samples before the position go in it) and the bytes left in the open shard.
+    closes (samples before the position go in it) and the bytes left in the open shard. A sample
+    larger than a shard is an error naming it (`sample_label`, with the source's `describe`).
     """
     too_big = np.flatnonzero(sizes > shard_size)
     if too_big.size:
         i = int(too_big[0])
         raise SchemaError(
-            f"sample {first_index + i} is {int(sizes[i])} bytes, larger than the shard size {shard_size}: "
-            "raise --shard-size"
+            f"{sample_label(first_index + i, describe)} is {int(sizes[i])} bytes, larger than the shard size "
+            f"{shard_size}: raise --shard-size"
         )
     cuts: list[int] = []
     pos, n = 0, len(sizes)
@@ -365,7 +398,7 @@ def _write_shards(plan: _Plan, out_dir: str, kept: list[ShardInfo], workers: int
     blocks = _source_blocks(plan, start, workers)
     bar = _progress(progress, plan.num_samples, start)
     shards: list[ShardInfo | Future[ShardInfo]] = list(kept)
-    cutter = _ShardCutter(plan.schema, plan.shard_size)
+    cutter = _ShardCutter(plan.schema, plan.shard_size, source_describer(plan.source))
     index, first, t0 = start, start, time.perf_counter()
     pool = ThreadPoolExecutor(max_workers=workers)
 

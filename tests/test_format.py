@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from fastload.dataset import open_dataset
 from fastload.formats import FastloadDataset, Field, FormatError, Ragged, Schema, SchemaError, write
-from fastload.formats.layout import HEADER_DTYPE
+from fastload.formats.layout import ENTRY_DTYPE, HEADER_DTYPE
 from fastload.formats.verify import verify_dataset
 
 NUMERIC = st.sampled_from([np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_])
@@ -201,8 +204,6 @@ def _manifest(path):
 
 def _rewrite_manifest(path, body):
     """Write a manifest with a valid self-checksum (so the reader must catch the real problem)."""
-    import xxhash
-
     body.pop("checksum", None)
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     body["checksum"] = xxhash.xxh3_64_hexdigest(canonical)
@@ -270,7 +271,7 @@ def _field_entry_offset(field_index: int) -> int:
     ("entry_byte", "value", "message"),
     [
         (24, (1 << 62).to_bytes(8, "little"), "offsets_offset is .* the layout puts it"),  # far out of range
-        (40, (10**9).to_bytes(8, "little"), "past their space"),  # blob_bytes larger than the file
+        (40, (10**9).to_bytes(8, "little"), "blob_bytes 1000000000 exceed the file"),  # larger than the file
         (8, (1 << 63).to_bytes(8, "little"), "fixed_offset is .* the layout puts it"),  # huge ("negative")
         (8, (4096 + 4).to_bytes(8, "little"), "fixed_offset is 4100, the layout puts it at 4096"),  # moved by 4
     ],
@@ -487,3 +488,177 @@ def test_ragged_to_list_matches_per_sample_access(kind, items, lead):
         assert _equal(a, b)
     if kind == "string":
         assert got == items
+
+
+# -- absurd integers: every manifest and shard-header integer is range-checked before it sizes anything --
+
+# each integer the manifest holds (the fuzz source's schema[0] is `x`, an ndarray of shape [3])
+MANIFEST_INTS = [
+    ("num_samples",),
+    ("version",),
+    ("block_log2",),
+    ("dataset_id",),
+    ("shards", 0, "num_samples"),
+    ("shards", 0, "bytes"),
+    ("shards", -1, "num_samples"),
+    ("shards", -1, "bytes"),
+    ("meta", "bytes"),
+    ("meta", "columns", 0, "offset"),
+    ("meta", "columns", 0, "shape", 0),
+    ("meta", "columns", -1, "offset"),
+    ("schema", 0, "shape", 0),
+]
+ABSURD = st.one_of(
+    st.sampled_from([2**64 + 7, 10**30, 2**63, 2**64 - 1, -1, -(2**63), -(10**30)]),
+    st.integers(min_value=2**40),  # past any file size, or past what a manifest can be trusted to size
+    st.integers(max_value=-1),
+    st.sampled_from([True, False, 1.5, 1e300, "12", None, [], {}]),
+)
+# each integer field of a shard header and of its field table, as (byte offset, width)
+HEADER_INTS = [(HEADER_DTYPE.fields[n][1], HEADER_DTYPE[n].itemsize) for n in HEADER_DTYPE.names if n != "magic"]
+ENTRY_INTS = [(ENTRY_DTYPE.fields[n][1], ENTRY_DTYPE[n].itemsize) for n in ENTRY_DTYPE.names if n != "reserved"]
+
+
+def _set_path(body, path, value):
+    node = body
+    for key in path[:-1]:
+        node = node[key]
+    old = node[path[-1]]
+    node[path[-1]] = value
+    return old
+
+
+def _open_and_read_all(path, verify):
+    """Open through `open_dataset` and read every sample both ways."""
+    ds = open_dataset(path, verify=verify)
+    ds.get_batch(np.arange(len(ds)))
+    for i in range(len(ds)):
+        ds[i]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(target=st.sampled_from(MANIFEST_INTS), value=ABSURD, verify=st.sampled_from(["auto", "none"]))
+def test_absurd_manifest_integers_are_a_clean_format_error(tmp_path_factory, fuzz_source, target, value, verify):
+    """A re-signed manifest with a huge, overflowing, negative or non-integer value in any integer field:
+    `open_dataset` (or the first read) raises FormatError naming index.json; never MemoryError,
+    OverflowError or data."""
+    path = tmp_path_factory.mktemp("case") / "ds"
+    shutil.copytree(fuzz_source, path)
+    body = _manifest(path)
+    if target == ("dataset_id",) and isinstance(value, int) and not isinstance(value, bool):
+        value = f"{value:x}" if value >= 0 else f"-{-value:x}"  # stored as hex digits: an absurd number of them
+    _set_path(body, target, value)
+    _rewrite_manifest(path, body)
+    with pytest.raises(FormatError, match=rf"{path}/(index\.json|meta\.bin|shards/)"):
+        _open_and_read_all(path, verify)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    target=st.sampled_from([("header", *f) for f in HEADER_INTS] + [("entry", *f) for f in ENTRY_INTS]),
+    field=st.integers(0, 3),
+    high=st.floats(0.5, 1.0),
+    pattern=st.sampled_from(["all-ones", "top-bit", "random-high"]),
+    verify=st.sampled_from(["auto", "none"]),
+)
+def test_absurd_shard_header_integers_are_a_clean_format_error(
+    tmp_path_factory, fuzz_source, target, field, high, pattern, verify
+):
+    """A shard whose header or field-table integer is set to a huge value (the manifest's size and
+    whole-file checksum recomputed): FormatError naming the shard, with block checksums on or off."""
+    place, offset, width = target
+    path = tmp_path_factory.mktemp("case") / "ds"
+    shutil.copytree(fuzz_source, path)
+    shard = _first_shard(path)
+    raw = bytearray(shard.read_bytes())
+    pos = offset + (HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * field if place == "entry" else 0)
+    top = 8 * width
+    value = {
+        "all-ones": 2**top - 1,
+        "top-bit": 2 ** (top - 1),
+        "random-high": int(2**top * high) % 2**top | 2 ** (top - 2),
+    }[pattern]
+    assert int.from_bytes(raw[pos : pos + width], "little") != value  # no field of the source holds such a value
+    raw[pos : pos + width] = value.to_bytes(width, "little")
+    shard.write_bytes(bytes(raw))
+    body = _manifest(path)
+    body["shards"][0]["xxh3"] = xxhash.xxh3_64_hexdigest(bytes(raw))
+    _rewrite_manifest(path, body)
+    with pytest.raises(FormatError, match=rf"{shard}"):
+        _open_and_read_all(path, verify)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(2**64 + 7, "18446744073709551623 is out of range"), (10**30, "1" + "0" * 30 + " is out of range"),
+     (-1, "-1 is out of range"), (True, "expected an integer, got True"), ("12", "expected an integer, got '12'")],
+)  # fmt: skip
+def test_absurd_shard_size_from_open_inspect_and_verify(small_ds, capsys, value, shown):
+    from fastload.cli import main
+
+    body = _manifest(small_ds)
+    body["shards"][1]["bytes"] = value
+    _rewrite_manifest(small_ds, body)
+    where = f"{small_ds}/index.json shard #1 (shards/shard-00001.fls) bytes: {shown}"
+    with pytest.raises(FormatError) as info:
+        open_dataset(small_ds)
+    assert str(info.value).startswith(where)
+    assert main(["inspect", str(small_ds)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastload inspect: error: {where}") and err.count("\n") == 1
+    assert main(["verify", str(small_ds)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"BAD  {where}") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [(b'{"format": "fastload-dataset", "version": 2, "num_samples": 9' + b"9" * 5000 + b"}", "ValueError: Exceeds"),
+     (b"[" * 100_000 + b"]" * 100_000, "RecursionError")],
+)  # fmt: skip
+def test_manifest_beyond_what_json_parses_is_a_format_error(small_ds, text, why):
+    (small_ds / "index.json").write_bytes(text)
+    with pytest.raises(FormatError, match=rf"{small_ds}/index\.json: not valid JSON \({why}"):
+        open_dataset(small_ds)
+
+
+def test_large_in_range_shard_size_is_checked_against_the_file_before_any_memory_is_sized(small_ds, capsys):
+    from fastload.cli import main
+
+    body = _manifest(small_ds)
+    body["shards"][1]["bytes"] = 2**62  # a legal file size: the ledger must not be sized from it
+    _rewrite_manifest(small_ds, body)
+    ds = open_dataset(small_ds)
+    with pytest.raises(FormatError, match=rf"shard-00001\.fls \(shard 1\): file is \d+ bytes, manifest says {2**62}"):
+        ds.get_batch(np.arange(len(ds)))
+    shard = rf"{small_ds}/shards/shard-00001\.fls \(shard 1\)"
+    where = rf"{shard}: \d+ bytes, manifest says {2**62} \(truncated or replaced\?\)"
+    assert main(["inspect", str(small_ds)]) == 2
+    assert re.fullmatch(rf"fastload inspect: error: {where}\n", capsys.readouterr().err)
+    assert main(["verify", str(small_ds)]) == 1
+    assert re.match(rf"BAD  {where}\n", capsys.readouterr().err)
+
+
+def test_sample_counts_must_fit_their_shards(small_ds):
+    body = _manifest(small_ds)
+    body["shards"][0]["num_samples"] += 2**50  # the total kept: shard 1 goes negative
+    body["shards"][1]["num_samples"] -= 2**50
+    _rewrite_manifest(small_ds, body)
+    with pytest.raises(FormatError, match=r"shard #1 \(shards/shard-00001\.fls\) num_samples: -\d+ is out of range"):
+        open_dataset(small_ds)
+    body["shards"][1]["num_samples"] = 0
+    body["num_samples"] = sum(s["num_samples"] for s in body["shards"])
+    _rewrite_manifest(small_ds, body)
+    n = body["shards"][0]["num_samples"]
+    with pytest.raises(FormatError, match=rf"shard #0 \(shards/shard-00000\.fls\) num_samples: {n} samples need"):
+        open_dataset(small_ds)
+
+
+@pytest.mark.parametrize(
+    ("kind", "shape", "message"),
+    [("ndarray", (2**40, 2**40), "bytes per sample, more than"), ("ndarray", (1,) * 33, "33 dimensions"),
+     ("vndarray", (-1, 2**33), "exceeds 4294967295")],
+)  # fmt: skip
+def test_schema_shapes_are_bounded(kind, shape, message):
+    with pytest.raises(SchemaError, match=message):
+        Field("x", kind, np.float32, shape)

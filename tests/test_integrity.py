@@ -1,10 +1,12 @@
 """Integrity by default: a seeded mutation fuzz over small datasets, and the verification mechanism.
 
-Every mutation class of issue 20 is applied to copies of two small datasets (a fixed-size one read
-through the Loader's direct path, a mixed one read by shard): bytes flipped in shards, meta.bin and
-the manifest, with and without the manifest's checksums recomputed; truncations; swapped shard
-entries; moved section offsets; monotone edits of an offsets table. With default settings every
-read must return the original bytes or raise a fastload error naming the file: never wrong data.
+Every mutation class of issues 20 and 34 is applied to copies of two small datasets (a fixed-size
+one read through the Loader's direct path, a mixed one read by shard): bytes flipped in shards,
+meta.bin and the manifest, with and without the manifest's checksums recomputed; truncations;
+swapped shard entries; moved section offsets; monotone edits of an offsets table; a manifest
+re-signed as version 1 over a corrupted version-2 shard; absurd integers in the manifest. With
+default settings every read must return the original bytes or raise a fastload error naming the
+file: never wrong data, never another exception.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import warnings
@@ -20,7 +23,16 @@ import numpy as np
 import pytest
 import xxhash
 
-from fastload.formats import FastloadDataset, Field, FormatError, Ragged, Schema, SchemaError, write
+from fastload.formats import (
+    ChecksumError,
+    FastloadDataset,
+    Field,
+    FormatError,
+    Ragged,
+    Schema,
+    SchemaError,
+    write,
+)
 from fastload.formats.layout import ENTRY_DTYPE, HEADER_DTYPE
 from fastload.formats.manifest import Manifest
 from fastload.formats.verify import verify_dataset
@@ -140,9 +152,26 @@ def _mutate(path, rng: random.Random) -> str:
     shard = path / shards[k]["file"]
     kind = rng.choice(
         ["flip", "flip", "flip-resigned", "flip-header", "meta", "manifest-byte", "manifest-value", "truncate",
-         "truncate-resigned", "swap", "move-offset", "offsets-monotone", "zero-block"]
+         "truncate-resigned", "swap", "move-offset", "offsets-monotone", "zero-block", "downgrade", "absurd-int"]
     )  # fmt: skip
-    if kind.startswith("flip"):
+    if kind == "downgrade":  # issue 34: a payload byte flipped, the manifest re-signed as version 1
+        raw = bytearray(shard.read_bytes())
+        raw[rng.randrange(64, len(raw))] ^= 1 << rng.randrange(8)
+        shard.write_bytes(bytes(raw))
+        body["version"] = 1
+        if rng.random() < 0.5:
+            body.pop("dataset_id"), body.pop("block_log2")
+            for entry in shards:
+                entry.pop("blocks_xxh3")
+        _save_manifest(path, body, recompute=True)
+    elif kind == "absurd-int":  # issue 34: a huge, overflowing, negative or non-integer value, re-signed
+        value = rng.choice([2**64 + 7, 10**30, 2**63, 2**62, -1, -(2**63), True, 1.5, "12", None])
+        target = rng.choice([body, shards[k], shards[k], body["meta"], *body["meta"]["columns"]])
+        key = rng.choice([key for key, v in target.items() if type(v) is int] or ["num_samples"])
+        target[key] = value
+        _save_manifest(path, body, recompute=True)
+        kind = f"{kind}:{key}={value!r}"
+    elif kind.startswith("flip"):
         raw = bytearray(shard.read_bytes())
         end = 64 + ENTRY_DTYPE.itemsize * len(body["schema"]) if kind == "flip-header" else len(raw)
         for _ in range(rng.choice([1, 1, 2, 8])):
@@ -352,7 +381,7 @@ def test_process_workers_verify_on_their_own(pristine):
     import pickle
 
     clone = pickle.loads(pickle.dumps(ds))
-    assert not clone._ledger.bits.any()  # a fresh ledger per process
+    assert clone._ledger.verified_blocks() == 0  # a fresh ledger per process
 
 
 def _downgrade_to_v1(src, dst) -> None:
@@ -403,6 +432,83 @@ def test_version_1_opens_with_a_warning_verified_whole_and_upgrades(pristine, tm
     shard.write_bytes(bytes(raw))
     with pytest.warns(UserWarning), pytest.raises(FormatError, match=r"shard-00000\.fls.*checksum mismatch"):
         FastloadDataset(v1).get_batch(np.arange(3))
+
+
+def _read_by_every_path(path, kind: str) -> None:
+    """Open with default settings and read: `ds[i]`, a batch, and the Loader (the fixed dataset's direct path)."""
+    ds = FastloadDataset(path)
+    ds[len(ds) - 1]
+    ds.get_batch(np.arange(len(ds)))
+    if kind == "fixed":
+        list(Loader(FastloadDataset(path), batch_size=64, num_workers=0))
+
+
+@pytest.mark.parametrize("name", ["fixed", "mixed"])
+@pytest.mark.parametrize("strip_v2_keys", [False, True])
+def test_a_version_2_shard_under_a_version_1_manifest_is_refused(pristine, tmp_path, name, strip_v2_keys):
+    """The issue's downgrade: a payload byte flipped, `version` set to 1 and the manifest re-signed. The
+    shards still say version 2 (and carry a checksum table): every read path refuses them, before any data."""
+    src, _ = pristine[name]
+    path = tmp_path / "ds"
+    shutil.copytree(src, path)
+    body = _load_manifest(path)
+    shard = path / body["shards"][0]["file"]
+    raw = bytearray(shard.read_bytes())
+    raw[9000] ^= 0x40  # in the first shard's sections (payload)
+    shard.write_bytes(bytes(raw))
+    body["version"] = 1
+    if strip_v2_keys:  # what a version-1 manifest looks like
+        body.pop("dataset_id"), body.pop("block_log2")
+        for entry in body["shards"]:
+            entry.pop("blocks_xxh3")
+    _save_manifest(path, body, recompute=True)
+    message = r"shard-0000(\d)\.fls \(shard \1\): the shard is format version 2, the manifest says version 1"
+    for verify in ("auto", "full", "none"):  # structure: even with content checks off
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(FormatError, match=message):
+                FastloadDataset(path, verify=verify)[0]
+            with pytest.raises(FormatError, match=message):
+                _read_by_every_path(path, name)
+    assert any(re.search(message, p) for p in verify_dataset(path))
+
+
+def test_a_version_1_shard_under_a_version_2_manifest_is_refused(pristine, tmp_path):
+    src, _ = pristine["mixed"]
+    _downgrade_to_v1(src, tmp_path / "v1")
+    path = tmp_path / "ds"
+    shutil.copytree(src, path)
+    shutil.copy(tmp_path / "v1" / "shards" / "shard-00001.fls", path / "shards" / "shard-00001.fls")
+    _resign_shard(path, 1)
+    message = r"shard-00001\.fls \(shard 1\): the shard is format version 1, the manifest says version 2"
+    for verify in ("auto", "none"):
+        ds = FastloadDataset(path, verify=verify)
+        with pytest.raises(FormatError, match=message):
+            ds.get_batch(np.arange(len(ds)))
+
+
+@pytest.mark.parametrize("name", ["fixed", "mixed"])
+def test_a_true_version_1_shard_is_hashed_whole_before_its_first_read(pristine, tmp_path, name):
+    """A genuine version-1 dataset (no checksum tables) with a payload byte flipped: each read path
+    raises ChecksumError naming the shard before returning data; the intact shards read correctly."""
+    src, expected = pristine[name]
+    v1 = tmp_path / "v1"
+    _downgrade_to_v1(src, v1)
+    with pytest.warns(UserWarning, match="each shard is hashed whole when first opened"):
+        assert _read_everything(v1, name) == expected
+    shard = v1 / "shards" / "shard-00001.fls"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x08
+    shard.write_bytes(bytes(raw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = FastloadDataset(v1)
+        first = int(ds.shard_boundaries[1])
+        with pytest.raises(ChecksumError, match=r"shard-00001\.fls \(shard 1\): checksum mismatch"):
+            ds[first]
+        assert ds[0] is not None  # shard 0 is intact
+        with pytest.raises(ChecksumError, match=r"shard-00001\.fls \(shard 1\): checksum mismatch"):
+            _read_by_every_path(v1, name)
 
 
 def test_verify_keyword_and_old_flag():

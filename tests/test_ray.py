@@ -334,7 +334,7 @@ def test_on_error_skip_same_shards_and_report_as_local(ray_session, sources, tmp
     assert code == 0, err
     assert _same_files(tmp_path / "local", tmp_path / "ray", "skipped-inputs.jsonl") >= 20
     report = [json.loads(line) for line in (tmp_path / "ray" / "skipped-inputs.jsonl").read_text().splitlines()]
-    assert [r["input"] for r in report] == [f"{sources['unreadable']}:{i + 1} (line of sample {i})" for i in UNREADABLE]
+    assert [r["input"] for r in report] == [f"{sources['unreadable']}:{i + 1}" for i in UNREADABLE]  # FILE:LINE
     assert "is not valid JSON" in report[0]["reason"] and "not a JSON object" in report[1]["reason"]
     assert _said(err, tmp_path / "ray") == _said(expected_err, tmp_path / "local") != []
     assert "skipped 4 input(s) that failed to read" in err

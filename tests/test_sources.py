@@ -4,6 +4,7 @@ Parquet, image folders with a labels file. Each: a byte-exact round trip and an 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from io import BytesIO
 
@@ -192,3 +193,108 @@ def test_flat_image_folder_without_labels_warns(tmp_path):
     with pytest.warns(UserWarning, match="every label is 0; pass a labels file"):
         source, _, _ = open_source(str(src))
     assert [source[i]["label"] for i in range(3)] == [0, 0, 0]
+
+
+# -- every conversion error names the input file (and line or key, sample and field) ---------------
+
+
+def _convert_error(capsys, src, out, *extra) -> str:
+    assert main(["convert", str(src), str(out), "--quiet", "--workers", "1", *extra]) == 2
+    assert not (out / "index.json").exists()
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ('{"text": "b", "label": "x", "ids": [3]}', "sample 2, field 'label': expected scalar of int64, got str"),
+        ('{"text": "b", "label": 2, "ids": [1.5, "x"]}', "sample 2, field 'ids': expected numbers of int32"),
+        ('{"text": 7, "label": 2, "ids": [3]}', "sample 2, field 'text': expected str, got int"),
+        ('{"text": "b", "ids": [3]}', r"sample 2: fields differ from the schema \(missing \['label'\], extra \[\]\)"),
+        ('{"text": "b", "label": 2, "ids": [3], "x": 1}', r"sample 2: fields differ .*extra \['x'\]"),
+        ('{"text": "b", "label": 2', "sample 2 is not valid JSON"),
+        ("[1, 2, 3]", "sample 2 is not a JSON object"),
+    ],
+)
+def test_jsonl_errors_name_the_file_line_sample_and_field(tmp_path, capsys, bad_line, message):
+    """Blank lines hold no sample: the bad line is line 4 of the file and sample 2."""
+    src = tmp_path / "d.jsonl"
+    good = '{"text": "a", "label": 1, "ids": [1, 2]}'
+    src.write_text(f"{good}\n\n{good}\n{bad_line}\n{good}\n")
+    err = _convert_error(capsys, src, tmp_path / "out")
+    assert re.search(rf"error: {re.escape(str(src))}:4: {message}", err), err
+
+
+def test_jsonl_skip_report_names_file_and_line(tmp_path, capsys):
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"a": 1}\n\n{"a": 2}\nnot json\n{"a": 3}\n')
+    assert main(["convert", str(src), str(tmp_path / "out"), "--quiet", "--on-error", "skip"]) == 0
+    (row,) = [json.loads(line) for line in (tmp_path / "out" / "skipped-inputs.jsonl").read_text().splitlines()]
+    assert row["input"] == f"{src}:4" and row["reason"].startswith(f"{src}:4: sample 2 is not valid JSON")
+
+
+def test_npy_files_sample_too_big_names_the_file(tmp_path, capsys):
+    src = tmp_path / "arrays"
+    src.mkdir()
+    for i, n in enumerate([10, 10, 5000]):
+        np.save(src / f"{i:02d}.npy", np.zeros(n, np.float32))
+    err = _convert_error(capsys, src, tmp_path / "out", "--shard-size", "4KiB")
+    assert f"error: {src}/02.npy: sample 2 is " in err and "larger than the shard size 4096" in err
+
+
+def test_npy_columns_sample_too_big_names_the_file(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.zeros((3, 2000), np.float32))
+    err = _convert_error(capsys, tmp_path / "x.npy", tmp_path / "out", "--shard-size", "4KiB")
+    assert f"error: {tmp_path}/x.npy: sample 0 is 8000 bytes, larger than the shard size 4096" in err
+
+
+def test_megatron_sequence_too_big_names_the_bin_file(tmp_path, capsys):
+    _megatron(tmp_path / "d", [np.arange(5, dtype=np.int32), np.arange(2000, dtype=np.int32)], 4, np.int32)
+    err = _convert_error(capsys, tmp_path / "d", tmp_path / "out", "--shard-size", "4KiB")
+    assert f"error: {tmp_path}/d.bin: sample 1 is 8008 bytes, larger than the shard size 4096" in err
+
+
+def test_megatron_pointer_past_any_file_is_refused(tmp_path):
+    _megatron(tmp_path / "d", [np.arange(5, dtype=np.int32)] * 3, 4, np.int32)
+    raw = bytearray((tmp_path / "d.idx").read_bytes())
+    pointer = 34 + 4 * 3 + 8 * 2  # the third sequence's pointer: near 2**63, so pointer + size overflows int64
+    raw[pointer : pointer + 8] = (2**63 - 4).to_bytes(8, "little")
+    (tmp_path / "d.idx").write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="sequence 2 .* outside the 60-byte .bin file"):
+        open_source(str(tmp_path / "d"), "megatron")
+
+
+def test_image_folder_image_too_big_names_the_file(tmp_path, capsys):
+    src = tmp_path / "images"
+    for cls in ("cat", "dog"):
+        (src / cls).mkdir(parents=True)
+        (src / cls / "0.png").write_bytes(_png(1))
+    rng = np.random.default_rng(0)
+    from PIL import Image
+
+    buf = BytesIO()
+    Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
+    (src / "cat" / "1.png").write_bytes(buf.getvalue())  # noise: ~12 KB
+    err = _convert_error(capsys, src, tmp_path / "out", "--shard-size", "4KiB")
+    assert f"error: {src}/cat/1.png: sample 1 is " in err and "larger than the shard size" in err
+
+
+def test_lmdb_value_too_big_names_the_database_and_key(tmp_path, capsys):
+    import lmdb
+
+    env = lmdb.open(str(tmp_path / "db"), map_size=16 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"a", b"x" * 10)
+        txn.put(b"b", b"y" * 9000)
+    env.close()
+    err = _convert_error(capsys, tmp_path / "db", tmp_path / "out", "--shard-size", "4KiB")
+    assert f"error: {tmp_path}/db: key b'b': sample 1 is " in err
+
+
+def test_hdf5_row_too_big_names_the_file(tmp_path, capsys):
+    import h5py
+
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f.create_dataset("x", data=np.zeros((2, 3000), np.float32))
+    err = _convert_error(capsys, tmp_path / "d.h5", tmp_path / "out", "--shard-size", "4KiB")
+    assert f"error: {tmp_path}/d.h5: sample 0 is 12000 bytes" in err
