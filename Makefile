@@ -22,7 +22,9 @@ $(VENV)/.torch:
 	touch $@
 
 $(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c
-	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs]' torch==2.13.0
+	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs,migrate,migrate-test]' torch==2.13.0
+	# MosaicML Streaming's MDSWriter for tests/test_migrate.py; --no-deps: see the migrate-test extra
+	$(PIP) install --no-deps 'mosaicml-streaming==0.13.0'
 	touch $(STAMP)
 
 # The demo needs only the image decoder (its synthetic JPEGs) and matplotlib (bench.png).

@@ -84,6 +84,15 @@ setup(
         # frameworks driving a Loader, exercised by tests/test_frameworks.py and test_hf_datasets.py
         "frameworks": ["lightning", "accelerate", "datasets"],
         "ray": ["ray[data]>=2.60,<3"],  # the Ray version tested; write_ray / read_ray / `fastload convert --engine ray`
+        # `fastload convert` from other loaders' formats: TFRecord CRCs (crc32c), zstd-compressed MDS
+        # shards (zstandard), brace patterns of WebDataset shards (braceexpand); the formats themselves
+        # are read without their libraries
+        "migrate": ["crc32c>=2.4", "zstandard>=0.22", "braceexpand>=0.1.7"],
+        # the writers tests/test_migrate.py converts from (webdataset's ShardWriter, the tfrecord
+        # package's TFRecordWriter) and what MosaicML Streaming's MDSWriter imports: its compressors.
+        # mosaicml-streaming itself is installed by the Makefile with --no-deps: its own pins
+        # (numpy, transformers, torchvision) do not install beside torch 2.13.
+        "migrate-test": ["webdataset>=1.0", "tfrecord>=1.14", "brotli", "python-snappy", "zstd"],
         # `make docs`: the API reference (mkdocs + mkdocstrings, strict); `make test` builds it and type-checks.
         "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mypy>=1.10"],
         "dev": [

@@ -319,7 +319,7 @@ class MDSDataset(ForeignSource):
         self._chosen = chosen
         self._json: dict[str, JsonFields] = {}
         need_head = [c for c in chosen if c.encoding == "json" or (c.encoding.startswith("ndarray") and c.size is None)]
-        head = [self._split(self._sample_bytes(i)) for i in range(min(INFER_SAMPLES, len(self)))] if need_head else []
+        head = self._head(need_head) if need_head else []
         out: list[Field] = []
         for c in chosen:
             enc = c.encoding
@@ -336,14 +336,14 @@ class MDSDataset(ForeignSource):
             elif enc in ("jpeg", "png", "pil"):
                 out.append(Field(c.name, "image"))
             elif enc == "json":
-                jf = JsonFields(c.name, [_json_value(h[c.column], c.column) for h in head])
+                jf = JsonFields(c.name, [h[c.column] for h in head])
                 self._json[c.column] = jf
                 out += jf.fields()
             elif c.size is not None:  # ndarray:DTYPE:SHAPE
                 _, dtype, shape = enc.split(":")
                 out.append(Field(c.name, "ndarray", np.dtype(dtype), tuple(int(d) for d in shape.split(","))))
             else:
-                arrays = [_ndarray(h[c.column], enc, c.column) for h in head]
+                arrays = [h[c.column] for h in head]
                 out.append(Schema.infer([{c.name: a} for a in arrays]).fields[0])
         if fields is not None:
             names = [f.name for f in out]
@@ -354,6 +354,24 @@ class MDSDataset(ForeignSource):
         if not out:
             raise SchemaError(f"{self.src}: no field left to convert")
         return Schema(tuple(out))
+
+    def _head(self, columns: list[_Column]) -> list[dict[str, Any]]:
+        """`columns` decoded in the first readable samples (a bad one is left to fail when converted)."""
+        head: list[dict[str, Any]] = []
+        first_error = None
+        for i in range(len(self)):
+            try:
+                parts = self._split(self._sample_bytes(i))
+                head.append({c.column: _json_value(parts[c.column], c.column) if c.encoding == "json"
+                             else _ndarray(parts[c.column], c.encoding, c.column) for c in columns})
+            except (FormatError, SchemaError) as exc:
+                first_error = first_error or f"{self.describe(i)}: {exc}"
+                continue
+            if len(head) == INFER_SAMPLES:
+                break
+        if not head:
+            raise FormatError(f"{self.src}: no readable sample (the first: {first_error})")
+        return head
 
     def read(self, i: int) -> dict[str, Any]:
         """Sample `i` as a dict of the schema's fields."""

@@ -106,6 +106,7 @@ class _Shard:
     keys: list[str] = field(default_factory=list)
     members: list[list[tuple[str, int, int]]] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)  # local sample -> why it cannot be read
+    lost_from: int | None = None  # the byte from which the shard cannot be read (its last "sample" stands for it)
 
 
 def _index_shard(ranges: FileRanges, path: str) -> _Shard:
@@ -131,8 +132,9 @@ def _index_shard(ranges: FileRanges, path: str) -> _Shard:
         raise FormatError(f"{path}: cannot read ({exc})") from exc
     if problem is not None:  # everything from here on is lost: one bad input, so --on-error=skip can name it
         shard.errors[len(shard.keys)] = f"{problem}: the members from there to the end cannot be read"
-        shard.keys.append(f"(members after byte {next_header})")
+        shard.keys.append("")
         shard.members.append([])
+        shard.lost_from = next_header
     return shard
 
 
@@ -198,6 +200,8 @@ class WebDataset(ForeignSource):
     def describe(self, i: int) -> str:
         """The shard and key of sample `i` (for error reports)."""
         path, shard, j = self._entry(i)
+        if shard.lost_from is not None and j == len(shard.keys) - 1:
+            return f"{path}: sample {j} (members from byte {shard.lost_from} on)"
         return f"{path}: sample {j} (key {shard.keys[j]!r})"
 
     def _infer(self, fields: Sequence[str] | None) -> Schema:
@@ -214,22 +218,18 @@ class WebDataset(ForeignSource):
                 f"{self.describe(first)}: member extension {refused[0]!r} is a pickle; fastload never unpickles "
                 f"dataset files: leave it out with --fields (fields of this sample: {[KEY_FIELD, *exts]})"
             )
-        head = [i for i in range(first, len(self)) if self._entry(i)[2] not in self._entry(i)[1].errors]
-        head = head[:INFER_SAMPLES]
-        raw = [self._members(i, self._exts) for i in head]
+        head = self._head(first)
         out: list[Field] = [Field(KEY_FIELD, "string")]
         for ext in self._exts:
             spec = _spec(ext)
             if spec == "json":
-                objs = [_json(m[ext], ext) for m in raw if ext in m]
-                jf = JsonFields(ext, objs)
+                jf = JsonFields(ext, [h[ext] for h in head if ext in h])
                 chosen = [f for f in jf.fields() if keep is None or ext in keep or f.name in keep]
                 if chosen:
                     self._json[ext] = jf
                     out += chosen
             elif spec == "npy":
-                arrays = [_npy(m[ext], ext) for m in raw if ext in m]
-                out.append(Schema.infer([{ext: a} for a in arrays]).fields[0])
+                out.append(Schema.infer([{ext: h[ext]} for h in head if ext in h]).fields[0])
             else:
                 kinds = {"image": "image", "int": "scalar", "text": "string", "bytes": "bytes"}
                 out.append(Field(ext, kinds[spec], np.dtype(np.int64)) if spec == "int" else Field(ext, kinds[spec]))
@@ -244,6 +244,22 @@ class WebDataset(ForeignSource):
         if not out:
             raise SchemaError(f"{self.src}: no field left to convert")
         return Schema(tuple(out))
+
+    def _head(self, first: int) -> list[dict[str, Any]]:
+        """The JSON and npy members of the first readable samples, decoded (a bad one is left to
+        fail when it is converted)."""
+        decoders = {"json": _json, "npy": _npy}
+        wanted = [e for e in self._exts if _spec(e) in decoders]
+        head: list[dict[str, Any]] = []
+        for i in range(first, len(self)) if wanted else ():
+            try:
+                raw = self._members(i, wanted)
+                head.append({e: decoders[_spec(e)](v, e) for e, v in raw.items()})
+            except (FormatError, SchemaError):
+                continue
+            if len(head) == INFER_SAMPLES:
+                break
+        return head
 
     def _members(self, i: int, wanted: list[str]) -> dict[str, bytes]:
         """The data of sample `i`'s members, by extension: all of them, with only `wanted` read."""

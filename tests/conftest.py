@@ -11,4 +11,9 @@ def pytest_configure(config) -> None:
     )
     config.addinivalue_line("markers", "ray: needs Ray Data (fastload[ray]); starts local Ray clusters")
     config.addinivalue_line("markers", "nginx: serves a dataset over HTTP with a local nginx (skips without it)")
+    config.addinivalue_line(
+        "markers",
+        "migrate: converts files written by other loaders' own writers (webdataset, tfrecord, "
+        "mosaicml-streaming: fastload[migrate-test] and the Makefile)",
+    )
     config.addinivalue_line("markers", "examples: runs the scripts in examples/ (torchrun on CPU included)")
