@@ -233,7 +233,9 @@ class MDSDataset(ForeignSource):
     def describe(self, i: int) -> str:
         """The shard file and the sample's number in it."""
         k = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return f"{self.shards[k].raw}: sample {i - int(self._starts[k])}"
+        s = self.shards[k]
+        name = s.zipped if s.zipped is not None and not os.path.exists(s.raw) else s.raw
+        return f"{name}: sample {i - int(self._starts[k])}"
 
     # ------------------------------------------------------------ shard bytes
 
@@ -308,7 +310,8 @@ class MDSDataset(ForeignSource):
 
     def _infer(self, fields: Sequence[str] | None) -> Schema:
         keep = set(fields) if fields is not None else None
-        chosen = [c for c in self.columns if keep is None or c.name in keep]
+        chosen = [c for c in self.columns if keep is None or c.name in keep
+                  or (c.encoding == "json" and any(k.startswith(f"{c.name}.") for k in keep))]
         for c in chosen:
             base = c.encoding.split(":")[0]
             if c.encoding in REFUSED_ENCODINGS or base not in (*_SCALARS, "str_int", "str_float", "str", "str_decimal",
@@ -338,7 +341,7 @@ class MDSDataset(ForeignSource):
             elif enc == "json":
                 jf = JsonFields(c.name, [h[c.column] for h in head])
                 self._json[c.column] = jf
-                out += jf.fields()
+                out += [f for f in jf.fields() if keep is None or c.name in keep or f.name in keep]
             elif c.size is not None:  # ndarray:DTYPE:SHAPE
                 _, dtype, shape = enc.split(":")
                 out.append(Field(c.name, "ndarray", np.dtype(dtype), tuple(int(d) for d in shape.split(","))))

@@ -146,7 +146,7 @@ def _add_member(shard: _Shard, m: tarfile.TarInfo) -> None:
     if not match:
         return
     key, ext = match.group(1), match.group(2).lower()
-    if not shard.keys or shard.keys[-1] != key or len(shard.keys) - 1 in shard.errors:
+    if not shard.keys or shard.keys[-1] != key:
         shard.keys.append(key)
         shard.members.append([])
     k = len(shard.keys) - 1

@@ -218,6 +218,15 @@ def test_webdataset_grouping_follows_webdataset(tmp_path):
     assert source[0]["1.seg.png"] == ref[0]["1.seg.png"] and source[0]["2.cls"] == 2
     with pytest.raises(SchemaError, match=r"g\.tar: sample 1 \(key 'b'\): no member for \['1\.seg\.png'"):
         source[1]
+    with tarfile.open(tmp_path / "dup.tar", "w") as tf:  # one extension twice in a sample: that sample is bad
+        for name, data in [("k1.cls", b"1"), ("k1.cls", b"2"), ("k1.txt", b"t"), ("k2.cls", b"3"), ("k2.txt", b"u")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    source, schema, _ = open_source(str(tmp_path / "dup.tar"))
+    assert len(source) == 2 and source[1] == {"__key__": "k2", "cls": 3, "txt": "u"}
+    with pytest.raises(FormatError, match=r"dup\.tar: sample 0 \(key 'k1'\): a second member 'k1\.cls'"):
+        source[0]
 
 
 # ---------------------------------------------------------------- TFRecord
@@ -441,6 +450,15 @@ def test_mds_pickles_and_image_lists_are_refused_by_name(tmp_path, capsys):
     assert "column 'obj' has encoding 'pkl' (pickle: fastload never unpickles" in capsys.readouterr().err
     assert _convert(tmp_path / "mds", tmp_path / "out", "--fields", "x") == 0
     assert [FastloadDataset(tmp_path / "out")[i]["x"] for i in range(4)] == [0, 1, 2, 3]
+
+
+def test_mds_fields_pick_json_keys(tmp_path):
+    _write_mds(tmp_path / "mds", n=10, columns={k: _MDS_COLUMNS[k] for k in ("i", "meta", "s")})
+    assert _convert(tmp_path / "mds", tmp_path / "a", "--fields", "meta.tags,s") == 0
+    ds = FastloadDataset(tmp_path / "a")
+    assert ds.schema.names == ["meta.tags", "s"] and ds[7]["meta.tags"].tolist() == [1, 7]
+    assert _convert(tmp_path / "mds", tmp_path / "b", "--fields", "meta") == 0
+    assert FastloadDataset(tmp_path / "b").schema.names == ["meta.id", "meta.tags"]
 
 
 def test_mds_corrupt_shards_are_named(tmp_path, capsys):
