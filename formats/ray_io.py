@@ -499,8 +499,8 @@ def _connect(address: str | None) -> bool:
 def _ray_readable(src: str) -> bool:
     from .webdataset import is_webdataset
 
-    if is_webdataset(src):
-        return False  # .tar shards: read by `PathSource` in the tasks
+    if is_webdataset(src, list_urls=False):
+        return False  # .tar shards: read by `PathSource` in the tasks (a URL folder: --kind webdataset)
     return _is_url(src) or src.lower().endswith(".parquet") or (
         os.path.isdir(src) and any(n.lower().endswith(".parquet") for n in os.listdir(src))
     )

@@ -51,20 +51,29 @@ _COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 _MAX_SPAN_WASTE = 2  # read members one by one when the whole sample is this many times the kept bytes
 
 
-def is_webdataset(src: str) -> bool:
+def is_webdataset(src: str, *, list_urls: bool = True) -> bool:
     """Whether `src` names WebDataset shards: a ``.tar`` path or URL, a brace pattern of them, or a
-    directory (local or URL) holding ``.tar`` files."""
+    directory holding ``.tar`` files (a URL folder is listed only with `list_urls`)."""
     lower = src.lower().rstrip("/")
     if lower.endswith((".tar", *_COMPRESSED)):
         return True
     if is_url(src):
-        return False  # a URL folder: `shard_paths` lists it when asked (--kind webdataset)
-    if os.path.isdir(src):
-        names = [e for e in os.listdir(src) if not e.startswith(".")]
-        return any(n.lower().endswith(".tar") for n in names) and all(
-            n.lower().endswith((".tar", ".json", ".txt", ".md", ".idx")) for n in names
-        )
-    return False
+        if not list_urls:
+            return False
+        import fsspec
+
+        try:
+            fs, inner = fsspec.core.url_to_fs(src)
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(inner, detail=False)] if fs.isdir(inner) else []
+        except Exception:  # noqa: BLE001 - a guess: a URL not listable here is not recognizably shards
+            return False  # (--kind webdataset still names it)
+    elif os.path.isdir(src):
+        names = os.listdir(src)
+    else:
+        return False
+    names = [n.lower() for n in names if not n.startswith(".")]
+    return any(n.endswith(".tar") for n in names) and all(n.endswith((".tar", ".json", ".txt", ".md", ".idx"))
+                                                          for n in names)
 
 
 def shard_paths(src: str, storage_options: dict[str, Any] | None = None) -> list[str]:

@@ -117,6 +117,17 @@ def test_webdataset_pattern_file_url_and_fields(tmp_path):
     assert _convert(pattern, tmp_path / "pat") == 0
     assert _convert(f"file://{pattern}", tmp_path / "url") == 0
     assert _files(tmp_path / "pat") == _files(tmp_path / "url")
+    import fsspec
+
+    memory = fsspec.filesystem("memory")  # an object-store-like URL folder (forked workers see it too)
+    for name in ("shards-000000.tar", "shards-000001.tar"):
+        memory.pipe(f"/migrate-test/{name}", (src / name).read_bytes())
+    try:
+        assert detect_kind("memory://migrate-test") == "webdataset"
+        assert _convert("memory://migrate-test", tmp_path / "mem", "--workers", "2") == 0
+    finally:
+        memory.rm("/migrate-test", recursive=True)
+    assert _files(tmp_path / "pat") == _files(tmp_path / "mem")
     ds = FastloadDataset(tmp_path / "pat")
     assert [ds[i]["__key__"] for i in range(len(ds))] == [s["__key__"] for s in samples[:20]]
     assert _convert(src, tmp_path / "sub", "--fields", "jpg,cls,json.score") == 0
