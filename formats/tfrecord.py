@@ -86,7 +86,8 @@ def _index_file(path: str) -> tuple[np.ndarray, np.ndarray, str | None]:
                 break
             length, crc = struct.unpack("<QI", head)
             if masked_crc32c(head[:8]) != crc:
-                problem = f"record {len(offsets)}: the length's CRC does not match at byte {pos} (corrupt)"
+                hint = " (or a ZLIB-compressed file: decompress it first)" if pos == 0 else ""
+                problem = f"record {len(offsets)}: the length's CRC does not match at byte {pos} (corrupt){hint}"
                 break
             if pos + 12 + length + 4 > size:
                 problem = f"the file ends inside record {len(offsets)} (truncated)"

@@ -284,10 +284,14 @@ def test_tfrecord_round_trip_against_the_tfrecord_reader(tmp_path):
 
 
 def test_crc32c_and_framing_match_the_reference_writer(tmp_path):
-    from fastload.formats.tfrecord import _crc32c, masked_crc32c
+    from fastload.formats.tfrecord import masked_crc32c
 
-    assert _crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
-    assert _crc32c(b"\0" * 32) == 0x8A9136AA  # RFC 3720 B.4 test vector
+    def unmasked(data: bytes) -> int:  # TFRecord's mask undone: subtract the constant, rotate left 15
+        rotated = (masked_crc32c(data) - 0xA282EAD8) & 0xFFFFFFFF
+        return ((rotated << 15) | (rotated >> 17)) & 0xFFFFFFFF
+
+    assert unmasked(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert unmasked(b"\0" * 32) == 0x8A9136AA  # RFC 3720 B.4 test vector
     path = tmp_path / "one.tfrecord"
     writer = tfrecord.TFRecordWriter(str(path))
     writer.write({"x": ([1, 2, 3], "int")})
