@@ -329,9 +329,9 @@ class MDSDataset(ForeignSource):
             if enc in _SCALARS:
                 out.append(Field(c.name, "scalar", _SCALARS[enc]))
             elif enc == "str_int":
-                out.append(Field(c.name, "scalar", np.int64))
+                out.append(Field(c.name, "scalar", np.dtype(np.int64)))
             elif enc == "str_float":
-                out.append(Field(c.name, "scalar", np.float64))
+                out.append(Field(c.name, "scalar", np.dtype(np.float64)))
             elif enc in ("str", "str_decimal"):
                 out.append(Field(c.name, "string"))
             elif enc == "bytes":

@@ -119,11 +119,12 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
 
 def _fields(buf: bytes, start: int, end: int) -> list[tuple[int, int, Any]]:
     """(field number, wire type, value) of a message: an int for varint/fixed, (start, end) for bytes."""
-    out = []
+    out: list[tuple[int, int, Any]] = []
     pos = start
     while pos < end:
         key, pos = _varint(buf, pos, end)
         number, wire = key >> 3, key & 7
+        value: Any
         if wire == 0:
             value, pos = _varint(buf, pos, end)
         elif wire == 1:
@@ -157,7 +158,8 @@ def _packed_varints(buf: bytes, start: int, end: int) -> np.ndarray:
 
 def _feature(buf: bytes, start: int, end: int) -> tuple[int, list[Any]]:
     """A Feature: its kind (1 bytes, 2 floats, 3 ints; 0 none set) and values, merged as protobuf merges."""
-    kind, values = 0, []
+    kind = 0
+    values: list[Any] = []
     for number, wire, value in _fields(buf, start, end):
         if number not in (_BYTES, _FLOATS, _INTS) or wire != 2:
             continue
