@@ -110,17 +110,30 @@ def shard_paths(src: str, storage_options: dict[str, Any] | None = None) -> list
 
 @dataclass
 class _Shard:
-    """One shard's samples: key, members (extension, data offset, size), or the error that makes it unreadable."""
+    """One shard's samples: keys, and members (extension, data offset, size) kept as arrays (a
+    dataset of millions of members stays compact, and forked encoders share it without copying);
+    `errors` says why a sample cannot be read."""
 
     keys: list[str] = field(default_factory=list)
-    members: list[list[tuple[str, int, int]]] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)  # local sample -> why it cannot be read
     lost_from: int | None = None  # the byte from which the shard cannot be read (its last "sample" stands for it)
+    exts: list[str] = field(default_factory=list)  # the distinct extensions, in order of appearance
+    ext_ids: Any = None  # per member: index into `exts`
+    offsets: Any = None  # per member: where its data starts
+    sizes: Any = None  # per member: its data's size
+    first: Any = None  # per sample + 1: its first member
+
+    def members(self, j: int) -> list[tuple[str, int, int]]:
+        """Sample `j`'s members as (extension, data offset, size), in tar order."""
+        lo, hi = int(self.first[j]), int(self.first[j + 1])
+        return [(self.exts[e], int(o), int(n))
+                for e, o, n in zip(self.ext_ids[lo:hi], self.offsets[lo:hi], self.sizes[lo:hi])]
 
 
 def _index_shard(ranges: FileRanges, path: str) -> _Shard:
     """Group the members of one shard into samples as WebDataset does (see the module docstring)."""
     shard = _Shard()
+    members: list[list[tuple[str, int, int]]] = []
     next_header = 0  # where the header after the last member read starts
     problem = None
     try:
@@ -129,7 +142,7 @@ def _index_shard(ranges: FileRanges, path: str) -> _Shard:
                 with tarfile.open(fileobj=fh, mode="r:") as tf:
                     for m in tf:
                         next_header = m.offset_data + -(-m.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                        _add_member(shard, m)
+                        _add_member(shard, members, m)
             except tarfile.TarError as exc:
                 problem = f"not a readable tar file after byte {next_header} ({exc})"
             if problem is None:
@@ -142,12 +155,19 @@ def _index_shard(ranges: FileRanges, path: str) -> _Shard:
     if problem is not None:  # everything from here on is lost: one bad input, so --on-error=skip can name it
         shard.errors[len(shard.keys)] = f"{problem}: the members from there to the end cannot be read"
         shard.keys.append("")
-        shard.members.append([])
+        members.append([])
         shard.lost_from = next_header
+    flat = [m for sample in members for m in sample]
+    ids = {e: i for i, e in enumerate(dict.fromkeys(e for e, _, _ in flat))}
+    shard.exts = list(ids)
+    shard.ext_ids = np.array([ids[e] for e, _, _ in flat], dtype=np.int32)
+    shard.offsets = np.array([o for _, o, _ in flat], dtype=np.int64)
+    shard.sizes = np.array([n for _, _, n in flat], dtype=np.int64)
+    shard.first = np.concatenate([[0], np.cumsum([len(sample) for sample in members], dtype=np.int64)])
     return shard
 
 
-def _add_member(shard: _Shard, m: tarfile.TarInfo) -> None:
+def _add_member(shard: _Shard, members: list[list[tuple[str, int, int]]], m: tarfile.TarInfo) -> None:
     name = m.name
     if not m.isreg() or ("/" not in name and name.startswith("__") and name.endswith("__")) or _META_RE.match(name):
         return
@@ -157,11 +177,11 @@ def _add_member(shard: _Shard, m: tarfile.TarInfo) -> None:
     key, ext = match.group(1), match.group(2).lower()
     if not shard.keys or shard.keys[-1] != key:
         shard.keys.append(key)
-        shard.members.append([])
+        members.append([])
     k = len(shard.keys) - 1
-    if any(e == ext for e, _, _ in shard.members[k]):
+    if any(e == ext for e, _, _ in members[k]):
         shard.errors[k] = f"a second member {name!r} with extension {ext!r} in one sample"
-    shard.members[k].append((ext, m.offset_data, m.size))
+    members[k].append((ext, m.offset_data, m.size))
 
 
 def _spec(ext: str) -> str:
@@ -218,7 +238,7 @@ class WebDataset(ForeignSource):
         if first is None:
             raise FormatError(f"{self.src}: no readable sample (the first: {self._entry(0)[1].errors[0]})")
         _, shard, j = self._entry(first)
-        exts = [e for e, _, _ in shard.members[j]]
+        exts = [e for e, _, _ in shard.members(j)]
         keep = set(fields) if fields is not None else None
         self._exts = [e for e in exts if keep is None or e in keep or _spec(e) == "json"]
         refused = [e for e in self._exts if _spec(e) == "pickle"]
@@ -275,7 +295,7 @@ class WebDataset(ForeignSource):
         path, shard, j = self._entry(i)
         if j in shard.errors:
             raise FormatError(shard.errors[j])
-        members = shard.members[j]
+        members = shard.members(j)
         kept = [m for m in members if m[0] in wanted]
         if not kept:
             return {}
@@ -290,7 +310,7 @@ class WebDataset(ForeignSource):
         _, shard, j = self._entry(i)
         if j in shard.errors:
             raise FormatError(shard.errors[j])
-        present = {e for e, _, _ in shard.members[j]}
+        present = {e for e, _, _ in shard.members(j)}
         missing = [e for e in self._exts if e not in present]
         if missing:
             raise SchemaError(f"no member for {missing} (the first sample has them; keep the fields every "
