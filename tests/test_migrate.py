@@ -149,6 +149,16 @@ def test_webdataset_pickles_are_refused_by_name(tmp_path, capsys):
     assert "p-000000.tar: sample 0 (key 'k0'): member extension 'pyd' is a pickle" in err and "--fields" in err
     assert _convert(src, tmp_path / "out", "--fields", "cls") == 0
     assert [FastloadDataset(tmp_path / "out")[i]["cls"] for i in range(5)] == list(range(5))
+    # an .npy member holding objects (a pickle inside) is refused by np.load(allow_pickle=False), named
+    objects = io.BytesIO()
+    np.save(objects, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with wds.ShardWriter(str(src / "q-%06d.tar"), maxcount=100, verbose=0) as sink:
+        sink.write({"__key__": "n0", "cls": 0, "npy": np.arange(3)})
+        sink.write({"__key__": "n1", "cls": 1, "npy": objects.getvalue()})
+    source, _, _ = open_source(str(src / "q-000000.tar"))
+    with pytest.raises(SchemaError, match=r"q-000000\.tar: sample 1 \(key 'n1'\): member 'npy' is not a readable "
+                                          r"numeric \.npy array .*allow_pickle=False"):
+        source[1]
 
 
 def test_webdataset_bad_inputs_are_named_and_skipped(tmp_path, capsys):
