@@ -22,10 +22,11 @@ $(VENV)/.torch:
 	touch $@
 
 $(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c
-	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs,migrate]' torch==2.13.0
-	# LitData's `optimize` writes the test inputs of tests/test_migrate_chunks.py; without its deps, since
-	# it pulls a torchvision built for another torch (fastload reads LitData chunks without LitData)
-	$(PIP) install --no-deps litdata obstore tifffile
+	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs,migrate,migrate-test]' torch==2.13.0
+	# Test writers installed without their dependencies, which pull a torchvision built for another torch
+	# (or downgrade numpy): LitData's `optimize` (tests/test_migrate_chunks.py) and MosaicML Streaming's
+	# MDSWriter (tests/test_migrate.py). fastload reads both formats without these packages.
+	$(PIP) install --no-deps litdata obstore tifffile 'mosaicml-streaming==0.13.0'
 	touch $(STAMP)
 
 # The demo needs only the image decoder (its synthetic JPEGs) and matplotlib (bench.png).

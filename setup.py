@@ -85,8 +85,15 @@ setup(
         "frameworks": ["lightning", "accelerate", "datasets"],
         "ray": ["ray[data]>=2.60,<3"],  # the Ray version tested; write_ray / read_ray / `fastload convert --engine ray`
         # other loaders' formats: Lance (pylance) and Parquet (pyarrow) read in place or converted, Grain's
-        # ArrayRecord files converted; LitData chunks are read without a package
-        "migrate": ["pylance", "pyarrow", "array-record"],
+        # ArrayRecord files converted, TFRecord CRCs (crc32c), zstd-compressed MDS shards (zstandard),
+        # brace patterns of WebDataset shards (braceexpand); WebDataset, TFRecord, MDS and LitData
+        # chunks are read without their own libraries
+        "migrate": ["pylance", "pyarrow", "array-record", "crc32c>=2.4", "zstandard>=0.22", "braceexpand>=0.1.7"],
+        # the writers tests/test_migrate.py converts from (webdataset's ShardWriter, the tfrecord
+        # package's TFRecordWriter) and what MosaicML Streaming's MDSWriter imports: its compressors.
+        # mosaicml-streaming and litdata themselves are installed by the Makefile with --no-deps: their
+        # own pins (numpy, transformers, torchvision) do not install beside torch 2.13.
+        "migrate-test": ["webdataset>=1.0", "tfrecord>=1.14", "brotli", "python-snappy", "zstd"],
         # `make docs`: the API reference (mkdocs + mkdocstrings, strict); `make test` builds it and type-checks.
         "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mypy>=1.10"],
         "dev": [

@@ -39,7 +39,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     source, schema, attrs = open_source(
         args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check,
-        labels=args.labels, decode=args.decode,
+        labels=args.labels, decode=args.decode, fields=_field_list(args.fields),
     )
     skipping = None
     if args.on_error == "skip":
@@ -71,6 +71,16 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _field_list(text: str | None) -> list[str] | None:
+    """`--fields a,b,c` as a list of names (None when not given)."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise SystemExit("fastload convert: --fields needs at least one field name")
+    return names
+
+
 def _resume_command(argv: Sequence[str]) -> str:
     """The exact command that continues this conversion: the same arguments with --resume."""
     import shlex
@@ -93,6 +103,7 @@ def _convert_ray(args: argparse.Namespace) -> int:
         args.src, args.out, kind="fastload" if args.upgrade else args.kind, address=args.address,
         shard_size=args.shard_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
         concurrency=args.workers, on_error=args.on_error, decode_check=not args.no_decode_check, labels=args.labels,
+        fields=_field_list(args.fields),
     )
     if result.skipped:
         print(f"skipped {len(result.skipped)} input(s) that failed to read; reasons in {result.report}",
@@ -219,7 +230,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a source into fastload's sharded format")
     p.add_argument("src", help="source path (image folder, .npy file/dir, tokens.npy+offsets.npy dir, Megatron "
                    "PREFIX(.bin/.idx), .jsonl, LMDB dir, HDF5 file, HF save_to_disk dir, Parquet, Lance dataset, "
-                   "LitData optimized dir, ArrayRecord file/dir; with "
+                   "LitData optimized dir, ArrayRecord file/dir, WebDataset .tar shards (dir, {000..999} pattern "
+                   "or URL), TFRecord file/dir, MosaicML MDS dir; with "
                    "--engine ray also Parquet files or any fsspec URL of Parquet / JSON lines)")
     p.add_argument("out", help="output dataset directory (with --engine ray also an fsspec URL, e.g. s3://b/ds)")
     if command == "convert":  # the source kinds live in fastload.formats, which imports numpy
@@ -251,6 +263,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--decode", default=None, metavar="MODULE:FUNC",
                    help="ArrayRecord: a function of yours that turns a record's bytes into a dict of fields "
                    "(default: each record as the bytes field 'record')")
+    p.add_argument("--fields", default=None, metavar="A,B,...",
+                   help="WebDataset, TFRecord, MDS: the fields to keep, comma-separated (default: all)")
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data tasks on a cluster (needs fastload[ray])")
     p.add_argument("--address", default=None, help="Ray cluster address for --engine ray (default: start Ray here)")

@@ -497,6 +497,10 @@ def _connect(address: str | None) -> bool:
 
 
 def _ray_readable(src: str) -> bool:
+    from .webdataset import is_webdataset
+
+    if is_webdataset(src, list_urls=False):
+        return False  # .tar shards: read by `PathSource` in the tasks (a URL folder: --kind webdataset)
     return _is_url(src) or src.lower().endswith(".parquet") or (
         os.path.isdir(src) and any(n.lower().endswith(".parquet") for n in os.listdir(src))
     )
@@ -512,6 +516,7 @@ def convert_ray(
     on_error: str = "stop",
     decode_check: bool = True,
     labels: str | None = None,
+    fields: list[str] | None = None,
     **kwargs: Any,
 ) -> RayWriteResult:
     """`fastload convert --engine ray`: a local-converter source, or Parquet / JSON lines Ray Data reads.
@@ -519,11 +524,13 @@ def convert_ray(
     `on_error="skip"` leaves out the inputs that fail to read and lists them in
     `OUT/skipped-inputs.jsonl`, as `fastload convert --on-error=skip`; `decode_check=False` does not
     decode every image fully (`--no-decode-check`); `labels`: an image folder's labels file
-    (`--labels`). Other keywords go to `write_ray`.
+    (`--labels`); `fields`: the fields to keep (`--fields`: WebDataset, TFRecord, MDS). WebDataset
+    shards at a URL are read by the tasks as the local converter reads them. Other keywords go to
+    `write_ray`.
     """
     started = _connect(address)
     try:
-        if kind is None and labels is None and _ray_readable(src):
+        if kind is None and labels is None and fields is None and _ray_readable(src):
             if on_error != "stop":
                 raise ValueError(f"--on-error=skip applies to per-input sources, not {src} (read by Ray Data)")
             lower = src.lower().rstrip("/")
@@ -533,7 +540,7 @@ def convert_ray(
                 ds = ray.data.read_parquet(src, filesystem=_arrow_fs(src, storage_options))
             kwargs.setdefault("attrs", {"source": "ray"})
             return write_ray(ds, out, storage_options=storage_options, **kwargs)
-        source = PathSource(src, kind, decode_check=decode_check, on_error=on_error, labels=labels)
+        source = PathSource(src, kind, decode_check=decode_check, on_error=on_error, labels=labels, fields=fields)
         return write_ray(source, out, storage_options=storage_options, **kwargs)
     finally:
         if started:

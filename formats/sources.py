@@ -1,4 +1,5 @@
-"""Source kinds that `fastload convert` reads: image folders, numpy arrays, JSON lines, LMDB, HDF5.
+"""Source kinds that `fastload convert` reads: image folders, numpy arrays, JSON lines, LMDB, HDF5,
+and other loaders' formats (WebDataset tar shards, TFRecord, MosaicML Streaming MDS).
 
 Each `open_source` result is something `write()` accepts: a `BlockSource` for columnar sources
 (npy, HDF5 — no per-sample Python), or a map-style dataset of sample dicts (image folders, JSON
@@ -11,7 +12,7 @@ import bisect
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,8 +39,10 @@ __all__ = [
 
 SOURCE_KINDS = (
     "imagefolder", "npy", "npyfiles", "tokens", "megatron", "jsonl", "lmdb", "hdf5", "hf", "parquet", "fastload",
+    "webdataset", "tfrecord", "mds",
     *MIGRATE_KINDS,
 )
+FIELD_KINDS = ("webdataset", "tfrecord", "mds")  # the kinds whose fields `--fields` can pick
 _BLOCK_ROWS = 8192
 _FILE_KINDS = (
     ("npy", (".npy",)),
@@ -48,6 +51,7 @@ _FILE_KINDS = (
     ("lmdb", (".mdb",)),
     ("parquet", (".parquet",)),
     ("megatron", (".bin", ".idx")),
+    ("tfrecord", (".tfrecord", ".tfrecords", ".tfrec")),
 )
 
 
@@ -56,6 +60,10 @@ def detect_kind(src: str) -> str:
     migrated = detect_migrate_kind(src)
     if migrated is not None:
         return migrated
+    from .webdataset import is_webdataset
+
+    if is_webdataset(src):
+        return "webdataset"  # .tar shards: a file, a directory, a brace pattern or a URL
     if os.path.isfile(src):
         return _file_kind(src)
     if os.path.isdir(src):
@@ -81,7 +89,9 @@ def _folder_kind(src: str) -> str:
     entries = [e for e in os.listdir(src) if not e.startswith(".")]
     names = set(entries)
     if "index.json" in names:
-        return "fastload"
+        from .mds import is_mds_index
+
+        return "mds" if is_mds_index(os.path.join(src, "index.json")) else "fastload"
     if "data.mdb" in names:
         return "lmdb"
     if {"state.json", "dataset_info.json"} <= names or "dataset_dict.json" in names:
@@ -93,6 +103,8 @@ def _folder_kind(src: str) -> str:
         return "npy" if is_column_folder(src) else "npyfiles"
     if data and all(e.endswith(".parquet") for e in data):
         return "parquet"
+    if data and all(e.lower().endswith((".tfrecord", ".tfrecords", ".tfrec")) for e in data):
+        return "tfrecord"
     if any(os.path.isdir(os.path.join(src, e)) or is_image(e) for e in entries):
         return "imagefolder"
     shown = ", ".join(sorted(entries)[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
@@ -262,15 +274,21 @@ def _fastload_source(src: str) -> BlockSource:
 def open_source(
     src: str, kind: str | None = None, *, decode_check: bool = True, labels: str | None = None,
     decode: str | None = None,
+    fields: Sequence[str] | None = None,
 ) -> tuple[Any, Schema | None, dict[str, Any]]:
     """(source for `write`, schema or None, attrs to store in the manifest); `decode_check`: decode
-    every image of an image folder fully while converting; `labels`: an image folder's labels file;
-    `decode`: an ArrayRecord source's ``MODULE:FUNC`` plug-in (record bytes -> dict of fields)."""
+    every image of an image folder (or of WebDataset, TFRecord, MDS) fully while converting;
+    `labels`: an image folder's labels file; `decode`: an ArrayRecord source's ``MODULE:FUNC``
+    plug-in (record bytes -> dict of fields); `fields`: the fields to keep (WebDataset, TFRecord, MDS)."""
     kind = kind or detect_kind(src)
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown source kind {kind!r}; expected one of {SOURCE_KINDS}")
     if labels is not None and kind != "imagefolder":
         raise ValueError(f"a labels file applies to image folders, not to a {kind} source ({src})")
+    if fields is not None and kind not in FIELD_KINDS:
+        raise ValueError(f"--fields applies to {', '.join(FIELD_KINDS)} sources, not to a {kind} source ({src})")
+    if kind in FIELD_KINDS:
+        return _foreign(src, kind, fields, decode_check)
     if not os.path.exists(src) and kind != "megatron":
         raise FileNotFoundError(f"source {src!r} does not exist")
     if kind in MIGRATE_KINDS:
@@ -296,6 +314,26 @@ def open_source(
     source = _columnar(src, kind)
     stored: dict[str, Any] = dict(source.attrs or {}) if kind == "fastload" else {"source": kind}
     return source, source.schema, stored
+
+
+def _foreign(
+    src: str, kind: str, fields: Sequence[str] | None, decode_check: bool
+) -> tuple[Any, Schema, dict[str, Any]]:
+    """Another loader's format: WebDataset tar shards, TFRecord files, MosaicML Streaming MDS."""
+    source: Any
+    if kind == "webdataset":
+        from .webdataset import WebDataset
+
+        source = WebDataset(src, fields=fields, decode_check=decode_check)
+    elif kind == "tfrecord":
+        from .tfrecord import TFRecords
+
+        source = TFRecords(src, fields=fields, decode_check=decode_check)
+    else:
+        from .mds import MDSDataset
+
+        source = MDSDataset(src, fields=fields, decode_check=decode_check)
+    return source, source.schema, {"source": kind}
 
 
 def _npy_kind(src: str, kind: str) -> tuple[Any, Schema, dict[str, Any]]:

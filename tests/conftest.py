@@ -12,6 +12,8 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "ray: needs Ray Data (fastload[ray]); starts local Ray clusters")
     config.addinivalue_line("markers", "nginx: serves a dataset over HTTP with a local nginx (skips without it)")
     config.addinivalue_line(
-        "markers", "migrate: writes another loader's format with its own heavy writer (litdata.optimize)"
+        "markers",
+        "migrate: converts files written by other loaders' own writers (webdataset, tfrecord, "
+        "mosaicml-streaming, litdata.optimize: fastload[migrate-test] and the Makefile)",
     )
     config.addinivalue_line("markers", "examples: runs the scripts in examples/ (torchrun on CPU included)")
