@@ -4,9 +4,9 @@
     python -m bench.gpu_bundle receive  [--bundle build/gpu-bundle]            # on the GPU host, per call
     python -m bench.gpu_bundle install  [--bundle build/gpu-bundle] [--dali]   # on the GPU host
 
-The GPU host (docs/gpu.md) has a system `python3` with torch, numpy, h5py, fsspec, xxhash, pillow,
-opencv, lightning and accelerate, and no network; each call to it carries the working tree plus at
-most 64 MiB of ignored files. `build` (here, with network) downloads:
+The GPU host (docs/gpu.md) has a `python3` (itself a virtual environment) with torch, numpy, h5py,
+fsspec, xxhash, pillow, opencv, lightning, accelerate, pytest and hypothesis, and no network; each
+call to it carries the working tree plus ignored files, at most 64 MiB in all. `build` (here, with network) downloads:
 
 - `wheels/`: the runtime and test dependencies the host lacks (`CORE_WHEELS`, every one pinned and
   listed with its dependencies, downloaded `--no-deps` for the host's Python and platform), plus the
@@ -18,10 +18,11 @@ most 64 MiB of ignored files. `build` (here, with network) downloads:
 
 On the host, `receive` checks the parts a call carried against the manifest and moves them to a
 stash outside the working tree (kept while the machine stays warm); `install` builds an environment
-over the system Python (`python3 -m venv --system-site-packages --without-pip`, so the host's torch
-stays), installs the wheels with `--no-index` from the bundle only, installs fastload editable (its
-C extensions built by the host's compiler) and, with `--dali`, assembles the parts (every sha256
-checked) and installs DALI. Nothing here needs more than the standard library.
+that sees every package of the host's `python3` (`environment`: the host's torch stays, and nothing
+of the host's own environment changes), installs the wheels with `--no-index` from the bundle
+only, installs fastload editable (its C extensions built by the host's compiler) and, with
+`--dali`, assembles the parts (every sha256 checked) and installs DALI. Only the standard library
+is needed to run this module.
 """
 
 from __future__ import annotations
@@ -414,17 +415,25 @@ def _run(cmd: Sequence[str], **kwargs: Any) -> None:
 
 
 def environment(env_dir: str, base_python: str) -> str:
-    """The Python to install into: `env_dir`, a venv over `base_python`'s packages (created once).
-    When `base_python` is itself a virtual environment, that one (a venv over it would not see its
-    packages)."""
-    probe = subprocess.run([base_python, "-c", "import sys; print(sys.prefix != sys.base_prefix)"],
-                           capture_output=True, text=True, check=True)
-    if probe.stdout.strip() == "True":
-        print(f"{base_python} is a virtual environment: installing into it")
-        return base_python
+    """The Python to install into: `env_dir`, a venv that sees every package of `base_python` (created
+    once; nothing of the host's own environment is changed). Over a system Python the venv's
+    `--system-site-packages` does that; where `base_python` is itself a virtual environment (the GPU
+    host's `python3` is), a `.pth` file adds that environment's site-packages after the venv's own."""
+    probe = subprocess.run(
+        [base_python, "-c", "import json, site, sys; print(json.dumps([sys.prefix != sys.base_prefix, "
+                            "site.getsitepackages()]))"],
+        capture_output=True, text=True, check=True)
+    in_venv, site_dirs = json.loads(probe.stdout)
     python = os.path.join(env_dir, "bin", "python")
     if not os.path.exists(python):
         _run([base_python, "-m", "venv", "--without-pip", "--system-site-packages", env_dir])
+    if in_venv:
+        purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        with open(os.path.join(purelib, "_fastload_host_site.pth"), "w") as fh:
+            fh.write("".join(f"import site; site.addsitedir({d!r})\n" for d in site_dirs))
+        print(f"{base_python} is a virtual environment: {env_dir} sees its packages through "
+              f"{purelib}/_fastload_host_site.pth")
     return python
 
 

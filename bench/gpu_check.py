@@ -8,7 +8,8 @@ GPU-only ones) and each row of `bench.gpu` (parity, H2D, overlap, normalize, pad
 train_step, DALI images). A row that fails, crashes or runs out of time is reported as such and the
 others still run; a row the budget no longer fits is reported as not run. It writes `report.md`
 (one table row per measurement: figure, same-run baseline, ratio, goal; then every CUDA test's
-result) and `report.json` under `--out`. Exit status 1 if a row or test failed.
+result), `report.json` and `logs.tar.gz` (every row's log) under `--out`, rewritten after each
+row. Exit status 1 if a row or test failed.
 
 Without CUDA every row is reported as not run ("no CUDA device"); `--rehearse` still starts each
 row's process (which imports all that the row needs) and collects the tests, so a missing package
@@ -24,6 +25,8 @@ import platform
 import re
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from typing import Any
@@ -190,12 +193,29 @@ def _device() -> tuple[bool, str]:
     return cuda_status()
 
 
+def _write(out: str, work: str, report: dict[str, Any]) -> None:
+    """report.json, report.md and logs.tar.gz (every row's log, JSON and the tests' JUnit XML) in `out`,
+    each replaced whole: three files, rewritten after every row so a run cut short keeps the rows done."""
+    rendered = {"report.json": json.dumps(report, indent=2) + "\n", "report.md": render_markdown(report)}
+    for name, text in rendered.items():
+        with open(os.path.join(out, name + ".tmp"), "w") as fh:
+            fh.write(text)
+        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+    with tarfile.open(os.path.join(out, "logs.tar.gz.tmp"), "w:gz") as tar:
+        for name in sorted(os.listdir(work)):
+            tar.add(os.path.join(work, name), arcname=f"gpu-check-logs/{name}")
+    os.replace(os.path.join(out, "logs.tar.gz.tmp"), os.path.join(out, "logs.tar.gz"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "build", "gpu-check"), help="report directory")
+    ap.add_argument("--out", default=os.path.join(ROOT, "build", "gpu-check"),
+                    help="report directory: report.md, report.json, logs.tar.gz")
+    ap.add_argument("--work", help="where each row's log and JSON are written (default: a new temporary folder)")
     ap.add_argument("--budget", type=float, default=480, help="seconds for all rows together (default 480)")
     ap.add_argument("--only", help=f"comma list of rows to run (default all: {','.join(ROW_CAPS)})")
     ap.add_argument("--quick", action="store_true", help="smaller batches and fewer rounds in every row")
+    ap.add_argument("--commit", help="the commit the tree is at, for the report (default: git rev-parse)")
     ap.add_argument("--rehearse", action="store_true",
                     help="without CUDA: still start every row (imports only) and collect the tests")
     args = ap.parse_args(argv)
@@ -206,52 +226,53 @@ def main(argv: list[str] | None = None) -> int:
     usable, device = _device()
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    work = os.path.abspath(args.work) if args.work else tempfile.mkdtemp(prefix="fastload-gpu-check-")
+    os.makedirs(work, exist_ok=True)
     py = sys.executable
     t_start = time.monotonic()
-    steps = []
+    report: dict[str, Any] = {
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device, "commit": args.commit or _commit(),
+        "machine": f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "budget": args.budget, "seconds": 0.0, "ok": True, "steps": []}
     for name in names:
-        if not usable and not args.rehearse:
-            steps.append(not_run(name, f"no CUDA device ({device})"))
-            continue
         left = args.budget - (time.monotonic() - t_start)
-        if left < MIN_ROW_SECONDS:
-            steps.append(not_run(name, f"time budget spent ({args.budget:.0f} s)"))
-            continue
-        timeout = min(ROW_CAPS[name], left)
-        if name == "cuda-tests":
-            junit = os.path.join(out, "pytest.xml")
-            pytest_args = ["-q", "-rs", "-p", "no:cacheprovider", "--timeout=120", *CUDA_TEST_FILES,
-                           f"--junitxml={junit}"]
-            if not usable:
-                pytest_args = ["-q", "-p", "no:cacheprovider", "--collect-only", *CUDA_TEST_FILES]
-            row = run_step(name, [py, "-m", "pytest", *pytest_args], out_dir=out, junit=junit if usable else None,
-                           timeout=timeout)
-            if not usable:
-                collected = re.findall(r"(\d+) tests? collected", "\n".join(row["tail"]))
-                what = f"{collected[-1]} tests collected" if collected and row["rc"] == 0 else "collection FAILED"
-                row["status"] = f"not run: no CUDA device ({what})" if row["rc"] == 0 else row["status"]
+        if not usable and not args.rehearse:
+            row = not_run(name, f"no CUDA device ({device})")
+        elif left < MIN_ROW_SECONDS:
+            row = not_run(name, f"time budget spent ({args.budget:.0f} s)")
+        elif name == "cuda-tests":
+            row = _tests_row(py, work, usable, timeout=min(ROW_CAPS[name], left))
         else:
-            result_json = os.path.join(out, f"{name}.json")
+            result_json = os.path.join(work, f"{name}.json")
             if os.path.exists(result_json):
                 os.remove(result_json)
             row = run_step(name, [py, "-m", "bench.gpu", "--row", name, "--json", result_json,
-                                  *(["--quick"] if args.quick else [])], out_dir=out, result_json=result_json,
-                           timeout=timeout)
-        steps.append(row)
-    report = {"created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": device, "commit": _commit(),
-              "machine": f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-              "budget": args.budget, "seconds": time.monotonic() - t_start,
-              "ok": all(s["ok"] for s in steps), "steps": steps}
-    with open(os.path.join(out, "report.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
-        fh.write("\n")
-    with open(os.path.join(out, "report.md"), "w") as fh:
-        fh.write(render_markdown(report))
+                                  *(["--quick"] if args.quick else [])], out_dir=work, result_json=result_json,
+                           timeout=min(ROW_CAPS[name], left))
+        report["steps"].append(row)
+        report["seconds"] = time.monotonic() - t_start
+        report["ok"] = all(s["ok"] for s in report["steps"])
+        _write(out, work, report)
     if not usable:
         print(f"gpu-check: no CUDA device ({device}); every row reported as not run")
     print(f"\ngpu-check: {'no failures' if report['ok'] else 'FAILURES'}; report: {out}/report.md "
-          f"and {out}/report.json")
+          f"(and report.json, logs.tar.gz); row logs in {work}")
     return 0 if report["ok"] else 1
+
+
+def _tests_row(py: str, work: str, usable: bool, *, timeout: float) -> dict[str, Any]:
+    """Every test in CUDA_TEST_FILES; without CUDA, only collected (what a missing package would break)."""
+    junit = os.path.join(work, "pytest.xml")
+    if not usable:
+        row = run_step("cuda-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                                      *CUDA_TEST_FILES], out_dir=work, timeout=timeout)
+        collected = re.findall(r"(\d+) tests? collected", "\n".join(row["tail"]))
+        if row["rc"] == 0 and collected:
+            row["status"] = f"not run: no CUDA device ({collected[-1]} tests collected)"
+        return row
+    return run_step("cuda-tests", [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--timeout=120",
+                                   *CUDA_TEST_FILES, f"--junitxml={junit}"], out_dir=work, junit=junit,
+                    timeout=timeout)
 
 
 if __name__ == "__main__":
