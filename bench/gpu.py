@@ -352,7 +352,7 @@ def row_overlap(quick: bool) -> Row:
     steps, warmup = (20, 3) if quick else (40, 5)
     step = _matmul_step(0.1)
     with tempfile.TemporaryDirectory(prefix="fastload-overlap-") as tmp:
-        n = write_dataset(tmp, size=(96 if quick else 384) << 20, shape=(3, 224, 224))
+        n = write_dataset(tmp, size=(192 if quick else 1024) << 20, shape=(3, 224, 224))
         ds = open_dataset(tmp)
         x = torch.randint(0, 256, (batch_size, 3, 224, 224), dtype=torch.uint8, device="cuda")
         step(x).item()

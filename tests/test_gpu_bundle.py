@@ -7,13 +7,15 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import zipfile
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.gpu_bundle import MANIFEST, ManifestError, assemble, pack_dali, receive, split_file
+from bench.gpu_bundle import MANIFEST, ManifestError, assemble, environment, pack_dali, receive, split_file
 
 
 def _wheel(path, files: dict[str, bytes]) -> str:
@@ -136,3 +138,23 @@ def test_split_file_parts_concatenate_to_the_file(tmp_path_factory, data, part_b
     assert all(p.size <= part_bytes for p in parts)
     assert [p.sha256 for p in parts] == [hashlib.sha256((tmp / "parts" / p.name).read_bytes()).hexdigest()
                                          for p in parts]
+
+
+def test_the_environment_over_a_virtual_environment_sees_its_packages(tmp_path):
+    """The GPU host's python3 is itself a venv: the env made over it imports that venv's packages (a
+    .pth file), and nothing is written into the host's venv."""
+    host = tmp_path / "host"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(host)], check=True, timeout=120)
+    host_python = host / "bin" / "python"
+    host_site = subprocess.run([str(host_python), "-c", "import site; print(site.getsitepackages()[0])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(host_site, "only_on_the_host.py"), "w") as fh:
+        fh.write("VALUE = 42\n")
+    before = sorted(os.listdir(host_site))
+    python = environment(str(tmp_path / "env"), str(host_python))
+    assert python == str(tmp_path / "env" / "bin" / "python")
+    res = subprocess.run([python, "-c", "import sys, only_on_the_host; print(only_on_the_host.VALUE, sys.prefix)"],
+                         capture_output=True, text=True, check=True)
+    assert res.stdout.split() == ["42", str(tmp_path / "env")]
+    assert sorted(os.listdir(host_site)) == before
+    assert environment(str(tmp_path / "env"), str(host_python)) == python  # made once, reused
