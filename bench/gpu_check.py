@@ -80,6 +80,23 @@ def _junit(path: str) -> dict[str, Any]:
             "failed_tests": failed, "skip_reasons": skipped, "cases": cases}
 
 
+_VERBOSE_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b(?: \((.*)\))?", re.M)
+_OUTCOMES = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped",
+             "XFAIL": "skipped"}
+
+
+def _verbose_outcomes(output: str) -> dict[str, Any]:
+    """The `_junit` summary from `pytest -v` output lines (`path::test PASSED`), for a run that never
+    finished; the tests it did not reach are not listed."""
+    cases = [{"test": m[1], "outcome": _OUTCOMES[m[2]], "reason": m[3] or ""} for m in _VERBOSE_LINE.finditer(output)]
+    count = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
+    failed = [c["test"] for c in cases if c["outcome"] in ("failure", "error")]
+    return {"tests": len(cases), "passed": count["passed"], "failures": count["failure"], "errors": count["error"],
+            "skipped": count["skipped"], "failed_tests": failed,
+            "skip_reasons": sorted({c["reason"] for c in cases if c["outcome"] == "skipped" and c["reason"]}),
+            "cases": cases}
+
+
 def run_step(name: str, cmd: list[str], *, out_dir: str, junit: str | None = None, result_json: str | None = None,
              timeout: float = 3600) -> dict[str, Any]:
     """Run one row's command, its output kept in `<out_dir>/<name>.log`; returns its report row.
@@ -88,7 +105,8 @@ def run_step(name: str, cmd: list[str], *, out_dir: str, junit: str | None = Non
     print(f"== {name}: {' '.join(cmd)} (at most {timeout:.0f} s)", flush=True)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})  # a run cut short keeps what it printed
         rc, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -104,6 +122,8 @@ def run_step(name: str, cmd: list[str], *, out_dir: str, junit: str | None = Non
     row["status"] = "ok" if rc == 0 else ("FAILED: timed out" if rc == 124 else f"FAILED (exit {rc})")
     if junit and os.path.exists(junit):
         row["pytest"] = _junit(junit)
+    elif junit:  # cut short before pytest wrote its XML: the outcomes it printed so far (-v)
+        row["pytest"] = _verbose_outcomes(output)
     if result_json and os.path.exists(result_json):
         with open(result_json) as fh:
             result = json.load(fh)
@@ -270,7 +290,7 @@ def _tests_row(py: str, work: str, usable: bool, *, timeout: float) -> dict[str,
         if row["rc"] == 0 and collected:
             row["status"] = f"not run: no CUDA device ({collected[-1]} tests collected)"
         return row
-    return run_step("cuda-tests", [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--timeout=120",
+    return run_step("cuda-tests", [py, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "--timeout=120",
                                    *CUDA_TEST_FILES, f"--junitxml={junit}"], out_dir=work, junit=junit,
                     timeout=timeout)
 

@@ -97,3 +97,24 @@ def test_report_rows_from_steps(tmp_path):
     assert "| `test_fake::test_bad` | failure" in md and "| `test_fake::test_skip` | skipped: needs a thing |" in md
     json.dumps(report)  # the JSON report holds plain values only
     assert (tmp_path / "cuda-tests.log").read_text()
+
+
+def test_tests_cut_short_keep_the_outcomes_printed_so_far(tmp_path):
+    tests = tmp_path / "test_slow.py"
+    tests.write_text(
+        "import time, pytest\n"
+        "def test_ok(): pass\n"
+        "@pytest.mark.skip(reason='needs a thing')\n"
+        "def test_skip(): pass\n"
+        "def test_bad(): assert 0\n"
+        "def test_hangs(): time.sleep(120)\n"
+    )
+    junit = tmp_path / "never.xml"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tests), f"--rootdir={tmp_path}",
+           f"--junitxml={junit}"]
+    row = run_step("cuda-tests", cmd, out_dir=str(tmp_path), junit=str(junit), timeout=10)
+    assert row["rc"] == 124 and row["status"] == "FAILED: timed out" and not junit.exists()
+    p = row["pytest"]  # -v prints no skip reason per test (the -rs summary never came)
+    assert [(c["test"].split("::")[-1], c["outcome"]) for c in p["cases"]] == [
+        ("test_ok", "passed"), ("test_skip", "skipped"), ("test_bad", "failure")]
+    assert (p["passed"], p["failures"], p["skipped"], p["failed_tests"][0].split("::")[-1]) == (1, 1, 1, "test_bad")
