@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "gpu-check"),
                     help="report directory: report.md, report.json, logs.tar.gz")
-    ap.add_argument("--work", help="where each row's log and JSON are written (default: a new temporary folder)")
+    ap.add_argument("--work", help="where each row's log and JSON are written and kept (default: a temporary "
+                                   "folder, removed at the end: logs.tar.gz holds them)")
     ap.add_argument("--budget", type=float, default=480, help="seconds for all rows together (default 480)")
     ap.add_argument("--only", help=f"comma list of rows to run (default all: {','.join(ROW_CAPS)})")
     ap.add_argument("--quick", action="store_true", help="smaller batches and fewer rounds in every row")
@@ -273,10 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         report["seconds"] = time.monotonic() - t_start
         report["ok"] = all(s["ok"] for s in report["steps"])
         _write(out, work, report)
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
     if not usable:
         print(f"gpu-check: no CUDA device ({device}); every row reported as not run")
     print(f"\ngpu-check: {'no failures' if report['ok'] else 'FAILURES'}; report: {out}/report.md "
-          f"(and report.json, logs.tar.gz); row logs in {work}")
+          f"(and report.json; every row's log in logs.tar.gz)")
     return 0 if report["ok"] else 1
 
 
