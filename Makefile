@@ -12,7 +12,7 @@ TYPED := __init__ loader dataset validate stats bucketing text_collate shard_shu
 	formats/lmdb_dataset formats/hdf5_dataset formats/sources formats/verify \
 	vision/__init__ vision/preset vision/indexed vision/params cuda_ops/__init__ benchmark/__init__
 
-.PHONY: demo test install lint typecheck docs gpu-check examples clean
+.PHONY: demo test install lint typecheck docs gpu-bundle gpu-install gpu-check examples clean
 
 $(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,8 +61,19 @@ docs: $(STAMP)
 examples: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m examples tests
 
-gpu-check: $(STAMP)
-	$(PY) -m bench.gpu_check
+# The GPU run (docs/gpu.md). Here, with network: the wheels and DALI parts a GPU host without network needs.
+gpu-bundle:
+	$(PYTHON) -m bench.gpu_bundle build $(GPU_BUNDLE_ARGS)
+
+# On the GPU host, with its system python3 (its torch stays): install from build/gpu-bundle only.
+gpu-install:
+	python3 -m bench.gpu_bundle install $(GPU_INSTALL_ARGS)
+
+# The environment gpu-install made, else the system python3; no venv of ours, no torch install.
+GPU_PYTHON ?= $(if $(wildcard build/gpu-env/bin/python),build/gpu-env/bin/python,python3)
+GPU_OUT    ?= build/gpu-check
+gpu-check:
+	$(GPU_PYTHON) -m bench.gpu_check --out $(GPU_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build site $(DEMO_OUT) *.egg-info fastload/vision/*.so

@@ -1,34 +1,50 @@
-"""fastload.cuda_ops on a GPU: parity checks, then throughput tables. `python -m bench.gpu [--quick]`.
+"""The GPU measurements, one row each: `python -m bench.gpu [--quick] [--row NAME --json PATH]`.
 
-On a CUDA machine, in one run:
-- parity: every kernel vs its torch reference on random inputs (exit 1 on any mismatch);
-- normalize_batch (uint8 NHWC -> fp16/bf16/fp32 NCHW, random flips): fused kernel vs a plain
-  device-to-device copy moving the same bytes (its % is the share of usable memory bandwidth) and
-  vs the unfused torch sequence (float cast, permute, sub, div, flip, cast);
-- pad_ragged: kernel vs a torch loop (split + pad_sequence), nested tensors and the vectorized
-  torch reference;
-- images (with DALI): the eval / train presets through DALI's mixed decoder (nvJPEG ROI decode,
-  fp16 NCHW on the GPU) vs the CPU backend feeding the same device (CPU decode, pinned copy,
-  normalise on the GPU), on bench.vision's 500x375 JPEGs, in paired rounds; and their mean
-  absolute difference (0..255 units).
-Without CUDA it says so, times the CPU references on a tiny batch and exits 0.
+Each row (`ROWS`) is a figure against a baseline measured in the same run, their ratio and the
+goal it is held to; `make gpu-check` runs each in its own process (a CUDA fault in one row cannot
+take the others down) and collects the JSON:
+- parity: every kernel vs its torch reference on random inputs;
+- h2d: the Loader's path (pack into the pinned `BufferRing`, copy on a side stream) vs
+  `tensor.pin_memory().to('cuda', non_blocking=True)`, from the same pageable batches;
+- overlap: data stall of a matmul "training step" (~100 ms) fed by `Loader(device='cuda')`, vs
+  torch's DataLoader with `pin_memory=True`;
+- normalize: fused normalize/flip/layout/cast vs a device-to-device copy of the same bytes (the
+  share of usable memory bandwidth) and vs the unfused torch ops;
+- pad_ragged: the kernel vs split + `pad_sequence` (and nested tensors, the vectorized reference);
+- train_step: bench.train_step's small CNN, fastload.Loader vs torch DataLoader;
+- images (with DALI): the presets through DALI's mixed decoder (nvJPEG ROI) vs DALI's own
+  `fn.readers.file` pipeline and the CPU preset feeding the GPU, on the same JPEGs.
+Without CUDA a row reports "not run: no CUDA device"; with no --row, the CPU references are timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
+from bench.train_step import train, write_dataset
+from bench.vision import SETS, batches_of, make_jpegs, preset_pass
 from fastload import cuda_ops
-from fastload.vision import IMAGENET_STD
+from fastload.dataset import open_dataset
+from fastload.device import DeviceStage
+from fastload.loader import Loader
+from fastload.pinned import BufferRing
+from fastload.system import usable_cores
+from fastload.vision import IMAGENET_MEAN, IMAGENET_STD, ImagePreset, dali_available
 
-__all__ = ["main"]
+__all__ = ["ROWS", "Row", "main", "run_row"]
 
 
 def _gpu_time(fn: Callable[[], object], *, iters: int, warmup: int = 3) -> float:
@@ -125,12 +141,14 @@ def parity() -> list[str]:
 # ----------------------------------------------------------------------------- benchmarks
 
 
-def bench_normalize(batch: int, size: int, iters: int) -> None:
+def bench_normalize(batch: int, size: int, iters: int) -> list[dict[str, Any]]:
+    """Fused normalize vs a D2D copy of the same bytes and the unfused torch ops; prints the table and
+    returns one dict per dtype x layout (GB/s, share of the copy's bandwidth, speedup over unfused)."""
     img = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device="cuda")
     flip = torch.rand(batch, device="cuda") < 0.5
     mean = torch.tensor(cuda_ops.IMAGENET_MEAN, device="cuda")
     std = torch.tensor(cuda_ops.IMAGENET_STD, device="cuda")
-    rows = []
+    results: list[dict[str, Any]] = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         moved = img.numel() * (1 + torch.empty(0, dtype=dtype).element_size())  # bytes read + written
         src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
@@ -147,51 +165,32 @@ def bench_normalize(batch: int, size: int, iters: int) -> None:
         for layout in ("NCHW", "NHWC"):
             t_fused = _gpu_time(
                 lambda layout=layout, dtype=dtype: cuda_ops.normalize_batch(
-                    img,
-                    mean=cuda_ops.IMAGENET_MEAN,
-                    std=cuda_ops.IMAGENET_STD,
-                    flip=flip,
-                    layout=layout,
+                    img, mean=cuda_ops.IMAGENET_MEAN, std=cuda_ops.IMAGENET_STD, flip=flip, layout=layout,
                     dtype=dtype,
                 ),
                 iters=iters,
             )
-            rows.append(
-                [
-                    str(dtype).removeprefix("torch."),
-                    layout,
-                    f"{t_fused * 1e3:.3f}",
-                    f"{moved / t_fused / 1e9:.0f}",
-                    f"{t_copy * 1e3:.3f}",
-                    f"{100 * t_copy / t_fused:.0f}%",
-                    f"{t_unfused * 1e3:.3f}",
-                    f"{t_unfused / t_fused:.1f}x",
-                    f"{batch * 1e-3 / t_fused:.0f}",
-                ]
-            )
+            results.append({"dtype": str(dtype).removeprefix("torch."), "layout": layout, "fused_ms": 1e3 * t_fused,
+                            "gbs": moved / t_fused / 1e9, "copy_ms": 1e3 * t_copy, "copy_gbs": moved / t_copy / 1e9,
+                            "of_copy": t_copy / t_fused, "unfused_ms": 1e3 * t_unfused,
+                            "vs_unfused": t_unfused / t_fused, "k_img_s": batch * 1e-3 / t_fused})
     _table(
         f"normalize_batch: {batch} x {size}x{size}x3 uint8, random flips (copy = D2D copy of the same bytes)",
-        [
-            "dtype",
-            "layout",
-            "fused ms",
-            "GB/s",
-            "copy ms",
-            "% of copy",
-            "unfused ms",
-            "speedup",
-            "k img/s",
-        ],
-        rows,
+        ["dtype", "layout", "fused ms", "GB/s", "copy ms", "% of copy", "unfused ms", "speedup", "k img/s"],
+        [[r["dtype"], r["layout"], f"{r['fused_ms']:.3f}", f"{r['gbs']:.0f}", f"{r['copy_ms']:.3f}",
+          f"{100 * r['of_copy']:.0f}%", f"{r['unfused_ms']:.3f}", f"{r['vs_unfused']:.1f}x", f"{r['k_img_s']:.0f}"]
+         for r in results],
     )
+    return results
 
 
-def bench_pad_ragged(batch: int, max_tokens: int, iters: int) -> None:
+def bench_pad_ragged(batch: int, max_tokens: int, iters: int) -> dict[str, float]:
+    """pad_ragged vs the torch ways of padding the same batch; prints the table, returns seconds per method."""
     values, offsets = _ragged(batch, max_tokens, 1, "cuda")
     lengths = (offsets[1:] - offsets[:-1]).tolist()
     total = int(offsets[-1])
 
-    def loop() -> torch.Tensor:
+    def loop() -> tuple[torch.Tensor, torch.Tensor]:
         rows = list(torch.split(values, lengths))
         padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r, dtype=torch.int64) for r in rows], batch_first=True)
@@ -202,74 +201,320 @@ def bench_pad_ragged(batch: int, max_tokens: int, iters: int) -> None:
         return nt.to_padded_tensor(0)
 
     cases = [
-        (
-            "pad_ragged kernel",
-            lambda: cuda_ops.pad_ragged(values, offsets, pad_to_multiple_of=8),
-        ),
-        (
-            "pad_ragged + labels",
-            lambda: cuda_ops.pad_ragged(values, offsets, pad_to_multiple_of=8, labels_pad_value=-100),
-        ),
-        (
-            "torch reference (vectorized)",
-            lambda: cuda_ops.pad_ragged_reference(values, offsets, pad_to_multiple_of=8),
-        ),
+        ("pad_ragged kernel", lambda: cuda_ops.pad_ragged(values, offsets, pad_to_multiple_of=8)),
+        ("pad_ragged + labels",
+         lambda: cuda_ops.pad_ragged(values, offsets, pad_to_multiple_of=8, labels_pad_value=-100)),
+        ("torch reference (vectorized)", lambda: cuda_ops.pad_ragged_reference(values, offsets, pad_to_multiple_of=8)),
         ("split + pad_sequence loop", loop),
         ("nested_tensor.to_padded_tensor", nested),
     ]
-    timings = []
+    timings: dict[str, float] = {}
     for name, fn in cases:
         try:
-            timings.append((name, _gpu_time(fn, iters=iters)))
+            timings[name] = _gpu_time(fn, iters=iters)
         except (RuntimeError, NotImplementedError) as exc:
             print(f"  ({name} skipped: {exc})")
-    base = timings[0][1]
-    rows = [[name, f"{t * 1e3:.3f}", f"{total / t / 1e9:.2f}", f"{t / base:.1f}x"] for name, t in timings]
+    base = timings["pad_ragged kernel"]
     _table(
         f"pad_ragged: B={batch}, lengths uniform 0..{max_tokens}, {total} int32 tokens (CPU offsets)",
         ["method", "ms", "G tokens/s", "time vs kernel"],
-        rows,
+        [[name, f"{t * 1e3:.3f}", f"{total / t / 1e9:.2f}", f"{t / base:.1f}x"] for name, t in timings.items()],
     )
+    return timings
 
 
-def bench_images(size: int, quick: bool) -> None:
-    """Image presets on the GPU: DALI mixed (nvJPEG ROI decode) vs the CPU backend + GPU
-    normalise, images/s in paired rounds (median, min-max), and their pixel agreement."""
-    from bench.vision import SETS, batches_of, make_jpegs, preset_pass
-    from fastload.system import usable_cores
-    from fastload.vision import ImagePreset, dali_available
+# ----------------------------------------------------------------------------- rows
 
+
+@dataclass
+class Row:
+    """One measurement of `make gpu-check`: a figure, its same-run baseline, their ratio and the goal."""
+
+    row: str
+    status: str = "ok"  # "ok", "FAILED: <why>" or "not run: <why>"
+    value: float | None = None
+    unit: str = ""
+    baseline: str = ""
+    baseline_value: float | None = None
+    ratio: float | None = None
+    goal: str = ""
+    met: bool | None = None
+    details: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _median_rate(fn: Callable[[], float], rounds: int) -> float:
+    """Median of `rounds` calls of `fn` (each returns a rate)."""
+    return float(np.median([fn() for _ in range(rounds)]))
+
+
+def row_parity(quick: bool) -> Row:
+    """Every kernel against its torch reference on random inputs."""
+    failures = parity()
+    return Row("parity", value=len(failures), unit="mismatches", goal="0 (normalize within 1 ulp, pad_ragged exact)",
+               met=not failures, status="ok" if not failures else f"FAILED: {len(failures)} mismatches",
+               details=failures[:20])
+
+
+def row_h2d(quick: bool) -> Row:
+    """Host-to-device bandwidth of the Loader's path (pack into the pinned ring, copy on a side stream)
+    against torch's `pin_memory().to(device, non_blocking=True)`, both from the same pageable batches."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    mib = 16 if quick else 64
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"image": torch.randint(0, 256, (mib, 1 << 20), dtype=torch.uint8, generator=gen),
+                "label": torch.arange(256, dtype=torch.int64)} for _ in range(4)]
+    nbytes = sum(t.numel() * t.element_size() for t in batches[0].values())
+    ring, stage = BufferRing(3, pin=True, device_index=device.index), DeviceStage(device)
+    passes = 2 if quick else 4
+
+    def ring_rate() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            for batch in batches:
+                views, slot = ring.write(batch)
+                out, event = stage.start(views)
+                del views
+                if slot is not None:
+                    ring.release(slot, event)
+                stage.finish(out, event)
+        torch.cuda.synchronize()
+        return passes * len(batches) * nbytes / (time.perf_counter() - t0)
+
+    def torch_rate() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            for batch in batches:
+                {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+        torch.cuda.synchronize()
+        return passes * len(batches) * nbytes / (time.perf_counter() - t0)
+
+    pinned = batches[0]["image"].pin_memory()
+    copy_gbs = nbytes / _gpu_time(lambda: pinned.to(device, non_blocking=True), iters=10) / 1e9
+    ring_rate(), torch_rate()  # warm-up: ring slots and torch's pinned cache allocated
+    rounds = 3 if quick else 5
+    ring_gbs = _median_rate(ring_rate, rounds) / 1e9
+    torch_gbs = _median_rate(torch_rate, rounds) / 1e9
+    return Row("h2d", value=ring_gbs, unit="GB/s", baseline="tensor.pin_memory().to('cuda', non_blocking=True)",
+               baseline_value=torch_gbs, ratio=ring_gbs / torch_gbs, goal=">= 0.9x", met=ring_gbs / torch_gbs >= 0.9,
+               details=[f"{nbytes / 2**20:.0f} MiB batches from pageable memory, median of {rounds} rounds",
+                        f"copy ceiling (already pinned, one tensor): {copy_gbs:.1f} GB/s",
+                        f"ring: {ring.allocations} pinned buffers allocated, {ring.retired} retired"])
+
+
+def _matmul_step(target_s: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A training-step stand-in: bf16 matmuls lasting about `target_s`, consuming the batch."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    per = _gpu_time(lambda: torch.mm(a, a, out=c), iters=10)
+    reps = max(1, round(target_s / per))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        s = x.float().mean()
+        for _ in range(reps):
+            torch.mm(a, a, out=c)
+        return s + c[0, 0].float()
+
+    return step
+
+
+def _stalled_run(loader: Any, step: Callable[[torch.Tensor], torch.Tensor], *, steps: int, warmup: int,
+                 compute_s: float) -> dict[str, float]:
+    """Steps fed by `loader`; data stall = wall time beyond `steps` x the compute-only step, over wall time."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    it = iter(loader)
+    waits, t_start = 0.0, 0.0
+    for k in range(warmup + steps):
+        if k == warmup:
+            torch.cuda.synchronize()
+            t_start, waits = time.perf_counter(), 0.0
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        waits += time.perf_counter() - t0
+        step(batch["record"].to(device, non_blocking=True)).item()  # .item(): a step's usual sync
+    wall = time.perf_counter() - t_start
+    return {"stall": max(0.0, wall - steps * compute_s) / wall, "host_wait": waits / wall,
+            "samples_per_s": steps * int(batch["label"].shape[0]) / wall, "step_ms": 1e3 * wall / steps}
+
+
+def row_overlap(quick: bool) -> Row:
+    """Data stall of a synthetic training step fed by `Loader(device='cuda')` vs torch's DataLoader
+    with `pin_memory=True` (the batch copied with `non_blocking=True` on the compute stream)."""
+    batch_size, workers = 256, 4
+    steps, warmup = (20, 3) if quick else (40, 5)
+    step = _matmul_step(0.1)
+    with tempfile.TemporaryDirectory(prefix="fastload-overlap-") as tmp:
+        n = write_dataset(tmp, size=(192 if quick else 1024) << 20, shape=(3, 224, 224))
+        ds = open_dataset(tmp)
+        x = torch.randint(0, 256, (batch_size, 3, 224, 224), dtype=torch.uint8, device="cuda")
+        step(x).item()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            step(x).item()
+        compute_s = (time.perf_counter() - t0) / 5
+        fl = Loader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, device="cuda",
+                    persistent_workers=True, drop_last=True)
+        tl = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, pin_memory=True,
+                        persistent_workers=True, drop_last=True)
+        try:
+            ours = _stalled_run(fl, step, steps=steps, warmup=warmup, compute_s=compute_s)
+            theirs = _stalled_run(tl, step, steps=steps, warmup=warmup, compute_s=compute_s)
+        finally:
+            fl.close()
+            del tl
+    mb = batch_size * 3 * 224 * 224 / 1e6
+    return Row("overlap", value=100 * ours["stall"], unit="% data stall",
+               baseline="torch DataLoader(pin_memory=True), samples/s", baseline_value=theirs["samples_per_s"],
+               ratio=ours["samples_per_s"] / theirs["samples_per_s"], goal="stall < 1% of step time",
+               met=ours["stall"] < 0.01,
+               details=[f"{n} samples uint8 3x224x224, batch {batch_size} ({mb:.0f} MB), {workers} workers, "
+                        f"{steps} steps after {warmup}; compute-only step {1e3 * compute_s:.1f} ms (bf16 matmuls)",
+                        *(f"{name}: step {r['step_ms']:.1f} ms, stall {100 * r['stall']:.2f}%, host wait "
+                          f"{100 * r['host_wait']:.2f}%, {r['samples_per_s']:,.0f} samples/s"
+                          for name, r in (("fastload Loader(device='cuda')", ours),
+                                          ("torch DataLoader(pin_memory=True)", theirs)))])
+
+
+def row_normalize(quick: bool, size: int = 224) -> Row:
+    """Fused normalize/flip/layout/cast: its bandwidth as a share of a D2D copy of the same bytes."""
+    rows = bench_normalize(64 if quick else 256, size, 5 if quick else 20)
+    worst = min(rows, key=lambda r: r["of_copy"])
+    return Row("normalize", value=worst["gbs"], unit="GB/s (slowest dtype/layout)",
+               baseline="device-to-device copy of the same bytes, GB/s", baseline_value=worst["copy_gbs"],
+               ratio=worst["of_copy"], goal=">= 0.70x", met=worst["of_copy"] >= 0.70,
+               details=[f"{r['dtype']} {r['layout']}: {r['gbs']:.0f} GB/s = {100 * r['of_copy']:.0f}% of copy, "
+                        f"{r['vs_unfused']:.1f}x the unfused torch ops" for r in rows])
+
+
+def row_pad_ragged(quick: bool) -> Row:
+    """pad_ragged kernel against split + torch.nn.utils.rnn.pad_sequence on the GPU."""
+    timings = bench_pad_ragged(64 if quick else 256, 2048, 5 if quick else 20)
+    kernel, loop = timings["pad_ragged kernel"], timings["split + pad_sequence loop"]
+    return Row("pad_ragged", value=1e3 * kernel, unit="ms per batch", baseline="split + pad_sequence, ms",
+               baseline_value=1e3 * loop, ratio=loop / kernel, goal="faster than pad_sequence (ratio > 1x)",
+               met=loop > kernel, details=[f"{name}: {1e3 * t:.3f} ms" for name, t in timings.items()])
+
+
+def row_train_step(quick: bool) -> Row:
+    """bench.train_step's small CNN on the GPU: fastload.Loader vs torch DataLoader, both pin_memory=True."""
+    device = torch.device("cuda")
+    steps = 30 if quick else 100
+    with tempfile.TemporaryDirectory(prefix="fastload-train-") as tmp:
+        write_dataset(tmp, size=(16 if quick else 64) << 20)
+        ds = open_dataset(tmp)
+        fl = Loader(ds, batch_size=128, shuffle=True, num_workers=2, pin_memory=True)
+        ours = train(fl, steps=steps, warmup=10, device=device)
+        fl.close()
+        theirs = train(DataLoader(ds, batch_size=128, shuffle=True, num_workers=2, pin_memory=True),
+                       steps=steps, warmup=10, device=device)
+    return Row("train_step", value=ours["samples_per_s"], unit="samples/s",
+               baseline="torch DataLoader(pin_memory=True), samples/s", baseline_value=theirs["samples_per_s"],
+               ratio=ours["samples_per_s"] / theirs["samples_per_s"], goal="", met=None,
+               details=[f"{name}: step {r['step_ms']:.1f} ms, data stall {100 * r['data_stall']:.1f}%"
+                        for name, r in (("fastload", ours), ("torch", theirs))])
+
+
+def _dali_reader_pass(root: str, *, kind: str, size: int, batch: int, threads: int) -> Callable[[], int]:
+    """DALI's own pipeline on the same JPEGs: fn.readers.file -> mixed decode -> resize -> normalize."""
+    from nvidia.dali import fn, pipeline_def, types
+
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=torch.cuda.current_device())
+    def pipe() -> Any:
+        jpegs, labels = fn.readers.file(file_root=root, name="reader")
+        if kind == "train":
+            images = fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB)
+            images = fn.resize(images, size=(size, size))
+            mirror: Any = fn.random.coin_flip()
+        else:
+            images = fn.decoders.image(jpegs, device="mixed", output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=round(size * 256 / 224))
+            mirror = 0
+        out = fn.crop_mirror_normalize(images, dtype=types.FLOAT16, output_layout="CHW", crop=(size, size),
+                                       mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD), mirror=mirror)
+        return out, labels
+
+    p = pipe()
+    p.build()
+    per_epoch = max(1, p.epoch_size("reader") // batch)
+
+    def one_pass() -> int:
+        for _ in range(per_epoch):
+            p.run()
+        return per_epoch * batch
+
+    return one_pass
+
+
+def row_images(quick: bool, size: int = 224) -> Row:
+    """The image presets through DALI's mixed decoder (nvJPEG ROI) against DALI's own fn.readers.file
+    pipeline and the CPU preset feeding the GPU, images/s on the same JPEGs."""
     if not dali_available():
-        print("\nimages: NVIDIA DALI not installed (pip install 'fastload[dali]'): image rows skipped")
-        return
+        return Row("images", status="not run: NVIDIA DALI is not installed (its bundle parts were not carried)")
     n = 64 if quick else 256
-    batches = batches_of(make_jpegs(n, **SETS["500x375"]), 64)
-    cores = usable_cores()
-    rows, passes = [], {}
-    for kind in ("eval", "train"):
-        mixed = ImagePreset(kind=kind, size=size, backend="dali", device="cuda", threads=cores)
-        cpu = ImagePreset(kind=kind, size=size, backend="cpu", device="cuda", threads=cores)
-        a, b = mixed(batches[0])["image"].float(), cpu(batches[0])["image"].float()
-        std = torch.tensor(IMAGENET_STD, device=a.device).reshape(1, 3, 1, 1)
-        diff = ((a - b) * std).abs().mean().item()
-        passes[f"{kind}: dali-mixed (nvJPEG ROI)"] = preset_pass(mixed, batches)
-        passes[f"{kind}: cpu backend -> cuda"] = preset_pass(cpu, batches)
-        rows.append([f"{kind} mean |mixed - cpu| (0..255)", f"{diff:.2f}", ""])
-    rates: dict[str, list[float]] = {k: [] for k in passes}
-    for _ in range(2 if quick else 4):
-        for label, fn in passes.items():
-            t0, k = time.perf_counter(), 0
-            while time.perf_counter() - t0 < 0.5:
-                k += fn()
-            rates[label].append(k / (time.perf_counter() - t0))
-    for label, r in rates.items():
-        x = np.array(r)
-        rows.append([label, f"{np.median(x):.0f}", f"{x.min():.0f}-{x.max():.0f}"])
-    _table(
-        f"image presets, {n} JPEGs 500x375 q90, batch 64, {size}x{size} fp16 NCHW on the GPU, {cores} CPU threads",
-        ["row", "img/s median (or value)", "min-max"],
-        rows,
-    )
+    jpegs = make_jpegs(n, **SETS["500x375"])
+    batches, cores = batches_of(jpegs, 64), usable_cores()
+    rates: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="fastload-dali-") as tmp:
+        os.makedirs(os.path.join(tmp, "0"))
+        for i, data in enumerate(jpegs):
+            with open(os.path.join(tmp, "0", f"{i:05d}.jpg"), "wb") as fh:
+                fh.write(data)
+        passes: dict[str, Callable[[], int]] = {}
+        for kind in ("eval", "train"):
+            passes[f"{kind} fastload dali-mixed"] = preset_pass(
+                ImagePreset(kind=kind, size=size, backend="dali", device="cuda", threads=cores), batches)
+            passes[f"{kind} DALI fn.readers.file"] = _dali_reader_pass(tmp, kind=kind, size=size, batch=64,
+                                                                       threads=cores)
+            passes[f"{kind} fastload cpu -> cuda"] = preset_pass(
+                ImagePreset(kind=kind, size=size, backend="cpu", device="cuda", threads=cores), batches)
+        for fn in passes.values():
+            fn()  # warm-up: pipelines built, decoders initialised
+        for _ in range(2 if quick else 4):
+            for label, fn in passes.items():
+                t0, k = time.perf_counter(), 0
+                while time.perf_counter() - t0 < 0.5:
+                    k += fn()
+                rates.setdefault(label, []).append(k / (time.perf_counter() - t0))
+    med = {label: float(np.median(r)) for label, r in rates.items()}
+    ours, dali = med["train fastload dali-mixed"], med["train DALI fn.readers.file"]
+    return Row("images", value=ours, unit="img/s (train preset, DALI mixed)", baseline="DALI fn.readers.file, img/s",
+               baseline_value=dali, ratio=ours / dali, goal="", met=None,
+               details=[f"{n} JPEGs 500x375 q90, batch 64, {size}x{size} fp16 NCHW, {cores} CPU threads"]
+               + [f"{label}: {v:,.0f} img/s ({v / med[label.split()[0] + ' DALI fn.readers.file']:.2f}x DALI reader)"
+                  for label, v in med.items()])
+
+
+ROWS: dict[str, Callable[[bool], Row]] = {
+    "parity": row_parity,
+    "h2d": row_h2d,
+    "overlap": row_overlap,
+    "normalize": row_normalize,
+    "pad_ragged": row_pad_ragged,
+    "train_step": row_train_step,
+    "images": row_images,
+}
+
+
+def run_row(name: str, quick: bool) -> Row:
+    """One row; without CUDA (after importing what the row needs) it is reported as not run."""
+    if not torch.cuda.is_available():
+        return Row(name, status="not run: no CUDA device")
+    os.environ["FASTLOAD_CUDA_OPS"] = "strict"  # a missing kernel backend is an error here, not a fallback
+    try:
+        return ROWS[name](quick)
+    except Exception as exc:  # noqa: BLE001 - a row's failure is its result, reported with the others
+        return Row(name, status=f"FAILED: {type(exc).__name__}: {exc}".splitlines()[0][:300],
+                   details=traceback.format_exc().strip().splitlines()[-12:])
 
 
 def cpu_only(iters: int) -> None:
@@ -296,24 +541,29 @@ def cpu_only(iters: int) -> None:
     )
 
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer iterations")
-    parser.add_argument(
-        "--batch",
-        type=int,
-        default=None,
-        help="images per normalize batch (default 256)",
-    )
-    parser.add_argument("--size", type=int, default=224, help="image height = width")
+    parser.add_argument("--row", choices=sorted(ROWS), help="run one row (default: all of them, in order)")
+    parser.add_argument("--json", help="with --row: write the row's result here")
     args = parser.parse_args(argv)
-    iters = 5 if args.quick else 20
+    if args.row:
+        row = run_row(args.row, args.quick)
+        print(f"{row.row}: {row.status}" + (f"; {row.value:.4g} {row.unit}" if row.value is not None else "")
+              + (f"; {row.ratio:.3g}x the baseline" if row.ratio is not None else ""))
+        for line in row.details:
+            print(f"  {line}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(row.to_json(), fh, indent=1)
+        return 1 if row.status.startswith("FAILED") else 0
     if not torch.cuda.is_available():
         print(
             "bench.gpu: no CUDA device visible; the fused kernels and the image rows need one. "
             "Timing the CPU references instead."
         )
-        cpu_only(iters)
+        cpu_only(5 if args.quick else 20)
         return 0
     os.environ["FASTLOAD_CUDA_OPS"] = "strict"  # a missing backend is an error here, not a silent fallback
     print(
@@ -322,17 +572,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     print(f"warmup (compile or load from cache): {cuda_ops.warmup()} in {time.perf_counter() - t0:.2f}s")
-    failures = parity()
-    print(
-        f"parity: {'PASS' if not failures else 'FAIL'} (normalize within 1 ulp of the output dtype; pad_ragged exact)"
-    )
-    for line in failures[:20]:
-        print(f"  {line}")
-    batch = args.batch or (64 if args.quick else 256)
-    bench_normalize(batch, args.size, iters)
-    bench_pad_ragged(64 if args.quick else 256, 2048, iters)
-    bench_images(args.size, args.quick)
-    return 1 if failures else 0
+    failed = False
+    for name in ROWS:
+        row = run_row(name, args.quick)
+        failed |= row.status.startswith("FAILED")
+        print(f"\n{name}: {row.status}; {row.value} {row.unit}; ratio {row.ratio} vs {row.baseline}; goal {row.goal}")
+        for line in row.details:
+            print(f"  {line}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -40,18 +40,22 @@ SHAPE = (3, 64, 64)
 SCHEMA = Schema((Field("record", "ndarray", np.dtype(np.uint8), SHAPE), Field("label", "scalar", np.dtype(np.int64))))
 
 
-def write_dataset(out_dir: str, *, size: int, classes: int = 100, seed: int = 0) -> int:
-    """About `size` bytes of random uint8 (3, 64, 64) records with labels; returns the sample count."""
-    n = max(256, size // int(np.prod(SHAPE)))
+def write_dataset(out_dir: str, *, size: int, classes: int = 100, seed: int = 0,
+                  shape: tuple[int, ...] = SHAPE) -> int:
+    """About `size` bytes of random uint8 `shape` records with labels; returns the sample count."""
+    n = max(256, size // int(np.prod(shape)))
     rng = np.random.default_rng(seed)
+    schema = SCHEMA if shape == SHAPE else Schema((Field("record", "ndarray", np.dtype(np.uint8), shape),
+                                                   Field("label", "scalar", np.dtype(np.int64))))
 
     def blocks(start: int) -> Iterator[Block]:
-        for s in range(start, n, 2048):
-            e = min(s + 2048, n)
-            yield Block(e - s, {"record": rng.integers(0, 256, (e - s, *SHAPE), dtype=np.uint8),
+        step = max(1, (32 << 20) // int(np.prod(shape)))
+        for s in range(start, n, step):
+            e = min(s + step, n)
+            yield Block(e - s, {"record": rng.integers(0, 256, (e - s, *shape), dtype=np.uint8),
                                 "label": rng.integers(0, classes, e - s).astype(np.int64)})
 
-    write(BlockSource(schema=SCHEMA, num_samples=n, blocks=blocks), out_dir, schema=SCHEMA, progress=False)
+    write(BlockSource(schema=schema, num_samples=n, blocks=blocks), out_dir, schema=schema, progress=False)
     return n
 
 
