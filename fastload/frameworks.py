@@ -17,6 +17,7 @@ batches than that, so `Loader.load_state_dict` refuses such a resume when Lightn
 from __future__ import annotations
 
 import sys
+from types import FrameType
 from typing import Any
 
 __all__ = ["gradient_state", "refuse_uncounted_resume", "step_counting_caller"]
@@ -41,7 +42,7 @@ def gradient_state() -> Any:
 def step_counting_caller() -> str | None:
     """The framework ("PyTorch Lightning") whose code called the function calling this one (a few
     frames up), when it counts restored batches as done, else None."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(_CALLER_DEPTH):
         if frame is None:
             return None

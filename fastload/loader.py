@@ -44,7 +44,10 @@ and — given the same sampler / generator / global RNG — the same batches in 
   so `ddp_spawn` works; under Hugging Face Accelerate its iterator reports `end_of_dataloader`
   (`fastload.frameworks`). It is not a `DataLoader` subclass: Accelerate's `prepare` would replace
   it with a torch DataLoader; frameworks use it through duck-typed hooks (`len`, `state_dict`,
-  `sampler.set_epoch`).
+  `sampler.set_epoch`). `batch_sampler`, `sampler` and `collate_fn` say what it delivers
+  (`fastload.loader_views`), so a torch DataLoader rebuilt from them (Accelerate's
+  `skip_first_batches`) yields the Loader's batches; a mid-epoch resume that Lightning would cut
+  short (more ranks than it was saved on) is refused (`fastload.frameworks`).
 * As torch: a batch's error is raised for that batch and the iterator goes on with the next one;
   setting `batch_size`, `sampler`, `batch_sampler`, `drop_last`, `dataset` or `persistent_workers`
   after construction raises `ValueError`; `Loader[T]` is a generic alias; deleting an iterator ends

@@ -98,7 +98,7 @@ class EpochBatchSampler(BatchSampler):
     """`loader.batch_sampler` of a Loader that runs its own order: this rank's batches of its
     current epoch, from the epoch's start (see the module docstring)."""
 
-    def __init__(self, orders: RankedOrder, progress: EpochProgress, torch_batch_sampler: BatchSampler) -> None:
+    def __init__(self, orders: RankedOrder, progress: EpochProgress, torch_batch_sampler: Any) -> None:
         sampler = EpochSampler(orders, progress, torch_batch_sampler.sampler, torch_batch_sampler)
         super().__init__(sampler, torch_batch_sampler.batch_size, torch_batch_sampler.drop_last)
         self._orders, self._progress, self._torch = orders, progress, torch_batch_sampler

@@ -122,7 +122,8 @@ def test_user_samplers_stay_as_given():
     batches = BatchSampler(sampler, 3, False)
     assert Loader(Ids(10), batch_sampler=batches).batch_sampler is batches
     loader = Loader(Ids(10), sampler=sampler, batch_size=2)
-    assert loader.sampler is sampler and loader.collate_fn.columns  # the get_batch columns: converted as the Loader does
+    assert loader.sampler is sampler
+    assert loader.collate_fn.columns  # samples to get_batch columns, converted as the Loader does
 
 
 def test_a_position_re_dealt_from_another_world_size_cannot_be_skipped_into():
@@ -220,25 +221,26 @@ def _lightning_load(loader: Loader, state: dict) -> None:
     combined.CombinedLoader(loader, "max_size_cycle")._load_state_dicts([state])
 
 
-def _after(world: int, batches: int, state: dict | None = None) -> tuple[Loader, dict]:
+def _after(world: int, batches: int, state: dict | None = None) -> dict:
+    """The state of a Loader at `world` (loaded from `state` as Lightning does) after `batches` batches."""
     loader = Loader(Ids(40), batch_size=4, shuffle=True, seed=0, rank=0, world_size=world)
     if state is not None:
         _lightning_load(loader, state)
     it = iter(loader)
     for _ in range(batches):
         next(it)
-    return loader, loader.state_dict()
+    return loader.state_dict()
 
 
 def test_lightning_resume_is_refused_where_it_would_skip():
     """Lightning stops a resumed epoch after len(loader) - (batches it restored): fewer ranks leave
     fewer batches (allowed, exact), more ranks leave more (refused), counted over every resume."""
-    _, two = _after(2, 2)
+    two = _after(2, 2)
     assert two["batches_yielded"] == 2
     with pytest.raises(ValueError, match=r"saved in epoch 0 after 2 batches per process at world size 2; at world "
                        r"size 4 an epoch has 3 batches per process and this Loader has 2 left.*would stop after 1"):
         _lightning_load(Loader(Ids(40), batch_size=4, shuffle=True, seed=0, rank=0, world_size=4), two)
-    one, one_state = _after(1, 3, two)  # 2 -> 1: 6 batches left of 10, Lightning takes up to 8: exact
+    one_state = _after(1, 3, two)  # 2 -> 1: 6 batches left of 10, Lightning takes up to 8: exact
     assert one_state["batches_yielded"] == 5  # what Lightning counted: 2 at world size 2, then 3
     with pytest.raises(ValueError, match="after 5 batches per process at world size 1.*Resume on 1 device"):
         _lightning_load(Loader(Ids(40), batch_size=4, shuffle=True, seed=0, rank=0, world_size=2), one_state)
