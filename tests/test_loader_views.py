@@ -232,6 +232,7 @@ def _after(world: int, batches: int, state: dict | None = None) -> dict:
     return loader.state_dict()
 
 
+@pytest.mark.frameworks
 def test_lightning_resume_is_refused_where_it_would_skip():
     """Lightning stops a resumed epoch after len(loader) - (batches it restored): fewer ranks leave
     fewer batches (allowed, exact), more ranks leave more (refused), counted over every resume."""
