@@ -53,12 +53,13 @@ def _rank_batches(orders: RankedOrder, progress: EpochProgress, torch_batches: A
     geometry = (0, order.world_size, order.batch_size)
     if pos is not None and (int(pos.get("base", 0)), pos.get("world_size"), pos.get("batch_size")) != geometry:
         raise ValueError(
-            f"this Loader is in epoch {progress.epoch} at a position re-dealt from world size "
-            f"{pos.get('world_size')}, batch size {pos.get('batch_size')} (a state loaded from another world or batch "
-            f"size): its first batches at world size {order.world_size}, batch size {order.batch_size} are not what "
-            "was seen, so skipping a number of them cannot give the rest of the epoch. Iterate the Loader itself: "
-            "it continues exactly after the last batch received (Accelerate: register_for_checkpointing(loader) "
-            "and load_state, without skip_first_batches)"
+            f"this Loader is in epoch {progress.epoch} at a position whose epoch began at another world or batch "
+            f"size (a state loaded from another run: saved at world size {pos.get('world_size')}, batch size "
+            f"{pos.get('batch_size')}, {pos.get('base')} samples of the epoch dealt before it): its first batches "
+            f"at world size {order.world_size}, batch size {order.batch_size} are not those that were seen, so "
+            "skipping a number of them cannot give the rest of the epoch. Iterate the Loader itself: it continues "
+            "exactly after the last batch received (Accelerate: register_for_checkpointing(loader) and "
+            "load_state, without skip_first_batches)"
         )
     _, _, batches = order.epoch(progress.epoch, ahead=False)
     for indices, _ in batches:

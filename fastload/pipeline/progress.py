@@ -8,9 +8,9 @@ State, read and written only in the consumer's thread (the iterator's hooks run 
 * the live epoch iterator (held weakly: the consumer owns it; deleting it ends its workers) and
   the epoch it runs (`set_epoch` may have moved on since);
 * the position the last iterator stopped at (None at an epoch's start or once it is complete);
-* `counted`: batches of this epoch the consumer received before the current stretch of it began
-  (a resume re-dealt to another world size starts its own count at 0; a framework such as
-  Lightning keeps counting the whole epoch, so `received()` adds them).
+* how many batches of this epoch the consumer received before the position's own count began
+  (a resume re-dealt to another world size counts its position from 0 again, while a framework
+  such as Lightning counts the whole epoch: `received()` gives that whole count).
 
 Resume contract: `saved()` is the position of the last batch the consumer received — the live
 iterator's, else where the last one stopped, else a loaded `resume` not yet started; batches in
