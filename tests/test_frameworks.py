@@ -173,6 +173,7 @@ def test_accelerate_skip_first_batches_yields_exactly_the_rest(tmp_path):
         assert s["fresh_rest"] == epochs[1][5:] and s["fresh_then"] == epochs[2]
         t = r["token_budget"]
         assert t["head"] == t["expected"][:3] and t["rest"] == t["expected"][3:] and t["len"] == len(t["rest"])
+        assert t["fresh_rest"] == t["expected_1"][3:] and t["expected_1"] != t["expected"]
     seen = [i for r in ranks for i in _flat(r["seeded"]["head"] + r["seeded"]["rest"])]
     assert sorted(seen) == list(range(200))  # no sample missed, none twice
     ids = [i for r in ranks for b in r["token_budget"]["head"] + r["token_budget"]["rest"] for i in b["id"]]

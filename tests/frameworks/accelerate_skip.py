@@ -8,7 +8,8 @@ yields next to what the Loader itself yields for the same epoch:
 
 * seeded order (`seed=0`): in the same process after `n` batches, in a fresh process resuming
   epoch 1 (`set_epoch(1)`), and the Loader's next epoch after the skipped one;
-* `TokenBudgetBatchSampler` + `transform=TextCollate()` over a fastload dataset of token arrays.
+* `TokenBudgetBatchSampler` + `transform=TextCollate()` over a fastload dataset of token arrays, in
+  the same process after `n` batches and in a fresh process resuming epoch 1.
 """
 
 from __future__ import annotations
@@ -80,12 +81,20 @@ def token_budget(accelerator) -> dict:
     def flat(batch: dict) -> dict:
         return {k: v.tolist() for k, v in batch.items()}
 
-    expected = [flat(b) for b in make()]
+    reference = make()
+    expected = [flat(b) for b in reference]
+    reference.set_epoch(1)
+    expected_1 = [flat(b) for b in reference]
     loader = make()
     it = iter(loader)
     head = [flat(next(it)) for _ in range(SKIP_TEXT)]
     skipped = accelerator.skip_first_batches(loader, SKIP_TEXT)
-    return {"expected": expected, "head": head, "len": len(skipped), "rest": [flat(b) for b in skipped]}
+    out = {"expected": expected, "head": head, "len": len(skipped), "rest": [flat(b) for b in skipped]}
+    fresh = make()  # a new process resuming epoch 1: the epoch reaches the sampler through the Loader
+    fresh.set_epoch(1)
+    out["fresh_rest"] = [flat(b) for b in accelerator.skip_first_batches(fresh, SKIP_TEXT)]
+    out["expected_1"] = expected_1
+    return out
 
 
 def main() -> None:
