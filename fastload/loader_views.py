@@ -7,8 +7,9 @@ exactly the rest of the Loader's epoch, with the Loader's batches, these attribu
 
 * `EpochBatchSampler` (`loader.batch_sampler` when the Loader made its own order, i.e. no user
   `sampler`/`batch_sampler`): this rank's batches of the Loader's current epoch, from the epoch's
-  start, in the Loader's order — the seeded, rank-dealt order when that is what the Loader runs,
-  else torch's own `BatchSampler` as torch would iterate it. `len()` is that epoch's batch count.
+  start, in the Loader's order — the seeded, rank-dealt order when that is what the Loader runs;
+  else torch's own `BatchSampler`: an epoch under way replayed from the RNG states it started
+  with, otherwise drawn as torch would. `len()` is that epoch's batch count.
   Iterating it to its end counts as the epoch delivered: the Loader's next `iter()` runs the next
   epoch, as after its own iterator's last batch. While the Loader holds a position of an epoch
   that was re-dealt to another world or batch size (a `load_state_dict` from another world size),
@@ -46,10 +47,17 @@ __all__ = ["EpochBatchSampler", "EpochSampler", "LoaderCollate", "columns_from_s
 def _rank_batches(orders: RankedOrder, progress: EpochProgress, torch_batches: Any) -> Iterator[list[int]]:
     """This rank's batches of the current epoch from its start, in the Loader's order."""
     order = orders.get()
-    if not isinstance(order, SeededOrder):
-        yield from torch_batches
-        return
     pos = progress.saved()
+    if not isinstance(order, SeededOrder):
+        if pos is None or pos.get("rng") is None:  # no epoch under way: torch's samplers draw it, as in torch
+            yield from torch_batches
+            return
+        # the epoch under way: its draws replayed from the RNG states captured when it started
+        start = {"batches": 0, "sampler_state": None, "rng": pos["rng"], "base_seed": None}
+        _, _, replayed = order.epoch(draw_base_seed=False, resume=start)
+        for indices, _ in replayed:
+            yield indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
+        return
     geometry = (0, order.world_size, order.batch_size)
     if pos is not None and (int(pos.get("base", 0)), pos.get("world_size"), pos.get("batch_size")) != geometry:
         raise ValueError(

@@ -117,6 +117,25 @@ def test_torch_order_batch_sampler_iterates_as_torch():
     assert len(loader.batch_sampler) == len(loader) == 8
 
 
+@pytest.mark.parametrize("generator", [False, True])
+def test_torch_order_epoch_under_way_is_replayed_for_a_rebuilt_loader(generator):
+    """Mid-epoch, the view replays the epoch's own draws: a rebuilt loader yields its rest."""
+
+    def make() -> Loader:
+        gen = torch.Generator().manual_seed(9) if generator else None
+        return Loader(Ids(30), batch_size=4, shuffle=True, generator=gen)
+
+    torch.manual_seed(11)
+    epochs = [ids(loader) for loader in [make()] for _ in range(2)]
+    torch.manual_seed(11)
+    loader = make()
+    it = iter(loader)
+    head = [next(it)["i"].tolist() for _ in range(3)]
+    assert head + ids(rebuilt(loader, 3)) == epochs[0]
+    following = ids(loader)  # the next epoch: a new draw (torch's DataLoader drew its own base seed meanwhile)
+    assert following != epochs[0] and sorted(i for b in following for i in b) == list(range(30))
+
+
 def test_user_samplers_stay_as_given():
     sampler = torch.utils.data.SequentialSampler(range(10))
     batches = BatchSampler(sampler, 3, False)
