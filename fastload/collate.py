@@ -96,7 +96,8 @@ def fast_collate(batch: list[Any]) -> Any:
         if all(type(b) is np.ndarray and b.shape == shape and b.dtype == elem.dtype for b in batch):
             return torch.from_numpy(np.stack(batch))
     elif t is torch.Tensor:
-        if all(type(b) is torch.Tensor for b in batch):
+        # nested, sparse and other layouts: default_collate's own handling (and errors)
+        if elem.layout == torch.strided and not elem.is_nested and all(type(b) is torch.Tensor for b in batch):
             return torch.stack(batch, 0)
     elif t is int:
         if all(type(b) is int for b in batch):

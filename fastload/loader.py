@@ -44,7 +44,10 @@ and — given the same sampler / generator / global RNG — the same batches in 
   so `ddp_spawn` works; under Hugging Face Accelerate its iterator reports `end_of_dataloader`
   (`fastload.frameworks`). It is not a `DataLoader` subclass: Accelerate's `prepare` would replace
   it with a torch DataLoader; frameworks use it through duck-typed hooks (`len`, `state_dict`,
-  `sampler.set_epoch`).
+  `sampler.set_epoch`). `batch_sampler`, `sampler` and `collate_fn` say what it delivers
+  (`fastload.loader_views`), so a torch DataLoader rebuilt from them (Accelerate's
+  `skip_first_batches`) yields the Loader's batches; a mid-epoch resume that Lightning would cut
+  short (more ranks than it was saved on) is refused (`fastload.frameworks`).
 * As torch: a batch's error is raised for that batch and the iterator goes on with the next one;
   setting `batch_size`, `sampler`, `batch_sampler`, `drop_last`, `dataset` or `persistent_workers`
   after construction raises `ValueError`; `Loader[T]` is a generic alias; deleting an iterator ends
@@ -67,7 +70,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from fastload.device import DeviceStage, resolve_device
-from fastload.frameworks import gradient_state
+from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
+from fastload.loader_views import EpochBatchSampler, torch_collate
 from fastload.pinned import BufferRing
 from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
 from fastload.pipeline.config import describe_settings, order_ahead_rule
@@ -188,6 +192,11 @@ class Loader(Generic[T_co]):
                                   autotune=self.autotune, order_ahead=order_ahead, epoch_plan=epoch_plan)
             self.worker_type, self.config = stages.worker_type, stages.config
             self._fetcher, self._workers = stages.fetcher, stages.workers
+            # what a framework rebuilding a loader from these reads (`fastload.loader_views`)
+            self.collate_fn = torch_collate(dl.collate_fn, self._fetcher, dataset)
+            if dl.batch_sampler is not None and sampler is None and batch_sampler is None:
+                self.batch_sampler = EpochBatchSampler(self._orders, self._progress, dl.batch_sampler)
+                self.sampler = self.batch_sampler.sampler
         self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -264,7 +273,7 @@ class Loader(Generic[T_co]):
                            failed=self._failed)
         it = EpochIterator(hooks, stages, depth=cfg.depth, stats=self._stats, batched=self.batch_sampler is not None,
                            position=start, expected=expected, gradient_state=gradient_state())
-        self._progress.attach(it, start)
+        self._progress.attach(it, start, resumed=resume is not None)
         if expected == 0:  # resumed at the end of an epoch: it is complete already
             it.epoch_complete()
         return it
@@ -329,7 +338,7 @@ class Loader(Generic[T_co]):
             "world_size": self._dealt_world(),
             "batch_size": self.batch_size,
             "num_samples": len(self.dataset),
-            "batches_yielded": int(pos["batches"]) if pos else 0,
+            "batches_yielded": self._progress.received(),  # this epoch's, over its resumes
         }
 
     def _dealt_world(self) -> int:
@@ -348,13 +357,20 @@ class Loader(Generic[T_co]):
                     batch_size=self.batch_size)
         self._progress.stop_active()
         self._orders.fix()
-        epoch, order = int(state["epoch"]), self._order
+        epoch, order, position = int(state["epoch"]), self._order, state["position"]
         if isinstance(order, SeededOrder):
-            if state["position"] is not None:
-                order.check(state["position"])
+            if position is not None:
+                order.check(position)
             if state.get("seed") is not None:
                 self._orders.set_seed(int(state["seed"]))
-        self._progress.restore(epoch, state["position"])
+        received = state.get("batches_yielded")
+        framework = step_counting_caller()
+        if framework is not None and position is not None:
+            left = batches_from(order, position, self.drop_last)
+            refuse_uncounted_resume(framework, epoch=epoch, received=int(received or position["batches"]),
+                                    left=left, epoch_batches=len(order), saved_world=state.get("world_size"),
+                                    world=self._dealt_world())
+        self._progress.restore(epoch, position, received)
         if not isinstance(order, SeededOrder):
             self.set_epoch(epoch)  # forwarded to the samplers (the same epoch: the position stays)
 
@@ -363,7 +379,8 @@ class Loader(Generic[T_co]):
         from the constructor's arguments and continues where this Loader is."""
         state = None
         if not self._iterable:
-            state = {"epoch": self._progress.epoch, "position": self._progress.saved(), "seed": self.seed}
+            state = {"epoch": self._progress.epoch, "position": self._progress.saved(), "seed": self.seed,
+                     "received": self._progress.received()}
         return {"init": self._init_args, "state": state}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
@@ -371,7 +388,7 @@ class Loader(Generic[T_co]):
         state = pickled["state"]
         if state is not None:
             self._orders.seed = state["seed"]
-            self._progress.restore(int(state["epoch"]), state["position"])
+            self._progress.restore(int(state["epoch"]), state["position"], state.get("received"))
 
     # ---- settings and stats
     def describe(self) -> dict[str, Any]:

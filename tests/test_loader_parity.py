@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
 
 import numpy as np
 import pytest
@@ -312,3 +315,50 @@ def test_iterable_dataset_is_delegated_to_torch():
     assert same(list(DataLoader(Stream(), batch_size=3)), list(Loader(Stream(), batch_size=3)))
     with pytest.raises(TypeError):
         Loader(Stream()).state_dict()
+
+
+class NestedDS(DictDS):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.nested.nested_tensor([torch.arange(i % 3 + 1.0), torch.arange(2.0)], layout=torch.jagged)
+
+
+def _error(make, **kw) -> BaseException:
+    with pytest.raises(BaseException) as exc:
+        list(make(**kw))
+    return exc.value
+
+
+@pytest.mark.parametrize("workers", [(0, "auto"), (2, "thread"), (2, "process")])
+def test_default_collate_refuses_nested_tensors_as_torch(workers):
+    nw, wt = workers
+    want = _error(DataLoader, dataset=NestedDS(8), batch_size=2)
+    assert type(want) is RuntimeError and "not currently supported by the default collate_fn" in str(want)
+    got = _error(Loader, dataset=NestedDS(8), batch_size=2, num_workers=nw, worker_type=wt)
+    assert isinstance(got, RuntimeError) and not isinstance(got, NotImplementedError)
+    if nw == 2 and wt == "process":  # torch's worker wrapping, around torch's own message
+        assert str(got).startswith("Caught RuntimeError in DataLoader worker process 0.")
+        assert str(want) in str(got)
+    else:
+        assert str(got) == str(want)
+
+
+class SegfaultDS(DictDS):
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return i
+
+
+def test_worker_killed_by_a_signal_is_reported_as_torch_does():
+    def pid_free(e: BaseException) -> str:
+        return re.sub(r"\d+", "N", str(e))
+
+    want = _error(DataLoader, dataset=SegfaultDS(8), batch_size=2, num_workers=1)
+    got = _error(Loader, dataset=SegfaultDS(8), batch_size=2, num_workers=1, worker_type="process")
+    assert isinstance(got, RuntimeError)
+    assert pid_free(got) == pid_free(want) == "DataLoader worker (pid(s) N) exited unexpectedly"
+    assert type(got.__cause__) is type(want.__cause__) is RuntimeError
+    killed = "DataLoader worker (pid N) is killed by signal: Segmentation fault. "
+    assert pid_free(got.__cause__) == pid_free(want.__cause__) == killed
+    pid = re.search(r"\d+", str(got)).group()
+    assert str(got.__cause__) == f"DataLoader worker (pid {pid}) is killed by signal: Segmentation fault. "

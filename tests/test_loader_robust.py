@@ -111,9 +111,10 @@ def test_killed_worker_is_reported_not_hung():
     victim = it._source.pids[1]
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"exited unexpectedly.*SIGKILL"):
+    with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {victim}\) exited unexpectedly") as exc:
         for _ in it:
             pass
+    assert str(exc.value.__cause__) == f"DataLoader worker (pid {victim}) is killed by signal: Killed. "  # torch's
     assert time.monotonic() - t0 < 5
     assert not wait_gone(set(it._source.pids if it._source else []) | {victim})
 

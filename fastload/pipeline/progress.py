@@ -7,7 +7,10 @@ State, read and written only in the consumer's thread (the iterator's hooks run 
   from, taken by `begin()`; None: the next `iter()` starts at the epoch's start;
 * the live epoch iterator (held weakly: the consumer owns it; deleting it ends its workers) and
   the epoch it runs (`set_epoch` may have moved on since);
-* the position the last iterator stopped at (None at an epoch's start or once it is complete).
+* the position the last iterator stopped at (None at an epoch's start or once it is complete);
+* how many batches of this epoch the consumer received before the position's own count began
+  (a resume re-dealt to another world size counts its position from 0 again, while a framework
+  such as Lightning counts the whole epoch: `received()` gives that whole count).
 
 Resume contract: `saved()` is the position of the last batch the consumer received — the live
 iterator's, else where the last one stopped, else a loaded `resume` not yet started; batches in
@@ -29,11 +32,13 @@ __all__ = ["EpochProgress"]
 class EpochProgress:
     """The epoch counter, the consumer's position and the pending resume of one Loader."""
 
-    __slots__ = ("_active_epoch", "_active_ref", "_position", "epoch", "resume")
+    __slots__ = ("_active_epoch", "_active_ref", "_before", "_position", "_resume_received", "epoch", "resume")
 
     def __init__(self) -> None:
         self.epoch = 0
         self.resume: dict[str, Any] | None = None
+        self._before = 0  # batches of this epoch received before the position's own count began
+        self._resume_received = 0  # with `resume`: the batches of its epoch received up to it
         self._position: dict[str, Any] | None = None
         self._active_ref: weakref.ref[Any] | None = None
         self._active_epoch = 0
@@ -56,8 +61,10 @@ class EpochProgress:
         resume, self.resume = self.resume, None
         return resume
 
-    def attach(self, it: Any, start: dict[str, Any] | None) -> None:
-        """`it` now runs the current epoch from `start`."""
+    def attach(self, it: Any, start: dict[str, Any] | None, resumed: bool = False) -> None:
+        """`it` now runs the current epoch from `start` (`resumed`: the position `begin()` handed over)."""
+        self._before = max(0, self._resume_received - _count(start)) if resumed else 0
+        self._resume_received = 0
         self._position = start
         self._active_ref, self._active_epoch = weakref.ref(it), self.epoch
 
@@ -66,9 +73,19 @@ class EpochProgress:
         iterator of the current epoch (True), else nothing (False)."""
         if it is self.active and self._active_epoch == self.epoch:
             self.epoch += 1
-            self._position = None
+            self._position, self._before = None, 0
             return True
         return False
+
+    def served(self, epoch: int) -> None:
+        """`epoch` was delivered by other means (a torch DataLoader iterating the Loader's
+        `batch_sampler` view to its end): the next `iter()` runs the next epoch. Nothing when the
+        Loader has moved to another epoch meanwhile."""
+        if epoch == self.epoch:
+            self.stop_active()
+            self.epoch += 1
+            self.resume = self._position = None
+            self._before = self._resume_received = 0
 
     def closed(self, it: Any) -> None:
         """`it` stopped (closed, exhausted or deleted): keep where its consumer was."""
@@ -82,12 +99,23 @@ class EpochProgress:
         """Run `epoch` next; another epoch than the current one drops the position and resume."""
         if epoch != self.epoch:
             self.resume = self._position = None
+            self._before = self._resume_received = 0
         self.epoch = epoch
 
-    def restore(self, epoch: int, position: dict[str, Any] | None) -> None:
-        """Continue `epoch` after `position` at the next `iter()` (a loaded or unpickled state)."""
+    def restore(self, epoch: int, position: dict[str, Any] | None, received: int | None = None) -> None:
+        """Continue `epoch` after `position` at the next `iter()` (a loaded or unpickled state);
+        `received`: the batches of that epoch received up to it (default: the position's count)."""
         self.epoch = epoch
         self.resume = self._position = position
+        self._before = 0
+        self._resume_received = _count(position) if received is None else max(int(received), _count(position))
+
+    def received(self) -> int:
+        """Batches of the current epoch the consumer received, over all its resumes: what a
+        framework that counts its steps (Lightning) has counted at `saved()`."""
+        if self.resume is not None:
+            return self._resume_received
+        return self._before + _count(self.saved())
 
     def saved(self) -> dict[str, Any] | None:
         """The position `state_dict()` records (see the module docstring)."""
@@ -105,3 +133,7 @@ class EpochProgress:
             if left is not None:
                 return left
         return len(order)
+
+
+def _count(position: dict[str, Any] | None) -> int:
+    return int(position["batches"]) if position else 0

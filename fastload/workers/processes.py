@@ -30,6 +30,7 @@ import numpy as np
 import psutil
 import torch
 from torch._utils import ExceptionWrapper
+from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
 from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
@@ -82,6 +83,7 @@ def _worker_main(
 ) -> None:
     """Worker process loop: tasks `(gen, j, indices, slot_id, retired_ids)` or None to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns Ctrl-C and shuts us down
+    signal_handling._set_worker_signal_handlers()  # as torch's workers: a crash says so on stderr first
     parent_start = _process_start(parent_pid)
     threading.Thread(
         target=_watch_parent, args=(parent_pid, parent_start), name="fastload-watchdog", daemon=True
@@ -153,13 +155,23 @@ def _shutdown(procs: list[Any], task_qs: list[Any], result_q: Any) -> None:
         q.close()
 
 
-def _describe_exit(code: int | None) -> str:
+def worker_exit_error(pid: int | None, code: int | None) -> RuntimeError:
+    """The error torch's DataLoader raises for a worker process that ended (its words, from
+    torch/csrc/DataLoader.cpp): killed by a signal, or exited with a code."""
     if code is not None and code < 0:
         try:
-            return f"killed by signal: {signal.Signals(-code).name}"
+            name = signal.strsignal(-code) or f"signal {-code}"
         except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+            name = f"signal {-code}"
+        text = f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
+        if -code == signal.SIGBUS:
+            text += ("It is possible that dataloader's workers are out of shared memory. "
+                     "Please try to raise your shared memory limit.")
+        return RuntimeError(text)
+    return RuntimeError(
+        f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. Details are lost due to "
+        "multiprocessing. Rerunning with num_workers=0 may give better error trace."
+    )
 
 
 class ProcessSource:
@@ -273,8 +285,11 @@ class ProcessSource:
         dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
         if dead:
             self._raise_init_error()  # a worker that exited after reporting its worker_init_fn's error
-            what = ", ".join(f"worker {i} (pid {p.pid}, {_describe_exit(p.exitcode)})" for i, p in dead)
-            raise WorkerError(f"DataLoader worker exited unexpectedly: {what}")
+            # as torch: the first dead worker's exit in torch's words, under the list of dead pids
+            pids = ", ".join(str(p.pid) for _, p in dead)
+            raise WorkerError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly") from worker_exit_error(
+                dead[0][1].pid, dead[0][1].exitcode
+            )
 
     def _raise_init_error(self) -> None:
         """Raise a `worker_init_fn` error still in the result queue (other messages are kept)."""

@@ -1,6 +1,7 @@
 """Train a tiny model under PyTorch Lightning on a fastload Loader built in `__init__`; write the
 sample ids each rank received, per epoch, to OUT/rank{r}.json (run by tests/test_frameworks.py;
-the recipe of docs/frameworks/lightning.md)."""
+the recipe of docs/frameworks/lightning.md). `--sampler token_budget`: the Loader's batches come from
+a `TokenBudgetBatchSampler` built in `__init__` too (before the rank is known)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import numpy as np
 import torch
 
 from fastload import Loader
+from fastload.bucketing import TokenBudgetBatchSampler
 
 N, BATCH = 192, 8
+LENGTHS = (np.arange(N) * 7) % 31 + 1  # token counts for the token-budget sampler
+MAX_TOKENS = 64
 
 
 class IdsDataset:
@@ -31,12 +35,16 @@ class IdsDataset:
 
 
 class Model(L.LightningModule):
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, sampler: str = "seeded") -> None:
         super().__init__()
         self.out = out
         self.layer = torch.nn.Linear(1, 1)
         # built before the process group exists: the Loader takes its rank at the first iter()
-        self.loader = Loader(IdsDataset(), batch_size=BATCH, shuffle=True, seed=0, num_workers=1)
+        if sampler == "token_budget":
+            budget = TokenBudgetBatchSampler(LENGTHS, MAX_TOKENS, seed=0)
+            self.loader = Loader(IdsDataset(), batch_sampler=budget, num_workers=1)
+        else:
+            self.loader = Loader(IdsDataset(), batch_size=BATCH, shuffle=True, seed=0, num_workers=1)
         self.seen: dict[int, list[list[int]]] = {}
 
     def train_dataloader(self):
@@ -73,6 +81,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--save", default=None, help="checkpoint path, saved mid-epoch 1 (after its batch 4)")
     p.add_argument("--resume", default=None, help="checkpoint path to resume from")
+    p.add_argument("--sampler", default="seeded", choices=["seeded", "token_budget"])
     a = p.parse_args()
     callbacks = [SaveMidEpoch(a.save, 1, 4)] if a.save else []
     trainer = L.Trainer(
@@ -87,7 +96,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(Model(a.out), ckpt_path=a.resume)
+    trainer.fit(Model(a.out, a.sampler), ckpt_path=a.resume)
 
 
 if __name__ == "__main__":
