@@ -562,8 +562,9 @@ def test_loader_order_resume_and_stats(image_dataset) -> None:
     assert [b["image"].shape for b in batches] == [(5, 3, 32, 32)] * 4 + [(4, 3, 32, 32)]
     assert sorted(torch.cat([b["label"] for b in batches]).tolist()) == list(range(24))
     torch.testing.assert_close(batches[0]["label"], batches[0]["__indices__"])
-    assert ref.stats()["components"]["transform"]["vision_images"] == 24
-    modes = ref.stats()["components"]["transform"]["vision_decode_modes"]  # the images, JPEG or not, by how each was decoded
+    preset_stats = ref.stats()["components"]["transform"]
+    assert preset_stats["vision_images"] == 24
+    modes = preset_stats["vision_decode_modes"]  # the images, JPEG or not, by how each was decoded
     assert sum(modes.values()) == 24 and modes.get("window", 0) > 0 and "whole image" in modes
 
     first = loader()
