@@ -41,7 +41,7 @@ from torch.utils.data import DistributedSampler
 
 from fastload import BatchViews, Loader, ShardWindowSampler, TextCollate, TokenBudgetBatchSampler
 from fastload.formats import FastloadDataset, Field, Ragged, Schema, write
-from fastload.run import BatchContext, RunAware, RunContext, current_batch
+from fastload.run import RunAware, RunContext, current_batch
 from fastload.sampling import RunRank
 from fastload.vision import ImagePreset, dali_available
 
@@ -456,25 +456,28 @@ def test_distributed_sampler_epochs_follow_iter_unless_the_loop_sets_them(data: 
         assert loop.epoch == e
 
 
+# --8<-- [start:user-component]
 class RandomNoise:
-    """The user component of docs/run.md: noise keyed by (run seed, epoch, sample index)."""
+    """A transform adding noise keyed by (run seed, epoch, sample index): the same on any worker
+    and after a resume, new every epoch."""
 
     def __init__(self) -> None:
         self.seed = 0
         self.batches = 0
 
-    def bind_run(self, run: RunContext) -> None:
+    def bind_run(self, run: RunContext) -> None:  # fastload.run.RunAware
         self.seed = run.seed
 
-    def component_stats(self) -> dict[str, int]:
+    def component_stats(self) -> dict[str, int]:  # fastload.run.StatsReporter
         return {"batches": self.batches}
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        ctx = current_batch()
-        assert isinstance(ctx, BatchContext)
+        ctx = current_batch()  # this batch's run and dataset indices (None outside a Loader's fetch)
+        assert ctx is not None, "RandomNoise runs as a Loader's transform"
         noise = [np.random.default_rng([self.seed, ctx.run.epoch, int(i)]).random() for i in ctx.indices]
         self.batches += 1
         return {**batch, "noise": torch.tensor(noise, dtype=torch.float64)}
+# --8<-- [end:user-component]
 
 
 @pytest.mark.parametrize("workers", [{}, {"num_workers": 2, "worker_type": "thread"},
