@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from fastload.device import DeviceStage, resolve_device
 from fastload.frameworks import gradient_state
@@ -245,10 +245,12 @@ class Loader(Generic[T_co]):
         samplers with only `set_epoch` (`announce`: `set_epoch` / `load_state_dict`, else an
         epoch start, see `EpochRelay`)."""
         run = self.run
+        # torch's BatchSampler holds the user's sampler (batch_sampler=BatchSampler(ShardWindowSampler(...)))
+        inner = self.batch_sampler.sampler if type(self.batch_sampler) is BatchSampler else None
+        samplers = (self.batch_sampler, self.sampler, inner)
         if run != self._bound_run:
-            bind_components((self.sampler, self.batch_sampler, self._fetcher), run)
+            bind_components((*samplers, self._fetcher), run)
             self._bound_run = run
-        samplers = (self.batch_sampler, self.sampler)
         if announce:
             self._epochs.announce(run.epoch, samplers)
         else:

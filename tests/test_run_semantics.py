@@ -37,7 +37,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler
 
 from fastload import BatchViews, Loader, ShardWindowSampler, TextCollate, TokenBudgetBatchSampler
 from fastload.formats import FastloadDataset, Field, Ragged, Schema, write
@@ -318,6 +318,16 @@ def test_token_budget_takes_the_loaders_explicit_rank_for_len(data: Data) -> Non
     loader = Loader(ds, batch_sampler=sampler, rank=1, world_size=2)
     assert len(loader) == len(sampler.plan(0)) and sampler.rank == 1
     assert ids(list(loader)) == [int(i) for step in sampler.plan(0) for i in step[1].tolist()]
+
+
+def test_a_sampler_inside_torchs_batch_sampler_is_bound(data: Data) -> None:
+    ds = data["images"]
+    inner = ShardWindowSampler.from_dataset(ds, seed=3)
+    wrapped = Loader(ds, batch_sampler=BatchSampler(inner, 4, False), rank=1, world_size=2)
+    direct = Loader(ds, batch_size=4, sampler=ShardWindowSampler.from_dataset(ds, seed=3), rank=1, world_size=2)
+    for _ in range(2):  # epochs driven by iter() alone
+        assert ids(list(wrapped)) == ids(list(direct))
+    assert (inner.rank, inner.world_size, inner.epoch) == (1, 2, 1)
 
 
 @pytest.mark.parametrize("make", [
