@@ -47,8 +47,7 @@ from typing import Any
 import numpy as np
 
 from fastload.index_shuffle import IndexShuffle
-from fastload.run import RunContext
-from fastload.sampling import RunRank
+from fastload.sampling import RankedSampler, RunRank
 
 __all__ = ["DEFAULT_WINDOW", "ORDER_VERSION", "TokenBudgetBatchSampler", "padding_stats", "step_imbalance"]
 
@@ -64,7 +63,7 @@ def _pad_up(x: np.ndarray | int, m: int) -> Any:
     return (x + m - 1) // m * m
 
 
-class TokenBudgetBatchSampler:
+class TokenBudgetBatchSampler(RankedSampler):
     """Batches of similar-length samples with `len(batch) * padded_max_len <= max_tokens`.
 
     `lengths[i]` is the token count of sample i (take it from `ds.lengths(field)`: no data
@@ -133,22 +132,6 @@ class TokenBudgetBatchSampler:
         self._at = (0, 0)  # (window, step) of the next batch to yield
         self._cache: tuple[int, int, int, list[list[np.ndarray]]] | None = None  # (epoch, window, world, steps)
         self._counts: tuple[int, int, np.ndarray] | None = None  # (epoch, world, steps per window)
-
-    @property
-    def rank(self) -> int:
-        """This rank (see the module docstring)."""
-        return self._ranks.get()[0]
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks the plan deals batches to (see the module docstring)."""
-        return self._ranks.get()[1]
-
-    def bind_run(self, run: RunContext) -> None:
-        """Take the Loader's run (`fastload.run.RunAware`): its rank and world size where none were
-        given (ValueError if given ones contradict it), and its epoch (as `set_epoch`)."""
-        self._ranks.bind(run.rank, run.world_size)
-        self.set_epoch(run.epoch)
 
     def _validate(self) -> int:
         """Check every length (a pass of `_SCAN` at a time, no per-sample temporaries); the total."""

@@ -30,11 +30,13 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from fastload.ahead import Ahead
 from fastload.index_shuffle import IndexShuffle
 from fastload.plan import PLAN_MAX_BYTES
+from fastload.run import RunContext
 
 __all__ = [
     "AHEAD_MAX_BYTES",
     "ORDER_VERSION",
     "STREAM_SAMPLES",
+    "RankedSampler",
     "RunRank",
     "SamplerOrder",
     "SeededOrder",
@@ -127,6 +129,33 @@ class RunRank:
         # against a run of one process, the arguments given resolve as they would alone
         bound = resolve_rank_world(self.rank_arg, self.world_arg) if world_size == 1 and given else (rank, world_size)
         self._bound, self._fixed = bound, None
+
+
+class RankedSampler:
+    """What fastload's samplers share: `rank` / `world_size` by the `RunRank` rule (`_ranks`, set by
+    the subclass), and `bind_run` (`fastload.run.RunAware`): the Loader's rank and world size
+    where none were given (ValueError if given ones contradict it) and its epoch, as `set_epoch`."""
+
+    _ranks: RunRank
+
+    @property
+    def rank(self) -> int:
+        """This rank (see `RunRank`)."""
+        return self._ranks.get()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the epoch is dealt to (see `RunRank`)."""
+        return self._ranks.get()[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next `__iter__` yields."""
+        raise NotImplementedError
+
+    def bind_run(self, run: RunContext) -> None:
+        """Take the Loader's run (see the class docstring)."""
+        self._ranks.bind(run.rank, run.world_size)
+        self.set_epoch(run.epoch)
 
 
 def batches_left(position: dict[str, Any], *, n: int, batch_size: int, world_size: int, drop_last: bool) -> int:

@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 
 from fastload.index_shuffle import IndexShuffle
-from fastload.run import RunContext
-from fastload.sampling import RunRank
+from fastload.sampling import RankedSampler, RunRank
 
 __all__ = ["ORDER_VERSION", "ShardWindowSampler", "randomness_report", "shards_in_order"]
 
@@ -45,7 +44,7 @@ def shards_in_order(indices: np.ndarray | Sequence[int], shard_starts: np.ndarra
     return [int(s) for s in uniq[np.argsort(first)]]
 
 
-class ShardWindowSampler:
+class ShardWindowSampler(RankedSampler):
     """Sampler (iterable of global sample indices) over a sharded dataset.
 
     `shard_sizes` are the sample counts per shard, in dataset order. `window` is the number of
@@ -111,16 +110,6 @@ class ShardWindowSampler:
                 f"rank={self.rank}/{self.world_size}, epoch={self.epoch})")
 
     @property
-    def rank(self) -> int:
-        """This rank (see the module docstring)."""
-        return self._ranks.get()[0]
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks the epoch is split over (see the module docstring)."""
-        return self._ranks.get()[1]
-
-    @property
     def per_rank(self) -> int:
         """Indices each rank yields per epoch."""
         return self._split(self.world_size)
@@ -134,13 +123,6 @@ class ShardWindowSampler:
 
     def __len__(self) -> int:
         return self.per_rank
-
-    def bind_run(self, run: RunContext) -> None:
-        """Take the Loader's run (`fastload.run.RunAware`): its rank and world size where none were
-        given (ValueError if given ones contradict it), and its epoch (as `set_epoch`)."""
-        self._ranks.bind(run.rank, run.world_size)
-        self._split(self.world_size)
-        self.set_epoch(run.epoch)
 
     def component_stats(self) -> dict[str, Any]:
         """Epoch, rank, world size and indices yielded this epoch (`fastload.run.StatsReporter`)."""
