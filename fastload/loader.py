@@ -228,6 +228,8 @@ class Loader(Generic[T_co]):
         seeded order's; with torch's samplers derived once, without drawing from any RNG, from
         `generator.initial_seed()` or else `torch.initial_seed()`, and kept by `state_dict`), the
         epoch the next `iter()` runs, rank, world size and `num_workers`."""
+        if self._iterable:
+            raise TypeError("run is not supported for IterableDataset (torch's DataLoader iterates it)")
         rank, world = self._orders.rank_world()
         order = self._order
         if isinstance(order, SeededOrder):
