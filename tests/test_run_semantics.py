@@ -246,13 +246,15 @@ def test_semantics_matrix(case: Case, data: Data) -> None:
 
 
 # ----------------------------------------------------------------------------- the issue's cases
+@pytest.mark.parametrize("how", ["transform", "collate_fn"])
 @pytest.mark.parametrize("drive", ["set_epoch", "iter"])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_augmentation_changes_every_epoch(drive: str, workers: int, data: Data) -> None:
-    """ImagePreset(kind="train") as the transform of a sequential Loader: batch 0 (the same
-    samples every epoch) gets other crops and flips in epochs 0, 1 and 2."""
+def test_augmentation_changes_every_epoch(how: str, drive: str, workers: int, data: Data) -> None:
+    """ImagePreset(kind="train") as the transform (or collate_fn) of a sequential Loader: batch 0
+    (the same samples every epoch) gets other crops and flips in epochs 0, 1 and 2."""
     ds = data["images"]
-    loader = Loader(ds, batch_size=8, transform=ImagePreset(kind="train", size=8, backend="cpu"), num_workers=workers)
+    preset = {how: ImagePreset(kind="train", size=8, backend="cpu")}
+    loader = Loader(ds, batch_size=8, num_workers=workers, **preset)
     firsts = []
     for e in range(3):
         if drive == "set_epoch":
