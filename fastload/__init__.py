@@ -11,6 +11,8 @@ optional dependency such as DALI):
   of variable fields, no per-sample Python objects; see `fastload.views`).
 - `fastload.ShardWindowSampler`, `fastload.RemoteStorage`: object storage through a shard cache.
 - `fastload.vision`: DALI / CPU image presets; `fastload.cuda_ops`: fused CUDA kernels.
+- `fastload.RunContext`, `fastload.RunAware` (`fastload.run`): the run's facts (seed, epoch,
+  rank, world size, workers) a Loader hands to the components it holds.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ _EXPORTS = {
     "TokenBudgetBatchSampler": "fastload.bucketing",
     "TextCollate": "fastload.text_collate",
     "BatchViews": "fastload.views",
+    "RunContext": "fastload.run",
+    "RunAware": "fastload.run",
     "ShardWindowSampler": "fastload.shard_shuffle",
     "RemoteStorage": "fastload.remote",
     "RetryPolicy": "fastload.remote",
@@ -46,7 +50,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-_SUBMODULES = ("vision", "cuda_ops", "formats", "benchmark")
+_SUBMODULES = ("vision", "cuda_ops", "formats", "benchmark", "run")
 
 
 def __getattr__(name: str) -> Any:

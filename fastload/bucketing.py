@@ -25,14 +25,18 @@ iteration reaches it, so memory is O(window) whatever the dataset size:
 Rank `r` yields `plan[step][r]` for every step: every rank yields the same number of batches.
 Resume is exact: the state is `(epoch, seed, batches yielded by this rank)`.
 
+Rank and world size (`fastload.sampling.RunRank`): arguments given win; else, held by a
+`fastload.Loader`, the Loader's run (`bind_run`, which also sets the epoch at every epoch start,
+so epochs driven by `iter()` alone get a new plan each); else, used alone, resolved from
+`torch.distributed` or RANK/WORLD_SIZE, afresh until the first `__iter__`.
+
 Usage (`transform=` runs the collate on the columnar `get_batch` dict: the Loader's fast path;
 `collate_fn=` works too, on lists of sample dicts)::
 
     sampler = TokenBudgetBatchSampler.from_dataset(ds, 16384, pad_to_multiple_of=8)
     loader = fastload.Loader(ds, batch_sampler=sampler, transform=TextCollate(pad_to_multiple_of=8))
     for epoch in range(epochs):
-        loader.set_epoch(epoch)  # a new order each epoch (as torch's DistributedSampler)
-        for batch in loader: ...
+        for batch in loader: ...  # a new plan each epoch (the Loader hands the sampler its epoch)
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from fastload.index_shuffle import IndexShuffle
-from fastload.sampling import resolve_rank_world
+from fastload.sampling import RankedSampler, RunRank
 
 __all__ = ["DEFAULT_WINDOW", "ORDER_VERSION", "TokenBudgetBatchSampler", "padding_stats", "step_imbalance"]
 
@@ -59,7 +63,7 @@ def _pad_up(x: np.ndarray | int, m: int) -> Any:
     return (x + m - 1) // m * m
 
 
-class TokenBudgetBatchSampler:
+class TokenBudgetBatchSampler(RankedSampler):
     """Batches of similar-length samples with `len(batch) * padded_max_len <= max_tokens`.
 
     `lengths[i]` is the token count of sample i (take it from `ds.lengths(field)`: no data
@@ -70,8 +74,10 @@ class TokenBudgetBatchSampler:
     `max_len=sampler.max_len` to `TextCollate`). `window`: samples planned together (see the
     module docstring).
 
-    Yields lists of sample indices. Call `set_epoch(e)` every epoch; `state_dict()` /
-    `load_state_dict()` resume mid-epoch exactly (same world size, seed and lengths).
+    Yields lists of sample indices. A Loader holding it hands it the epoch (`bind_run`); used
+    alone, call `set_epoch(e)` every epoch. `rank` / `world_size`: None takes the Loader's (see
+    the module docstring). `state_dict()` / `load_state_dict()` resume mid-epoch exactly (same
+    world size, seed and lengths).
     """
 
     def __init__(
@@ -106,7 +112,7 @@ class TokenBudgetBatchSampler:
         self.max_batch_size = max_batch_size
         self.shuffle = shuffle
         self.seed = int(seed)
-        self.rank, self.world_size = resolve_rank_world(rank, world_size)
+        self._ranks = RunRank(rank, world_size, owner="TokenBudgetBatchSampler")
         self.drop_last = drop_last
         self.pad_to_multiple_of = int(pad_to_multiple_of)
         self.megabatch_size = int(megabatch_size or _DEFAULT_MEGABATCH)
@@ -124,8 +130,8 @@ class TokenBudgetBatchSampler:
         self._resume: tuple[int, int, int] | None = None  # (batches, window, step) for the next __iter__
         self._yielded = 0  # batches yielded by this rank in the current epoch
         self._at = (0, 0)  # (window, step) of the next batch to yield
-        self._cache: tuple[int, int, list[list[np.ndarray]]] | None = None  # (epoch, window, its steps)
-        self._counts: tuple[int, np.ndarray] | None = None  # (epoch, steps per window)
+        self._cache: tuple[int, int, int, list[list[np.ndarray]]] | None = None  # (epoch, window, world, steps)
+        self._counts: tuple[int, int, np.ndarray] | None = None  # (epoch, world, steps per window)
 
     def _validate(self) -> int:
         """Check every length (a pass of `_SCAN` at a time, no per-sample temporaries); the total."""
@@ -225,10 +231,10 @@ class TokenBudgetBatchSampler:
     def window_plan(self, k: int, epoch: int | None = None) -> list[list[np.ndarray]]:
         """All ranks' batches of window `k`: `[step][rank]` int64 index arrays."""
         epoch = self.epoch if epoch is None else int(epoch)
-        cached = self._cache
-        if cached is not None and cached[:2] == (epoch, k):
-            return cached[2]
         w = self.world_size
+        cached = self._cache
+        if cached is not None and cached[:3] == (epoch, k, w):
+            return cached[3]
         ids = self._window_ids(epoch, k)
         eff = self._eff(ids)
         full, short = self._form_batches(eff)  # positions in the window
@@ -254,7 +260,7 @@ class TokenBudgetBatchSampler:
             steps = [steps[j] for j in rng.permutation(len(steps))]
             ranks = rng.permuted(np.tile(np.arange(w), (len(steps), 1)), axis=1)
             steps = [[step[j] for j in perm] for step, perm in zip(steps, ranks)]
-        self._cache = (epoch, k, steps)
+        self._cache = (epoch, k, w, steps)
         return steps
 
     def plan(self, epoch: int | None = None) -> list[list[np.ndarray]]:
@@ -265,9 +271,10 @@ class TokenBudgetBatchSampler:
     def steps_per_window(self, epoch: int | None = None) -> np.ndarray:
         """Steps of each window of an epoch (plans every window once; cached per epoch)."""
         epoch = self.epoch if epoch is None else int(epoch)
-        if self._counts is None or self._counts[0] != epoch:
-            self._counts = (epoch, np.array([len(self.window_plan(k, epoch)) for k in range(self.num_windows)]))
-        return self._counts[1]
+        w = self.world_size
+        if self._counts is None or self._counts[:2] != (epoch, w):
+            self._counts = (epoch, w, np.array([len(self.window_plan(k, epoch)) for k in range(self.num_windows)]))
+        return self._counts[2]
 
     def step_costs(self, epoch: int | None = None, *, window: int | None = None) -> np.ndarray:
         """Padded tokens per `[step, rank]` for an epoch (or one window of it): what every rank pays at that step."""
@@ -278,7 +285,7 @@ class TokenBudgetBatchSampler:
         """The plan of the window being read (the whole epoch when it is one window): padding
         waste, rank imbalance (mean/max of max/min - 1), steps.
 
-        `fastload.Loader.stats()` merges this in when the sampler is its `batch_sampler`.
+        `fastload.Loader.stats()["components"]["batch_sampler"]` reports it (`component_stats`).
         """
         k = min(self._at[0], self.num_windows - 1)
         plan = self.window_plan(k)
@@ -292,11 +299,14 @@ class TokenBudgetBatchSampler:
             "bucket_rank_imbalance_max": float(imbalance.max()) if len(plan) else 0.0,
         }
 
+    component_stats = stats  # `fastload.run.StatsReporter`: `loader.stats()["components"][role]`
+
     # ----------------------------------------------------------------------------- sampler protocol
     def __len__(self) -> int:
         return int(self.steps_per_window().sum())
 
     def __iter__(self) -> Iterator[list[int]]:
+        rank = self._ranks.fix()[0]
         epoch = self.epoch
         resume, self._resume = self._resume, None
         done, k0, j0 = resume if resume is not None else (0, 0, 0)
@@ -306,7 +316,7 @@ class TokenBudgetBatchSampler:
             for j in range(j0 if k == k0 else 0, len(steps)):
                 self._yielded += 1
                 self._at = (k, j + 1)
-                yield steps[j][self.rank].tolist()
+                yield steps[j][rank].tolist()
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's plan; a changed epoch also drops any pending resume offset."""

@@ -20,6 +20,11 @@ Modes (chosen by the Loader):
 
 Outside the ``columns`` path `transform` (if given) runs on the collated batch. Exceptions carry a
 note naming the failing sample index (found by retrying the batch sample by sample).
+
+The run: `bind_run` (`fastload.run`) records the Loader's run context and hands it to the
+dataset, `collate_fn` and `transform`; while they run for a batch, `fastload.run.current_batch()`
+gives them the run and the batch's dataset indices (in worker threads, worker processes and
+the consumer alike).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from fastload.collate import columns_to_torch, zero_copy_column
 from fastload.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan
+from fastload.run import RunContext, batch_context, bind_components
 from fastload.views import columns_to_views
 
 __all__ = ["MODES", "Fetcher", "torch_gather"]
@@ -63,6 +69,13 @@ class Fetcher:
         self._takes_checked = False
         self._plan: EpochPlan | None = None  # this epoch's small reads, done ahead (`plan`)
         self._pending: tuple[Any, ...] | None = None  # the next epoch's plan, prepared on another thread
+        self.run: RunContext | None = None  # the Loader's run (`bind_run`)
+
+    def bind_run(self, run: RunContext) -> None:
+        """Record the run (each batch's `current_batch()` carries it) and hand it to the dataset,
+        `collate_fn` and `transform` that implement `fastload.run.RunAware`."""
+        self.run = run
+        bind_components((self.dataset, self.collate_fn, self.transform), run)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -186,6 +199,12 @@ class Fetcher:
             raise
 
     def _fetch(self, indices: Any) -> tuple[Any, dict[str, float]]:
+        if self.run is None:
+            return self._fetch_batch(indices)
+        with batch_context(self.run, indices):
+            return self._fetch_batch(indices)
+
+    def _fetch_batch(self, indices: Any) -> tuple[Any, dict[str, float]]:
         ds = self.dataset
         if self.mode not in ("columns", "views") and isinstance(indices, np.ndarray):
             indices = indices.tolist()  # torch's datasets see lists of ints

@@ -35,8 +35,15 @@ and — given the same sampler / generator / global RNG — the same batches in 
 * Epochs: once the last batch of an epoch was delivered, the next `iter()` starts the next epoch
   (a new order), whether or not `StopIteration` was raised (frameworks take `len(loader)` batches
   and call `iter()` again); a new `iter()` in the middle of an epoch starts that epoch again from
-  its start, as torch re-iterates its sampler. `set_epoch(e)` sets the epoch explicitly and is
-  forwarded to samplers that have it. `len()` is the number of batches the next `iter()` yields.
+  its start, as torch re-iterates its sampler. `set_epoch(e)` sets the epoch explicitly.
+  `len()` is the number of batches the next `iter()` yields.
+* The run (`fastload.run`): the Loader hands its `RunContext` (seed, epoch, rank, world size,
+  `num_workers`) to every component it holds that implements `bind_run` (`sampler`,
+  `batch_sampler`, `transform`, `collate_fn`, the dataset): at the first `len()`/`iter()`, at
+  every epoch start (the automatic advance too), on `set_epoch` and after `load_state_dict`;
+  samplers with only `set_epoch` (`DistributedSampler`) get the epoch through it. While a batch is
+  fetched, `fastload.run.current_batch()` gives its dataset indices, so `ImagePreset`'s crops and
+  flips are a function of (seed, epoch, sample index) whatever the workers or a resume.
 * `state_dict()` / `load_state_dict()`: exact mid-epoch resume, counted in batches the consumer
   received (prefetched batches in flight are not counted); a different world size re-deals the
   unseen rest of a seeded epoch; a state that cannot apply raises `ValueError`.
@@ -67,7 +74,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from fastload.device import DeviceStage, resolve_device
 from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
@@ -81,6 +88,7 @@ from fastload.pipeline.order import STATE_VERSION, RankedOrder, batches_from, ch
 from fastload.pipeline.pinned import PinStage
 from fastload.pipeline.progress import EpochProgress
 from fastload.pipeline.sources import WorkerSet
+from fastload.run import COMPONENT_ROLES, EpochRelay, RunContext, bind_components, collect_component_stats
 from fastload.sampling import SamplerOrder, SeededOrder
 from fastload.stats import LoaderStats
 from fastload.validate import validate_loader_args
@@ -171,16 +179,15 @@ class Loader(Generic[T_co]):
         self.persistent_workers, self.multiprocessing_context = dl.persistent_workers, dl.multiprocessing_context
         self.in_order, self.device = in_order, resolve_device(device)
         self.prefetch, self.transform = prefetch, transform
-        for stage in (transform, collate_fn):  # e.g. ImagePreset: its threads follow num_workers
-            bind_workers = getattr(stage, "bind_workers", None)
-            if callable(bind_workers):
-                bind_workers(self.num_workers)
         self._orders = RankedOrder(
             dl.dataset, rank=rank, world_size=world_size, seed=seed, batch_size=dl.batch_size,
             batch_sampler=dl.batch_sampler, sampler=dl.sampler, drop_last=dl.drop_last, generator=dl.generator,
             user_order=sampler is not None or batch_sampler is not None, shuffle=bool(shuffle),
         )
         self._progress = EpochProgress()
+        self._bound_run: RunContext | None = None  # the run last handed to the components (`_bind_run`)
+        self._epochs = EpochRelay()  # the epoch for samplers with only `set_epoch`
+        self._derived_seed: int | None = None  # a sampler order's run seed, derived once (`run`)
         self._stats = LoaderStats()
         self._workers: WorkerSet | None = None  # kept across epochs (none for an IterableDataset)
         self._probe: ThreadProbe | None = None  # autotune's probe, kept across epochs
@@ -224,11 +231,49 @@ class Loader(Generic[T_co]):
     def _order(self) -> SeededOrder | SamplerOrder:
         return self._orders.get()
 
+    @property
+    def run(self) -> RunContext:
+        """The run's facts the Loader hands to its components (`fastload.run`): its seed (the
+        seeded order's; with torch's samplers derived once, without drawing from any RNG, from
+        `generator.initial_seed()` or else `torch.initial_seed()`, and kept by `state_dict`), the
+        epoch the next `iter()` runs, rank, world size and `num_workers`."""
+        if self._iterable:
+            raise TypeError("run is not supported for IterableDataset (torch's DataLoader iterates it)")
+        rank, world = self._orders.rank_world()
+        order = self._order
+        if isinstance(order, SeededOrder):
+            seed = order.seed
+        else:
+            if self._derived_seed is None:
+                source = self.generator if self.generator is not None else torch
+                self._derived_seed = int(source.initial_seed())
+            seed = self._derived_seed
+        return RunContext(seed=seed, epoch=self._progress.epoch, rank=rank, world_size=world,
+                          num_workers=self.num_workers)
+
+    def _bind_run(self, *, announce: bool = False) -> RunContext:
+        """Hand the run to the components when a fact changed (`fastload.run`); the epoch to
+        samplers with only `set_epoch` (`announce`: `set_epoch` / `load_state_dict`, else an
+        epoch start, see `EpochRelay`)."""
+        run = self.run
+        # torch's BatchSampler holds the user's sampler (batch_sampler=BatchSampler(ShardWindowSampler(...)))
+        inner = self.batch_sampler.sampler if type(self.batch_sampler) is BatchSampler else None
+        samplers = (self.batch_sampler, self.sampler, inner)
+        if run != self._bound_run:
+            bind_components((*samplers, self._fetcher), run)
+            self._bound_run = run
+        if announce:
+            self._epochs.announce(run.epoch, samplers)
+        else:
+            self._epochs.advance(run.epoch, samplers)
+        return run
+
     # ---- DataLoader surface
     def __len__(self) -> int:
         """The number of batches the next `iter()` yields (the rest of the epoch after a resume)."""
         if self._iterable:
             return len(self._dl)
+        self._bind_run()
         return self._progress.length(self._order, self.drop_last)
 
     @property
@@ -245,6 +290,7 @@ class Loader(Generic[T_co]):
             return iter(self._dl)
         resume = self._progress.begin()
         self._orders.fix()
+        run = self._bind_run()
         self._fetcher.refresh()
         cfg, workers, order_stage = self.config, self._workers, self._order
         assert workers is not None  # a map-style Loader builds its WorkerSet in __init__
@@ -263,7 +309,7 @@ class Loader(Generic[T_co]):
         ring = None
         if cfg.ring_slots is not None:
             ring = BufferRing(cfg.ring_slots, pin=cfg.pin, device_index=device_index)
-        source, owns, ring_in_source = workers.source(ring, device_index, base_seed)
+        source, owns, ring_in_source = workers.source(ring, device_index, base_seed, run)
         device = None
         if self.device is not None:
             device = DeviceQueue(DeviceStage(self.device), prefetch=cfg.prefetch, stats=self._stats)
@@ -315,14 +361,11 @@ class Loader(Generic[T_co]):
         return self._progress.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch (seeded order) and forward it to samplers with `set_epoch`."""
-        epoch = int(epoch)
-        self._progress.set_epoch(epoch)
-        seen: set[int] = set()  # forwarded to the (batch) sampler, each object once
-        for obj in (self.batch_sampler, self.sampler):
-            if obj is not None and id(obj) not in seen and callable(getattr(obj, "set_epoch", None)):
-                seen.add(id(obj))
-                obj.set_epoch(epoch)
+        """Set the epoch the next `iter()` runs; the components get it through `bind_run`, samplers
+        with only `set_epoch` through that (see `fastload.run`)."""
+        self._progress.set_epoch(int(epoch))
+        if not self._iterable:
+            self._bind_run(announce=True)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the consumer is: epoch + batches received + (sampler) order state, and what the
@@ -339,6 +382,7 @@ class Loader(Generic[T_co]):
             "batch_size": self.batch_size,
             "num_samples": len(self.dataset),
             "batches_yielded": self._progress.received(),  # this epoch's, over its resumes
+            "run_seed": self.run.seed,
         }
 
     def _dealt_world(self) -> int:
@@ -363,6 +407,8 @@ class Loader(Generic[T_co]):
                 order.check(position)
             if state.get("seed") is not None:
                 self._orders.set_seed(int(state["seed"]))
+        elif state.get("run_seed") is not None:
+            self._derived_seed = int(state["run_seed"])
         received = state.get("batches_yielded")
         framework = step_counting_caller()
         if framework is not None and position is not None:
@@ -371,8 +417,7 @@ class Loader(Generic[T_co]):
                                     left=left, epoch_batches=len(order), saved_world=state.get("world_size"),
                                     world=self._dealt_world())
         self._progress.restore(epoch, position, received)
-        if not isinstance(order, SeededOrder):
-            self.set_epoch(epoch)  # forwarded to the samplers (the same epoch: the position stays)
+        self._bind_run(announce=True)  # the components get the restored epoch (the position stays)
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration and position only (no threads, pools or buffers): the copy is rebuilt
@@ -380,14 +425,14 @@ class Loader(Generic[T_co]):
         state = None
         if not self._iterable:
             state = {"epoch": self._progress.epoch, "position": self._progress.saved(), "seed": self.seed,
-                     "received": self._progress.received()}
+                     "received": self._progress.received(), "run_seed": self._derived_seed}
         return {"init": self._init_args, "state": state}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self.__init__(**pickled["init"])  # type: ignore[misc]
         state = pickled["state"]
         if state is not None:
-            self._orders.seed = state["seed"]
+            self._orders.seed, self._derived_seed = state["seed"], state.get("run_seed")
             self._progress.restore(int(state["epoch"]), state["position"], state.get("received"))
 
     # ---- settings and stats
@@ -419,20 +464,22 @@ class Loader(Generic[T_co]):
         time the training loop waited for data), `num_workers`, `worker_type` (``"inline"``,
         ``"thread"``, ``"process"``), `epoch`, and with `autotune` `thread_mode` (the probe's
         current choice, "threads" or "inline") and `autotune_decisions` (see `describe`).
-        Counters from `collate_fn.stats()`, `transform.stats()`, `batch_sampler.stats()`,
-        `sampler.stats()` and the dataset's `storage.stats()` (main-process objects; a remote
-        dataset's `remote_*` transfer timings, see `fastload.transfer_stats`) are merged in
+        `components`: `{role: counters}` from each component with `component_stats()`
+        (`fastload.run.StatsReporter`; roles "sampler", "batch_sampler", "transform",
+        "collate_fn", "dataset"; the objects in this process: with worker processes a
+        transform's counters stay in the workers). The dataset's `storage.stats()` (a remote
+        dataset's `remote_*` transfer timings, see `fastload.transfer_stats`) is merged in
         without overriding these.
         """
         storage = getattr(self.dataset, "storage", None)
-        extra = [self.collate_fn, self.transform, self.batch_sampler, self.sampler, storage]
         info: dict[str, Any] = {"num_workers": self.num_workers, "epoch": self._progress.epoch}
+        info["components"] = collect_component_stats({role: getattr(self, role) for role in COMPONENT_ROLES})
         info["worker_type"] = "inline" if self.num_workers == 0 else getattr(self, "worker_type", "torch")
         probe = getattr(self, "_probe", None)
         if probe is not None:
             info["thread_mode"] = probe.choice
             info["autotune_decisions"] = len(probe.decisions)
-        return self._stats.snapshot(extra, **info)
+        return self._stats.snapshot([storage], **info)
 
     def reset_stats(self) -> None:
         """Zero the counters behind `stats()`."""

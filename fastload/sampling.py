@@ -30,11 +30,14 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from fastload.ahead import Ahead
 from fastload.index_shuffle import IndexShuffle
 from fastload.plan import PLAN_MAX_BYTES
+from fastload.run import RunContext
 
 __all__ = [
     "AHEAD_MAX_BYTES",
     "ORDER_VERSION",
     "STREAM_SAMPLES",
+    "RankedSampler",
+    "RunRank",
     "SamplerOrder",
     "SeededOrder",
     "batches_left",
@@ -78,6 +81,81 @@ def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, i
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank {rank} for world_size {world_size}")
     return int(rank), int(world_size)
+
+
+class RunRank:
+    """The (rank, world size) of a Loader or a fastload sampler, by one rule: arguments given
+    win; else, for a sampler held by a Loader, the Loader's run (`bind`); else `resolve_rank_world`
+    afresh at each call until `fix()` (the first `iter()` / `__iter__`), so an object built before
+    the process group exists takes the rank the run has when it starts. `owner` names the object
+    in errors."""
+
+    def __init__(self, rank: int | None, world_size: int | None, *, owner: str) -> None:
+        if rank is not None and world_size is not None:
+            resolve_rank_world(rank, world_size)  # invalid arguments fail here
+        elif world_size is not None and world_size < 1:
+            raise ValueError(f"{owner}: invalid world_size {world_size}")
+        elif rank is not None and rank < 0:
+            raise ValueError(f"{owner}: invalid rank {rank}")
+        self.rank_arg, self.world_arg, self.owner = rank, world_size, owner
+        self._fixed: tuple[int, int] | None = None
+        self._bound: tuple[int, int] | None = None
+
+    def get(self) -> tuple[int, int]:
+        """(rank, world size): fixed, else the bound run's, else resolved now."""
+        if self._fixed is not None:
+            return self._fixed
+        if self._bound is not None:
+            return self._bound
+        return resolve_rank_world(self.rank_arg, self.world_arg)
+
+    def fix(self) -> tuple[int, int]:
+        """Keep the current (rank, world size) until the next `bind`."""
+        self._fixed = self.get()
+        return self._fixed
+
+    def bind(self, rank: int, world_size: int) -> None:
+        """Take the Loader's run (`rank` of `world_size`) for what was not given. A given value
+        that differs raises `ValueError` naming both, except against a run of one process (rank 0
+        of 1), which a sampler simulating one rank of a larger world may contradict."""
+        given = [(name, v) for name, v in (("rank", self.rank_arg), ("world_size", self.world_arg)) if v is not None]
+        run = {"rank": rank, "world_size": world_size}
+        if world_size > 1 and any(run[name] != v for name, v in given):
+            args = ", ".join(f"{name}={v}" for name, v in given)
+            raise ValueError(
+                f"{self.owner} was built with {args}, but the Loader holding it runs rank {rank} of world size "
+                f"{world_size}: pass the Loader's rank and world size, or leave them out (it then takes the Loader's)"
+            )
+        # against a run of one process, the arguments given resolve as they would alone
+        bound = resolve_rank_world(self.rank_arg, self.world_arg) if world_size == 1 and given else (rank, world_size)
+        self._bound, self._fixed = bound, None
+
+
+class RankedSampler:
+    """What fastload's samplers share: `rank` / `world_size` by the `RunRank` rule (`_ranks`, set by
+    the subclass), and `bind_run` (`fastload.run.RunAware`): the Loader's rank and world size
+    where none were given (ValueError if given ones contradict it) and its epoch, as `set_epoch`."""
+
+    _ranks: RunRank
+
+    @property
+    def rank(self) -> int:
+        """This rank (see `RunRank`)."""
+        return self._ranks.get()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the epoch is dealt to (see `RunRank`)."""
+        return self._ranks.get()[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next `__iter__` yields."""
+        raise NotImplementedError
+
+    def bind_run(self, run: RunContext) -> None:
+        """Take the Loader's run (see the class docstring)."""
+        self._ranks.bind(run.rank, run.world_size)
+        self.set_epoch(run.epoch)
 
 
 def batches_left(position: dict[str, Any], *, n: int, batch_size: int, world_size: int, drop_last: bool) -> int:
@@ -439,14 +517,6 @@ class SamplerOrder:
 
     def __len__(self) -> int:
         return len(self.index_sampler)  # type: ignore[arg-type]
-
-    def set_epoch(self, epoch: int) -> None:
-        """Forward to the (batch) sampler's `set_epoch`, each object once."""
-        seen: set[int] = set()
-        for obj in (self.index_sampler, self.sampler):
-            if obj is not None and id(obj) not in seen and _has(obj, "set_epoch"):
-                seen.add(id(obj))
-                obj.set_epoch(epoch)
 
     def epoch(
         self, *, draw_base_seed: bool, resume: dict[str, Any] | None = None, plan: PlanHook | None = None

@@ -7,6 +7,10 @@ shard once instead of every shard for every batch. Ranks get equal contiguous sl
 order (padded by wrapping like `DistributedSampler`, or trimmed with `drop_last`), so each rank
 reads its own windows. The order depends only on (seed, epoch): resume is exact.
 
+Rank and world size (`fastload.sampling.RunRank`): arguments given win; else, held by a
+`fastload.Loader`, the Loader's run (`bind_run`, which also sets the epoch at every epoch start);
+else, used alone, resolved from `torch.distributed` or RANK/WORLD_SIZE at the first `__iter__`.
+
 Both shuffles are `fastload.index_shuffle.IndexShuffle`s (the shards', and one per window over
 its samples), so a position of the epoch maps to its sample in O(1): a rank maps its own slice
 chunk by chunk, holding per-shard and per-window arrays only, never one entry per sample.
@@ -20,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from fastload.index_shuffle import IndexShuffle
+from fastload.sampling import RankedSampler, RunRank
 
 __all__ = ["ORDER_VERSION", "ShardWindowSampler", "randomness_report", "shards_in_order"]
 
@@ -39,13 +44,14 @@ def shards_in_order(indices: np.ndarray | Sequence[int], shard_starts: np.ndarra
     return [int(s) for s in uniq[np.argsort(first)]]
 
 
-class ShardWindowSampler:
+class ShardWindowSampler(RankedSampler):
     """Sampler (iterable of global sample indices) over a sharded dataset.
 
     `shard_sizes` are the sample counts per shard, in dataset order. `window` is the number of
-    shards whose samples are shuffled together. `state_dict()` records the epoch and how many
-    indices this rank's iterator has yielded; a Loader that reads ahead should store the number it
-    actually delivered as `consumed` instead.
+    shards whose samples are shuffled together. `rank` / `world_size`: None takes the Loader's
+    (or, alone, the run's: see the module docstring). `state_dict()` records the epoch and how
+    many indices this rank's iterator has yielded; a Loader that reads ahead should store the
+    number it actually delivered as `consumed` instead.
     """
 
     def __init__(
@@ -55,8 +61,8 @@ class ShardWindowSampler:
         window: int = 4,
         shuffle: bool = True,
         seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         drop_last: bool = False,
     ) -> None:
         sizes = np.asarray(shard_sizes, dtype=np.int64).reshape(-1)
@@ -64,20 +70,15 @@ class ShardWindowSampler:
             raise ValueError("shard_sizes must be a non-empty list of non-negative sample counts")
         if window < 1:
             raise ValueError(f"window must be >= 1 shard, got {window}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        self._ranks = RunRank(rank, world_size, owner="ShardWindowSampler")
         self.shard_sizes = sizes
         self.starts = np.zeros(sizes.size + 1, dtype=np.int64)
         np.cumsum(sizes, out=self.starts[1:])
         self.num_samples = int(self.starts[-1])
         self.window, self.shuffle, self.seed = int(window), bool(shuffle), int(seed)
-        self.rank, self.world_size, self.drop_last = int(rank), int(world_size), bool(drop_last)
-        if self.drop_last:
-            self.per_rank = self.num_samples // self.world_size
-        else:
-            self.per_rank = -(-self.num_samples // self.world_size)
-        if self.num_samples == 0 or self.per_rank == 0:
-            raise ValueError(f"{self.num_samples} samples cannot be split over {self.world_size} ranks")
+        self.drop_last = bool(drop_last)
+        if world_size is not None:
+            self._split(world_size)  # a world given that the samples cannot be split over fails here
         self.epoch = 0
         self._consumed = 0
         self._resume = 0
@@ -108,8 +109,24 @@ class ShardWindowSampler:
         return (f"ShardWindowSampler(samples={self.num_samples}, shards={self.shard_sizes.size}, window={self.window}, "
                 f"rank={self.rank}/{self.world_size}, epoch={self.epoch})")
 
+    @property
+    def per_rank(self) -> int:
+        """Indices each rank yields per epoch."""
+        return self._split(self.world_size)
+
+    def _split(self, world_size: int) -> int:
+        """Indices per rank over `world_size` ranks; ValueError when a rank would get none."""
+        per_rank = self.num_samples // world_size if self.drop_last else -(-self.num_samples // world_size)
+        if self.num_samples == 0 or per_rank == 0:
+            raise ValueError(f"{self.num_samples} samples cannot be split over {world_size} ranks")
+        return per_rank
+
     def __len__(self) -> int:
         return self.per_rank
+
+    def component_stats(self) -> dict[str, Any]:
+        """Epoch, rank, world size and indices yielded this epoch (`fastload.run.StatsReporter`)."""
+        return {"epoch": self.epoch, "rank": self.rank, "world_size": self.world_size, "consumed": self._consumed}
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next `__iter__` yields (a resume point of another epoch is dropped)."""
@@ -155,7 +172,8 @@ class ShardWindowSampler:
     def _ranges(self, start: int) -> list[tuple[int, int]]:
         """This rank's positions from its `start`-th on, as ranges of the unpadded order (past the
         end it wraps around to the beginning, like DistributedSampler's padding)."""
-        lo, hi = self.rank * self.per_rank + start, (self.rank + 1) * self.per_rank
+        rank, per_rank = self.rank, self.per_rank
+        lo, hi = rank * per_rank + start, (rank + 1) * per_rank
         out = []
         while lo < hi:
             a = lo % self.num_samples
@@ -216,6 +234,7 @@ class ShardWindowSampler:
         return order
 
     def __iter__(self) -> Iterator[int]:
+        self._ranks.fix()
         epoch = self.epoch
         start, self._resume = self._resume, 0
         self._consumed = start

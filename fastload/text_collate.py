@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from fastload.formats.ragged import Ragged
+from fastload.run import RunContext
 
 __all__ = ["TextCollate"]
 
@@ -151,6 +152,10 @@ class TextCollate:
 
     As a Loader's `collate_fn` on a `get_batch` dataset it takes batch views (`fastload.views`):
     the token column arrives as one `Ragged`, other columns as tensors / `Ragged`, passed through.
+
+    Run context (`fastload.run`): the layout draws nothing at random, so no run fact changes a
+    batch; `bind_run` records the run, and `component_stats()` (the `stats()` counters, with the
+    epoch the Loader last gave) is what `loader.stats()["components"]` reports for it.
     """
 
     accepts_batch_views = True  # the Loader hands it columns, not a list of samples
@@ -189,6 +194,7 @@ class TextCollate:
         self.device = torch.device(device) if device is not None else None
         _check_fits("pad_value", self.pad_value, self._np_dtype, "the output dtype")
         _check_fits("labels_pad_value", self.labels_pad_value, np.dtype(np.int64), "the labels dtype")
+        self.run: RunContext | None = None  # the Loader's run (`bind_run`)
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -371,6 +377,14 @@ class TextCollate:
             "tokens_padded": c["padded_tokens"],
             "padding_waste": waste,
         }
+
+    def bind_run(self, run: RunContext) -> None:
+        """Record the Loader's run (`fastload.run.RunAware`; the output does not depend on it)."""
+        self.run = run
+
+    def component_stats(self) -> dict[str, Any]:
+        """`stats()` and the epoch of the run the Loader last gave (`fastload.run.StatsReporter`)."""
+        return {**self.stats(), "epoch": self.run.epoch if self.run is not None else None}
 
     def reset_stats(self) -> None:
         """Zero the batch and token counters behind `stats()` (e.g. between epochs or benchmark runs)."""

@@ -30,6 +30,7 @@ import torch
 
 from fastload.collate import columns_to_torch
 from fastload.formats.ragged import Ragged
+from fastload.run import RunContext
 
 __all__ = ["BatchViews", "accepts_batch_views", "columns_to_views", "ragged_to_torch"]
 
@@ -105,9 +106,19 @@ class BatchViews:
 
     Given a list of sample dicts (a dataset without `get_batch`), it builds the same columns
     from them: equal-shape arrays and scalars stacked, bytes / str / 1-D arrays as `Ragged`.
+
+    Run context (`fastload.run`): the identity depends on no run fact; `bind_run` records the
+    run the Loader gave (`run`).
     """
 
     accepts_batch_views = True
+
+    def __init__(self) -> None:
+        self.run: RunContext | None = None  # the Loader's run (`bind_run`)
+
+    def bind_run(self, run: RunContext) -> None:
+        """Record the Loader's run (`fastload.run.RunAware`; the columns do not depend on it)."""
+        self.run = run
 
     def __call__(self, batch: Any) -> Any:
         """The columns of `batch` (a batch-views dict as is; a list of sample dicts columnised)."""

@@ -320,9 +320,10 @@ def test_loader_batches_stats_and_resume(token_ds, how: str) -> None:
     for g, w in zip(got, want):
         for key in ("input_ids", "attention_mask", "labels", "label"):
             assert torch.equal(g[key], w[key]), key
-    stats = loader.stats()
-    assert stats["padding_waste"] == pytest.approx(collate.stats()["padding_waste"])
-    assert 0 <= stats["padding_waste"] < 0.2 and "bucket_rank_imbalance_max" in stats
+    stats = loader.stats()["components"]  # each component's counters under its role
+    assert stats[how]["padding_waste"] == pytest.approx(collate.stats()["padding_waste"])
+    assert 0 <= stats[how]["padding_waste"] < 0.2 and "bucket_rank_imbalance_max" in stats["batch_sampler"]
+    assert stats[how]["epoch"] == 1  # the run reached the collate
 
     # exact resume through the Loader's state (thread workers prefetch ahead of the consumer)
     loader, _, _ = make(workers=2)

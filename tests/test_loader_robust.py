@@ -245,7 +245,7 @@ def test_stats_report_stages_throughput_and_stall():
         def __call__(self, batch):
             return torch.utils.data.default_collate(batch)
 
-        def stats(self):
+        def component_stats(self):
             return {"padding_waste": 0.25, "batches": -1}
 
     loader = Loader(SlowDS(n=64, delay=0.002), batch_size=8, collate_fn=Collate())
@@ -255,8 +255,8 @@ def test_stats_report_stages_throughput_and_stall():
     for k in ("read_s", "transform_s", "collate_s", "pin_s", "h2d_s", "wait_s", "wall_s", "batches_per_s",
               "samples_per_s", "data_stall"):
         assert k in s
-    assert s["batches"] == 8 and s["samples"] == 64  # a collate's counter never overrides ours
-    assert s["padding_waste"] == 0.25
+    assert s["batches"] == 8 and s["samples"] == 64  # a collate's counters sit under its role
+    assert s["components"] == {"collate_fn": {"padding_waste": 0.25, "batches": -1}}
     assert s["read_s"] >= 64 * 0.002
     assert 0.5 < s["data_stall"] <= 1.0  # the dataset is slower than the "training step"
     assert s["samples_per_s"] == pytest.approx(s["samples"] / s["wall_s"])

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastload.formats.ragged import Ragged
+from fastload.run import RunContext
 from fastload.vision import (
     CorruptImageError,
     ImagePreset,
@@ -561,8 +562,9 @@ def test_loader_order_resume_and_stats(image_dataset) -> None:
     assert [b["image"].shape for b in batches] == [(5, 3, 32, 32)] * 4 + [(4, 3, 32, 32)]
     assert sorted(torch.cat([b["label"] for b in batches]).tolist()) == list(range(24))
     torch.testing.assert_close(batches[0]["label"], batches[0]["__indices__"])
-    assert ref.stats()["vision_images"] == 24
-    modes = ref.stats()["vision_decode_modes"]  # the images, JPEG or not, by how each was decoded
+    preset_stats = ref.stats()["components"]["transform"]
+    assert preset_stats["vision_images"] == 24
+    modes = preset_stats["vision_decode_modes"]  # the images, JPEG or not, by how each was decoded
     assert sum(modes.values()) == 24 and modes.get("window", 0) > 0 and "whole image" in modes
 
     first = loader()
@@ -575,7 +577,7 @@ def test_loader_order_resume_and_stats(image_dataset) -> None:
     for a, b in zip(rest, batches[2:], strict=True):
         torch.testing.assert_close(a["image"], b["image"], atol=0, rtol=0)
         torch.testing.assert_close(a["label"], b["label"])
-    assert ref.stats()["vision_threads"] == 1  # the Loader's 2 workers are the parallelism
+    assert ref.stats()["components"]["transform"]["vision_threads"] == 1  # the Loader's 2 workers: the parallelism
 
 
 # -- window decode (the _jpegwin extension) ----------------------------------------------------
@@ -806,7 +808,8 @@ def test_threads_rule_and_results_independent_of_it(images: list[bytes]) -> None
     ref = one(batch)["image"]
     torch.testing.assert_close(three(batch)["image"], ref, atol=0, rtol=0)
     torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
-    alone.bind_workers(0)  # what the Loader does: one thread per batch, num_workers batches at once
+    alone.bind_run(RunContext(seed=6, epoch=0, rank=0, world_size=1, num_workers=0))  # as a Loader: one
+    # thread per batch, num_workers batches at once
     assert alone.threads == 1 and "num_workers=0" in alone.stats()["vision_threads_rule"]
     desc = alone.describe()
     assert desc["threads"] == 1 and desc["threads_rule"] == alone.stats()["vision_threads_rule"]
@@ -817,7 +820,7 @@ def test_threads_rule_and_results_independent_of_it(images: list[bytes]) -> None
         "device": "cpu",
     }
     torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
-    three.bind_workers(4)  # an explicit threads= wins
+    three.bind_run(RunContext(seed=6, epoch=0, rank=0, world_size=1, num_workers=4))  # an explicit threads= wins
     assert three.threads == 3
     with pytest.raises(ValueError, match="threads"):
         ImagePreset(threads=0)

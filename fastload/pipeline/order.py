@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastload.sampling import SamplerOrder, SeededOrder, batches_left, resolve_rank_world
+from fastload.sampling import RunRank, SamplerOrder, SeededOrder, batches_left
 
 __all__ = ["STATE_VERSION", "RankedOrder", "batches_from", "check_state", "dealt_world", "make_order", "order_kind"]
 
@@ -112,31 +112,27 @@ def check_state(
 
 
 class RankedOrder:
-    """The order for the run's rank and world size: (rank, world size) is resolved afresh at each
-    call until `fix()` (the first `iter()` or `load_state_dict`), so a Loader built before the
-    process group exists (in a LightningModule's `__init__`) takes the rank the run has when it
-    starts; the order is rebuilt only when that pair changes. `order_args`: `make_order`'s
-    other arguments but `num_samples` (`len(dataset)` when built) and `seed` (this object's)."""
+    """The order for the run's rank and world size: (rank, world size) is `RunRank`'s (the
+    arguments, else resolved afresh at each call until `fix()`: the first `iter()` or
+    `load_state_dict`), so a Loader built before the process group exists (in a LightningModule's
+    `__init__`) takes the rank the run has when it starts; the order is rebuilt only when that
+    pair changes. `order_args`: `make_order`'s other arguments but `num_samples` (`len(dataset)`
+    when built) and `seed` (this object's)."""
 
     def __init__(self, dataset: Any, *, rank: int | None, world_size: int | None, seed: int | None,
                  **order_args: Any) -> None:
-        if rank is not None and world_size is not None:
-            resolve_rank_world(rank, world_size)  # invalid arguments fail here
-        self._dataset, self._rank_arg, self._world_arg = dataset, rank, world_size
-        self.seed, self._args = seed, order_args
-        self._fixed: tuple[int, int] | None = None
+        self._ranks = RunRank(rank, world_size, owner="Loader")
+        self._dataset, self.seed, self._args = dataset, seed, order_args
         self._order: SeededOrder | SamplerOrder | None = None
         self._built_for: tuple[int, int] | None = None
 
     def rank_world(self) -> tuple[int, int]:
         """(rank, world size): fixed by `fix()`, else resolved now (see `resolve_rank_world`)."""
-        if self._fixed is not None:
-            return self._fixed
-        return resolve_rank_world(self._rank_arg, self._world_arg)
+        return self._ranks.get()
 
     def fix(self) -> None:
         """Keep the current (rank, world size) from now on."""
-        self._fixed = self.rank_world()
+        self._ranks.fix()
 
     def get(self) -> SeededOrder | SamplerOrder:
         """The order for the current (rank, world size), built when first needed."""

@@ -18,6 +18,7 @@ from fastload.fetch import Fetcher
 from fastload.pinned import BufferRing
 from fastload.pipeline.config import LoaderConfig
 from fastload.pipeline.pinned import ring_post
+from fastload.run import RunContext
 from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource
 
 __all__ = ["WorkerSet"]
@@ -53,9 +54,10 @@ class WorkerSet:
         return self.processes is not None or self.threads is not None
 
     def source(
-        self, ring: BufferRing | None, device_index: int | None, base_seed: int | None
+        self, ring: BufferRing | None, device_index: int | None, base_seed: int | None, run: RunContext | None = None
     ) -> tuple[Any, bool, bool]:
-        """The epoch's batch source -> (source, owned by the epoch, packs into `ring` itself)."""
+        """The epoch's batch source -> (source, owned by the epoch, packs into `ring` itself);
+        worker processes get `run` with each task (threads share the bound fetcher)."""
         cfg, fetcher = self.config, self.fetcher
         if cfg.worker_kind == "inline":
             return InlineSource(fetcher.fetch_alone), True, False
@@ -73,7 +75,7 @@ class WorkerSet:
             return source, True, ring is not None
         if self.reuses_processes:
             assert self.processes is not None
-            self.processes.new_epoch()
+            self.processes.new_epoch(run)
             return self.processes, False, False
         pool = ProcessSource(
             fetcher,
@@ -82,6 +84,7 @@ class WorkerSet:
             worker_init_fn=self.worker_init_fn,
             mp_context=self.mp_context,
             timeout=self.timeout,
+            run=run,
         )
         if self.persistent:
             self.processes = pool

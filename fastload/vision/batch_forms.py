@@ -5,7 +5,7 @@ views): the encoded images arrive as one `Ragged`, the other fields are returned
 (the samples a bad image drops removed from each). A list of sample dicts (a `collate_fn=`
 stage): the images are gathered, the other fields collated with torch's `default_collate`.
 Dataset indices come from an `__indices__` column / `__index__` entries (see `with_indices`),
-the epoch from `__epoch__` or the preset's `set_epoch`.
+the epoch from `__epoch__`; without them the preset takes the Loader's batch's (`fastload.run`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def transform_columns(preset: Any, batch: dict[str, Any]) -> dict[str, Any]:
     field = preset.image_field
     if field not in batch:
         raise KeyError(f"batch has no image field {field!r} (fields: {sorted(batch)})")
-    epoch = int(batch.get(EPOCH_KEY, preset.epoch))
+    epoch = batch.get(EPOCH_KEY)
     images, keep = preset.transform(batch[field], indices=batch.get(INDICES_KEY), epoch=epoch)
     out: dict[str, Any] = {}
     for key, value in batch.items():
@@ -49,8 +49,7 @@ def collate_samples(preset: Any, samples: list[dict[str, Any]]) -> dict[str, Any
         raise KeyError(f"samples have no image field {field!r} (fields: {sorted(samples[0])})")
     encoded = [s[field] for s in samples]
     indices = [s[INDEX_KEY] for s in samples] if all(INDEX_KEY in s for s in samples) else None
-    epoch = int(samples[0].get(EPOCH_KEY, preset.epoch))
-    images, keep = preset.transform(encoded, indices=indices, epoch=epoch)
+    images, keep = preset.transform(encoded, indices=indices, epoch=samples[0].get(EPOCH_KEY))
     if keep is not None:
         samples = [samples[int(i)] for i in keep]
     rest = [{k: v for k, v in s.items() if k != field} for s in samples]

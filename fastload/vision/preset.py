@@ -8,8 +8,10 @@ the fixed-size fields (labels) into tensors. It also works directly: `preset(bat
 Reproducibility: crop windows and flips are computed on the host from (seed, epoch, dataset
 index) — see `fastload.vision.params` — and handed to whichever backend runs, so a sample's
 augmentation parameters are identical across backends, batch compositions, workers and
-resumes. Pixels are bit-identical for a given backend and machine; across backends they
-differ only by decoder/resampler rounding (eval parity is tested).
+resumes. On a Loader all three come from the run (`fastload.run`): the seed is the Loader's
+(unless `seed=` is given), the epoch the Loader's (new crops every epoch), the indices the
+batch's own (`fastload.run.current_batch()`). Pixels are bit-identical for a given backend and
+machine; across backends they differ only by decoder/resampler rounding (parity is tested).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastload.run import RunContext, current_batch
 from fastload.system import usable_cores
 from fastload.vision import batch_forms, params, preset_report
 from fastload.vision.cpu_decode import CorruptImageError, batch_view, probe_sizes
@@ -42,8 +45,14 @@ __all__ = ["EPOCH_KEY", "IMAGENET_MEAN", "IMAGENET_STD", "INDICES_KEY", "ImagePr
 class ImagePreset:
     """Decode, crop/resize, flip and normalise the `image_field` of a batch.
 
-    Use: `Loader(with_indices(ds), batch_size=64, transform=preset)` (columnar fast path),
-    `Loader(with_indices(ds), batch_size=64, collate_fn=preset)`, or `preset(ds.get_batch(idx))`.
+    Use: `Loader(ds, batch_size=64, transform=preset)` (columnar fast path),
+    `Loader(ds, batch_size=64, collate_fn=preset)`, or `preset(ds.get_batch(idx))`.
+
+    Random crops and flips are a function of (seed, epoch, dataset index): on a Loader, the
+    Loader's seed (or `seed=` when given), its epoch (different crops every epoch, whether epochs
+    are driven by `set_epoch` or by `iter()`) and each batch's indices, so they are the same
+    whatever the worker count or kind and after a mid-epoch resume. Used alone: `seed` (0 when
+    None), `set_epoch`, and the indices of an `__indices__` column (`with_indices`).
 
     Options (defaults in brackets):
     - kind ['train']: 'train' = RandomResizedCrop(size, scale, ratio) + horizontal flip with
@@ -62,8 +71,8 @@ class ImagePreset:
       with ROI on a CUDA `device`, DALI CPU operators otherwise) or 'auto' (DALI on a CUDA device
       when DALI is installed, else 'cpu'). DALI missing -> a warning and 'cpu'.
     - threads [None]: threads that decode one batch (the calling thread is one of them). None
-      follows the Loader: a Loader given this preset (`transform=` or `collate_fn=`) calls
-      `bind_workers(num_workers)`, and then each batch decodes on the thread that asks for it
+      follows the Loader: a Loader given this preset (`transform=` or `collate_fn=`) hands it
+      its run (`bind_run`), and then each batch decodes on the thread that asks for it
       (num_workers=N: N batches decode at once, in N thread or process workers; num_workers=0:
       one thread, the training loop's, as in torch). A preset used on its own uses every
       usable core. `stats()['vision_threads']` says which applies.
@@ -97,7 +106,7 @@ class ImagePreset:
         layout: str | None = None,
         dtype: torch.dtype = torch.float16,
         device: str | torch.device | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         image_field: str = "image",
         threads: int | None = None,
         normalize: bool = True,
@@ -124,11 +133,12 @@ class ImagePreset:
         # What `normalize()` produces for a uint8 preset: the dtype / layout given, else fp16 NCHW.
         self._finish = (layout or "NCHW", dtype if dtype != torch.uint8 else torch.float16)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.seed = int(seed)
+        self.seed = int(seed) if seed is not None else None  # None: the Loader's run seed (0 alone)
         self.epoch = 0
+        self.run: RunContext | None = None  # the Loader's run (`bind_run`)
         self.image_field = image_field
         self.threads_requested = int(threads) if threads is not None else None
-        self.loader_workers: int | None = None  # set by `bind_workers`
+        self.loader_workers: int | None = None  # the Loader's num_workers (`bind_run`)
         self.normalize_output = normalize
         self.scale = scale
         self.ratio = ratio
@@ -157,21 +167,26 @@ class ImagePreset:
 
     @property
     def threads(self) -> int:
-        """Threads that decode one batch: `threads` if given, 1 on a Loader (`bind_workers`),
+        """Threads that decode one batch: `threads` if given, 1 on a Loader (`bind_run`),
         else every usable core."""
         if self.threads_requested is not None:
             return self.threads_requested
         return 1 if self.loader_workers is not None else usable_cores()
 
-    def bind_workers(self, num_workers: int) -> None:
-        """Called by `fastload.Loader`: the Loader's `num_workers` are the parallelism (each
-        batch decodes on the thread or process that fetched it; `threads=` overrides)."""
-        self.loader_workers = int(num_workers)
-        if self.threads_requested is None:
-            self._cpu.close_pool()
+    def bind_run(self, run: RunContext) -> None:
+        """Called by `fastload.Loader` (`fastload.run.RunAware`): the run's seed (unless `seed=`
+        was given) and epoch key the crops and flips; the Loader's `num_workers` are the
+        parallelism (each batch decodes on the thread or process that fetched it; `threads=`
+        overrides)."""
+        self.run, self.epoch = run, run.epoch
+        if self.loader_workers != run.num_workers:
+            self.loader_workers = run.num_workers
+            if self.threads_requested is None:
+                self._cpu.close_pool()
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch that keys random crops/flips (a batch's `__epoch__` entry overrides it)."""
+        """The epoch that keys random crops/flips outside a Loader's fetch (inside one, the batch's
+        run gives it); a batch's `__epoch__` entry overrides both."""
         self.epoch = int(epoch)
 
     def __repr__(self) -> str:
@@ -189,8 +204,9 @@ class ImagePreset:
 
         Dict input: the other fields are returned as they came (the Loader converts them);
         list input: they are collated with torch's `default_collate`. Dataset indices come from
-        an `__indices__` column / `__index__` entries (see `with_indices`), the epoch from
-        `__epoch__` or `set_epoch`.
+        an `__indices__` column / `__index__` entries (see `with_indices`), else from the Loader's
+        batch (`fastload.run.current_batch()`); the epoch from `__epoch__`, else the batch's run,
+        else `set_epoch`.
         """
         if isinstance(batch, list):
             return batch_forms.collate_samples(self, batch)
@@ -207,23 +223,37 @@ class ImagePreset:
         tensor, kept-positions array or None when none dropped).
 
         `indices` are the dataset indices (they key the random parameters and name bad
-        samples); without them, positions in the batch are named and random draws are keyed
-        by a per-preset call counter (random, but not reproducible across resumes).
+        samples); None: the Loader's batch's (`fastload.run.current_batch()`), and outside a
+        Loader positions in the batch are named and random draws are keyed by a per-preset call
+        counter (random, but not reproducible across resumes). `epoch` None: the batch's run's,
+        else `self.epoch`.
         """
         t0 = time.perf_counter()
         values, offsets = batch_view(encoded)
         n = len(offsets) - 1
+        batch = current_batch()
+        if indices is None and batch is not None:
+            indices = batch.indices
+            if len(indices) != n:
+                raise ValueError(
+                    f"the Loader's batch has {len(indices)} samples but {n} images reach the image preset: the "
+                    "dataset indices that key its crops cannot be matched; give the batch an "
+                    f"{INDICES_KEY} column (fastload.vision.with_indices) or run the preset on the dataset's batch"
+                )
         if indices is None:
             keys = np.arange(n, dtype=np.int64) + (self.counters.next_call() << 32)
         else:
             keys = np.asarray(indices, dtype=np.int64).reshape(-1)
             if len(keys) != n:
                 raise ValueError(f"{INDICES_KEY} has {len(keys)} entries for a batch of {n} images")
-        epoch = self.epoch if epoch is None else int(epoch)
+        run = batch.run if batch is not None else self.run
+        if epoch is None:
+            epoch = batch.run.epoch if batch is not None else self.epoch
+        seed = self.seed if self.seed is not None else (run.seed if run is not None else 0)
         named = keys if indices is not None else None
 
         sizes, jpeg, errors = probe_sizes(values, offsets)
-        windows, flips, nums = self._parameters(sizes, keys, epoch)
+        windows, flips, nums = self._parameters(sizes, keys, int(epoch), seed)
         self._check_errors(errors, named)
 
         if self.backend == "cpu":
@@ -247,14 +277,14 @@ class ImagePreset:
         return images, keep
 
     def _parameters(
-        self, sizes: np.ndarray, keys: np.ndarray, epoch: int
+        self, sizes: np.ndarray, keys: np.ndarray, epoch: int, seed: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(windows, flips, DCT scale nums or None) of this preset's crop for a batch: see
         `params.batch_windows`."""
         return params.batch_windows(
             sizes,
             keys=keys,
-            seed=self.seed,
+            seed=seed,
             epoch=epoch,
             train=self.kind == "train",
             out_hw=self.out_hw,
@@ -336,3 +366,5 @@ class ImagePreset:
         workers): images, skipped, batches, seconds, images/s, backend, threads, and the images
         per decode mode (`vision_decode_modes`, CPU backend)."""
         return preset_report.stats(self)
+
+    component_stats = stats  # `fastload.run.StatsReporter`: `loader.stats()["components"][role]`

@@ -9,6 +9,8 @@ batch is bigger, and sent to the main process once as a file descriptor via torc
 name already unlinked so nothing can be left in /dev/shm); per batch only the layout and any
 non-tensor leaves (str, bytes, objects: the pickling fallback) cross the queue. The main process
 yields views of the slot and gives the slot back to the worker once nothing references it.
+Each task carries the Loader's run context (`fastload.run`): a worker hands a new one to its
+copy of the fetcher (`bind_run`) before fetching, so persistent workers follow the epochs.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _worker_main(
     init_fn: Callable[[int], None] | None,
     parent_pid: int,
 ) -> None:
-    """Worker process loop: tasks `(gen, j, indices, slot_id, retired_ids)` or None to stop."""
+    """Worker process loop: tasks `(gen, j, indices, slot_id, retired_ids, run)` or None to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process owns Ctrl-C and shuts us down
     signal_handling._set_worker_signal_handlers()  # as torch's workers: a crash says so on stderr first
     parent_start = _process_start(parent_pid)
@@ -106,6 +108,8 @@ def _worker_main(
         return
     result_q.cancel_join_thread()  # from here on, exiting never waits on a parent that stopped reading
     slots: dict[int, torch.Tensor] = {}
+    bound: Any = None  # the run context last handed to `fetch`
+    bind_run = getattr(fetch, "bind_run", None)
     while True:
         try:
             task = task_q.get(timeout=1.0)
@@ -115,10 +119,13 @@ def _worker_main(
             continue
         if task is None:
             return
-        gen, j, indices, sid, retired = task
+        gen, j, indices, sid, retired, run = task
         for r in retired:
             slots.pop(r, None)
         try:
+            if run is not None and run != bound and bind_run is not None:
+                bind_run(run)
+                bound = run
             batch, timings = fetch(indices)
             t0 = time.perf_counter()
             leaves, spec = flatten(batch)
@@ -186,9 +193,11 @@ class ProcessSource:
         worker_init_fn: Callable[[int], None] | None = None,
         mp_context: Any = None,
         timeout: float = 0,
+        run: Any = None,
     ) -> None:
         ctx = mp_context if mp_context is not None else multiprocessing.get_context()
         self.num_workers, self.timeout = num_workers, timeout
+        self.run = run  # the run context each task carries (`fastload.run.RunContext`)
         self.result_q = ctx.Queue()
         self.task_qs = [ctx.Queue() for _ in range(num_workers)]
         for q in self.task_qs:
@@ -229,9 +238,11 @@ class ProcessSource:
         """The worker processes' pids."""
         return [p.pid for p in self.procs if p.pid is not None]
 
-    def new_epoch(self) -> None:
-        """Forget batches of an abandoned epoch (their results are dropped on arrival)."""
+    def new_epoch(self, run: Any = None) -> None:
+        """Forget batches of an abandoned epoch (their results are dropped on arrival); the tasks
+        from now on carry `run`."""
         self.gen += 1
+        self.run = run
         for msg in self._ready.values():
             self._free[msg[2]].append(msg[3])
         self._ready.clear()
@@ -247,7 +258,7 @@ class ProcessSource:
             self._next_sid[w] += 1
         retired, self._retired[w] = self._retired[w], []
         self._owner[j] = w
-        self.task_qs[w].put((self.gen, j, indices, sid, retired))
+        self.task_qs[w].put((self.gen, j, indices, sid, retired, self.run))
 
     def _receive(self, deadline: float | None) -> None:
         try:
