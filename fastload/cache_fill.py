@@ -27,6 +27,26 @@ __all__ = ["CacheFill"]
 _POLL_S = 0.02
 
 
+class _Flight:
+    """A download running in this process: `done` is set when it ends, `error` says how it failed."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def wait(self) -> None:
+        """Wait for the download; raise its error when it failed (its retries were spent: a thread
+        that waited for it does not start a second round)."""
+        self.done.wait()
+        err = self.error
+        if err is not None:
+            try:
+                again = type(err)(*err.args)
+            except Exception:  # noqa: BLE001 - an error type that cannot be rebuilt: raise it as is
+                raise err from None
+            raise again from err
+
+
 class CacheFill:
     """Fills and verifies cache entries of `store`'s owner under the budget `policy` enforces."""
 
@@ -47,7 +67,7 @@ class CacheFill:
         self.limit, self.root = policy.limit, store.root
         self._mutex = store.mutex
         self._verified: dict[str, list[int | str]] = {}  # key -> stat stamp hashed by this owner
-        self._inflight: dict[str, threading.Event] = {}  # key -> download running in this process
+        self._inflight: dict[str, _Flight] = {}  # key -> download running in this process
         self._tmp_seq = 0
 
     def _path(self, key: str) -> str:
@@ -64,9 +84,9 @@ class CacheFill:
                 f"({self.root}); raise cache_limit to at least a few shards"
             )
         while True:
-            event = self._wait_inflight(key)
-            if event is not None:
-                event.wait()
+            flight = self._wait_inflight(key)
+            if flight is not None:
+                flight.wait()
                 continue
             kind, value = self._find_or_reserve(key, size=size, where=where, soft=soft)
             if kind == "none":
@@ -74,8 +94,8 @@ class CacheFill:
             if kind == "soft":
                 return value
             if kind == "download":
-                tmp, event = value
-                return self._download(key, tmp, event, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
+                tmp, flight = value
+                return self._download(key, tmp, flight, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
             path = self._path(key)  # "entry": cached, pinned now; verify before its first use here
             try:
                 ok = self._verify_cached(key, path, size=size, xxh3=xxh3, recorded=value)
@@ -120,9 +140,9 @@ class CacheFill:
 
     def _step(self, state: dict[str, Any], key: str, *, size: int, soft: bool) -> tuple[str, Any]:
         """One look at the state (under its lock): ("entry", stamp) cached and pinned now; ("soft", path)
-        cached, for a prefetch; ("download", (tmp, event)) reserved for a download by this thread;
-        ("event", event) wait for this process's download; ("wait", (room, deadlocked)); ("none", None)
-        a prefetch finds no room or another download in flight."""
+        cached, for a prefetch; ("download", (tmp, flight)) reserved for a download by this thread;
+        ("event", flight) wait for this process's download (its error is raised); ("wait", (room,
+        deadlocked)); ("none", None) a prefetch finds no room or another download in flight."""
         me = self._store.owner
         entry = state["entries"].get(key)
         if entry is not None:
@@ -139,9 +159,9 @@ class CacheFill:
         if res is not None:
             if soft:
                 return "none", None
-            event = self._wait_inflight(key) if res["owner"] == me else None
-            if event is not None:  # another thread of this owner downloads it
-                return "event", event
+            flight = self._wait_inflight(key) if res["owner"] == me else None
+            if flight is not None:  # another thread of this owner downloads it
+                return "event", flight
             return "wait", (Room(False, waiting_on=f"download of {key} by process {res['owner']}"), False)
         room = self._policy.make_room(state, size, soft=soft)
         if room.ok:
@@ -150,15 +170,15 @@ class CacheFill:
             state["waiting"].pop(me, None)
             if not soft:
                 self._store.hold(state, key)
-            event = threading.Event()
-            self._inflight[key] = event  # under the mutex, with the reservation
-            return "download", (tmp, event)
+            flight = _Flight()
+            self._inflight[key] = flight  # under the mutex, with the reservation
+            return "download", (tmp, flight)
         if soft:
             return "none", None
         state["waiting"][me] = {"key": key, "size": size}
         return "wait", (room, self._policy.deadlocked(state, me))
 
-    def _wait_inflight(self, key: str) -> threading.Event | None:
+    def _wait_inflight(self, key: str) -> _Flight | None:
         with self._mutex:
             return self._inflight.get(key)
 
@@ -171,7 +191,7 @@ class CacheFill:
         self,
         key: str,
         tmp: str,
-        event: threading.Event,
+        flight: _Flight,
         *,
         size: int,
         xxh3: str,
@@ -211,6 +231,9 @@ class CacheFill:
             self._transfer.add("commit_s", time.perf_counter() - t0)
             ok = True
             return final
+        except Exception as exc:
+            flight.error = exc
+            raise
         finally:
             if not ok:
                 unlink(tmp_path)
@@ -220,7 +243,7 @@ class CacheFill:
                         self._store.unhold(state, key)
             with self._mutex:
                 self._inflight.pop(key, None)
-            event.set()
+            flight.done.set()
 
     def _verify_cached(self, key: str, path: str, *, size: int, xxh3: str, recorded: list[int | str] | None) -> bool:
         """Whether the cached file matches: its stamp was hashed by this owner, or (`verify="stat"`)
