@@ -60,8 +60,10 @@ class CacheFill:
         fsync: bool,
         wait_timeout: float,
         deadlock_grace: float,
+        on_wait: Callable[[], None] | None = None,
     ) -> None:
         self._store, self._policy, self._transfer = store, policy, transfer
+        self._on_wait = on_wait  # called on each look while a demand fetch waits for room
         self.verify, self.fsync = verify, fsync
         self.wait_timeout, self.deadlock_grace = wait_timeout, deadlock_grace
         self.limit, self.root = policy.limit, store.root
@@ -78,7 +80,7 @@ class CacheFill:
     ) -> str | None:
         """Pin `key` (a soft pin when `soft`) and return its verified path, downloading it with `fetch`
         when missing or corrupt; a prefetch (`soft`) returns None when there is no room now."""
-        if size > self.limit:
+        if self._policy.occupied({"entries": {}, "reserved": {}, "retired": {}}) + size > self.limit:
             raise CacheBudgetError(
                 f"{where}: a {format_size(size)} shard does not fit in cache_limit={format_size(self.limit)} "
                 f"({self.root}); raise cache_limit to at least a few shards"
@@ -136,6 +138,8 @@ class CacheFill:
                     f"{where}: waited {self.wait_timeout:.0f}s for room in cache {self.root} "
                     f"(limit {format_size(self.limit)}; {room.waiting_on or 'pinned by other processes'})"
                 )
+            if self._on_wait is not None:
+                self._on_wait()
             time.sleep(_POLL_S)
 
     def _step(self, state: dict[str, Any], key: str, *, size: int, soft: bool) -> tuple[str, Any]:
@@ -176,7 +180,8 @@ class CacheFill:
         if soft:
             return "none", None
         state["waiting"][me] = {"key": key, "size": size}
-        return "wait", (room, self._policy.deadlocked(state, me))
+        # room held by mapped files frees when their readers let go, whoever waits
+        return "wait", (room, not room.mapped and self._policy.deadlocked(state, me))
 
     def _wait_inflight(self, key: str) -> _Flight | None:
         with self._mutex:
@@ -273,11 +278,15 @@ class CacheFill:
         return True
 
     def _drop_corrupt(self, key: str) -> None:
-        """Unpin and remove a cached file that failed verification (it is fetched again)."""
+        """Unpin and remove a cached file that failed verification (it is fetched again); readers
+        elsewhere keep their mapping of it, and it stays in the budget until they let go."""
         with self._store.locked() as state:
-            self._verified.pop(key, None)
+            self.forget(key)
             self._store.unhold(state, key)
-            # Readers elsewhere keep their mapping of the old inode; new opens get the re-fetch.
-            unlink(self._path(key))
-            state["entries"].pop(key, None)
-            state["soft"].pop(key, None)
+            self._policy.remove(state, key)
+
+    def forget(self, key: str) -> None:
+        """This owner no longer trusts its copy of `key` (the next acquire checks the cache again)."""
+        with self._mutex:
+            self._verified.pop(key, None)
+            self._store.usable.discard(key)

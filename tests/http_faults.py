@@ -9,14 +9,15 @@ import threading
 
 
 class ShardServer:
-    """`url` serves `root`. `freeze()`: requests under `shards/` are read and counted
-    (`frozen_requests`) but never answered; `kill()`: the port is closed."""
+    """`url` serves `root` (every request listed in `requests`). `freeze()`: requests under `shards/`
+    are read and counted (`frozen_requests`) but never answered; `kill()`: the port is closed."""
 
     def __init__(self, root: str) -> None:
         self._thaw = threading.Event()
         self._frozen = False
         self._lock = threading.Lock()
         self.frozen_requests: list[str] = []
+        self.requests: list[str] = []  # every request, "GET /path"
         server = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
@@ -24,6 +25,8 @@ class ShardServer:
                 pass
 
             def _hold(self) -> bool:
+                with server._lock:
+                    server.requests.append(f"{self.command} {self.path}")
                 if not (server._frozen and "/shards/" in self.path):
                     return False
                 with server._lock:
