@@ -129,7 +129,8 @@ class LruPolicy:
             f"{format_size(pinned)} are pinned by process(es) {', '.join(holders) or '-'} and every one of them "
             f"waits for room for another shard ({format_size(size)}). Raise cache_limit to at least the sum, "
             f"over every reader sharing the cache (each dataset object in each process, loader workers "
-            f"included), of (max_open_shards + 1) x (largest shard), or open fewer shards at once."
+            f"included), of (max_open_shards + 1) x (largest shard, rounded up to the file system's block), plus "
+            f"the state files, or open fewer shards at once."
         )
 
 
