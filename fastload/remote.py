@@ -313,8 +313,8 @@ class RemoteStorage:
         when even its least does not fit next to the leasts of the other live readers. Other readers
         of the cache in this process close the shards their smaller shares no longer hold."""
         least, most = self._bounds()
-        share = self.cache.claim(most, least=least)
-        if share is None or (not self._auto and share < most):
+        share = self.cache.claim(most, least=least)  # a fixed reader's least is its most
+        if share is None:
             self.cache.claim(0)
             raise CacheBudgetError(self._budget_message(least))
         self._claimed = True
