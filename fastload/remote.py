@@ -210,6 +210,7 @@ class RemoteStorage:
         this reader's share of the cache holds, which shrinks while other readers share it (down
         to `MIN_OPEN_SHARDS`) and grows back when they stop (up to `MAX_OPEN_SHARDS`)."""
         if self._auto and self._biggest:
+            self._check_pid()
             least, most = self._bounds()
             share = self.cache.claim(most, least=least, record=self._claimed)
             if share is not None:
