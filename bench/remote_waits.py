@@ -1,8 +1,10 @@
-"""How long a remote read waits, with default settings, before it fails: a frozen server (accepts
-connections, never answers) and a server killed mid-epoch (connections refused).
+"""How long a Loader's epoch over HTTP waits, with default settings, before it fails: a frozen server
+(accepts connections and shard requests, never answers them) and a killed server (connections
+refused), each while reading the first batch's shard.
 
-    python -m bench.remote_waits            # both, default timeouts and RetryPolicy
-Prints seconds from the read to the `RemoteFetchError`, and its message.
+    python -m bench.remote_waits            # both, default timeouts, RetryPolicy and prefetching
+Prints seconds from `next(iter(loader))` to the `RemoteFetchError`, its message, and for the frozen
+server the shard requests it received.
 """
 
 from __future__ import annotations
@@ -12,59 +14,41 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from s3_fixtures import MotoServer, storage_options, upload_dir
-from test_remote_s3 import FrozenServer, _samples
+from http_faults import ShardServer
 
-from fastload.formats import FastloadDataset, write
-from fastload.remote import RemoteFetchError, RemoteStorage
-
-
-def _defaults(endpoint: str) -> dict:
-    opts = storage_options(endpoint)
-    del opts["config_kwargs"]  # the test fixture's own timeouts: use RemoteStorage's defaults instead
-    return opts
+from fastload import Loader, open_dataset
+from fastload.formats import write
+from fastload.remote import RemoteFetchError
 
 
-def frozen(tmp: str) -> None:
-    server = FrozenServer()
-    t0 = time.monotonic()
+def _case(tmp: str, how: str) -> None:
+    server = ShardServer(os.path.join(tmp, "root"))
     try:
-        RemoteStorage("s3://data/ds", storage_options=_defaults(f"http://127.0.0.1:{server.port}"), cache_dir=tmp)
-    except RemoteFetchError as exc:
-        print(f"frozen server: {time.monotonic() - t0:.1f} s -> {exc}")
+        ds = open_dataset(f"{server.url}/ds", cache_dir=os.path.join(tmp, f"cache-{how}"), cache_limit="100MB")
+        server.freeze() if how == "frozen" else server.kill()
+        t0 = time.monotonic()
+        try:
+            next(iter(Loader(ds, batch_size=64, num_workers=0)))
+        except RemoteFetchError as exc:
+            print(f"{how} server: {time.monotonic() - t0:.1f} s -> {exc}")
+        if how == "frozen":
+            print(f"  shard requests the server received: {len(server.frozen_requests)}")
+        ds.storage.close()
     finally:
         server.stop()
 
 
-def killed(tmp: str) -> None:
-    local = os.path.join(tmp, "ds")
-    write(_samples(), local, shard_size="150KB", progress=False)
-    server = MotoServer().start()
-    try:
-        client = server.client()
-        client.create_bucket(Bucket="data")
-        upload_dir(client, local, "data", "ds")
-        storage = RemoteStorage(
-            "s3://data/ds",
-            storage_options=_defaults(server.endpoint),
-            cache_dir=os.path.join(tmp, "c"),
-            prefetch_depth=0,
-        )
-        ds = FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
-        ds[0]
-        server.kill()
-        t0 = time.monotonic()
-        try:
-            ds[len(ds) - 1]
-        except RemoteFetchError as exc:
-            print(f"killed server: {time.monotonic() - t0:.1f} s -> {exc}")
-    finally:
-        server.kill()
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        samples = ({"x": np.full(2000, i % 251, np.uint8), "label": i} for i in range(2000))
+        write(samples, os.path.join(tmp, "root", "ds"), shard_size="400KB", progress=False)
+        _case(tmp, "frozen")
+        _case(tmp, "killed")
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as tmp:
-        frozen(os.path.join(tmp, "f"))
-        killed(tmp)
+    main()

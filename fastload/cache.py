@@ -12,8 +12,11 @@ Parts, one concept each:
 - `fastload.cache_files.Download`: a download hashed as it is written;
 - this module: acquire / prefetch / release on top of them.
 
-The bytes on disk never exceed `limit`: a download reserves its full size before its temp file is
-created, and the reservation becomes the entry when the file is renamed in.
+The bytes the cache occupies on its file system never exceed `limit`: every file counts at its
+block footprint (complete files, downloads, which reserve their full size before their temp file is
+created, and retired files), the state files count too, and a file something still maps is never
+evicted (`LruPolicy`). Readers sharing the directory split the budget through their claims
+(`claim`, `cache_policy.split_budget`).
 
 Downloads are renamed into `data/` only after their size and xxh3 match the manifest; a process
 crash cannot leave a partial file there. A cached file is hashed against the caller's xxh3 before
@@ -37,10 +40,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .cache_files import Download, check_key
+from .cache_files import Download, check_key, footprint
 from .cache_fill import CacheFill
-from .cache_policy import LruPolicy
-from .cache_state import CacheBudgetError, CacheState, CacheStateError, owner_alive, owner_id, unlink
+from .cache_policy import LruPolicy, split_budget
+from .cache_state import CacheBudgetError, CacheState, CacheStateError, owner_alive, owner_id
 from .formats.forksafe import reset_in_child
 from .formats.units import format_size, parse_size
 from .transfer_stats import TransferStats
@@ -91,10 +94,12 @@ class ShardCache:
         self.verify, self.fsync = verify, fsync
         self.wait_timeout, self.deadlock_grace = float(wait_timeout), float(deadlock_grace)
         self._pid = -1
+        self.on_wait: Callable[[], Callable[[], None] | None] | None = None  # (weak) called while waiting for room
         self._reset_process_state()
         with self._locked() as state:
             self._store.sweep_tmp(state)
             used = CacheState.used(state)
+        self.block = os.statvfs(self.root).f_frsize or 4096  # files occupy whole blocks: counted so
         self.limit = int(0.8 * (_free_bytes(self.root) + used)) if limit is None else parse_size(limit)
         if self.limit <= 0:
             raise CacheBudgetError(f"cache_limit must be > 0 bytes, got {limit!r}")
@@ -104,12 +109,13 @@ class ShardCache:
         return f"ShardCache({self.root!r}, limit={format_size(self.limit)})"
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("root", "data_dir", "tmp_dir", "verify", "fsync", "wait_timeout", "deadlock_grace", "limit")
+        keep = ("root", "data_dir", "tmp_dir", "verify", "fsync", "wait_timeout", "deadlock_grace", "limit", "block")
         # a copy in another process is a new owner: it holds no pins, claims or soft pins
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.on_wait = None
         self._pid = -1
         self._reset_process_state()
 
@@ -125,13 +131,24 @@ class ShardCache:
     def _new_fill(self) -> CacheFill:
         return CacheFill(
             store=self._store,
-            policy=LruPolicy(limit=self.limit, data_dir=self.data_dir),
+            policy=self._policy(),
             transfer=self.transfer,
             verify=self.verify,
             fsync=self.fsync,
             wait_timeout=self.wait_timeout,
             deadlock_grace=self.deadlock_grace,
+            on_wait=self._waiting,
         )
+
+    def _waiting(self) -> None:
+        """A demand fetch waits for room: let this process's other readers of the cache shrink (`on_wait`)."""
+        ref = self.on_wait
+        fn = ref() if ref is not None else None
+        if fn is not None:
+            fn()
+
+    def _policy(self) -> LruPolicy:
+        return LruPolicy(limit=self.limit, data_dir=self.data_dir, tmp_dir=self.tmp_dir, block=self.block)
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -162,15 +179,38 @@ class ShardCache:
             return json.loads(json.dumps(state))
 
     def usage(self) -> dict[str, int]:
-        """Bytes and files held now: `bytes` (complete + reserved), `files`, `pinned`, `reserved`."""
+        """Bytes and files held now: `bytes` (complete + reserved + retired, at their sizes), `files`,
+        `pinned`, `reserved`, `retired` (files removed while still mapped, counted until unmapped),
+        `occupied` (what the budget counts: every file at its block footprint plus the state files)."""
         with self._locked() as state:
             return {
                 "bytes": CacheState.used(state),
                 "files": len(state["entries"]),
                 "pinned": sum(1 for p in state["pins"].values() if p),
                 "reserved": sum(r["size"] for r in state["reserved"].values()),
+                "retired": sum(state["retired"].values()),
+                "occupied": self._policy().occupied(state),
                 "limit": self.limit,
             }
+
+    def footprint(self, size: int) -> int:
+        """Bytes a file of `size` bytes takes from the budget (whole blocks of the cache's file system)."""
+        return footprint(size, self.block)
+
+    def state_bytes(self) -> int:
+        """What the budget counts for the cache's own state files now (see `LruPolicy.occupied`)."""
+        with self._locked() as state:
+            return self._policy().occupied(state) - CacheState.used(state, self.block)
+
+    def discard(self, key: str) -> str:
+        """The cached copy of `key` failed a check while read: take it out of the cache (retired while
+        something still maps it) so that the next acquire fetches it again; returns its path."""
+        check_key(key)
+        self._check_pid()
+        self._fill.forget(key)
+        with self._locked() as state:
+            self._policy().remove(state, key)
+        return self.path(key)
 
     def disk_bytes(self) -> int:
         """Bytes of the files under `data/` and `tmp/` right now, measured on disk (for tests)."""
@@ -240,28 +280,48 @@ class ShardCache:
         with self._mutex:
             return dict(self._store.held)
 
-    def claim(self, nbytes: int) -> int:
-        """Record that this owner may pin up to `nbytes` at once; returns the bytes other live owners
-        claim. Claims only inform budget checks (`RemoteStorage` refuses a reader whose claim does
-        not fit next to the others' instead of letting it deadlock later); 0 withdraws the claim."""
+    def claim(self, most: int, *, least: int | None = None, record: bool = True) -> int | None:
+        """Claim the right to pin between `least` (default `most`) and `most` bytes at once, as one
+        of the readers sharing this cache: live claims split what the budget holds beside the state
+        files (`split_budget`: each gets its least, the rest is shared evenly), so a new reader
+        shrinks the others' shares instead of failing. Returns this owner's share in bytes, or None
+        when the leasts of every live claim, this one included, do not fit (then nothing is
+        recorded). `record=False` only computes the share; `most=0` withdraws the claim."""
         self._check_pid()
         with self._mutex:
-            self._store.claim = int(nbytes)
-            return self.claimed_by_others()
+            if most <= 0:
+                self._store.claim = None
+                with self._locked():
+                    return 0
+            want = [int(most if least is None else least), int(most)]
+            me = self._store.owner
+            with self._locked() as state:
+                claims = {o: c for o, c in state["claims"].items() if o != me}
+                claims[me] = want
+                overhead = self._policy().occupied(state) - CacheState.used(state, self.block)
+                shares = split_budget(self.limit - overhead, claims)
+                if record:
+                    self._store.claim = None if shares is None else want
+                    if shares is None:
+                        state["claims"].pop(me, None)
+                    else:
+                        state["claims"][me] = want
+                return None if shares is None else shares[me]
 
     def claimed_by_others(self) -> int:
-        """Bytes that other live owners of this cache have claimed (see `claim`)."""
+        """The least bytes that other live owners of this cache have claimed (see `claim`)."""
         with self._locked() as state:
-            return sum(c for o, c in state["claims"].items() if o != self._store.owner)
+            return sum(
+                c if isinstance(c, int) else int(c[0]) for o, c in state["claims"].items() if o != self._store.owner
+            )
 
     def clear(self) -> None:
-        """Delete every unpinned, unreserved file."""
+        """Delete every unpinned, unreserved file (one still mapped is retired: counted until unmapped)."""
         with self._locked() as state:
+            policy = self._policy()
             for key in list(state["entries"]):
                 if not state["pins"].get(key):
-                    unlink(os.path.join(self.data_dir, key))
-                    del state["entries"][key]
-                    state["soft"].pop(key, None)
+                    policy.remove(state, key)
 
 
 def _free_bytes(path: str) -> int:

@@ -7,6 +7,9 @@ renames it into `data/` only after `check` passed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
 import time
 
@@ -15,7 +18,7 @@ import xxhash
 from .formats.errors import ChecksumError
 from .transfer_stats import TransferStats
 
-__all__ = ["Download", "check_key", "file_xxh3", "stamp"]
+__all__ = ["Download", "check_key", "file_xxh3", "footprint", "in_use", "stamp"]
 
 
 class Download:
@@ -112,6 +115,8 @@ def file_xxh3(path: str) -> str:
     """xxh3-64 of a whole file, read in 8 MiB pieces."""
     h = xxhash.xxh3_64()
     with open(path, "rb") as fh:
+        with contextlib.suppress(OSError):  # in use while hashed (see `in_use`)
+            fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
         while buf := fh.read(8 << 20):
             h.update(buf)
     return h.hexdigest()
@@ -139,3 +144,29 @@ def check_key(key: str) -> str:
     if not key or "/" in key or "\x00" in key or key in (".", "..") or key.startswith("."):
         raise ValueError(f"invalid cache key {key!r}")
     return key
+
+
+def footprint(size: int, block: int) -> int:
+    """Bytes a file of `size` bytes occupies on a file system of `block`-byte blocks."""
+    return -(-int(size) // block) * block
+
+
+def in_use(path: str) -> bool:
+    """Whether some process still maps or reads the file at `path`: shard readers hold a shared
+    `flock` on the open file behind each mapping (`fastload.formats` takes it before mapping), which
+    the kernel keeps until the last mapping and descriptor of that open file are gone, so an
+    exclusive probe fails while any remains. False for a missing file, and where `flock` is not
+    supported (nothing can be known there)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)  # drops the probe's lock with the descriptor
+    return False

@@ -27,6 +27,26 @@ __all__ = ["CacheFill"]
 _POLL_S = 0.02
 
 
+class _Flight:
+    """A download running in this process: `done` is set when it ends, `error` says how it failed."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def wait(self) -> None:
+        """Wait for the download; raise its error when it failed (its retries were spent: a thread
+        that waited for it does not start a second round)."""
+        self.done.wait()
+        err = self.error
+        if err is not None:
+            try:
+                again = type(err)(*err.args)
+            except Exception:  # noqa: BLE001 - an error type that cannot be rebuilt: raise it as is
+                raise err from None
+            raise again from err
+
+
 class CacheFill:
     """Fills and verifies cache entries of `store`'s owner under the budget `policy` enforces."""
 
@@ -40,14 +60,16 @@ class CacheFill:
         fsync: bool,
         wait_timeout: float,
         deadlock_grace: float,
+        on_wait: Callable[[], None] | None = None,
     ) -> None:
         self._store, self._policy, self._transfer = store, policy, transfer
+        self._on_wait = on_wait  # called on each look while a demand fetch waits for room
         self.verify, self.fsync = verify, fsync
         self.wait_timeout, self.deadlock_grace = wait_timeout, deadlock_grace
         self.limit, self.root = policy.limit, store.root
         self._mutex = store.mutex
         self._verified: dict[str, list[int | str]] = {}  # key -> stat stamp hashed by this owner
-        self._inflight: dict[str, threading.Event] = {}  # key -> download running in this process
+        self._inflight: dict[str, _Flight] = {}  # key -> download running in this process
         self._tmp_seq = 0
 
     def _path(self, key: str) -> str:
@@ -58,15 +80,15 @@ class CacheFill:
     ) -> str | None:
         """Pin `key` (a soft pin when `soft`) and return its verified path, downloading it with `fetch`
         when missing or corrupt; a prefetch (`soft`) returns None when there is no room now."""
-        if size > self.limit:
+        if self._policy.occupied({"entries": {}, "reserved": {}, "retired": {}}) + size > self.limit:
             raise CacheBudgetError(
                 f"{where}: a {format_size(size)} shard does not fit in cache_limit={format_size(self.limit)} "
                 f"({self.root}); raise cache_limit to at least a few shards"
             )
         while True:
-            event = self._wait_inflight(key)
-            if event is not None:
-                event.wait()
+            flight = self._wait_inflight(key)
+            if flight is not None:
+                flight.wait()
                 continue
             kind, value = self._find_or_reserve(key, size=size, where=where, soft=soft)
             if kind == "none":
@@ -74,8 +96,8 @@ class CacheFill:
             if kind == "soft":
                 return value
             if kind == "download":
-                tmp, event = value
-                return self._download(key, tmp, event, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
+                tmp, flight = value
+                return self._download(key, tmp, flight, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
             path = self._path(key)  # "entry": cached, pinned now; verify before its first use here
             try:
                 ok = self._verify_cached(key, path, size=size, xxh3=xxh3, recorded=value)
@@ -116,13 +138,15 @@ class CacheFill:
                     f"{where}: waited {self.wait_timeout:.0f}s for room in cache {self.root} "
                     f"(limit {format_size(self.limit)}; {room.waiting_on or 'pinned by other processes'})"
                 )
+            if self._on_wait is not None:
+                self._on_wait()
             time.sleep(_POLL_S)
 
     def _step(self, state: dict[str, Any], key: str, *, size: int, soft: bool) -> tuple[str, Any]:
         """One look at the state (under its lock): ("entry", stamp) cached and pinned now; ("soft", path)
-        cached, for a prefetch; ("download", (tmp, event)) reserved for a download by this thread;
-        ("event", event) wait for this process's download; ("wait", (room, deadlocked)); ("none", None)
-        a prefetch finds no room or another download in flight."""
+        cached, for a prefetch; ("download", (tmp, flight)) reserved for a download by this thread;
+        ("event", flight) wait for this process's download (its error is raised); ("wait", (room,
+        deadlocked)); ("none", None) a prefetch finds no room or another download in flight."""
         me = self._store.owner
         entry = state["entries"].get(key)
         if entry is not None:
@@ -139,9 +163,9 @@ class CacheFill:
         if res is not None:
             if soft:
                 return "none", None
-            event = self._wait_inflight(key) if res["owner"] == me else None
-            if event is not None:  # another thread of this owner downloads it
-                return "event", event
+            flight = self._wait_inflight(key) if res["owner"] == me else None
+            if flight is not None:  # another thread of this owner downloads it
+                return "event", flight
             return "wait", (Room(False, waiting_on=f"download of {key} by process {res['owner']}"), False)
         room = self._policy.make_room(state, size, soft=soft)
         if room.ok:
@@ -150,15 +174,16 @@ class CacheFill:
             state["waiting"].pop(me, None)
             if not soft:
                 self._store.hold(state, key)
-            event = threading.Event()
-            self._inflight[key] = event  # under the mutex, with the reservation
-            return "download", (tmp, event)
+            flight = _Flight()
+            self._inflight[key] = flight  # under the mutex, with the reservation
+            return "download", (tmp, flight)
         if soft:
             return "none", None
         state["waiting"][me] = {"key": key, "size": size}
-        return "wait", (room, self._policy.deadlocked(state, me))
+        # room held by mapped files frees when their readers let go, whoever waits
+        return "wait", (room, not room.mapped and self._policy.deadlocked(state, me))
 
-    def _wait_inflight(self, key: str) -> threading.Event | None:
+    def _wait_inflight(self, key: str) -> _Flight | None:
         with self._mutex:
             return self._inflight.get(key)
 
@@ -171,7 +196,7 @@ class CacheFill:
         self,
         key: str,
         tmp: str,
-        event: threading.Event,
+        flight: _Flight,
         *,
         size: int,
         xxh3: str,
@@ -211,6 +236,9 @@ class CacheFill:
             self._transfer.add("commit_s", time.perf_counter() - t0)
             ok = True
             return final
+        except Exception as exc:
+            flight.error = exc
+            raise
         finally:
             if not ok:
                 unlink(tmp_path)
@@ -220,7 +248,7 @@ class CacheFill:
                         self._store.unhold(state, key)
             with self._mutex:
                 self._inflight.pop(key, None)
-            event.set()
+            flight.done.set()
 
     def _verify_cached(self, key: str, path: str, *, size: int, xxh3: str, recorded: list[int | str] | None) -> bool:
         """Whether the cached file matches: its stamp was hashed by this owner, or (`verify="stat"`)
@@ -250,11 +278,15 @@ class CacheFill:
         return True
 
     def _drop_corrupt(self, key: str) -> None:
-        """Unpin and remove a cached file that failed verification (it is fetched again)."""
+        """Unpin and remove a cached file that failed verification (it is fetched again); readers
+        elsewhere keep their mapping of it, and it stays in the budget until they let go."""
         with self._store.locked() as state:
-            self._verified.pop(key, None)
+            self.forget(key)
             self._store.unhold(state, key)
-            # Readers elsewhere keep their mapping of the old inode; new opens get the re-fetch.
-            unlink(self._path(key))
-            state["entries"].pop(key, None)
-            state["soft"].pop(key, None)
+            self._policy.remove(state, key)
+
+    def forget(self, key: str) -> None:
+        """This owner no longer trusts its copy of `key` (the next acquire checks the cache again)."""
+        with self._mutex:
+            self._verified.pop(key, None)
+            self._store.usable.discard(key)

@@ -4,7 +4,15 @@ Runs under the state lock of `fastload.cache_state.CacheState` on the state dict
 decides from the entries, pins, soft pins, reservations and waiters recorded there, never from a
 process's own view. Rules:
 
-- pinned entries are never evicted;
+- pinned entries are never evicted, nor are files that something still maps or reads (`in_use`: a
+  reader of another process, a forked worker's inherited mapping, a reader thread still gathering
+  from a shard its dataset closed): their blocks stay on the disk until the last mapping goes, so
+  they stay in the budget until then;
+- a file that must leave the cache while still mapped (found corrupt) is retired: moved to `tmp/`
+  and counted until nothing maps it, then removed (`reap`, on every look for room);
+- every file is counted at its size rounded up to the file system's block, and the state files
+  (`state.0.json`, `state.1.json`, `.lock`) are counted too, so the bytes the cache occupies on its
+  file system never exceed `limit`;
 - a prefetch (`soft=True`) evicts only least recently used entries that nobody pins or soft-pins
   (prefetched files wait for their reader), a demand fetch may evict soft-pinned ones too;
 - waiting for room is a deadlock when every owner that pins or demand-downloads something is
@@ -13,14 +21,18 @@ process's own view. Rules:
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from .cache_files import footprint, in_use
 from .cache_state import CacheState, unlink
 from .formats.units import format_size
 
-__all__ = ["LruPolicy", "Room"]
+__all__ = ["STATE_SLACK", "LruPolicy", "Room", "split_budget"]
+
+STATE_SLACK = 1024  # bytes the state may grow by between two looks for room (a reservation, a few pins)
 
 
 @dataclass
@@ -29,36 +41,77 @@ class Room:
 
     ok: bool
     waiting_on: str = ""
+    mapped: bool = False  # room is held (also) by unpinned files still mapped: it frees without any pin dropping
 
 
 class LruPolicy:
-    """Least-recently-used eviction of unpinned files in `data_dir`, keeping bytes within `limit`."""
+    """Least-recently-used eviction of unpinned, unmapped files in `data_dir`, keeping the bytes the
+    cache occupies (on a file system of `block`-byte blocks) within `limit`."""
 
-    def __init__(self, *, limit: int, data_dir: str) -> None:
-        self.limit, self.data_dir = limit, data_dir
+    def __init__(self, *, limit: int, data_dir: str, tmp_dir: str, block: int = 1) -> None:
+        self.limit, self.data_dir, self.tmp_dir, self.block = limit, data_dir, tmp_dir, max(1, int(block))
+        self._retire_seq = 0
+
+    def occupied(self, state: dict[str, Any]) -> int:
+        """Bytes the cache occupies: its files at their block footprint plus its state files (each slot
+        with `STATE_SLACK` bytes to spare for the state's growth before the next look)."""
+        slot = footprint(len(json.dumps(state, separators=(",", ":"))) + STATE_SLACK, self.block)
+        return CacheState.used(state, self.block) + 2 * slot + footprint(64, self.block)
 
     def make_room(self, state: dict[str, Any], size: int, *, soft: bool) -> Room:
-        """Evict least recently used unpinned files until `size` more bytes fit (files and entries
-        removed); `Room(False)` and nothing evicted when they cannot."""
-        free = self.limit - CacheState.used(state)
-        if free >= size:
+        """Evict least recently used unpinned, unmapped files until `size` more bytes fit (files and
+        entries removed); `Room(False)` and nothing evicted when they cannot."""
+        self.reap(state)
+        need = footprint(size, self.block)
+        free = self.limit - self.occupied(state)
+        if free >= need:
             return Room(True)
         unpinned = [(e["used"], k) for k, e in state["entries"].items() if not state["pins"].get(k)]
         cold = sorted((u, k) for u, k in unpinned if k not in state["soft"])
         warm = sorted((u, k) for u, k in unpinned if k in state["soft"])
-        chosen = []
+        chosen, mapped = [], False
         for _, k in cold if soft else cold + warm:
-            if free >= size:
+            if free >= need:
                 break
+            if in_use(os.path.join(self.data_dir, k)):
+                mapped = True
+                continue
             chosen.append(k)
-            free += state["entries"][k]["size"]
-        if free < size:
-            return Room(False, waiting_on="room held by pinned shards")
+            free += footprint(state["entries"][k]["size"], self.block)
+        mapped = mapped or bool(state["retired"])
+        if free < need:
+            held = "room held by pinned shards" + (" and by shards still mapped" if mapped else "")
+            return Room(False, waiting_on=held, mapped=mapped)
         for k in chosen:
             unlink(os.path.join(self.data_dir, k))
             del state["entries"][k]
             state["soft"].pop(k, None)
         return Room(True)
+
+    def remove(self, state: dict[str, Any], key: str) -> None:
+        """Take `key` out of the cache now (found corrupt): its file is removed, or retired to `tmp/`
+        (still counted) while something maps it."""
+        entry = state["entries"].pop(key, None)
+        state["soft"].pop(key, None)
+        path = os.path.join(self.data_dir, key)
+        if entry is not None and in_use(path):
+            self._retire_seq += 1
+            name = f"{key}.retired.{os.getpid()}.{self._retire_seq}"
+            try:
+                os.replace(path, os.path.join(self.tmp_dir, name))
+            except FileNotFoundError:
+                return
+            state["retired"][name] = int(entry["size"])
+            return
+        unlink(path)
+
+    def reap(self, state: dict[str, Any]) -> None:
+        """Remove retired files that nothing maps any more."""
+        for name in list(state["retired"]):
+            path = os.path.join(self.tmp_dir, name)
+            if not in_use(path):
+                unlink(path)
+                del state["retired"][name]
 
     @staticmethod
     def deadlocked(state: dict[str, Any], me: str) -> bool:
@@ -76,5 +129,24 @@ class LruPolicy:
             f"{format_size(pinned)} are pinned by process(es) {', '.join(holders) or '-'} and every one of them "
             f"waits for room for another shard ({format_size(size)}). Raise cache_limit to at least the sum, "
             f"over every reader sharing the cache (each dataset object in each process, loader workers "
-            f"included), of (max_open_shards + 1) x (largest shard), or open fewer shards at once."
+            f"included), of (max_open_shards + 1) x (largest shard, rounded up to the file system's block), plus "
+            f"the state files, or open fewer shards at once."
         )
+
+
+def split_budget(available: int, claims: dict[str, Any]) -> dict[str, int] | None:
+    """Each claimant's share of `available` bytes: `claims[owner]` is `[least, most]` (an int: both).
+    Everyone gets its least; what is left is split evenly among those that want more, none above
+    its most (water-filling, so every process computes the same shares from the same state).
+    None when the leasts alone exceed `available`."""
+    bounds = {o: (c, c) if isinstance(c, int) else (int(c[0]), int(c[1])) for o, c in claims.items()}
+    shares = {o: lo for o, (lo, _) in bounds.items()}
+    left = available - sum(shares.values())
+    if left < 0:
+        return None
+    hungry = sorted((hi - lo, o) for o, (lo, hi) in bounds.items() if hi > lo)
+    for i, (room, o) in enumerate(hungry):
+        give = min(room, left // (len(hungry) - i))
+        shares[o] += give
+        left -= give
+    return shares

@@ -3,7 +3,8 @@
 The single place pins are counted. State of `root`, shared by every process using the cache:
 
 - `state.0.json`, `state.1.json`: the state, JSON, in the slot `.lock` names (see `_load`): entries
-  (size, last use, verification stamp), pins, soft pins, reservations, waiters and budget claims,
+  (size, last use, verification stamp), pins, soft pins, reservations, waiters, budget claims and
+  retired files (`tmp/` names of files removed from the cache while still mapped, with their size),
   each keyed by an owner id `"<pid>-<start time>-<n>"` (one per `CacheState` object in a process).
   Owners that no longer run are dropped on every update, so a crashed process leaves no pins,
   reservations or temp files behind.
@@ -41,7 +42,7 @@ __all__ = ["CacheBudgetError", "CacheState", "CacheStateError", "owner_alive", "
 _SLOTS = ("state.0.json", "state.1.json")
 _LOCK = ".lock"
 _USERS = ".users"
-_PARTS = ("entries", "pins", "soft", "reserved", "waiting", "claims")
+_PARTS = ("entries", "pins", "soft", "reserved", "waiting", "claims", "retired")
 _HEADER_BYTES = 64
 
 
@@ -231,7 +232,7 @@ class CacheState:
         self.mutex = threading.RLock()
         self.held: dict[str, int] = {}  # THE pin ledger of this owner: key -> pins (claims in progress too)
         self.usable: set[str] = set()  # held keys whose file is in place and verified (acquire's fast path)
-        self.claim = 0  # bytes this owner may pin at once (published with its pins)
+        self.claim: list[int] | None = None  # [least, most] bytes this owner pins at once (published with its pins)
         self._file = _StateFile(root=root, data_dir=data_dir)
 
     @property
@@ -246,7 +247,7 @@ class CacheState:
         with self.mutex:
             self.held.clear()
             self.usable.clear()
-            self.claim = 0
+            self.claim = None
             with contextlib.suppress(OSError, CacheStateError), self.locked() as state:
                 state["soft"] = {k: o for k, o in state["soft"].items() if o != self.owner}
                 state["waiting"].pop(self.owner, None)
@@ -311,7 +312,7 @@ class CacheState:
                 del pins[key]
         for key, n in self.held.items():
             pins.setdefault(key, {})[me] = n
-        if self.claim:
+        if self.claim is not None:
             state["claims"][me] = self.claim
         else:
             state["claims"].pop(me, None)
@@ -360,7 +361,7 @@ class CacheState:
 
     def sweep_tmp(self, state: dict[str, Any]) -> None:
         """At start-up: remove temp files no live reservation accounts for (left by a crash); add stray data files."""
-        live_tmp = {r["tmp"] for r in state["reserved"].values()}
+        live_tmp = {r["tmp"] for r in state["reserved"].values()} | set(state["retired"])
         with os.scandir(self.tmp_dir) as it:
             for de in it:
                 if de.name not in live_tmp:
@@ -377,9 +378,12 @@ class CacheState:
             state["entries"][key] = {"size": st.st_size, "used": st.st_mtime, "stamp": None}
 
     @staticmethod
-    def used(state: dict[str, Any]) -> int:
-        """Bytes of complete entries plus reservations."""
-        return sum(e["size"] for e in state["entries"].values()) + sum(r["size"] for r in state["reserved"].values())
+    def used(state: dict[str, Any], block: int = 1) -> int:
+        """Bytes of complete entries, reservations and retired files (removed from the cache while
+        something still mapped them), each rounded up to the file system's `block`."""
+        sizes = [e["size"] for e in state["entries"].values()] + [r["size"] for r in state["reserved"].values()]
+        sizes += list(state["retired"].values())
+        return sum(-(-int(n) // block) * block for n in sizes)
 
 
 def _pwrite_all(fd: int, data: bytes) -> None:

@@ -120,6 +120,7 @@ def open_dataset(
         cache_limit=cache_limit,
         max_open_shards=max_open_shards,
     )
+    # the storage's `max_open_shards` follows its share of a cache shared with other readers
     return FastloadDataset(
-        storage=storage, verify=verify, verify_checksums=verify_checksums, max_open_shards=storage.max_open_shards
+        storage=storage, verify=verify, verify_checksums=verify_checksums, max_open_shards=max_open_shards or 64
     )

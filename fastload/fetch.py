@@ -19,7 +19,9 @@ Modes (chosen by the Loader):
 * ``single`` — `batch_size=None`: `collate_fn(dataset[index])` (torch's `default_convert`).
 
 Outside the ``columns`` path `transform` (if given) runs on the collated batch. Exceptions carry a
-note naming the failing sample index (found by retrying the batch sample by sample).
+note naming the failing sample index: for a sharded dataset found from its index alone (the first
+index out of range, or in a shard the error names; nothing is read again, so a failed remote read
+is not retried a second time), for other datasets by reading the batch's samples one by one.
 
 The run: `bind_run` (`fastload.run`) records the Loader's run context and hands it to the
 dataset, `collate_fn` and `transform`; while they run for a batch, `fastload.run.current_batch()`
@@ -40,6 +42,7 @@ import torch
 
 from fastload.collate import columns_to_torch, zero_copy_column
 from fastload.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan
+from fastload.retry import RemoteFetchError
 from fastload.run import RunContext, batch_context, bind_components
 from fastload.views import columns_to_views
 
@@ -257,11 +260,11 @@ class Fetcher:
         return takes
 
     def _annotate(self, exc: BaseException, indices: Any) -> None:
-        """Add a note with the failing sample index (retrying one by one if needed)."""
+        """Add a note with the failing sample index, found without reading anything again (see `_locate`)."""
         if self.mode == "single":
             _note(exc, f"fastload: raised while loading sample index {indices}")
             return
-        bad = _locate(self.dataset, indices)
+        bad = _locate(self.dataset, indices, exc)
         if bad is not None:
             _note(exc, f"fastload: raised while loading sample index {bad} (batch indices {_short(indices)})")
         else:
@@ -302,13 +305,53 @@ def _short(indices: Sequence[Any]) -> str:
     return str(idx) if len(idx) <= 16 else f"{idx[:16]}... ({len(idx)} samples)"
 
 
-def _locate(dataset: Any, indices: Sequence[Any]) -> Any:
-    """The first index whose `dataset[i]` raises, or None."""
-    if not callable(getattr(dataset, "__getitem__", None)):
+def _locate(dataset: Any, indices: Sequence[Any], exc: BaseException) -> Any:
+    """The index of `indices` that the error `exc` is about, or None.
+
+    A sharded dataset (`shard_boundaries` and `manifest`, as `FastloadDataset` has) is never read
+    again: the culprit is the first index out of range, else the first whose shard file the error
+    names. A remote read that failed for good (`RemoteFetchError`) is not repeated either: its
+    retries were spent already. Any other map-style dataset has its samples read one by one until
+    one raises (the only way to find it in user code)."""
+    bounds, manifest = getattr(dataset, "shard_boundaries", None), getattr(dataset, "manifest", None)
+    if bounds is not None and manifest is not None:
+        return _locate_in_shards(np.asarray(bounds), [s.file for s in manifest.shards], indices, exc)
+    if _remote_failure(exc) or not callable(getattr(dataset, "__getitem__", None)):
         return None
     for i in indices:
         try:
             dataset[i]
         except Exception:  # noqa: BLE001 - any error marks the culprit; the original is re-raised
+            return i
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and its causes / contexts."""
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and all(cur is not e for e in out):
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def _remote_failure(exc: BaseException) -> bool:
+    return any(isinstance(e, RemoteFetchError) for e in _chain(exc))
+
+
+def _locate_in_shards(bounds: np.ndarray, files: list[str], indices: Sequence[Any], exc: BaseException) -> Any:
+    """From the index alone: the first index out of range, else the first in a shard the error names."""
+    n = int(bounds[-1])
+    text = " ".join(str(e) for e in _chain(exc))
+    named = {k for k, f in enumerate(files) if f in text}
+    for i in indices:
+        try:
+            j = int(i)
+        except (TypeError, ValueError):
+            return i
+        if not -n <= j < n:
+            return i
+        if int(np.searchsorted(bounds, j % n, side="right")) - 1 in named:
             return i
     return None

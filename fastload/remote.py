@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Self
 
 import fsspec
@@ -26,6 +27,7 @@ import xxhash
 from fsspec.asyn import AsyncFileSystem
 
 from .cache import CacheBudgetError, Download, ShardCache
+from .cache_files import file_xxh3
 from .formats.errors import FormatError
 from .formats.forksafe import reset_in_child
 from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
@@ -59,6 +61,11 @@ __all__ = [
     "network_options",
 ]
 
+MIN_OPEN_SHARDS = 1  # the least a reader with max_open_shards=None keeps open (it pins one more to swap)
+MAX_OPEN_SHARDS = 64  # the most it keeps open
+_READERS: weakref.WeakSet[RemoteStorage] = weakref.WeakSet()  # this process's storages (`_trim_readers`)
+
+
 def _exact(nbytes: int) -> str:
     """A budget to recommend: exact bytes (a rounded size could fall short), with the readable size."""
     return f"{nbytes} ({format_size(nbytes)})"
@@ -74,7 +81,7 @@ class RemoteStorage:
 
     `max_open_shards` is how many shards the reader keeps mapped; the reader pins one more while it
     swaps, so `cache_limit` must hold `max_open_shards + 1` of the largest shard (checked here,
-    `CacheBudgetError` otherwise). When None it is chosen from the budget (at most 64).
+    `CacheBudgetError` otherwise). When None it follows this reader's share of the budget (below).
     `prefetch(names)` hands over the upcoming shard order; `prefetch_depth` shards are kept
     fetched ahead of the last acquired one by up to `fetch_threads` threads (one whole-shard GET in
     flight each). Until a plan is handed over, an acquire reads ahead in manifest order from the shard
@@ -92,13 +99,13 @@ class RemoteStorage:
     file order as they become contiguous; a store that ignores `Range` (a part of the wrong length)
     turns ranged GETs off for this object's process and the shard is fetched whole.
 
-    Every reader (this object in each process it is pickled into: loader workers too) claims
-    `(max_open_shards + 1) x largest shard` of the shared cache while it holds shards (from the
-    acquire that pins its first shard to the release of its last); a claim that does not fit next
-    to the other active readers' claims raises `CacheBudgetError` naming the budget needed,
-    instead of a deadlock later. The minimum `cache_limit` for readers sharing one cache
-    directory is the sum of their claims. When `max_open_shards` is None it is chosen from the budget
-    left by the readers that claimed before (at most 64).
+    Every reader (this object in each process it is pickled into: loader workers too) claims a
+    share of the shared cache while it holds shards (from the acquire that pins its first shard to
+    the release of its last): `(max_open_shards + 1)` shards of the largest size when it is given;
+    when None, from `MIN_OPEN_SHARDS + 1` to `MAX_OPEN_SHARDS + 1` shards, the live readers
+    splitting what the budget holds (`ShardCache.claim`), so a new reader shrinks the others'
+    `max_open_shards` instead of failing. A claim whose least does not fit next to the other live
+    readers' leasts raises `CacheBudgetError` naming the budget needed.
 
     Network waits: `connect_timeout` and `read_timeout` (seconds, defaults `CONNECT_TIMEOUT_S` = 5
     and `READ_TIMEOUT_S` = 15) are added to `storage_options` where it sets none (see
@@ -139,39 +146,92 @@ class RemoteStorage:
         self._pid = -1
         self._reset_process_state()
         manifest = Manifest.loads(self.read_small(MANIFEST_NAME), where=f"{self.url}/{MANIFEST_NAME}")
-        self.max_open_shards = self._check_budget(manifest, max_open_shards)
         self._biggest = max((s.bytes for s in manifest.shards), default=0)
         self._num_shards = len(manifest.shards)
+        self._shard_bytes = self.cache.footprint(self._biggest)  # what one shard takes from the budget
+        self._auto = max_open_shards is None
+        self._open = self._check_budget(max_open_shards)
+        _READERS.add(self)
         gets = gets_in_flight(self._biggest, self.cache.limit) if fetch_threads is None else int(fetch_threads)
         self.fetch_threads = max(1, gets)
         self._adaptive = fetch_threads is None
         self.receive_loops = max(1, int(min(4, self.fetch_threads) if receive_loops is None else receive_loops))
         self.prefetch_depth = max(0, int(2 * self.fetch_threads if prefetch_depth is None else prefetch_depth))
 
-    def _check_budget(self, manifest: Manifest, max_open_shards: int | None) -> int:
-        biggest = max((s.bytes for s in manifest.shards), default=0)
-        if biggest == 0:
+    def _bounds(self) -> tuple[int, int]:
+        """(least, most) bytes this reader pins at once: `(max_open_shards + 1)` shards of the largest
+        size (one more while it swaps), each at its footprint in the cache; with `max_open_shards`
+        None from `MIN_OPEN_SHARDS` to `MAX_OPEN_SHARDS` open (and no more than the dataset has)."""
+        cap = max(1, self._num_shards)
+        if self._auto:
+            least, most = min(MIN_OPEN_SHARDS + 1, cap), min(MAX_OPEN_SHARDS + 1, cap + 1)
+        else:
+            least = most = min(self._open + 1, cap)
+        return least * self._shard_bytes, most * self._shard_bytes
+
+    def _check_budget(self, max_open_shards: int | None) -> int:
+        if self._biggest == 0:
             return max_open_shards or 1
-        limit = self.cache.limit
-        if max_open_shards is None:
-            others = self.cache.claimed_by_others()
-            fits = (limit - others) // biggest - 1
-            if fits < 1:
-                raise CacheBudgetError(
-                    f"{self.url}: cache_limit={format_size(limit)} leaves {format_size(max(0, limit - others))} "
-                    f"next to the {format_size(others)} other readers of {self.cache.root} claim, below 2 shards "
-                    f"of {format_size(biggest)} (the reader maps one shard and pins the next while it swaps); "
-                    f"use cache_limit >= {_exact(others + 2 * biggest)}"
-                )
-            return int(min(64, fits, len(manifest.shards)))
-        need = (int(max_open_shards) + 1) * biggest
-        if need > limit:
-            raise CacheBudgetError(
-                f"{self.url}: cache_limit={format_size(limit)} cannot hold max_open_shards + 1 = "
-                f"{max_open_shards + 1} shards of up to {format_size(biggest)} that a reader pins at once; "
-                f"use cache_limit >= {_exact(need)} or a smaller max_open_shards"
-            )
-        return int(max_open_shards)
+        if not self._auto:
+            self._open = int(max_open_shards)  # type: ignore[arg-type]
+        least, most = self._bounds()
+        if not self._auto:  # alone, for a start: the readers sharing the cache are checked at the first read
+            if most + self.cache.state_bytes() > self.cache.limit:
+                raise CacheBudgetError(self._budget_message(least, others=0))
+            return int(max_open_shards)  # type: ignore[arg-type]
+        share = self.cache.claim(most, least=least, record=False)
+        if share is None:
+            raise CacheBudgetError(self._budget_message(least))
+        return self._opens(share)
+
+    def _opens(self, share: int) -> int:
+        """Shards to keep open within a share of `share` bytes (one more is pinned while swapping)."""
+        return int(max(MIN_OPEN_SHARDS, min(MAX_OPEN_SHARDS, self._num_shards, share // self._shard_bytes - 1)))
+
+    def _budget_message(self, least: int, others: int | None = None) -> str:
+        others = self.cache.claimed_by_others() if others is None else others
+        need = others + least + self.cache.state_bytes()
+        what = (
+            f"the {MIN_OPEN_SHARDS + 1} shards it needs at least" if self._auto
+            else f"max_open_shards + 1 = {least // self._shard_bytes} shards"
+        )
+        return (
+            f"{self.url}: cache_limit={format_size(self.cache.limit)} ({self.cache.root}) cannot hold this reader's "
+            f"{what} (up to {format_size(self._biggest)} each, {self._shard_bytes} bytes on its file system) next "
+            f"to the {format_size(others)} that other readers sharing the cache need at least and the cache's "
+            f"state files; use cache_limit >= {_exact(need)} (the sum over every reader: each dataset object in "
+            f"each process, loader workers included)"
+            + ("" if self._auto else " or a smaller max_open_shards")
+        )
+
+    @property
+    def max_open_shards(self) -> int:
+        """How many shards the reader keeps open now: the fixed number given, or (given None) what
+        this reader's share of the cache holds, which shrinks while other readers share it (down
+        to `MIN_OPEN_SHARDS`) and grows back when they stop (up to `MAX_OPEN_SHARDS`)."""
+        if self._auto and self._biggest:
+            self._check_pid()
+            least, most = self._bounds()
+            share = self.cache.claim(most, least=least, record=self._claimed)
+            if share is not None:
+                self._open = self._opens(share)
+        return self._open
+
+    def attach(self, trim: Callable[[], None]) -> None:
+        """Register a reader's `trim` (close shards beyond `max_open_shards` now), called when another
+        reader of the same cache in this process claims room (held weakly)."""
+        self._trims.append(weakref.WeakMethod(trim) if hasattr(trim, "__self__") else (lambda: trim))
+
+    def _trim_readers(self, *, others: bool) -> None:
+        """Have this process's readers of this cache (other storages' when `others`) close the shards
+        their shares no longer hold."""
+        for st in list(_READERS):
+            if st._pid != os.getpid() or st.cache.root != self.cache.root or (others and st is self):
+                continue
+            for ref in list(st._trims):
+                fn = ref()
+                if fn is not None:
+                    fn()
 
     def __repr__(self) -> str:
         return f"RemoteStorage({self.url!r}, cache={self.cache!r})"
@@ -191,7 +251,9 @@ class RemoteStorage:
             "cache",
             "_id",
             "_small",
-            "max_open_shards",
+            "_open",
+            "_auto",
+            "_shard_bytes",
             "_biggest",
             "_num_shards",
         )
@@ -201,6 +263,7 @@ class RemoteStorage:
         self.__dict__.update(state)
         self._pid = -1
         self._reset_process_state()
+        _READERS.add(self)
 
     def _reset_process_state(self) -> None:
         reset_in_child(self, RemoteStorage._reset_process_state)  # no lock crosses a fork locked
@@ -215,6 +278,8 @@ class RemoteStorage:
         self._stream_ok = True
         self._ranges_ok = True
         self._claimed = False
+        self._trims: list[Callable[[], Callable[[], None] | None]] = []  # this process's readers (`attach`)
+        self.cache.on_wait = weakref.WeakMethod(self._trim_all)  # another reader waits for room: shrink
         self._explicit_plan = False  # set by `prefetch`; until then acquires read ahead in manifest order
 
     def _check_pid(self) -> None:
@@ -245,21 +310,21 @@ class RemoteStorage:
         return self._fs
 
     def claim_budget(self) -> None:
-        """Claim this reader's share of the cache (`(max_open_shards + 1) x largest shard`): raises
-        `CacheBudgetError` when it does not fit next to the claims of the other live readers."""
-        need = min(self.max_open_shards + 1, max(1, self._num_shards)) * self._biggest
-        others = self.cache.claim(need)
-        if others + need > self.cache.limit:
+        """Claim this reader's share of the cache (see `max_open_shards`): raises `CacheBudgetError`
+        when even its least does not fit next to the leasts of the other live readers. Other readers
+        of the cache in this process close the shards their smaller shares no longer hold."""
+        least, most = self._bounds()
+        share = self.cache.claim(most, least=least)  # a fixed reader's least is its most
+        if share is None:
             self.cache.claim(0)
-            raise CacheBudgetError(
-                f"{self.url}: cache_limit={format_size(self.cache.limit)} ({self.cache.root}) cannot hold this "
-                f"reader's {min(self.max_open_shards + 1, self._num_shards)} shards of up to "
-                f"{format_size(self._biggest)} (max_open_shards + 1) next to the {format_size(others)} that other "
-                f"readers sharing the cache claim; use cache_limit >= {_exact(others + need)} (the sum over "
-                f"every reader: each dataset object in each process, loader workers included) or a smaller "
-                f"max_open_shards"
-            )
+            raise CacheBudgetError(self._budget_message(least))
         self._claimed = True
+        if self._auto:
+            self._open = self._opens(share)
+        self._trim_readers(others=True)
+
+    def _trim_all(self) -> None:
+        self._trim_readers(others=False)
 
     def remote_path(self, name: str) -> str:
         """The fsspec path of a dataset-relative name (absolute paths and '..' are refused)."""
@@ -322,6 +387,22 @@ class RemoteStorage:
             if self._claimed and not self.cache.pinned_keys():  # idle now: its share is free for others
                 self._claimed = False
                 self.cache.claim(0)
+
+    def damaged(self, name: str, *, size: int, xxh3: str) -> str | None:
+        """A reader found a checksum mismatch in shard `name`: when the cached copy no longer matches
+        the manifest's xxh3 (hashed now), it was damaged in the cache: it is taken out (retired while
+        something maps it) so that the next acquire fetches it again, and its path is returned.
+        None when the copy matches (the remote object itself disagrees with its checksums)."""
+        self._check_pid()
+        key = self._key(name, size, xxh3)
+        path = self.cache.path(key)
+        try:
+            intact = os.path.getsize(path) == size and file_xxh3(path) == xxh3.lower()
+        except FileNotFoundError:
+            intact = False
+        if intact:
+            return None
+        return self.cache.discard(key)
 
     def stats(self) -> dict[str, float]:
         """This process's transfer timings and counters, keys prefixed `remote_` (see

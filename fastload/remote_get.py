@@ -9,6 +9,7 @@ connect/read timeouts and turns off the file system's inner retries.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import Any
 
@@ -94,7 +95,10 @@ async def stream_into(fs: AsyncFileSystem, rpath: str, sink: Any, chunk: int, st
     Time to the first body byte counts as `request_s`, the other waits on the socket as `receive_s`.
     """
     t0 = time.perf_counter()
-    f = await fs.open_async(rpath, "rb")
+    # the size is known (the manifest's): a file system that would ask for it first (http: a HEAD,
+    # then a GET without body) is told, so an attempt is one request and one read timeout at most
+    sized = "size" in inspect.signature(fs.open_async).parameters
+    f = await (fs.open_async(rpath, "rb", size=sink.size) if sized else fs.open_async(rpath, "rb"))
     first: float | None = None
     recv = 0.0
     try:

@@ -20,7 +20,7 @@ from .forksafe import reset_in_child
 from .manifest import MANIFEST_NAME, Manifest
 from .ragged import Ragged
 from .schema import Schema
-from .shapes import ShapedBatch, gather_shapes
+from .shapes import ShapedBatch
 from .shard import ShardIdentity, ShardReader
 from .spliced import ColumnPart, SplicedColumn, splice_available, splice_column
 from .spliced_ragged import SplicedRagged
@@ -92,6 +92,10 @@ def _physical_memory() -> int:
         return 0
 
 
+def _raise(err: BaseException, *args: Any) -> None:
+    raise err
+
+
 def _guarded(column: SplicedColumn | SplicedRagged, guard: ColumnGuard, *rows: np.ndarray) -> None:
     """A spliced column's check: verify the blocks under `rows` (and counts, for a variable field's
     item runs); drop the check once all are verified."""
@@ -120,6 +124,43 @@ def _utf8(part: np.ndarray, where: str) -> str:
         return part.tobytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{where}: invalid UTF-8 in a string field (corrupt shard? run `fastload verify`)") from exc
+
+
+class _Runs:
+    """One variable field of a batch gathered shard by shard: per sample, the source array (by
+    number in `sources`), start and length of its items, and its shape (vndarray)."""
+
+    def __init__(self, m: int, ndim: int) -> None:
+        self.sources: list[np.ndarray] = []
+        self.source_of = np.empty(m, dtype=np.int64)
+        self.starts = np.empty(m, dtype=np.int64)
+        self.lengths = np.empty(m, dtype=np.int64)
+        self.shapes = np.empty((m, ndim), dtype=np.uint32) if ndim else None
+
+
+def _gather_group(
+    reader: ShardReader, wanted: list[Any], g: int, a: int, b: int, rows: np.ndarray,
+    cols: dict[str, np.ndarray], runs: dict[str, _Runs], *, copy: bool,
+) -> None:
+    """Batch positions [a, b) (group `g`) from `reader`: fixed fields into `cols`, variable fields'
+    runs into `runs` (their items copied out when `copy`: nothing here keeps the mapping then)."""
+    for f in wanted:
+        if f.is_fixed:
+            reader.ensure_rows(f.name, rows)
+            reader.fixed[f.name].take(rows, axis=0, out=cols[f.name][a:b], mode="clip")
+            continue
+        run = runs[f.name]
+        offs, values = reader.ragged[f.name]
+        lo = offs[rows]
+        length = offs[rows + 1] - lo
+        reader.ensure_items(f.name, lo, length)
+        if copy:
+            values, piece_offsets = gather_ragged([values], run.source_of[a:b], lo, length, f.dtype)
+            lo = piece_offsets[:-1]
+        run.sources.append(values)
+        run.source_of[a:b], run.starts[a:b], run.lengths[a:b] = g, lo, length
+        if run.shapes is not None:
+            run.shapes[a:b] = reader.shapes[f.name][rows]
 
 
 class FastloadDataset:
@@ -199,6 +240,7 @@ class FastloadDataset:
         self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, variable ones too
         self._new_locks()
         self._ledger = self._new_ledger()
+        self._attach()
         # A dataset that fits in memory is read whole over an epoch: read it in 2 MiB units
         # (`spliced.advise_huge`), for fewer, larger reads when cold and fewer faults when warm.
         self._huge = sum(s.bytes for s in self.manifest.shards) <= HUGE_FRACTION * _physical_memory()
@@ -231,6 +273,14 @@ class FastloadDataset:
         self.__dict__.update(state)
         self._new_locks()
         self._ledger = self._new_ledger()  # each process verifies what it reads itself
+        self._attach()
+
+    def _attach(self) -> None:
+        """Let a storage that shares a cache budget with other readers (`attach`) have this reader
+        close shards when its share shrinks (see `trim`)."""
+        attach = getattr(self.storage, "attach", None)
+        if attach is not None:
+            attach(self.trim)
 
     def __repr__(self) -> str:
         return (
@@ -281,6 +331,7 @@ class FastloadDataset:
                 return reader
             info = self.manifest.shards[k]
             where = f"{self.root}/{info.file} (shard {k})"
+            self._close_beyond(self._open_cap())  # a share that shrank: pin no more than it holds, + 1
             try:
                 path = self.storage.acquire(info.file, size=info.bytes, xxh3=info.xxh3)
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
@@ -291,13 +342,73 @@ class FastloadDataset:
                 self.storage.release(info.file)
                 raise
             self._open[k] = reader
-            while len(self._open) > self.max_open_shards:
-                old_k, old = self._open.popitem(last=False)
-                old.close()
-                self.storage.release(self.manifest.shards[old_k].file)
+            self._close_beyond(self._open_cap())
             return reader
 
+    def _open_cap(self) -> int:
+        """How many shards to keep open now: `max_open_shards`, or less while the storage's share of
+        a cache shared with other readers is smaller (`storage.max_open_shards`, which may change)."""
+        share = getattr(self.storage, "max_open_shards", None)
+        return max(1, min(self.max_open_shards, share)) if isinstance(share, int) else self.max_open_shards
+
+    def _close_beyond(self, cap: int) -> None:
+        """Close the longest-open shards beyond `cap` (caller holds `_lock`), releasing them to the storage."""
+        while len(self._open) > cap:
+            old_k, old = self._open.popitem(last=False)
+            old.close()
+            self.storage.release(self.manifest.shards[old_k].file)
+
+    def trim(self) -> None:
+        """Close open shards beyond the storage's current share now (a reader sharing a cache with
+        others calls this when they need room); skipped while another thread opens a shard."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_beyond(self._open_cap())
+            finally:
+                self._lock.release()
+
     def _open_shard(self, k: int, path: str, where: str) -> ShardReader:
+        try:
+            reader = self._map_shard(k, path, where)
+        except ChecksumError as exc:
+            raise self._local_damage(k, exc, opened=False) from exc
+        reader.on_corrupt = partial(self._local_damage, k)
+        return reader
+
+    def _local_damage(self, k: int, exc: ChecksumError, *, opened: bool = True) -> ChecksumError:
+        """The error to raise for a checksum mismatch in shard k: a storage that keeps local copies
+        (`damaged(name, size=, xxh3=)`, a shard cache) checks whether its copy still matches the
+        manifest; when not, the copy was damaged where it is kept: the storage drops it, the open
+        reader (and any column spliced over it) goes, and the message says the next read fetches
+        it again. Otherwise `exc` itself."""
+        damaged = getattr(self.storage, "damaged", None)
+        info = self.manifest.shards[k]
+        local = damaged(info.file, size=info.bytes, xxh3=info.xxh3) if damaged is not None else None
+        if local is None:
+            return exc
+        err = ChecksumError(
+            f"{self.root}/{info.file} (shard {k}): the local cached copy {local} is damaged (it no longer "
+            f"matches the manifest's checksum; the remote object is not at fault): it was removed from the "
+            f"cache and the next read fetches it again"
+        )
+        if opened:
+            self._forget_shard(k, err)
+        return err
+
+    def _forget_shard(self, k: int, err: ChecksumError) -> None:
+        """Close shard k's reader and drop the columns spliced over its old copy (a take still holding
+        one raises `err` from now on, rather than read the damaged bytes unchecked)."""
+        columns: list[SplicedColumn | SplicedRagged] = [*(self._spliced or {}).values(), *(self._ragged or {}).values()]
+        for column in columns:
+            column.check = partial(_raise, err)
+        self._spliced = self._direct = self._ragged = self._takes = None
+        with self._lock:
+            reader = self._open.pop(k, None)
+            if reader is not None:
+                reader.close()
+                self.storage.release(self.manifest.shards[k].file)
+
+    def _map_shard(self, k: int, path: str, where: str) -> ShardReader:
         info, m = self.manifest.shards[k], self.manifest
         start, stop = self._starts_list[k], self._starts_list[k + 1]
         lengths = {f.name: self._meta[f"{f.name}.length"][start:stop] for f in self.schema if not f.is_fixed}
@@ -612,39 +723,35 @@ class FastloadDataset:
         return out if len(out) == 1 else {f.name: out[f.name] for f in wanted}
 
     def _gather_by_shard(self, indices: Any, wanted: list[Any], out: dict[str, Any]) -> None:
+        """Gather `wanted` fields shard by shard, one shard at a time: each shard's reader is let go
+        before the next is opened, so a batch over more shards than `max_open_shards` never keeps
+        more of them mapped than that (a shard cache counts every mapped shard against its budget,
+        until its last mapping goes). Variable fields are copied out of each cached shard as it is
+        visited; a local dataset's files stay, so they are joined straight from its mappings."""
         idx, order, groups = self._plan(indices)
-        opened = self._open
-        readers = {k: opened.get(k) or self.shard(k) for k, _, _, _ in groups}
         inverse = None if order is None else order.argsort()
         m = len(idx)
+        cols = {
+            f.name: np.empty((m, *f.shape), dtype=f.dtype) if inverse is None else self._scratch(f, (m, *f.shape))
+            for f in wanted
+            if f.is_fixed
+        }
+        runs = {f.name: _Runs(m, len(f.shape) if f.kind == "vndarray" else 0) for f in wanted if not f.is_fixed}
+        copy = not isinstance(self.storage, LocalStorage)
+        for g, (k, a, b, rows) in enumerate(groups):
+            _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy)
+        for name, col in cols.items():
+            out[name] = col if inverse is None else col.take(inverse, axis=0)
         for f in wanted:
             if f.is_fixed:
-                shape = (m, *f.shape)
-                col = np.empty(shape, dtype=f.dtype) if inverse is None else self._scratch(f, shape)
-                for k, a, b, rows in groups:
-                    readers[k].ensure_rows(f.name, rows)
-                    readers[k].fixed[f.name].take(rows, axis=0, out=col[a:b], mode="clip")
-                out[f.name] = col if inverse is None else col.take(inverse, axis=0)
                 continue
-            shard_list = sorted(readers)
-            src_of = np.empty(m, dtype=np.int64)
-            starts = np.empty(m, dtype=np.int64)
-            lengths = np.empty(m, dtype=np.int64)
-            for k, a, b, rows in groups:
-                offs = readers[k].ragged[f.name][0]
-                lo = offs[rows]
-                starts[a:b], lengths[a:b] = lo, offs[rows + 1] - lo
-                readers[k].ensure_items(f.name, starts[a:b], lengths[a:b])
-                src_of[a:b] = shard_list.index(k)
+            run = runs[f.name]
+            src_of, starts, lengths = run.source_of, run.starts, run.lengths
             if inverse is not None:
                 src_of, starts, lengths = src_of[inverse], starts[inverse], lengths[inverse]
-            values, offsets = gather_ragged(
-                [readers[k].ragged[f.name][1] for k in shard_list], src_of, starts, lengths, f.dtype
-            )
-            if f.kind == "vndarray":
-                shape_cols = {k: readers[k].shapes[f.name] for k in shard_list}
-                shapes = gather_shapes(shape_cols, groups, m, inverse, len(f.shape))
-                out[f.name] = ShapedBatch(values, offsets, shapes)
+            values, offsets = gather_ragged(run.sources, src_of, starts, lengths, f.dtype)
+            if run.shapes is not None:  # vndarray
+                out[f.name] = ShapedBatch(values, offsets, run.shapes if inverse is None else run.shapes[inverse])
                 continue
             origin = partial(self._batch_where, f.name, idx) if f.kind == "string" else None
             out[f.name] = Ragged(values, offsets, f.kind, origin=origin)

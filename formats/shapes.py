@@ -16,7 +16,7 @@ import numpy as np
 from .errors import FormatError
 from .schema import VARIES, Field
 
-__all__ = ["ShapedBatch", "check_shapes", "gather_shapes"]
+__all__ = ["ShapedBatch", "check_shapes"]
 
 _LIMIT = 1 << 62  # products above this cannot match a stored element count
 
@@ -41,17 +41,6 @@ def check_shapes(shapes: np.ndarray, lengths: np.ndarray, f: Field, where: str) 
             f"{where}: local sample {i} has stored shape {tuple(int(x) for x in shapes[i])}, which does not fit "
             f"{f.shape} or its {int(lengths[i])} stored elements (corrupt shape column; run `fastload verify`)"
         )
-
-
-def gather_shapes(
-    columns: dict[int, np.ndarray], groups: list[tuple[int, int, int, np.ndarray]], m: int, inverse: Any, ndim: int
-) -> np.ndarray:
-    """The (m, ndim) shapes of a batch gathered shard by shard: `columns[k]` is shard k's shape
-    column, `groups` the reader's (shard, start, stop, rows) plan, `inverse` its reordering or None."""
-    out = np.empty((m, ndim), dtype=np.uint32)
-    for k, a, b, rows in groups:
-        out[a:b] = columns[k][rows]
-    return out if inverse is None else out[inverse]
 
 
 @dataclass(frozen=True)

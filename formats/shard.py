@@ -32,7 +32,7 @@ from .layout import (
 from .ragged import Ragged
 from .schema import KIND_CODES, Schema
 from .shapes import check_shapes
-from .spliced import advise_huge
+from .spliced import advise_huge, hold_while_mapped
 
 __all__ = ["ShardIdentity", "ShardInfo", "ShardReader", "file_xxh3", "write_shard"]
 
@@ -186,6 +186,7 @@ def _open_map(path: str, nbytes: int, where: str, huge: bool = False) -> tuple[m
             raise FormatError(f"{where}: file is {st.st_size} bytes, manifest says {nbytes} (truncated or replaced?)")
         if st.st_size < HEADER_DTYPE.itemsize:
             raise FormatError(f"{where}: file too small for a shard header ({st.st_size} bytes)")
+        hold_while_mapped(fd)
         mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
         if huge:
             advise_huge(mm)
@@ -202,6 +203,8 @@ class ShardReader:
     the blocks holding the header, field table and offsets tables are verified on open, and the
     caller verifies the blocks a read touches before delivering it (`ensure_bytes`, `ensure_rows`).
     """
+
+    on_corrupt: Callable[[ChecksumError], BaseException] | None = None  # set by the opener (see verify_blocks)
 
     def __init__(
         self,
@@ -394,9 +397,15 @@ class ShardReader:
         return self.bits is not None
 
     def verify_blocks(self, ids: np.ndarray) -> None:
-        """Verify the blocks `ids` (unique, local) now, whatever their bits say."""
+        """Verify the blocks `ids` (unique, local) now, whatever their bits say. A mismatch raises
+        `on_corrupt(error)` when the opener set that hook (a cached copy: it says so), else the error."""
         assert self.table is not None and self.bits is not None
-        verify_blocks(self._bytes[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
+        try:
+            verify_blocks(self._bytes[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
+        except ChecksumError as exc:
+            if self.on_corrupt is None:
+                raise
+            raise self.on_corrupt(exc) from exc
 
     def verify_all_blocks(self) -> None:
         """Verify every block of a version-2 shard (whatever this process verified before)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import math
 import mmap
 import os
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ColumnPart", "SplicedColumn", "advise_huge", "splice_available", "splice_column"]
+__all__ = ["ColumnPart", "SplicedColumn", "advise_huge", "hold_while_mapped", "splice_available", "splice_column"]
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # placements congruent modulo this let the kernel map large page-cache folios whole
@@ -193,6 +194,15 @@ def _reserve(libc: ctypes.CDLL, parts: list[ColumnPart], row_bytes: int) -> tupl
     return 0, None
 
 
+def hold_while_mapped(fd: int) -> None:
+    """Take a shared `flock` on the open file behind `fd`, before mapping it: the kernel keeps it
+    until the last descriptor and mapping of that open file are gone, so a shard cache can tell that
+    a file is still mapped (its exclusive probe fails) and keep its blocks in its budget. Where
+    `flock` is not supported, nothing is held."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+
 def splice_column(
     parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...], *, table: bool = True, huge: bool = False
 ) -> SplicedColumn | None:
@@ -219,6 +229,7 @@ def splice_column(
                 continue
             fd = os.open(part.path, os.O_RDONLY)
             try:
+                hold_while_mapped(fd)
                 got = libc.mmap(start + place, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, part.offset - lead)
             finally:
                 os.close(fd)

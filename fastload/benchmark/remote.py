@@ -26,6 +26,7 @@ several times.
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -100,10 +101,12 @@ def raw_pipeline(url: str, shards: list[Any], out_dir: str, *, threads: int = 8,
     return total / took
 
 
-def _cpu_since(t0: os.times_result) -> tuple[float, float]:
-    """(CPU seconds, user-mode CPU seconds) of this process since `os.times()` gave `t0`."""
-    t1 = os.times()
-    return t1.user + t1.system - t0.user - t0.system, t1.user - t0.user
+def _cpu_since(t0: resource.struct_rusage) -> tuple[float, float]:
+    """(CPU seconds, user-mode CPU seconds) of this process since `getrusage` gave `t0` (microsecond
+    resolution: `os.times` counts 10 ms ticks, which a short epoch may not reach)."""
+    t1 = resource.getrusage(resource.RUSAGE_SELF)
+    user = t1.ru_utime - t0.ru_utime
+    return user + (t1.ru_stime - t0.ru_stime), user  # summed from the parts: never below `user` by rounding
 
 
 def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: int, seed: int) -> tuple[float, dict]:
@@ -117,7 +120,7 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
     loader = Loader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, worker_type="thread")
     storage = getattr(ds, "storage", None)
     before = storage.stats() if callable(getattr(storage, "stats", None)) else {}
-    t0, c0 = time.perf_counter(), os.times()
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     n = 0
     for batch in loader:
         n += len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
@@ -189,7 +192,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
         for r in range(rounds):
             cpu = _Cpu(watch_pids) if watch_pids else None
             recycle_page_cache(work, nbytes)
-            c0 = os.times()
+            c0 = resource.getrusage(resource.RUSAGE_SELF)
             rows.setdefault("raw", []).append(
                 raw_pipeline(url, shards, os.path.join(work, "raw"), threads=threads, storage_options=storage_options)
             )
