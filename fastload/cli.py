@@ -39,7 +39,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     source, schema, attrs = open_source(
         args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check,
-        labels=args.labels,
+        labels=args.labels, jpeg_restart=args.jpeg_restart,
     )
     skipping = None
     if args.on_error == "skip":
@@ -91,6 +91,7 @@ def _convert_ray(args: argparse.Namespace) -> int:
         args.src, args.out, kind="fastload" if args.upgrade else args.kind, address=args.address,
         shard_size=args.shard_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
         concurrency=args.workers, on_error=args.on_error, decode_check=not args.no_decode_check, labels=args.labels,
+        jpeg_restart=args.jpeg_restart,
     )
     if result.skipped:
         print(f"skipped {len(result.skipped)} input(s) that failed to read; reasons in {result.report}",
@@ -232,6 +233,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="image folder: labels file (CSV rows file,label or a JSON object file -> label); "
                    "SRC/labels.csv or labels.json are used when present")
     p.add_argument("--no-decode-check", action="store_true", help="do not decode every image fully while converting")
+    p.add_argument("--jpeg-restart", action=argparse.BooleanOptionalAction, default=True,
+                   help="image folder: store each JPEG re-encoded losslessly (same pixels) with a restart marker per "
+                   "MCU row and a restart index, so the image preset decodes crop windows from their first rows "
+                   "(default: on; --no-jpeg-restart stores the files' bytes as they are)")
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data tasks on a cluster (needs fastload[ray])")
     p.add_argument("--address", default=None, help="Ray cluster address for --engine ray (default: start Ray here)")

@@ -38,18 +38,20 @@ class PathSource:
     Workers outlive jobs, so the open copy is keyed by this object's token: a later job over the same
     path (perhaps changed since) opens it afresh. `on_error="skip"` leaves out the inputs that fail
     to read, as `--on-error=skip` does locally (per-input sources only); `labels` is an image
-    folder's labels file (`--labels`), read again by each worker as the local converter reads it.
+    folder's labels file (`--labels`), read again by each worker as the local converter reads it;
+    `jpeg_restart`: an image folder's JPEGs get restart markers (`--jpeg-restart`, the default).
     """
 
     _opened: ClassVar[dict[str, Any]] = {}  # token -> the open source; one entry per process
 
     def __init__(
         self, src: str, kind: str | None, *, decode_check: bool = True, on_error: str = "stop",
-        labels: str | None = None,
+        labels: str | None = None, jpeg_restart: bool = True,
     ) -> None:
         if on_error not in ("stop", "skip"):
             raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
         self.src, self.kind, self.decode_check, self.labels = src, kind, decode_check, labels
+        self.jpeg_restart = jpeg_restart
         self.token = uuid.uuid4().hex
         source, schema, attrs = self._open()
         if schema is None:  # pragma: no cover - every source kind names its schema
@@ -81,7 +83,9 @@ class PathSource:
     def _open(self) -> tuple[Any, Schema | None, dict[str, Any]]:
         from .sources import open_source
 
-        return open_source(self.src, self.kind, decode_check=self.decode_check, labels=self.labels)
+        return open_source(
+            self.src, self.kind, decode_check=self.decode_check, labels=self.labels, jpeg_restart=self.jpeg_restart
+        )
 
     def sample(self, i: int) -> dict[str, Any]:
         """Sample `i` as a dict (per-input sources)."""

@@ -245,10 +245,13 @@ def _fastload_source(src: str) -> BlockSource:
 
 
 def open_source(
-    src: str, kind: str | None = None, *, decode_check: bool = True, labels: str | None = None
+    src: str, kind: str | None = None, *, decode_check: bool = True, labels: str | None = None,
+    jpeg_restart: bool = True,
 ) -> tuple[Any, Schema | None, dict[str, Any]]:
     """(source for `write`, schema or None, attrs to store in the manifest); `decode_check`: decode
-    every image of an image folder fully while converting; `labels`: an image folder's labels file."""
+    every image of an image folder fully while converting; `labels`: an image folder's labels file;
+    `jpeg_restart`: store an image folder's JPEGs with restart markers and a restart index
+    (`ImageFolder`)."""
     kind = kind or detect_kind(src)
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown source kind {kind!r}; expected one of {SOURCE_KINDS}")
@@ -257,7 +260,7 @@ def open_source(
     if not os.path.exists(src) and kind != "megatron":
         raise FileNotFoundError(f"source {src!r} does not exist")
     if kind == "imagefolder":
-        folder = ImageFolder(src, decode_check=decode_check, labels=labels)
+        folder = ImageFolder(src, decode_check=decode_check, labels=labels, jpeg_restart=jpeg_restart)
         attrs = {"classes": folder.classes} if folder.classes is not None else {}
         return folder, folder.schema, {**attrs, "source": "imagefolder"}
     if kind == "jsonl":
