@@ -236,6 +236,8 @@ static int fl_decode_one(const unsigned char *src, size_t len, long y0, long x0,
     /* One column of margin each side (libjpeg widens the left one to the iMCU grid): fancy
      * upsampling then sees the chroma neighbours a full decode sees, so edge pixels match. */
     long left = x0 > 0 ? x0 - 1 : 0, right = x0 + w + 1 < (long)cinfo.output_width ? x0 + w + 1 : (long)cinfo.output_width;
+    /* At least 4 columns: libjpeg-turbo's h2 fancy upsampling of a 1-column chroma crop reads past it. */
+    if (right - left < 4) right = left + 4 < (long)cinfo.output_width ? left + 4 : (long)cinfo.output_width;
     JDIMENSION xoff = (JDIMENSION)left, cw = (JDIMENSION)(right - left);
     if (cw < cinfo.output_width) jpeg_crop_scanline(&cinfo, &xoff, &cw);
     size_t lead = (size_t)(x0 - (long)xoff) * 3, row_bytes = (size_t)w * 3;
