@@ -30,7 +30,9 @@ KINDS = {
 }
 
 
-def photo(h: int, w: int, *, subsampling: int = 2, mode: str = "RGB", progressive: bool = False, seed: int = 0) -> bytes:
+def photo(
+    h: int, w: int, *, subsampling: int = 2, mode: str = "RGB", progressive: bool = False, seed: int = 0
+) -> bytes:
     """A photo-like JPEG (low-frequency noise + grain, q90)."""
     rng = np.random.default_rng(seed)
     low = (rng.random((h // 16 + 2, w // 16 + 2, 3)) * 255).astype(np.uint8)
