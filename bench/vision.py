@@ -67,9 +67,12 @@ DEFAULT_SETS = ("400x300", "500x375")
 
 
 def make_jpegs(
-    n: int, *, height: int = 375, width: int = 500, quality: int = 90, grain: float = 6.0, seed: int = 0
+    n: int, *, height: int = 375, width: int = 500, quality: int = 90, grain: float = 6.0, seed: int = 0,
+    mode: str = "RGB", **save: object,
 ) -> list[bytes]:
-    """`n` photo-like JPEGs: upsampled low-frequency noise plus grain (its std sets the file size)."""
+    """`n` photo-like JPEGs: upsampled low-frequency noise plus grain (its std sets the file size),
+    in PIL `mode` ("L": grayscale), `save` passed to PIL's JPEG writer (e.g. subsampling=0,
+    progressive=True)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -79,7 +82,7 @@ def make_jpegs(
         img = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), dtype=np.int16)
         img = np.clip(img + rng.normal(0, grain, img.shape), 0, 255).astype(np.uint8)
         buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="JPEG", quality=quality)
+        Image.fromarray(img).convert(mode).save(buf, format="JPEG", quality=quality, **save)
         out.append(buf.getvalue())
     return out
 

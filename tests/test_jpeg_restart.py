@@ -127,6 +127,21 @@ def test_window_pixels_equal_the_full_decode_cropped(kind: str, num: int, flip: 
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num", [8, 2])
+def test_windows_starting_and_ending_on_every_row(kind: str, num: int) -> None:
+    """Every first row, with heights that end just before, on and just after MCU row boundaries
+    (where the restart path adds a row of chroma context) and at the image's bottom."""
+    original, coded = pair(kind)
+    H, W = -(-203 * num // 8), -(-157 * num // 8)
+    step = KINDS[kind][1] * num // 8
+    full = reference(original, 0, 0, H, W, num)
+    for y0 in range(H):
+        for h in {1, step - 1, step, step + 1, H - y0} - {0}:
+            if y0 + h <= H:
+                assert np.array_equal(window(coded, y0, 1, h, W - 2, num), full[y0 : y0 + h, 1 : W - 1]), (y0, h)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_rows_above_the_window_are_never_decoded(kind: str) -> None:
     """Damage the entropy-coded data of the first three MCU rows: a window below them still decodes
     to the clean pixels (the decoder started at its restart interval), while the whole image fails

@@ -12,7 +12,8 @@
  * segment listing where each restart interval starts (written at conversion by
  * transcode_restart, a lossless re-encode of the DCT coefficients; layout in formats/FORMAT.md)
  * is decoded from the restart interval holding the window's first row (one MCU row earlier when
- * the chroma is vertically subsampled: fancy upsampling reads the chroma row above): the decoder
+ * the window starts on an MCU row's first row and the chroma is vertically subsampled: fancy
+ * upsampling reads the chroma row above): the decoder
  * gets a stream made of the header (SOF height cut to the rows kept) and the entropy-coded data of
  * those intervals only, restart markers renumbered from RST0, so the rows above the window are
  * never entropy-decoded. Every offset of the index is checked (inside the data, increasing, on a
@@ -151,8 +152,11 @@ static int fl_cut_stream(const unsigned char *s, size_t len, const struct jpeg_d
     long mcu_h, rows;
     if (!fl_scan_layout(s, len, &lay) || lay.idx == NULL || !fl_mcu_rows(cinfo, &mcu_h, &rows)) return 0;
     long step = mcu_h * num / 8; /* output rows per MCU row: mcu_h is a multiple of 8 */
-    int context = cinfo->max_v_samp_factor > 1;
-    long first = y0 / step - context, end = (y0 + h - 1) / step + 1 + context;
+    /* Vertically subsampled chroma, fancy-upsampled: an output row blends its chroma row with the
+     * one above (the upper row of a pair) or below (the lower one), so a window starting on the
+     * first row of an MCU row needs the MCU row above, one ending on the last row the one below. */
+    int vsub = cinfo->max_v_samp_factor > 1;
+    long first = y0 / step - (vsub && y0 % step == 0), end = (y0 + h - 1) / step + 1 + (vsub && (y0 + h) % step == 0);
     if (first < 1) return 0;
     if (end > rows) end = rows;
     if (!fl_check_index(s, len, &lay, rows)) return 0;
