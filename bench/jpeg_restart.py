@@ -55,6 +55,14 @@ def _cpu_per_image(jpegs: list[bytes], params: np.ndarray, min_cpu: float) -> fl
     return (time.process_time() - c0) / (passes * len(jpegs))
 
 
+def _without_index(coded: bytes) -> bytes:
+    """`coded` with its APP9 restart index segment removed (the window decoder then reads it from the top)."""
+    at = coded.index(b"\xff\xe9\x00")
+    while coded[at + 4 : at + 10] != b"FLRST\x00":
+        at = coded.index(b"\xff\xe9\x00", at + 1)
+    return coded[:at] + coded[at + 2 + int.from_bytes(coded[at + 2 : at + 4], "big") :]
+
+
 def _rows(sizes: np.ndarray, windows: np.ndarray, nums: np.ndarray, flips: np.ndarray) -> np.ndarray:
     """`decode_windows` rows for `windows` (original pixels) decoded at nums/8."""
     scaled = scaled_windows(sizes, windows, nums)
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_params = _rows(sizes, center_crop(sizes, size=args.size), np.full(len(jpegs), 8), np.zeros(len(jpegs)))
         whole = np.concatenate([np.zeros_like(sizes), sizes], axis=1)
         whole_params = _rows(sizes, whole, np.full(len(jpegs), 8), np.zeros(len(jpegs)))
-        unindexed = [c[:2] + c[4 + int.from_bytes(c[4:6], "big") :] for c in coded]  # APP9 index removed
+        unindexed = [_without_index(c) for c in coded]
         assert all(restart_index(c) is None for c in unindexed)
         cpu = {
             (what, form): 1e3 * _cpu_per_image(data, params, args.min_cpu)

@@ -94,7 +94,10 @@ def test_reencode_is_lossless_baseline_with_a_marker_per_mcu_row(kind: str) -> N
         assert np.array_equal(decode(original), decode(coded))
     seen = dict((m, p) for p, m in reversed(markers(coded)))
     assert 0xC0 in seen and 0xC2 not in seen  # baseline, progressive input included
-    assert markers(coded)[0] == (2, 0xE9) and coded[6:14] == b"FLRST\x00\x01\x01"
+    found = markers(coded)
+    assert found[0] == (2, 0xE0) and coded[6:11] == b"JFIF\x00"  # JFIF's APP0 stays first
+    (at,) = [p for p, m in found if m == 0xE9]
+    assert found[1] == (at, 0xE9) and coded[at + 4 : at + 12] == b"FLRST\x00\x01\x01"
     mcu_h = KINDS[kind][1]
     offsets = restart_index(coded)
     assert offsets is not None and len(offsets) == -(-203 // mcu_h) - 1
@@ -171,12 +174,13 @@ def test_a_tampered_index_is_never_trusted(kind: str, data) -> None:
     """Random offsets (or a wrong count) in the index: the decoder checks every one and, when any
     fails, decodes the whole stream; pixels stay the full decode's."""
     original, coded = pair(kind)
-    count = (struct.unpack(">H", coded[4:6])[0] - 10) // 4
+    (at,) = [p for p, m in markers(coded) if m == 0xE9]
+    seg = struct.unpack(">H", coded[at + 2 : at + 4])[0]
     listed = list(restart_index(coded))
-    rows = data.draw(st.integers(0, count + 2))
+    rows = data.draw(st.integers(0, len(listed) + 2))
     offsets = data.draw(st.lists(st.integers(0, 2**32 - 1) | st.sampled_from(listed), min_size=rows, max_size=rows))
     index = b"FLRST\x00\x01\x01" + b"".join(struct.pack(">I", v) for v in offsets)
-    tampered = coded[:2] + b"\xff\xe9" + struct.pack(">H", 2 + len(index)) + index + coded[6 + 2 * 4 + 4 * count :]
+    tampered = coded[:at] + b"\xff\xe9" + struct.pack(">H", 2 + len(index)) + index + coded[at + 2 + seg :]
     assert restart_index(tampered) in (None, tuple(listed))
     y0 = data.draw(st.integers(0, 200))
     assert np.array_equal(window(tampered, y0, 0, 203 - y0, 157), reference(original, y0, 0, 203 - y0, 157))

@@ -454,7 +454,7 @@ static long fl_find_restarts(const unsigned char *s, size_t len, size_t entropy,
 /* Re-encodes src losslessly (its DCT coefficients, quantisation tables and sampling copied;
  * Huffman tables optimised; progressive input written as baseline) with a restart marker after
  * every MCU row, APPn/COM markers kept (an old restart index dropped), and the APP9 restart index
- * written after SOI. Returns 0 with out and out_len set (malloc), else -1 with a message in msg. */
+ * written after the APPn segments that follow SOI. Returns 0 with out and out_len set (malloc), else -1 with a message in msg. */
 static int fl_transcode(const unsigned char *src, size_t len, unsigned char **out, size_t *out_len, char *msg) {
     struct jpeg_decompress_struct din;
     struct jpeg_compress_struct cout;
@@ -515,6 +515,10 @@ static int fl_transcode(const unsigned char *src, size_t len, unsigned char **ou
         free(enc);
         return -1;
     }
+    /* The index goes after the APPn segments that follow SOI (JFIF's APP0 and EXIF's APP1 stay first). */
+    size_t at = 2;
+    while (at + 4 <= lay.entropy && enc[at] == 0xFF && enc[at + 1] >= 0xE0 && enc[at + 1] <= 0xEF)
+        at += 2 + (((size_t)enc[at + 2] << 8) | enc[at + 3]);
     size_t seg = 2 + FL_INDEX_HEAD + 4 * (size_t)count;
     *out_len = enc_len + 2 + seg;
     *out = malloc(*out_len);
@@ -524,17 +528,18 @@ static int fl_transcode(const unsigned char *src, size_t len, unsigned char **ou
         free(enc);
         return -1;
     }
-    unsigned char *o = *out;
-    o[0] = 0xFF, o[1] = 0xD8, o[2] = 0xFF, o[3] = 0xE9, o[4] = (unsigned char)(seg >> 8), o[5] = (unsigned char)seg;
-    memcpy(o + 6, FL_INDEX_ID, 6);
-    o[12] = 1; /* version */
-    o[13] = 1; /* MCU rows per restart interval */
+    memcpy(*out, enc, at);
+    unsigned char *o = *out + at;
+    o[0] = 0xFF, o[1] = 0xE9, o[2] = (unsigned char)(seg >> 8), o[3] = (unsigned char)seg;
+    memcpy(o + 4, FL_INDEX_ID, 6);
+    o[10] = 1; /* version */
+    o[11] = 1; /* MCU rows per restart interval */
     for (long j = 0; j < count; j++) {
-        unsigned char *q = o + 14 + 4 * j;
+        unsigned char *q = o + 12 + 4 * j;
         q[0] = (unsigned char)(offs[j] >> 24), q[1] = (unsigned char)(offs[j] >> 16);
         q[2] = (unsigned char)(offs[j] >> 8), q[3] = (unsigned char)offs[j];
     }
-    memcpy(o + 4 + seg, enc + 2, enc_len - 2);
+    memcpy(o + 2 + seg, enc + at, enc_len - at);
     free(offs);
     free(enc);
     return 0;
