@@ -224,3 +224,23 @@ def test_convert_stores_reencoded_jpegs_by_default(tmp_path, flag: list[str]) ->
         else:
             assert got == add_restart_index(data) and restart_index(got) is not None
             assert np.array_equal(decode_rgb(got), decode_rgb(data))
+
+
+@settings(max_examples=80, deadline=None)
+@given(kind=st.sampled_from(list(KINDS)), data=st.data())
+def test_damaged_headers_fail_cleanly(kind: str, data) -> None:
+    """Bytes changed anywhere in the header, the index or the first restart intervals: the decoder
+    returns pixels or names a decode error for the image (the preset then tries the whole-image
+    decoders); it never reads outside the data."""
+    _, coded = pair(kind)
+    start = entropy_start(coded)
+    damaged = bytearray(coded)
+    for _ in range(data.draw(st.integers(1, 4))):
+        damaged[data.draw(st.integers(2, start + 64))] = data.draw(st.integers(0, 255))
+    buf = bytes(damaged)
+    y0 = data.draw(st.integers(0, 150))
+    out = np.zeros(40 * 50 * 3, dtype=np.uint8)
+    values, offsets = np.frombuffer(buf, dtype=np.uint8), np.array([0, len(buf)], dtype=np.int64)
+    failures = decode_windows(values, offsets, np.array([[0, y0, 7, 40, 50, 8, 0, 0]], dtype=np.int64), out)
+    assert all(row == 0 and code in (1, 2) and message for row, code, message in failures)
+    restart_index(buf)  # the index reader checks the same way
