@@ -9,16 +9,16 @@
  * (optionally mirrored); its headers are read the same way. Corrupt-data warnings are errors.
  *
  * Restart index: a baseline JPEG with a restart marker after every MCU row and an APP9 "FLRST"
- * segment listing where each restart interval starts (written at conversion by
- * transcode_restart, a lossless re-encode of the DCT coefficients; layout in formats/FORMAT.md)
- * is decoded from the restart interval holding the window's first row (one MCU row earlier when
- * the window starts on an MCU row's first row and the chroma is vertically subsampled: fancy
- * upsampling reads the chroma row above): the decoder
- * gets a stream made of the header (SOF height cut to the rows kept) and the entropy-coded data of
- * those intervals only, restart markers renumbered from RST0, so the rows above the window are
- * never entropy-decoded. Every offset of the index is checked (inside the data, increasing, on a
- * restart marker of the expected number) before one is used; an index that fails any check, or
- * an image without one, takes the whole-stream path.
+ * segment listing where each restart interval starts (written at conversion by transcode_restart,
+ * a lossless re-encode of the DCT coefficients; layout in formats/FORMAT.md) is decoded from the
+ * restart interval holding the window's first row: the decoder gets a stream made of the header
+ * (SOF height cut to the rows kept) and the entropy-coded data of the window's intervals only,
+ * restart markers renumbered from RST0, so the rows above the window are never entropy-decoded.
+ * With vertically subsampled chroma, a window starting (ending) on an MCU row's first (last) row
+ * also takes the MCU row above (below): fancy upsampling blends each chroma row with its
+ * neighbour. Every offset of the index is checked (inside the data, increasing, on a restart
+ * marker of the expected number) before one is used; an index that fails any check, or an image
+ * without one, takes the whole-stream path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -109,9 +109,9 @@ static int fl_scan_layout(const unsigned char *s, size_t len, fl_layout *lay) {
     return 0;
 }
 
-/* The MCU geometry of the image's one scan: rows per MCU row (mcu_h), MCUs per row and MCU rows;
- * 0 unless the scan holds every component (or the image is grayscale) and restarts come once per
- * MCU row. Needs jpeg_read_header's fields. */
+/* The MCU geometry of the image's one scan: image rows per MCU row (mcu_h) and MCU rows. Returns 0
+ * unless the scan is Huffman-coded, sequential and holds every component, and restarts come once
+ * per MCU row. Needs jpeg_read_header's fields. */
 static int fl_mcu_rows(const struct jpeg_decompress_struct *cinfo, long *mcu_h, long *rows) {
     if (cinfo->progressive_mode || cinfo->arith_code || cinfo->comps_in_scan != cinfo->num_components) return 0;
     long w = (long)cinfo->image_width, h = (long)cinfo->image_height, per_row;
@@ -156,7 +156,8 @@ static int fl_cut_stream(const unsigned char *s, size_t len, const struct jpeg_d
      * one above (the upper row of a pair) or below (the lower one), so a window starting on the
      * first row of an MCU row needs the MCU row above, one ending on the last row the one below. */
     int vsub = cinfo->max_v_samp_factor > 1;
-    long first = y0 / step - (vsub && y0 % step == 0), end = (y0 + h - 1) / step + 1 + (vsub && (y0 + h) % step == 0);
+    long first = y0 / step - (vsub && y0 % step == 0);
+    long end = (y0 + h - 1) / step + 1 + (vsub && (y0 + h) % step == 0);
     if (first < 1) return 0;
     if (end > rows) end = rows;
     if (!fl_check_index(s, len, &lay, rows)) return 0;
