@@ -224,6 +224,15 @@ def test_convert_stores_reencoded_jpegs_by_default(tmp_path, flag: list[str]) ->
         else:
             assert got == add_restart_index(data) and restart_index(got) is not None
             assert np.array_equal(decode_rgb(got), decode_rgb(data))
+    if not flag:  # the Loader's image path decodes the stored JPEGs from their restart intervals
+        from fastload import Loader, open_dataset
+        from fastload.vision import ImagePreset, with_indices
+
+        preset = ImagePreset(kind="eval", size=24, resize=None, backend="cpu", normalize=False)
+        loader = Loader(with_indices(open_dataset(str(tmp_path / "out"))), batch_size=5, transform=preset)
+        assert sum(len(b["image"]) for b in loader) == len(files)
+        modes = loader.stats()["vision_decode_modes"]
+        assert modes.get("window, from its restart interval", 0) > 0 and sum(modes.values()) == len(files)
 
 
 @settings(max_examples=80, deadline=None)
@@ -244,3 +253,27 @@ def test_damaged_headers_fail_cleanly(kind: str, data) -> None:
     failures = decode_windows(values, offsets, np.array([[0, y0, 7, 40, 50, 8, 0, 0]], dtype=np.int64), out)
     assert all(row == 0 and code in (1, 2) and message for row, code, message in failures)
     restart_index(buf)  # the index reader checks the same way
+
+
+@pytest.mark.parametrize("kind", ["train", "eval"])
+def test_preset_output_is_bit_identical_and_counts_restart_starts(kind: str) -> None:
+    """The image preset (crop, resize, flip, normalise) gives the same tensor for the original and
+    the re-encoded JPEGs; its stats count the windows decoded from their restart interval."""
+    import torch
+
+    from fastload.formats.ragged import Ragged
+    from fastload.vision import ImagePreset
+
+    originals = [make(k, 240, 320, seed=s) for s in range(3) for k in KINDS]
+    coded = [add_restart_index(b) for b in originals]
+    outs, presets = [], []
+    for images in (originals, coded):
+        preset = ImagePreset(kind=kind, size=64, backend="cpu", threads=2, dtype=torch.float32)
+        batch = {"image": Ragged.from_list(images, kind="image"), "__indices__": np.arange(len(images))}
+        outs.append(preset(batch)["image"])
+        presets.append(preset)
+    assert torch.equal(outs[0], outs[1])
+    plain, indexed = (p.stats()["vision_decode_modes"] for p in presets)
+    assert not any(m.endswith(", from its restart interval") for m in plain)
+    restarted = sum(c for m, c in indexed.items() if m.endswith(", from its restart interval"))
+    assert sum(indexed.values()) == len(coded) and restarted > 0

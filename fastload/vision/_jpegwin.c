@@ -194,7 +194,7 @@ static int fl_cut_stream(const unsigned char *s, size_t len, const struct jpeg_d
 /* Decode window (y0, x0, h, w) of the image scaled by num/8 into dst (h * w * 3 bytes, RGB).
  * Returns 0, ERR_DECODE or ERR_UNSUPPORTED (CMYK/YCCK: the caller falls back), message in msg. */
 static int fl_decode_one(const unsigned char *src, size_t len, long y0, long x0, long h, long w, int num,
-                         int flip, unsigned char *dst, fl_scratch *scratch, char *msg) {
+                         int flip, unsigned char *dst, fl_scratch *scratch, char *msg, unsigned char *started) {
     struct jpeg_decompress_struct cinfo;
     fl_error err;
     volatile int created = 0;
@@ -236,6 +236,7 @@ static int fl_decode_one(const unsigned char *src, size_t len, long y0, long x0,
         cinfo.scale_num = (unsigned int)num;
         cinfo.scale_denom = 8;
         y0 -= row_shift;
+        *started = 1;
     }
     jpeg_start_decompress(&cinfo);
     /* One column of margin each side (libjpeg widens the left one to the iMCU grid): fancy
@@ -308,17 +309,19 @@ static int fl_check_offsets(const Py_buffer *values, const Py_buffer *offsets, P
 }
 
 PyDoc_STRVAR(decode_windows_doc,
-             "decode_windows(values, offsets, params, out) -> list\n\n"
+             "decode_windows(values, offsets, params, out, starts=None) -> list\n\n"
              "The sources are a Ragged batch view: source j is values[offsets[j]:offsets[j + 1]] (offsets:\n"
              "int64). params: C-contiguous int64 rows (src, y0, x0, h, w, num, flip, out_offset): decode\n"
              "source src's window (in pixels of the image decoded at scale num/8, 1..8), mirrored if flip,\n"
              "into out[out_offset : out_offset + h*w*3] (RGB, rows of w pixels); out: one writable\n"
              "C-contiguous buffer. Returns the failures only, as (row, code, message): code 1 a decode\n"
-             "error, 2 an unsupported colour space (CMYK/YCCK). Runs without the GIL.");
+             "error, 2 an unsupported colour space (CMYK/YCCK). starts, if given: one writable byte per row,\n"
+             "set to 1 where the decode started at a restart interval (the image's restart index), else 0.\n"
+             "Runs without the GIL.");
 
 static PyObject *decode_windows(PyObject *self, PyObject *args) {
-    Py_buffer values, offsets, params, out;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*", &values, &offsets, &params, &out)) return NULL;
+    Py_buffer values, offsets, params, out, starts = {0};
+    if (!PyArg_ParseTuple(args, "y*y*y*w*|w*", &values, &offsets, &params, &out, &starts)) return NULL;
     PyObject *result = NULL;
     int *codes = NULL;
     char *messages = NULL;
@@ -326,6 +329,10 @@ static PyObject *decode_windows(PyObject *self, PyObject *args) {
     if (fl_check_offsets(&values, &offsets, &k) < 0) goto done;
     if (params.len != n * 8 * (Py_ssize_t)sizeof(long long)) {
         PyErr_SetString(PyExc_ValueError, "params must be int64 rows of (src, y0, x0, h, w, num, flip, out_offset)");
+        goto done;
+    }
+    if (starts.obj != NULL && starts.len != n) {
+        PyErr_Format(PyExc_ValueError, "starts holds %zd bytes for %zd rows", starts.len, n);
         goto done;
     }
     const long long *p = (const long long *)params.buf, *o = (const long long *)offsets.buf;
@@ -356,9 +363,11 @@ static PyObject *decode_windows(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         const long long *q = p + 8 * i;
         const unsigned char *src = (const unsigned char *)values.buf + o[q[0]];
+        unsigned char started = 0;
         codes[i] = fl_decode_one(src, (size_t)(o[q[0] + 1] - o[q[0]]), (long)q[1], (long)q[2], (long)q[3], (long)q[4],
                                  (int)q[5], q[6] != 0, (unsigned char *)out.buf + q[7], &scratch,
-                                 messages + (size_t)i * JMSG_LENGTH_MAX);
+                                 messages + (size_t)i * JMSG_LENGTH_MAX, &started);
+        if (starts.obj != NULL) ((unsigned char *)starts.buf)[i] = started;
     }
     free(scratch.row);
     free(scratch.stream);
@@ -377,6 +386,7 @@ done:
     PyBuffer_Release(&offsets);
     PyBuffer_Release(&params);
     PyBuffer_Release(&out);
+    if (starts.obj != NULL) PyBuffer_Release(&starts);
     return result;
 }
 
