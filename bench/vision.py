@@ -10,8 +10,16 @@ other users of the machine hits a row and its baselines alike):
   antialiased resize to 224 (what a full-decode train pipeline does per image);
 - the CPU preset called directly on ready batches (threads = usable cores): eval crop only
   (centre 224, `resize=None`), eval resized, train (RandomResizedCrop 224 + flip, DCT downscale
-  on by default; also off), uint8 NHWC and fp16 NCHW; the DALI CPU pipeline when installed;
-- `fastload.Loader` over a fastload dataset of the set's JPEGs (repeated to `LOADER_IMAGES`, so
+  on by default; also off), uint8 NHWC and fp16 NCHW; fastload's DALI backend on the CPU when installed;
+- peers on the same JPEGs (`bench.vision_peers`, uint8 NHWC batches, all cores): a standalone DALI
+  CPU pipeline (eval resize + centre crop; train `decoders.image_random_crop` + resize + flip)
+  when DALI is installed, and torchvision's classic PIL pipeline written with its PIL calls
+  (torchvision's PyPI builds do not load beside the CPU-only torch; the train row uses the
+  preset's RandomResizedCrop windows);
+- the train preset rows again on the JPEGs re-encoded with restart markers (`restart index`), as
+  `fastload convert` stores them;
+- `fastload.Loader` over a fastload dataset of the set's JPEGs as `fastload convert` stores them
+  (re-encoded with restart markers; repeated to `LOADER_IMAGES`, so
   an epoch is many batches, as in training), eval crop-only and train presets as `transform`,
   num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
 - on a CUDA machine: the DALI mixed (nvJPEG) rows and the data stall of a prefetching loop.
@@ -41,6 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from bench.vision_peers import dali_cpu_pass, pil_torch_pass
+from fastload.formats.jpeg_restart import add_restart_index
 from fastload.formats.ragged import Ragged
 from fastload.system import usable_cores
 from fastload.vision import ImagePreset, dali_available
@@ -57,9 +67,12 @@ DEFAULT_SETS = ("400x300", "500x375")
 
 
 def make_jpegs(
-    n: int, *, height: int = 375, width: int = 500, quality: int = 90, grain: float = 6.0, seed: int = 0
+    n: int, *, height: int = 375, width: int = 500, quality: int = 90, grain: float = 6.0, seed: int = 0,
+    mode: str = "RGB", **save: object,
 ) -> list[bytes]:
-    """`n` photo-like JPEGs: upsampled low-frequency noise plus grain (its std sets the file size)."""
+    """`n` photo-like JPEGs: upsampled low-frequency noise plus grain (its std sets the file size),
+    in PIL `mode` ("L": grayscale), `save` passed to PIL's JPEG writer (e.g. subsampling=0,
+    progressive=True)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -69,7 +82,7 @@ def make_jpegs(
         img = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), dtype=np.int16)
         img = np.clip(img + rng.normal(0, grain, img.shape), 0, 255).astype(np.uint8)
         buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="JPEG", quality=quality)
+        Image.fromarray(img).convert(mode).save(buf, format="JPEG", quality=quality, **save)
         out.append(buf.getvalue())
     return out
 
@@ -159,9 +172,12 @@ LOADER_IMAGES = 1536
 
 
 def _write_dataset(jpegs: list[bytes], root: str) -> None:
-    """A fastload dataset of `jpegs`, repeated to at least `LOADER_IMAGES` images."""
+    """A fastload dataset of `jpegs` as `fastload convert` stores an image folder's JPEGs (re-encoded
+    with restart markers: `add_restart_index`), repeated to at least `LOADER_IMAGES` images."""
     from fastload.formats import Field, Schema, write
+    from fastload.formats.jpeg_restart import add_restart_index
 
+    jpegs = [add_restart_index(j) for j in jpegs]
     reps = -(-LOADER_IMAGES // len(jpegs))
     schema = Schema((Field("image", "image"), Field("label", "scalar", np.int64)))
     write(({"image": j, "label": i} for i, j in enumerate(jpegs * reps)), root, schema=schema, progress=False)
@@ -367,8 +383,11 @@ def _first_batch(root: str, workers: int, size: int, bs: int, kind: str) -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _rows(size: int, cores: int, batches: list[dict], root: str, bs: int) -> dict[str, Callable[[], int]]:
+def _rows(
+    size: int, cores: int, jpegs: list[bytes], root: str, bs: int, pool: ThreadPoolExecutor
+) -> dict[str, Callable[[], int]]:
     """The measured rows (label -> one pass), baselines excluded."""
+    batches = batches_of(jpegs, bs)
     fns: dict[str, Callable[[], int]] = {}
     presets = [
         ("eval crop-only uint8 NHWC", {"kind": "eval", "resize": None, "normalize": False}),
@@ -386,10 +405,25 @@ def _rows(size: int, cores: int, batches: list[dict], root: str, bs: int) -> dic
     for label, kw in (presets[0], presets[3]):
         preset = ImagePreset(size=size, backend="cpu", threads=1, **kw)
         fns[f"cpu preset {label}, 1 thread"] = preset_pass(preset, batches)
+    # the same JPEGs as `fastload convert` stores them: the train window decoder starts at its rows
+    restart = batches_of([add_restart_index(j) for j in jpegs], bs)
+    for threads in (cores, 1):
+        preset = ImagePreset(size=size, backend="cpu", threads=threads, **presets[3][1])
+        suffix = ", 1 thread" if threads == 1 else ""
+        fns[f"cpu preset {presets[3][0]}, restart index{suffix}"] = preset_pass(preset, restart)
     if dali_available():
         for kind in ("eval", "train"):
             preset = ImagePreset(kind=kind, size=size, backend="dali", threads=cores, normalize=False)
             fns[f"dali-cpu {kind} uint8 NHWC"] = preset_pass(preset, batches)
+    _, windows, flips = _train_windows(jpegs)
+    for kind in ("eval", "train"):
+        if dali_available():
+            fns[f"peer: DALI CPU pipeline {kind} uint8 NHWC"] = dali_cpu_pass(
+                jpegs, kind=kind, size=size, threads=cores, batch_size=bs
+            )
+        fns[f"peer: torchvision-style PIL {kind} uint8 NHWC"] = pil_torch_pass(
+            jpegs, kind=kind, size=size, windows=windows, flips=flips, pool=pool, batch_size=bs
+        )
     if torch.cuda.is_available() and dali_available():
         for kind in ("eval", "train"):
             preset = ImagePreset(kind=kind, size=size, backend="dali", device="cuda", threads=cores)
@@ -454,7 +488,7 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
     root = os.path.join(tmp, "ds")
     try:
         _write_dataset(jpegs, root)
-        fns.update(_rows(size, cores, batches, root, bs))
+        fns.update(_rows(size, cores, jpegs, root, bs, pool))
         if args.rows:
             fns = {k: f for k, f in fns.items() if any(r in k for r in args.rows)}
         rates = _paired_rounds(fns, base, rounds=rounds, min_time=min_time)

@@ -39,7 +39,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     source, schema, attrs = open_source(
         args.src, "fastload" if args.upgrade else args.kind, decode_check=not args.no_decode_check,
-        labels=args.labels, decode=args.decode, fields=_field_list(args.fields),
+        labels=args.labels, decode=args.decode, fields=_field_list(args.fields), jpeg_restart=args.jpeg_restart,
     )
     skipping = None
     if args.on_error == "skip":
@@ -104,6 +104,7 @@ def _convert_ray(args: argparse.Namespace) -> int:
         shard_size=args.shard_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
         concurrency=args.workers, on_error=args.on_error, decode_check=not args.no_decode_check, labels=args.labels,
         fields=_field_list(args.fields),
+        jpeg_restart=args.jpeg_restart,
     )
     if result.skipped:
         print(f"skipped {len(result.skipped)} input(s) that failed to read; reasons in {result.report}",
@@ -265,6 +266,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    "(default: each record as the bytes field 'record')")
     p.add_argument("--fields", default=None, metavar="A,B,...",
                    help="WebDataset, TFRecord, MDS: the fields to keep, comma-separated (default: all)")
+    p.add_argument("--jpeg-restart", action=argparse.BooleanOptionalAction, default=True,
+                   help="image folder: store each JPEG re-encoded losslessly (same pixels) with a restart marker per "
+                   "MCU row and a restart index, so the image preset decodes crop windows from their first rows "
+                   "(default: on; --no-jpeg-restart stores the files' bytes as they are)")
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data tasks on a cluster (needs fastload[ray])")
     p.add_argument("--address", default=None, help="Ray cluster address for --engine ray (default: start Ray here)")

@@ -13,6 +13,7 @@ import numpy as np
 
 from .columns import image_size
 from .errors import FormatError, SchemaError
+from .jpeg_restart import add_restart_index, restart_supported
 from .schema import Field, Schema
 
 __all__ = ["IMAGE_EXTENSIONS", "LABEL_FILES", "ImageFolder", "check_image", "is_image", "labelled_images"]
@@ -44,11 +45,24 @@ class ImageFolder:
     indices (`classes`, sorted); integer labels are kept as they are (`classes` is None). A folder
     without class subfolders (or with one) and no labels file warns that every label is 0.
     With `decode_check` (default) every image is decoded fully as it is read; errors name the file.
+    With `jpeg_restart` (default) each JPEG is stored re-encoded losslessly with a restart marker
+    per MCU row and a restart index (`jpeg_restart.add_restart_index`: same pixels), so the image
+    preset decodes a crop window from its first rows instead of from the top of the image.
     """
 
-    def __init__(self, root: str, *, decode_check: bool = True, labels: str | None = None) -> None:
+    def __init__(
+        self, root: str, *, decode_check: bool = True, labels: str | None = None, jpeg_restart: bool = True
+    ) -> None:
         self.root = root
         self.decode_check = decode_check
+        if jpeg_restart and not restart_supported():
+            warnings.warn(
+                f"{root}: JPEGs are stored without restart markers: fastload.vision._jpegwin is not built (it "
+                "needs libjpeg-turbo's headers at install time, e.g. Debian's libjpeg62-turbo-dev)",
+                stacklevel=2,
+            )
+            jpeg_restart = False
+        self.jpeg_restart = jpeg_restart
         if labels is None:
             labels = next((p for p in (os.path.join(root, n) for n in LABEL_FILES) if os.path.isfile(p)), None)
         self.labels_file = labels
@@ -94,6 +108,8 @@ class ImageFolder:
             check_image(data, path)
         else:
             image_size(data, path)  # the header at least: its size goes into meta.bin
+        if self.jpeg_restart:
+            data = add_restart_index(data)
         return {"image": data, "label": label}
 
     def describe(self, i: int) -> str:

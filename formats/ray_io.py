@@ -517,6 +517,7 @@ def convert_ray(
     decode_check: bool = True,
     labels: str | None = None,
     fields: list[str] | None = None,
+    jpeg_restart: bool = True,
     **kwargs: Any,
 ) -> RayWriteResult:
     """`fastload convert --engine ray`: a local-converter source, or Parquet / JSON lines Ray Data reads.
@@ -524,7 +525,8 @@ def convert_ray(
     `on_error="skip"` leaves out the inputs that fail to read and lists them in
     `OUT/skipped-inputs.jsonl`, as `fastload convert --on-error=skip`; `decode_check=False` does not
     decode every image fully (`--no-decode-check`); `labels`: an image folder's labels file
-    (`--labels`); `fields`: the fields to keep (`--fields`: WebDataset, TFRecord, MDS). WebDataset
+    (`--labels`); `fields`: the fields to keep (`--fields`: WebDataset, TFRecord, MDS);
+    `jpeg_restart=False` stores an image folder's JPEGs as they are (`--no-jpeg-restart`). WebDataset
     shards at a URL are read by the tasks as the local converter reads them. Other keywords go to
     `write_ray`.
     """
@@ -540,7 +542,8 @@ def convert_ray(
                 ds = ray.data.read_parquet(src, filesystem=_arrow_fs(src, storage_options))
             kwargs.setdefault("attrs", {"source": "ray"})
             return write_ray(ds, out, storage_options=storage_options, **kwargs)
-        source = PathSource(src, kind, decode_check=decode_check, on_error=on_error, labels=labels, fields=fields)
+        source = PathSource(src, kind, decode_check=decode_check, on_error=on_error, labels=labels, fields=fields,
+                            jpeg_restart=jpeg_restart)
         return write_ray(source, out, storage_options=storage_options, **kwargs)
     finally:
         if started:

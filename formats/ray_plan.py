@@ -40,18 +40,20 @@ class PathSource:
     to read, as `--on-error=skip` does locally (per-input sources only); `labels` is an image
     folder's labels file (`--labels`), read again by each worker as the local converter reads it;
     `fields` the fields to keep (`--fields`: WebDataset, TFRecord, MDS).
+    `jpeg_restart`: an image folder's JPEGs get restart markers (`--jpeg-restart`, the default).
     """
 
     _opened: ClassVar[dict[str, Any]] = {}  # token -> the open source; one entry per process
 
     def __init__(
         self, src: str, kind: str | None, *, decode_check: bool = True, on_error: str = "stop",
-        labels: str | None = None, fields: list[str] | None = None,
+        labels: str | None = None, fields: list[str] | None = None, jpeg_restart: bool = True,
     ) -> None:
         if on_error not in ("stop", "skip"):
             raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
         self.src, self.kind, self.decode_check, self.labels = src, kind, decode_check, labels
         self.fields = fields
+        self.jpeg_restart = jpeg_restart
         self.token = uuid.uuid4().hex
         source, schema, attrs = self._open()
         if schema is None:  # pragma: no cover - every source kind names its schema
@@ -84,7 +86,7 @@ class PathSource:
         from .sources import open_source
 
         return open_source(self.src, self.kind, decode_check=self.decode_check, labels=self.labels,
-                           fields=self.fields)
+                           fields=self.fields, jpeg_restart=self.jpeg_restart)
 
     def sample(self, i: int) -> dict[str, Any]:
         """Sample `i` as a dict (per-input sources)."""

@@ -275,11 +275,14 @@ def open_source(
     src: str, kind: str | None = None, *, decode_check: bool = True, labels: str | None = None,
     decode: str | None = None,
     fields: Sequence[str] | None = None,
+    jpeg_restart: bool = True,
 ) -> tuple[Any, Schema | None, dict[str, Any]]:
     """(source for `write`, schema or None, attrs to store in the manifest); `decode_check`: decode
     every image of an image folder (or of WebDataset, TFRecord, MDS) fully while converting;
     `labels`: an image folder's labels file; `decode`: an ArrayRecord source's ``MODULE:FUNC``
-    plug-in (record bytes -> dict of fields); `fields`: the fields to keep (WebDataset, TFRecord, MDS)."""
+    plug-in (record bytes -> dict of fields); `fields`: the fields to keep (WebDataset, TFRecord, MDS);
+    `jpeg_restart`: store an image folder's JPEGs with restart markers and a restart index
+    (`ImageFolder`)."""
     kind = kind or detect_kind(src)
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown source kind {kind!r}; expected one of {SOURCE_KINDS}")
@@ -296,7 +299,7 @@ def open_source(
     if decode is not None:
         raise ValueError(f"--decode applies to ArrayRecord sources, not to a {kind} source ({src})")
     if kind == "imagefolder":
-        folder = ImageFolder(src, decode_check=decode_check, labels=labels)
+        folder = ImageFolder(src, decode_check=decode_check, labels=labels, jpeg_restart=jpeg_restart)
         attrs = {"classes": folder.classes} if folder.classes is not None else {}
         return folder, folder.schema, {**attrs, "source": "imagefolder"}
     if kind == "jsonl":

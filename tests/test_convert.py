@@ -15,6 +15,7 @@ import pytest
 
 from fastload.cli import main
 from fastload.formats import FastloadDataset, HDF5Dataset, LMDBDataset
+from fastload.formats.jpeg_restart import add_restart_index
 from fastload.formats.verify import verify_dataset
 
 
@@ -40,8 +41,9 @@ def test_convert_imagefolder(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "out"), "--quiet"]) == 0
     ds = FastloadDataset(tmp_path / "out")
     assert len(ds) == 10 and ds.attrs["classes"] == ["cat", "dog"]
-    assert ds[0]["image"] == files[("cat", 0)] and ds[0]["label"] == 0
-    assert ds[9]["image"] == files[("dog", 4)] and ds[9]["label"] == 1
+    # JPEGs are stored re-encoded with restart markers (--jpeg-restart, the default; same pixels)
+    assert ds[0]["image"] == add_restart_index(files[("cat", 0)]) and ds[0]["label"] == 0
+    assert ds[9]["image"] == add_restart_index(files[("dog", 4)]) and ds[9]["label"] == 1
     assert ds.image_sizes("image")[9].tolist() == [14, 24]
     assert main(["inspect", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out

@@ -4,15 +4,15 @@ A batch arrives as a batch view (`cpu_decode.batch_view`: the encoded images' by
 values buffer + offsets, as a `Ragged` holds them) and is cut into one contiguous chunk per
 thread (the calling thread takes the first). Per chunk, one call of the window decoder
 (`cpu_decode.decode_windows`, GIL released) decodes every JPEG's crop window (DCT-downscaled
-when asked), mirrored in the decoder when flipped, straight from the values buffer: into the
-uint8 batch buffer when the window is the output size (crop only), otherwise into one chunk
-scratch buffer that torch's antialiased resize then reads (a second call, when a chunk has
-both). The normalising lookup table then writes the chunk's output in one call. Python runs per
-chunk, except one resize call per resized image and the fallbacks: non-JPEG images (Pillow),
-CMYK/YCCK JPEGs and builds without the extension decode whole images (`decode_rgb`) and are
-cropped after, with the same pixels; so does a JPEG the window decoder rejects as corrupt (it
-treats every corrupt-data warning as an error), which then fails unless simplejpeg or Pillow
-decode it.
+when asked; from the window's restart interval where the JPEG has a restart index), mirrored in
+the decoder when flipped, straight from the values buffer: into the uint8 batch buffer when the
+window is the output size (crop only), otherwise into one chunk scratch buffer that torch's
+antialiased resize then reads (a second call, when a chunk has both). The normalising lookup
+table then writes the chunk's output in one call. Python runs per chunk, except one resize call
+per resized image and the fallbacks: non-JPEG images (Pillow), CMYK/YCCK JPEGs and builds
+without the extension decode whole images (`decode_rgb`) and are cropped after, with the same
+pixels; so does a JPEG the window decoder rejects as corrupt (it treats every corrupt-data
+warning as an error), which then fails unless simplejpeg or Pillow decode it.
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ def run_batch(job: BatchJob, *, threads: int, executor: Executor | None) -> dict
     scaled = cpu_decode.scaled_windows(job.sizes, job.windows, nums)
     todo = np.ones(n, dtype=bool)
     todo[list(job.skip)] = False
+    started = np.zeros(n, dtype=np.uint8)  # 1: decoded from a restart interval (the image's restart index)
     bounds = np.linspace(0, n, min(max(threads, 1), max(n, 1)) + 1).astype(np.int64)
     chunks = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
     failed: dict[int, str] = {}
     futures = []
-    plan = (todo, nums, scaled, resized)
+    plan = (todo, nums, scaled, resized, started)
     if executor is not None:
         futures = [executor.submit(_chunk, job, lo, hi, plan, failed) for lo, hi in chunks[1:]]
         chunks = chunks[:1]
@@ -83,17 +84,21 @@ def run_batch(job: BatchJob, *, threads: int, executor: Executor | None) -> dict
     return failed
 
 
-# Decode modes (`BatchJob.modes`, the preset's stats) by the scale num of num/8.
+# Decode modes (`BatchJob.modes`, the preset's stats) by the scale num of num/8; a window decoded
+# from its restart interval (a JPEG with a restart index, see formats/jpeg_restart.py) adds RESTART.
 MODES = {8: "window", 4: "window 1/2", 2: "window 1/4", 1: "window 1/8"}
+RESTART = ", from its restart interval"
 
 
-def _mode(num: int, *, whole: bool = False) -> str:
-    return MODES[num].replace("window", "whole image") if whole else MODES[num]
+def _mode(num: int, *, whole: bool = False, restart: bool = False) -> str:
+    if whole:
+        return MODES[num].replace("window", "whole image")
+    return MODES[num] + RESTART if restart else MODES[num]
 
 
 def _chunk(job: BatchJob, lo: int, hi: int, plan: tuple[np.ndarray, ...], failed: dict[int, str]) -> Counter[str]:
     """Decode images lo..hi-1 of `job`; returns how many took each decode mode."""
-    todo, nums, scaled, resized = plan
+    todo, nums, scaled, resized, started = plan
     idx = np.arange(lo, hi)[todo[lo:hi]]
     modes: Counter[str] = Counter()
     if cpu_decode.decode_windows is not None:
@@ -103,11 +108,10 @@ def _chunk(job: BatchJob, lo: int, hi: int, plan: tuple[np.ndarray, ...], failed
         windowed, whole = idx[:0], idx.tolist()
     if len(windowed):
         direct, scaled_out = windowed[~resized[windowed]], windowed[resized[windowed]]
-        whole += _decode_direct(job, direct, nums, scaled)
-        whole += _decode_resized(job, scaled_out, nums, scaled)
+        whole += _decode_direct(job, direct, nums, scaled, started)
+        whole += _decode_resized(job, scaled_out, nums, scaled, started)
         done = np.setdiff1d(windowed, whole)
-        for num, count in zip(*np.unique(nums[done], return_counts=True), strict=True):
-            modes[_mode(int(num))] += int(count)
+        modes.update(_mode(int(nums[i]), restart=bool(started[i])) for i in done.tolist())
     for i in sorted(whole):
         try:
             img, window = _decode_whole(job, i, int(nums[i]), scaled[i])
@@ -134,17 +138,30 @@ def _params(job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np.ndarray
     return params
 
 
-def _decode_direct(job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np.ndarray) -> list[int]:
+def _decode_windows(job: BatchJob, sel: np.ndarray, params: np.ndarray, out: np.ndarray, started: np.ndarray) -> list:
+    """One `decode_windows` call for images `sel`; marks in `started` those decoded from their
+    restart interval. Returns the decoder's failures."""
+    flags = np.zeros(len(sel), dtype=np.uint8)
+    failures = cpu_decode.decode_windows(job.values, job.offsets, params, out, flags)
+    started[sel] = flags
+    return failures
+
+
+def _decode_direct(
+    job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np.ndarray, started: np.ndarray
+) -> list[int]:
     """Crop-only windows of `sel` straight into their slots of `job.images`; returns the images
     the window decoder left to the whole-image decoders (CMYK/YCCK, corrupt data)."""
     if not len(sel):
         return []
     out = job.images.reshape(-1)
     params = _params(job, sel, nums, scaled, sel * (out.size // len(job.images)))
-    return [int(sel[row]) for row, _, _ in cpu_decode.decode_windows(job.values, job.offsets, params, out)]
+    return [int(sel[row]) for row, _, _ in _decode_windows(job, sel, params, out, started)]
 
 
-def _decode_resized(job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np.ndarray) -> list[int]:
+def _decode_resized(
+    job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np.ndarray, started: np.ndarray
+) -> list[int]:
     """Windows of `sel` into one scratch block, then each resized into its slot of `job.images`;
     returns the images left to the whole-image decoders."""
     if not len(sel):
@@ -153,7 +170,7 @@ def _decode_resized(job: BatchJob, sel: np.ndarray, nums: np.ndarray, scaled: np
     at = np.concatenate([[0], np.cumsum(need)])
     scratch = np.empty(int(at[-1]), dtype=np.uint8)
     params = _params(job, sel, nums, scaled, at[:-1])
-    left = {int(sel[row]) for row, _, _ in cpu_decode.decode_windows(job.values, job.offsets, params, scratch)}
+    left = {int(sel[row]) for row, _, _ in _decode_windows(job, sel, params, scratch, started)}
     for k, i in enumerate(sel.tolist()):
         if i not in left:
             h, w = int(scaled[i, 2]), int(scaled[i, 3])
