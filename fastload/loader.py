@@ -70,6 +70,7 @@ sampler is trusted to do its own split, e.g. `DistributedSampler`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -78,7 +79,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from fastload.device import DeviceStage, resolve_device
 from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
-from fastload.loader_views import EpochBatchSampler, torch_collate
+from fastload.loader_views import BatchRelay, EpochBatchSampler, torch_collate
 from fastload.pinned import BufferRing
 from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
 from fastload.pipeline.config import describe_settings, order_ahead_rule
@@ -200,10 +201,13 @@ class Loader(Generic[T_co]):
             self.worker_type, self.config = stages.worker_type, stages.config
             self._fetcher, self._workers = stages.fetcher, stages.workers
             # what a framework rebuilding a loader from these reads (`fastload.loader_views`)
-            self.collate_fn = torch_collate(dl.collate_fn, self._fetcher, dataset)
+            relay = None
             if dl.batch_sampler is not None and sampler is None and batch_sampler is None:
-                self.batch_sampler = EpochBatchSampler(self._orders, self._progress, dl.batch_sampler)
+                relay = BatchRelay()
+                self.batch_sampler = EpochBatchSampler(self._orders, self._progress, dl.batch_sampler,
+                                                       run=_run_binder(self), relay=relay)
                 self.sampler = self.batch_sampler.sampler
+            self.collate_fn = torch_collate(dl.collate_fn, self._fetcher, dataset, relay)
         self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -500,3 +504,17 @@ class Loader(Generic[T_co]):
                 self.close()
         except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
             pass
+
+
+def _run_binder(loader: Loader[Any]) -> Callable[[], RunContext]:
+    """`loader`'s run, handed to its components (`Loader._bind_run`), for its `EpochBatchSampler`
+    as an iteration starts (held weakly: the view does not keep its Loader alive)."""
+    ref = weakref.ref(loader)
+
+    def run() -> RunContext:
+        live = ref()
+        if live is None:
+            raise ReferenceError("the Loader this batch_sampler belongs to no longer exists")
+        return live._bind_run()
+
+    return run

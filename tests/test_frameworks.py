@@ -140,8 +140,6 @@ def test_lightning_resume_on_more_devices_is_refused_and_exact_on_the_same_count
     assert resumed == saved["1"][5:]  # exactly the rest of the uninterrupted epoch
 
 
-@pytest.mark.xfail(strict=True, reason="needs run-context branch: a TokenBudgetBatchSampler built in a "
-                   "LightningModule's __init__ takes the run's rank, and its epoch follows the Loader's")
 def test_lightning_ddp_token_budget_sampler_three_epochs(tmp_path):
     script = os.path.join(HERE, "lightning_run.py")
     _run([script, "--out", str(tmp_path), "--devices", "2", "--strategy", "ddp", "--epochs", "3",
