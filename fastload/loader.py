@@ -188,7 +188,7 @@ class Loader(Generic[T_co]):
         self._progress = EpochProgress()
         self._bound_run: RunContext | None = None  # the run last handed to the components (`_bind_run`)
         self._epochs = EpochRelay()  # the epoch for samplers with only `set_epoch`
-        self._derived_seed: int | None = None  # a sampler order's run seed, derived once (`run`)
+        self._facts = RunFacts(self._orders, self._progress, generator=dl.generator, num_workers=dl.num_workers)
         self._stats = LoaderStats()
         self._workers: WorkerSet | None = None  # kept across epochs (none for an IterableDataset)
         self._probe: ThreadProbe | None = None  # autotune's probe, kept across epochs
@@ -205,7 +205,7 @@ class Loader(Generic[T_co]):
             if dl.batch_sampler is not None and sampler is None and batch_sampler is None:
                 relay = BatchRelay()
                 self.batch_sampler = EpochBatchSampler(self._orders, self._progress, dl.batch_sampler,
-                                                       run=_run_binder(self), relay=relay)
+                                                       run=_run_binder(self, self._facts), relay=relay)
                 self.sampler = self.batch_sampler.sampler
             self.collate_fn = torch_collate(dl.collate_fn, self._fetcher, dataset, relay)
         self._initialized = True
@@ -243,17 +243,7 @@ class Loader(Generic[T_co]):
         epoch the next `iter()` runs, rank, world size and `num_workers`."""
         if self._iterable:
             raise TypeError("run is not supported for IterableDataset (torch's DataLoader iterates it)")
-        rank, world = self._orders.rank_world()
-        order = self._order
-        if isinstance(order, SeededOrder):
-            seed = order.seed
-        else:
-            if self._derived_seed is None:
-                source = self.generator if self.generator is not None else torch
-                self._derived_seed = int(source.initial_seed())
-            seed = self._derived_seed
-        return RunContext(seed=seed, epoch=self._progress.epoch, rank=rank, world_size=world,
-                          num_workers=self.num_workers)
+        return self._facts.run()
 
     def _bind_run(self, *, announce: bool = False) -> RunContext:
         """Hand the run to the components when a fact changed (`fastload.run`); the epoch to
@@ -412,7 +402,7 @@ class Loader(Generic[T_co]):
             if state.get("seed") is not None:
                 self._orders.set_seed(int(state["seed"]))
         elif state.get("run_seed") is not None:
-            self._derived_seed = int(state["run_seed"])
+            self._facts.derived_seed = int(state["run_seed"])
         received = state.get("batches_yielded")
         framework = step_counting_caller()
         if framework is not None and position is not None:
@@ -429,14 +419,14 @@ class Loader(Generic[T_co]):
         state = None
         if not self._iterable:
             state = {"epoch": self._progress.epoch, "position": self._progress.saved(), "seed": self.seed,
-                     "received": self._progress.received(), "run_seed": self._derived_seed}
+                     "received": self._progress.received(), "run_seed": self._facts.derived_seed}
         return {"init": self._init_args, "state": state}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self.__init__(**pickled["init"])  # type: ignore[misc]
         state = pickled["state"]
         if state is not None:
-            self._orders.seed, self._derived_seed = state["seed"], state.get("run_seed")
+            self._orders.seed, self._facts.derived_seed = state["seed"], state.get("run_seed")
             self._progress.restore(int(state["epoch"]), state["position"], state.get("received"))
 
     # ---- settings and stats
@@ -506,15 +496,39 @@ class Loader(Generic[T_co]):
             pass
 
 
-def _run_binder(loader: Loader[Any]) -> Callable[[], RunContext]:
-    """`loader`'s run, handed to its components (`Loader._bind_run`), for its `EpochBatchSampler`
-    as an iteration starts (held weakly: the view does not keep its Loader alive)."""
+class RunFacts:
+    """Where a Loader's run comes from (`Loader.run`): its order's seed and rank, its epoch, its
+    `num_workers`, and with torch's samplers a seed derived once (`derived_seed`, restored by
+    `load_state_dict`). Shared with its `EpochBatchSampler`, which may outlive the Loader."""
+
+    def __init__(self, orders: RankedOrder, progress: EpochProgress, *, generator: torch.Generator | None,
+                 num_workers: int) -> None:
+        self.orders, self.progress, self.generator, self.num_workers = orders, progress, generator, num_workers
+        self.derived_seed: int | None = None
+
+    def run(self) -> RunContext:
+        """The run as it stands (see `Loader.run`)."""
+        rank, world = self.orders.rank_world()
+        order = self.orders.get()
+        if isinstance(order, SeededOrder):
+            seed = order.seed
+        else:
+            if self.derived_seed is None:
+                source = self.generator if self.generator is not None else torch
+                self.derived_seed = int(source.initial_seed())
+            seed = self.derived_seed
+        return RunContext(seed=seed, epoch=self.progress.epoch, rank=rank, world_size=world,
+                          num_workers=self.num_workers)
+
+
+def _run_binder(loader: Loader[Any], facts: RunFacts) -> Callable[[], RunContext]:
+    """The run for `loader`'s `EpochBatchSampler` as an iteration starts: handed to the Loader's
+    components too (`Loader._bind_run`) while the Loader exists; the view holds it weakly (it does
+    not keep its Loader alive: a DataLoader rebuilt from a dropped Loader still runs)."""
     ref = weakref.ref(loader)
 
     def run() -> RunContext:
         live = ref()
-        if live is None:
-            raise ReferenceError("the Loader this batch_sampler belongs to no longer exists")
-        return live._bind_run()
+        return live._bind_run() if live is not None else facts.run()
 
     return run

@@ -5,6 +5,7 @@ yields the Loader's own batches, and Lightning's resume that would skip is refus
 from __future__ import annotations
 
 import io
+import weakref
 
 import numpy as np
 import pytest
@@ -321,6 +322,11 @@ def test_rebuilt_loader_without_workers_augments_as_the_loader(images, how, epoc
     fresh = _preset_loader(images, how)
     fresh.set_epoch(epoch)
     assert _same(list(rebuilt(fresh, 2)), expected[2:])
+    fresh.set_epoch(epoch)
+    dropped, gone = rebuilt(fresh, 1), weakref.ref(fresh)
+    del fresh  # the DataLoader holds the views only: they run without their Loader
+    assert gone() is None
+    assert _same(list(dropped), expected[1:])
     if epoch:  # and the augmentation is the epoch's own, not epoch 0's
         reference.set_epoch(0)
         assert not torch.equal(list(reference)[2]["image"], expected[2]["image"])
