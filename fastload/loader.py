@@ -53,7 +53,9 @@ and — given the same sampler / generator / global RNG — the same batches in 
   it with a torch DataLoader; frameworks use it through duck-typed hooks (`len`, `state_dict`,
   `sampler.set_epoch`). `batch_sampler`, `sampler` and `collate_fn` say what it delivers
   (`fastload.loader_views`), so a torch DataLoader rebuilt from them (Accelerate's
-  `skip_first_batches`) yields the Loader's batches; a mid-epoch resume that Lightning would cut
+  `skip_first_batches`) yields the Loader's batches, with its augmentation where the batch's
+  indices reach `collate_fn` (`num_workers=0`; elsewhere a keyed augmentation raises
+  `fastload.run.BatchUnknownError`); a mid-epoch resume that Lightning would cut
   short (more ranks than it was saved on) is refused (`fastload.frameworks`).
 * As torch: a batch's error is raised for that batch and the iterator goes on with the next one;
   setting `batch_size`, `sampler`, `batch_sampler`, `drop_last`, `dataset` or `persistent_workers`
