@@ -53,7 +53,9 @@ and — given the same sampler / generator / global RNG — the same batches in 
   it with a torch DataLoader; frameworks use it through duck-typed hooks (`len`, `state_dict`,
   `sampler.set_epoch`). `batch_sampler`, `sampler` and `collate_fn` say what it delivers
   (`fastload.loader_views`), so a torch DataLoader rebuilt from them (Accelerate's
-  `skip_first_batches`) yields the Loader's batches; a mid-epoch resume that Lightning would cut
+  `skip_first_batches`) yields the Loader's batches, with its augmentation where the batch's
+  indices reach `collate_fn` (`num_workers=0`; elsewhere a keyed augmentation raises
+  `fastload.run.BatchUnknownError`); a mid-epoch resume that Lightning would cut
   short (more ranks than it was saved on) is refused (`fastload.frameworks`).
 * As torch: a batch's error is raised for that batch and the iterator goes on with the next one;
   setting `batch_size`, `sampler`, `batch_sampler`, `drop_last`, `dataset` or `persistent_workers`
@@ -70,6 +72,7 @@ sampler is trusted to do its own split, e.g. `DistributedSampler`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -78,7 +81,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from fastload.device import DeviceStage, resolve_device
 from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
-from fastload.loader_views import EpochBatchSampler, torch_collate
+from fastload.loader_views import BatchRelay, EpochBatchSampler, torch_collate
 from fastload.pinned import BufferRing
 from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
 from fastload.pipeline.config import describe_settings, order_ahead_rule
@@ -187,7 +190,7 @@ class Loader(Generic[T_co]):
         self._progress = EpochProgress()
         self._bound_run: RunContext | None = None  # the run last handed to the components (`_bind_run`)
         self._epochs = EpochRelay()  # the epoch for samplers with only `set_epoch`
-        self._derived_seed: int | None = None  # a sampler order's run seed, derived once (`run`)
+        self._facts = RunFacts(self._orders, self._progress, generator=dl.generator, num_workers=dl.num_workers)
         self._stats = LoaderStats()
         self._workers: WorkerSet | None = None  # kept across epochs (none for an IterableDataset)
         self._probe: ThreadProbe | None = None  # autotune's probe, kept across epochs
@@ -200,10 +203,13 @@ class Loader(Generic[T_co]):
             self.worker_type, self.config = stages.worker_type, stages.config
             self._fetcher, self._workers = stages.fetcher, stages.workers
             # what a framework rebuilding a loader from these reads (`fastload.loader_views`)
-            self.collate_fn = torch_collate(dl.collate_fn, self._fetcher, dataset)
+            relay = None
             if dl.batch_sampler is not None and sampler is None and batch_sampler is None:
-                self.batch_sampler = EpochBatchSampler(self._orders, self._progress, dl.batch_sampler)
+                relay = BatchRelay()
+                self.batch_sampler = EpochBatchSampler(self._orders, self._progress, dl.batch_sampler,
+                                                       run=_run_binder(self, self._facts), relay=relay)
                 self.sampler = self.batch_sampler.sampler
+            self.collate_fn = torch_collate(dl.collate_fn, self._fetcher, dataset, relay)
         self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -239,17 +245,7 @@ class Loader(Generic[T_co]):
         epoch the next `iter()` runs, rank, world size and `num_workers`."""
         if self._iterable:
             raise TypeError("run is not supported for IterableDataset (torch's DataLoader iterates it)")
-        rank, world = self._orders.rank_world()
-        order = self._order
-        if isinstance(order, SeededOrder):
-            seed = order.seed
-        else:
-            if self._derived_seed is None:
-                source = self.generator if self.generator is not None else torch
-                self._derived_seed = int(source.initial_seed())
-            seed = self._derived_seed
-        return RunContext(seed=seed, epoch=self._progress.epoch, rank=rank, world_size=world,
-                          num_workers=self.num_workers)
+        return self._facts.run()
 
     def _bind_run(self, *, announce: bool = False) -> RunContext:
         """Hand the run to the components when a fact changed (`fastload.run`); the epoch to
@@ -408,7 +404,7 @@ class Loader(Generic[T_co]):
             if state.get("seed") is not None:
                 self._orders.set_seed(int(state["seed"]))
         elif state.get("run_seed") is not None:
-            self._derived_seed = int(state["run_seed"])
+            self._facts.derived_seed = int(state["run_seed"])
         received = state.get("batches_yielded")
         framework = step_counting_caller()
         if framework is not None and position is not None:
@@ -425,14 +421,14 @@ class Loader(Generic[T_co]):
         state = None
         if not self._iterable:
             state = {"epoch": self._progress.epoch, "position": self._progress.saved(), "seed": self.seed,
-                     "received": self._progress.received(), "run_seed": self._derived_seed}
+                     "received": self._progress.received(), "run_seed": self._facts.derived_seed}
         return {"init": self._init_args, "state": state}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self.__init__(**pickled["init"])  # type: ignore[misc]
         state = pickled["state"]
         if state is not None:
-            self._orders.seed, self._derived_seed = state["seed"], state.get("run_seed")
+            self._orders.seed, self._facts.derived_seed = state["seed"], state.get("run_seed")
             self._progress.restore(int(state["epoch"]), state["position"], state.get("received"))
 
     # ---- settings and stats
@@ -500,3 +496,41 @@ class Loader(Generic[T_co]):
                 self.close()
         except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
             pass
+
+
+class RunFacts:
+    """Where a Loader's run comes from (`Loader.run`): its order's seed and rank, its epoch, its
+    `num_workers`, and with torch's samplers a seed derived once (`derived_seed`, restored by
+    `load_state_dict`). Shared with its `EpochBatchSampler`, which may outlive the Loader."""
+
+    def __init__(self, orders: RankedOrder, progress: EpochProgress, *, generator: torch.Generator | None,
+                 num_workers: int) -> None:
+        self.orders, self.progress, self.generator, self.num_workers = orders, progress, generator, num_workers
+        self.derived_seed: int | None = None
+
+    def run(self) -> RunContext:
+        """The run as it stands (see `Loader.run`)."""
+        rank, world = self.orders.rank_world()
+        order = self.orders.get()
+        if isinstance(order, SeededOrder):
+            seed = order.seed
+        else:
+            if self.derived_seed is None:
+                source = self.generator if self.generator is not None else torch
+                self.derived_seed = int(source.initial_seed())
+            seed = self.derived_seed
+        return RunContext(seed=seed, epoch=self.progress.epoch, rank=rank, world_size=world,
+                          num_workers=self.num_workers)
+
+
+def _run_binder(loader: Loader[Any], facts: RunFacts) -> Callable[[], RunContext]:
+    """The run for `loader`'s `EpochBatchSampler` as an iteration starts: handed to the Loader's
+    components too (`Loader._bind_run`) while the Loader exists; the view holds it weakly (it does
+    not keep its Loader alive: a DataLoader rebuilt from a dropped Loader still runs)."""
+    ref = weakref.ref(loader)
+
+    def run() -> RunContext:
+        live = ref()
+        return live._bind_run() if live is not None else facts.run()
+
+    return run

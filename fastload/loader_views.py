@@ -20,7 +20,22 @@ exactly the rest of the Loader's epoch, with the Loader's batches, these attribu
   samples (`dataset[i]` / `dataset.__getitems__`) to exactly the batch the Loader yields for them:
   the columns `get_batch` would give (rebuilt from the samples, exactly for a dataset with a fastload
   `schema`), the `transform`, then the Loader's conversion; or the collate, then the `transform`.
-  Other attributes (`stats`, `bind_workers`, ...) are the wrapped collate's.
+  Other attributes (`stats`, `bind_workers`, ...) are the wrapped collate's. It is also
+  `loader.collate_fn` when the collate takes the run (`fastload.run.RunAware`, e.g. an
+  `ImagePreset` given as `collate_fn`), so that the batch context below reaches it.
+
+Augmentation keyed by the batch (`fastload.run.current_batch()`, e.g. `ImagePreset(kind="train")`)
+stays the Loader's: `EpochBatchSampler` hands each batch it yields, with the Loader's run, to
+`LoaderCollate` through a `BatchRelay`, and `LoaderCollate` makes it the current batch while it
+builds the batch. That holds where torch collates a batch in the thread that drew its indices,
+right after drawing them: a rebuilt DataLoader with `num_workers=0` (torch draws a batch from the
+batch sampler, reads its samples, collates them), and only if the sample count matches. Elsewhere
+(worker processes: torch draws indices ahead in the main process; a user's batch sampler, which
+hands nothing over) `LoaderCollate` runs the batch in `fastload.run.unknown_batch`: a component
+that asks for the batch's indices gets `BatchUnknownError` naming the way out (resume through the
+Loader's `load_state_dict`, or `num_workers=0` for the resumed epoch), never a silently different
+augmentation. A component that asks nothing (`TextCollate`, a plain transform) is unaffected.
+A dataset's `__getitem__` is called by torch directly: it gets no batch context there.
 
 A user's `sampler` / `batch_sampler` stays as given: the Loader iterates that very object, so it
 already says what the Loader does.
@@ -28,20 +43,74 @@ already says what the Loader does.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import BatchSampler, Sampler
+from torch.utils.data import BatchSampler, Sampler, get_worker_info
 
 from fastload.collate import columns_to_torch
 from fastload.formats.ragged import Ragged
 from fastload.formats.shapes import ShapedBatch
 from fastload.pipeline.order import RankedOrder
 from fastload.pipeline.progress import EpochProgress
+from fastload.run import RunAware, RunContext, batch_context, unknown_batch
 from fastload.sampling import SeededOrder
 
-__all__ = ["EpochBatchSampler", "EpochSampler", "LoaderCollate", "columns_from_samples", "torch_collate"]
+__all__ = [
+    "BatchRelay",
+    "EpochBatchSampler",
+    "EpochSampler",
+    "LoaderCollate",
+    "columns_from_samples",
+    "torch_collate",
+]
+
+_WAY_OUT = (
+    "Resume through the Loader itself: loader.load_state_dict(state) continues exactly after the last batch "
+    "received (Accelerate: register_for_checkpointing(loader) and load_state, without skip_first_batches)"
+)
+
+
+class BatchRelay:
+    """Hands the batch `EpochBatchSampler` has just yielded (with the Loader's run) to `LoaderCollate`,
+    in the same thread and process, while the sampler's iteration is suspended at that batch (see the
+    module docstring). A pickled copy (a worker process) holds nothing."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def publish(self, run: RunContext | None, indices: list[int] | None) -> None:
+        """`indices` (of the run `run`) is the batch just yielded in this thread; None: none is."""
+        self._local.batch = None if indices is None else (os.getpid(), run, indices)
+
+    def take(self, samples: int) -> tuple[RunContext, list[int]] | str:
+        """The batch published in this thread for a collate of `samples` samples (then forgotten),
+        or why there is none."""
+        held = getattr(self._local, "batch", None)
+        self._local.batch = None
+        if held is None or held[0] != os.getpid():
+            return (
+                "loader.collate_fn was called on samples that loader.batch_sampler did not just yield in this "
+                "thread (a torch DataLoader rebuilt from the Loader, e.g. by Accelerate's skip_first_batches, "
+                "hands batches from loader.batch_sampler to loader.collate_fn in one thread only with "
+                f"num_workers=0). {_WAY_OUT}, or rebuild the DataLoader with num_workers=0 for the resumed epoch"
+            )
+        _, run, indices = held
+        if len(indices) != samples:
+            return (
+                f"loader.batch_sampler yielded {len(indices)} indices but loader.collate_fn got {samples} samples, "
+                f"so they cannot be matched. {_WAY_OUT}"
+            )
+        return run, indices
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._local = threading.local()
 
 
 def _rank_batches(orders: RankedOrder, progress: EpochProgress, torch_batches: Any) -> Iterator[list[int]]:
@@ -107,14 +176,36 @@ class EpochBatchSampler(BatchSampler):
     """`loader.batch_sampler` of a Loader that runs its own order: this rank's batches of its
     current epoch, from the epoch's start (see the module docstring)."""
 
-    def __init__(self, orders: RankedOrder, progress: EpochProgress, torch_batch_sampler: Any) -> None:
+    def __init__(
+        self,
+        orders: RankedOrder,
+        progress: EpochProgress,
+        torch_batch_sampler: Any,
+        *,
+        run: Callable[[], RunContext] | None = None,
+        relay: BatchRelay | None = None,
+    ) -> None:
+        """`run`: the Loader's run as each iteration starts (handed to its components); `relay`:
+        where each batch yielded is published for the Loader's `LoaderCollate`."""
         sampler = EpochSampler(orders, progress, torch_batch_sampler.sampler, torch_batch_sampler)
         super().__init__(sampler, torch_batch_sampler.batch_size, torch_batch_sampler.drop_last)
         self._orders, self._progress, self._torch = orders, progress, torch_batch_sampler
+        self._run, self._relay = run, relay
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self._progress.epoch
-        yield from _rank_batches(self._orders, self._progress, self._torch)
+        run = self._run() if self._run is not None else None
+        relay = self._relay
+        try:
+            for batch in _rank_batches(self._orders, self._progress, self._torch):
+                if relay is not None:
+                    relay.publish(run, batch)
+                yield batch
+                if relay is not None:
+                    relay.publish(None, None)  # resumed: that batch is no longer the one just yielded
+        finally:
+            if relay is not None:
+                relay.publish(None, None)
         self._progress.served(epoch)
 
     def __len__(self) -> int:
@@ -137,12 +228,40 @@ class LoaderCollate:
         transform: Callable[[Any], Any] | None,
         scalar_fields: frozenset[str] = frozenset(),
         schema: Any = None,
+        relay: BatchRelay | None = None,
     ) -> None:
+        """`relay`: the Loader's `EpochBatchSampler` publishes its batches there (None: the Loader's
+        batch sampler is the user's, which publishes nothing)."""
         self.columns, self.collate, self.transform = columns, collate, transform
-        self.scalar_fields, self.schema = scalar_fields, schema
+        self.scalar_fields, self.schema, self.relay = scalar_fields, schema, relay
 
     def __call__(self, samples: Sequence[Any]) -> Any:
-        """The batch the Loader yields for `samples`."""
+        """The batch the Loader yields for `samples`, built with its `fastload.run.current_batch()`
+        where known (see the module docstring)."""
+        held = self._batch_of(len(samples))
+        if isinstance(held, str):
+            with unknown_batch(held):
+                return self._build(samples)
+        with batch_context(*held):
+            return self._build(samples)
+
+    def _batch_of(self, samples: int) -> tuple[RunContext, list[int]] | str:
+        """The run and indices of the batch being collated, or why they cannot be known."""
+        if self.relay is None:
+            return (
+                "the Loader's batch_sampler is the user's own object, which does not tell loader.collate_fn the "
+                f"dataset indices of the samples it gets. {_WAY_OUT}"
+            )
+        if get_worker_info() is not None:
+            return (
+                "loader.collate_fn runs in a worker process of a torch DataLoader rebuilt from the Loader (e.g. by "
+                "Accelerate's skip_first_batches with num_workers > 0), and torch draws each batch's indices ahead, "
+                f"in the main process. {_WAY_OUT}, or rebuild the DataLoader with num_workers=0 for the resumed "
+                "epoch: then each batch's indices reach loader.collate_fn"
+            )
+        return self.relay.take(samples)
+
+    def _build(self, samples: Sequence[Any]) -> Any:
         if self.columns:
             cols = columns_from_samples(samples, self.schema)
             if self.transform is not None:
@@ -153,7 +272,7 @@ class LoaderCollate:
 
     def __getattr__(self, name: str) -> Any:
         # only reached for attributes this object lacks: the wrapped collate's (stats, bind_workers, ...)
-        if name.startswith("__") or name in ("collate", "columns", "transform", "scalar_fields", "schema"):
+        if name.startswith("__") or name in ("collate", "columns", "transform", "scalar_fields", "schema", "relay"):
             raise AttributeError(name)
         return getattr(self.collate, name)
 
@@ -219,13 +338,16 @@ def _inferred_column(name: str, items: list[Any]) -> Any:
     raise TypeError(f"field {name!r}: cannot rebuild a get_batch column from samples of type {type(first).__name__}")
 
 
-def torch_collate(collate_fn: Callable[[Any], Any], fetcher: Any, dataset: Any) -> Callable[[Any], Any]:
+def torch_collate(
+    collate_fn: Callable[[Any], Any], fetcher: Any, dataset: Any, relay: BatchRelay | None = None
+) -> Callable[[Any], Any]:
     """`loader.collate_fn`: `collate_fn` (torch's resolved one) where the Loader's batch is exactly
-    `collate_fn(samples)`, else a `LoaderCollate` giving the Loader's batch from samples. `fetcher`:
-    the Loader's `fastload.fetch.Fetcher` (its `mode`, `collate_fn`, `transform`, `scalar_fields`)."""
+    `collate_fn(samples)` and the collate does not take the run, else a `LoaderCollate` giving the
+    Loader's batch from samples. `fetcher`: the Loader's `fastload.fetch.Fetcher` (its `mode`,
+    `collate_fn`, `transform`, `scalar_fields`); `relay`: its `EpochBatchSampler`'s, if it has one."""
     if fetcher.mode == "columns":
         return LoaderCollate(columns=True, collate=collate_fn, transform=fetcher.transform,
-                             scalar_fields=fetcher.scalar_fields, schema=getattr(dataset, "schema", None))
-    if fetcher.transform is not None:
-        return LoaderCollate(columns=False, collate=fetcher.collate_fn, transform=fetcher.transform)
+                             scalar_fields=fetcher.scalar_fields, schema=getattr(dataset, "schema", None), relay=relay)
+    if fetcher.transform is not None or isinstance(fetcher.collate_fn, RunAware):
+        return LoaderCollate(columns=False, collate=fetcher.collate_fn, transform=fetcher.transform, relay=relay)
     return collate_fn

@@ -18,9 +18,14 @@ the base seed of its run. It hands them over through one protocol:
   `"collate_fn"`, `"dataset"`), read from the objects in the Loader's process.
 * `current_batch()`: while the Loader's fetch stage calls the dataset, `collate_fn` and
   `transform` for a batch, the batch's `BatchContext` (the run and the dataset indices of its
-  samples, in the batch's order), in whichever thread or worker process fetches it; None
-  elsewhere. A transform that draws random numbers keys them by (seed, epoch, index) from it, so
-  its output does not depend on the worker count or kind, the batch composition, or a resume.
+  samples, in the batch's order), in whichever thread or worker process fetches it; also while
+  `loader.collate_fn` runs in a torch DataLoader rebuilt from the Loader's attributes
+  (`fastload.loader_views`) where the batch's indices are known; None outside any batch. A
+  transform that draws random numbers keys them by (seed, epoch, index) from it, so its output
+  does not depend on the worker count or kind, the batch composition, or a resume. Where a
+  batch is being built but its indices cannot be known (that rebuilt loader with worker
+  processes), it raises `BatchUnknownError` naming why and the way out, rather than let a
+  component augment differently from the Loader.
 
 A user component implements the same methods (see docs/run.md)::
 
@@ -52,6 +57,7 @@ import numpy as np
 __all__ = [
     "COMPONENT_ROLES",
     "BatchContext",
+    "BatchUnknownError",
     "EpochRelay",
     "RunAware",
     "RunContext",
@@ -60,6 +66,7 @@ __all__ = [
     "bind_components",
     "collect_component_stats",
     "current_batch",
+    "unknown_batch",
 ]
 
 COMPONENT_ROLES = ("sampler", "batch_sampler", "transform", "collate_fn", "dataset")
@@ -101,12 +108,29 @@ class BatchContext:
     indices: np.ndarray
 
 
-_BATCH: ContextVar[BatchContext | None] = ContextVar("fastload_batch", default=None)
+class BatchUnknownError(RuntimeError):
+    """A batch is being built but its dataset indices cannot be known here (`current_batch()`)."""
+
+
+@dataclass(frozen=True)
+class _UnknownBatch:
+    reason: str  # why the indices cannot be known, and the way out
+
+
+_BATCH: ContextVar[BatchContext | _UnknownBatch | None] = ContextVar("fastload_batch", default=None)
 
 
 def current_batch() -> BatchContext | None:
-    """The batch the Loader's fetch stage is building in this thread, or None outside a fetch."""
-    return _BATCH.get()
+    """The batch the Loader's fetch stage is building in this thread, or None outside a batch.
+
+    Raises `BatchUnknownError` inside `unknown_batch(reason)`: a batch of the Loader's is being
+    built (by a torch DataLoader rebuilt from its attributes) but its indices cannot be known."""
+    ctx = _BATCH.get()
+    if isinstance(ctx, _UnknownBatch):
+        raise BatchUnknownError(
+            f"fastload.run.current_batch(): the dataset indices of this batch cannot be known: {ctx.reason}"
+        )
+    return ctx
 
 
 @contextlib.contextmanager
@@ -117,6 +141,17 @@ def batch_context(run: RunContext, indices: Any) -> Iterator[BatchContext]:
     token = _BATCH.set(ctx)
     try:
         yield ctx
+    finally:
+        _BATCH.reset(token)
+
+
+@contextlib.contextmanager
+def unknown_batch(reason: str) -> Iterator[None]:
+    """Make `current_batch()` raise `BatchUnknownError(reason)` in this thread for the block: a
+    batch is being built whose dataset indices cannot be known (`reason` says why and what to do)."""
+    token = _BATCH.set(_UnknownBatch(reason))
+    try:
+        yield
     finally:
         _BATCH.reset(token)
 

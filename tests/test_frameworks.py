@@ -140,8 +140,6 @@ def test_lightning_resume_on_more_devices_is_refused_and_exact_on_the_same_count
     assert resumed == saved["1"][5:]  # exactly the rest of the uninterrupted epoch
 
 
-@pytest.mark.xfail(strict=True, reason="needs run-context branch: a TokenBudgetBatchSampler built in a "
-                   "LightningModule's __init__ takes the run's rank, and its epoch follows the Loader's")
 def test_lightning_ddp_token_budget_sampler_three_epochs(tmp_path):
     script = os.path.join(HERE, "lightning_run.py")
     _run([script, "--out", str(tmp_path), "--devices", "2", "--strategy", "ddp", "--epochs", "3",
@@ -159,7 +157,8 @@ def test_accelerate_skip_first_batches_yields_exactly_the_rest(tmp_path):
     """`accelerator.skip_first_batches(loader, n)` rebuilds a torch DataLoader from the Loader's
     attributes: per rank it yields exactly the Loader's batches after the first n of the epoch (the
     seeded order, also in a fresh process after `set_epoch`; `TokenBudgetBatchSampler` with
-    `TextCollate` as the transform, tensors compared), and the Loader then runs the next epoch."""
+    `TextCollate` as the transform, tensors compared; `ImagePreset(kind="train")` as the transform,
+    pixels compared, and refused with worker processes), and the Loader then runs the next epoch."""
     script = os.path.join(HERE, "accelerate_skip.py")
     _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={_port()}", script, str(tmp_path)],
          timeout=120)
@@ -178,3 +177,9 @@ def test_accelerate_skip_first_batches_yields_exactly_the_rest(tmp_path):
     assert sorted(seen) == list(range(200))  # no sample missed, none twice
     ids = [i for r in ranks for b in r["token_budget"]["head"] + r["token_budget"]["rest"] for i in b["id"]]
     assert sorted(ids) == list(range(240))
+    for r in ranks:  # ImagePreset(kind="train"): the Loader's pixels without workers, a refusal with them
+        assert r["augmented"]["pixels_equal"]
+        refusal = r["augmented"]["refusal"]
+        assert refusal is not None and "dataset indices of this batch cannot be known" in refusal
+        assert "num_workers=0 for the resumed epoch" in refusal
+    assert sorted(i for r in ranks for b in r["augmented"]["labels"] for i in b) == list(range(48))

@@ -4,6 +4,9 @@ yields the Loader's own batches, and Lightning's resume that would skip is refus
 
 from __future__ import annotations
 
+import io
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -271,3 +274,109 @@ def test_lightning_resume_is_refused_where_it_would_skip():
     plain = Loader(Ids(40), batch_size=4, shuffle=True, seed=0, rank=0, world_size=2)
     plain.load_state_dict(one_state)  # not a step-counting caller: the rest is re-dealt, as in a torchrun loop
     assert len(plain) == 2
+
+
+# ----------------------------------------------------------------------------- augmentation in a rebuilt loader
+def _jpeg(h: int, w: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory):
+    """A fastload dataset of 36 small JPEGs of varying sizes with a label = the sample's index."""
+    formats = pytest.importorskip("fastload.formats")
+    root = tmp_path_factory.mktemp("views-images") / "ds"
+    samples = [{"image": _jpeg(20 + 3 * (i % 5), 26 + 2 * (i % 7), i), "label": i} for i in range(36)]
+    schema = formats.Schema([formats.Field("image", "image"), formats.Field("label", "scalar", np.int64)])
+    formats.write(samples, root, schema=schema, progress=False, workers=1)
+    return formats.FastloadDataset(root)
+
+
+def _preset_loader(ds, how: str, **kw) -> Loader:
+    from fastload.vision import ImagePreset
+
+    preset = ImagePreset(kind="train", size=16, backend="cpu", dtype=torch.float32)
+    return Loader(ds, batch_size=5, shuffle=True, seed=7, **{how: preset}, **kw)
+
+
+@pytest.mark.parametrize("how", ["transform", "collate_fn"])
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_rebuilt_loader_without_workers_augments_as_the_loader(images, how, epoch):
+    """`skip_first_batches` with num_workers=0: each batch the view yields reaches `loader.collate_fn`
+    as the current batch, so `ImagePreset(kind="train")` gives the Loader's pixels, mid-epoch and in
+    a fresh Loader set to the epoch (as a resumed process does)."""
+    reference = _preset_loader(images, how)
+    reference.set_epoch(epoch)
+    expected = list(reference)
+    loader = _preset_loader(images, how)
+    loader.set_epoch(epoch)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    rest = list(rebuilt(loader, 3))
+    assert _same(head + rest, expected)
+    fresh = _preset_loader(images, how)
+    fresh.set_epoch(epoch)
+    assert _same(list(rebuilt(fresh, 2)), expected[2:])
+    fresh.set_epoch(epoch)
+    dropped, gone = rebuilt(fresh, 1), weakref.ref(fresh)
+    del fresh  # the DataLoader holds the views only: they run without their Loader
+    assert gone() is None
+    assert _same(list(dropped), expected[1:])
+    if epoch:  # and the augmentation is the epoch's own, not epoch 0's
+        reference.set_epoch(0)
+        assert not torch.equal(list(reference)[2]["image"], expected[2]["image"])
+
+
+def test_rebuilt_loader_with_worker_processes_refuses_keyed_augmentation(images):
+    """With worker processes torch draws a batch's indices ahead, in the main process: the preset's
+    crops cannot be keyed by them, so the rebuilt loader raises, naming the way out."""
+    loader = _preset_loader(images, "transform")
+    refused = (r"dataset indices of this batch cannot be known: loader\.collate_fn runs in a worker process .*"
+               r"loader\.load_state_dict\(state\).*num_workers=0 for the resumed epoch")
+    with pytest.raises(RuntimeError, match=refused):  # torch re-raises the worker's BatchUnknownError
+        list(rebuilt(loader, 2, num_workers=1))
+
+
+def test_collate_fn_outside_a_rebuilt_loaders_batch_refuses_keyed_augmentation(images):
+    """Samples `loader.collate_fn` cannot match to a batch the view just yielded (called apart
+    from it; a user's batch sampler, which hands nothing over): a random preset raises, an eval
+    preset and a plain transform do not need the indices and give the Loader's batch."""
+    from fastload.run import BatchUnknownError
+    from fastload.vision import ImagePreset
+
+    loader = _preset_loader(images, "transform")
+    samples = images.__getitems__([0, 1, 2])
+    with pytest.raises(BatchUnknownError, match="did not just yield in this thread"):
+        loader.collate_fn(samples)
+    batches = list(loader.batch_sampler)  # iterated to its end: nothing is left published
+    with pytest.raises(BatchUnknownError, match="did not just yield in this thread"):
+        loader.collate_fn(images.__getitems__(batches[0]))
+    it = iter(loader.batch_sampler)
+    first = next(it)
+    with pytest.raises(BatchUnknownError, match=f"yielded {len(first)} indices but loader.collate_fn got 2"):
+        loader.collate_fn(images.__getitems__(first[:2]))
+    budget = BatchSampler(torch.utils.data.SequentialSampler(range(36)), 6, False)
+    preset = ImagePreset(kind="train", size=16, backend="cpu")
+    user = Loader(images, batch_sampler=budget, transform=preset)
+    with pytest.raises(BatchUnknownError, match="batch_sampler is the user's own object"):
+        list(DataLoader(user.dataset, batch_sampler=user.batch_sampler, collate_fn=user.collate_fn))
+    evaluating = Loader(images, batch_sampler=budget, transform=ImagePreset(kind="eval", size=16, backend="cpu"))
+    assert _same(list(DataLoader(images, batch_sampler=budget, collate_fn=evaluating.collate_fn)), list(evaluating))
+
+
+def test_preset_alone_draws_from_torchs_rng(images):
+    """Outside any Loader batch and without indices, a random preset keys its draws from torch's
+    global RNG: new crops every call, the same under the same `torch.manual_seed`."""
+    from fastload.vision import ImagePreset
+
+    preset = ImagePreset(kind="train", size=16, backend="cpu", dtype=torch.float32)
+    batch = images.get_batch(np.arange(8))
+    torch.manual_seed(3)
+    first, second = preset(batch)["image"], preset(batch)["image"]
+    torch.manual_seed(3)
+    assert torch.equal(preset(batch)["image"], first) and not torch.equal(first, second)

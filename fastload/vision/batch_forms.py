@@ -53,9 +53,8 @@ def collate_samples(preset: Any, samples: list[dict[str, Any]]) -> dict[str, Any
     if keep is not None:
         samples = [samples[int(i)] for i in keep]
     rest = [{k: v for k, v in s.items() if k != field} for s in samples]
-    out = default_collate(rest) if rest and rest[0] else {}
-    out[field] = images
-    return out
+    collated = default_collate(rest) if rest and rest[0] else {}
+    return {key: images if key == field else collated[key] for key in samples[0]}  # the samples' field order
 
 
 def _select(value: Any, keep: np.ndarray) -> Any:

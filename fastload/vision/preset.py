@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastload.run import RunContext, current_batch
+from fastload.run import BatchContext, BatchUnknownError, RunContext, current_batch
 from fastload.system import usable_cores
 from fastload.vision import batch_forms, params, preset_report
 from fastload.vision.cpu_decode import CorruptImageError, batch_view, probe_sizes
@@ -52,7 +52,8 @@ class ImagePreset:
     Loader's seed (or `seed=` when given), its epoch (different crops every epoch, whether epochs
     are driven by `set_epoch` or by `iter()`) and each batch's indices, so they are the same
     whatever the worker count or kind and after a mid-epoch resume. Used alone: `seed` (0 when
-    None), `set_epoch`, and the indices of an `__indices__` column (`with_indices`).
+    None), `set_epoch`, and the indices of an `__indices__` column (`with_indices`); without
+    indices, per-image keys drawn from torch's global RNG (see `transform`).
 
     Options (defaults in brackets):
     - kind ['train']: 'train' = RandomResizedCrop(size, scale, ratio) + horizontal flip with
@@ -223,15 +224,18 @@ class ImagePreset:
         tensor, kept-positions array or None when none dropped).
 
         `indices` are the dataset indices (they key the random parameters and name bad
-        samples); None: the Loader's batch's (`fastload.run.current_batch()`), and outside a
-        Loader positions in the batch are named and random draws are keyed by a per-preset call
-        counter (random, but not reproducible across resumes). `epoch` None: the batch's run's,
-        else `self.epoch`.
+        samples); None: the Loader's batch's (`fastload.run.current_batch()`), and outside any
+        batch of a Loader's, positions in the batch are named and each image's random draws are
+        keyed by a number drawn from torch's global RNG (as torchvision's transforms draw: new
+        crops every call, in a torch DataLoader's workers too, reproducible under
+        `torch.manual_seed`, but not a function of the sample, so not kept by a resume). Where
+        the Loader's batch cannot be known (`fastload.run.BatchUnknownError`) a random preset
+        raises it. `epoch` None: the batch's run's, else `self.epoch`.
         """
         t0 = time.perf_counter()
         values, offsets = batch_view(encoded)
         n = len(offsets) - 1
-        batch = current_batch()
+        batch = self._loader_batch(keyed=self.random and (indices is None or epoch is None))
         if indices is None and batch is not None:
             indices = batch.indices
             if len(indices) != n:
@@ -241,7 +245,7 @@ class ImagePreset:
                     f"{INDICES_KEY} column (fastload.vision.with_indices) or run the preset on the dataset's batch"
                 )
         if indices is None:
-            keys = np.arange(n, dtype=np.int64) + (self.counters.next_call() << 32)
+            keys = torch.randint(0, 1 << 62, (n,), dtype=torch.int64).numpy() if self.random else np.zeros(n, np.int64)
         else:
             keys = np.asarray(indices, dtype=np.int64).reshape(-1)
             if len(keys) != n:
@@ -275,6 +279,22 @@ class ImagePreset:
                 images = images[torch.from_numpy(keep).to(images.device)]
         self.counters.add_batch(images=n - len(errors), skipped=len(errors), seconds=time.perf_counter() - t0)
         return images, keep
+
+    @property
+    def random(self) -> bool:
+        """Whether this preset's crops or flips are random (keyed by seed, epoch and index)."""
+        return self.kind == "train" or self.flip_p > 0
+
+    @staticmethod
+    def _loader_batch(*, keyed: bool) -> BatchContext | None:
+        """`fastload.run.current_batch()`; where the batch's indices cannot be known, its
+        `BatchUnknownError` if this call's draws are keyed by them (`keyed`), else None."""
+        try:
+            return current_batch()
+        except BatchUnknownError:
+            if keyed:
+                raise
+            return None
 
     def _parameters(
         self, sizes: np.ndarray, keys: np.ndarray, epoch: int, seed: int

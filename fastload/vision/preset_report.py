@@ -1,8 +1,7 @@
 """What an image preset reports: its configuration (`describe`) and its counters (`stats`).
 
 `PresetCounters` is the one ledger of a preset's work, shared by the threads that run its
-batches (one lock): images, skipped samples, batches, seconds, images per decode mode, and
-the count of batches without dataset indices (it keys their random draws).
+batches (one lock): images, skipped samples, batches, seconds and images per decode mode.
 `describe(preset)` / `stats(preset)` read the preset's public settings and its counters.
 """
 
@@ -23,7 +22,6 @@ class PresetCounters:
         self._lock = threading.Lock()
         self._totals = {"images": 0, "skipped": 0, "batches": 0, "seconds": 0.0}
         self._modes: dict[str, int] = {}
-        self._calls = 0  # batches without dataset indices: keys their random draws
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -33,12 +31,6 @@ class PresetCounters:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-
-    def next_call(self) -> int:
-        """A number for a batch without dataset indices (0, 1, ...): keys its random draws."""
-        with self._lock:
-            self._calls += 1
-            return self._calls - 1
 
     def add_batch(self, *, images: int, skipped: int, seconds: float) -> None:
         """One batch done: `images` returned, `skipped` dropped, in `seconds`."""

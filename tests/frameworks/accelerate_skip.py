@@ -9,7 +9,10 @@ yields next to what the Loader itself yields for the same epoch:
 * seeded order (`seed=0`): in the same process after `n` batches, in a fresh process resuming
   epoch 1 (`set_epoch(1)`), and the Loader's next epoch after the skipped one;
 * `TokenBudgetBatchSampler` + `transform=TextCollate()` over a fastload dataset of token arrays, in
-  the same process after `n` batches and in a fresh process resuming epoch 1.
+  the same process after `n` batches and in a fresh process resuming epoch 1;
+* `transform=ImagePreset(kind="train")` over a fastload dataset of JPEGs: with `num_workers=0` the
+  DataLoader's pixels next to the Loader's (epoch 1, mid-epoch), and with worker processes the
+  error it raises.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from fastload import Loader
 
 N, BATCH, SKIP = 200, 8, 5
 N_TEXT, MAX_TOKENS, SKIP_TEXT = 240, 96, 3
+N_IMAGES, SKIP_IMAGES = 48, 2
 
 
 class IdsDataset:
@@ -97,6 +101,46 @@ def token_budget(accelerator) -> dict:
     return out
 
 
+def augmented(accelerator) -> dict:
+    import io
+
+    from PIL import Image
+
+    from fastload.formats import FastloadDataset, write
+    from fastload.vision import ImagePreset
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(N_IMAGES):
+        buf = io.BytesIO()
+        Image.fromarray((rng.random((20 + i % 5, 24 + i % 7, 3)) * 255).astype(np.uint8)).save(buf, format="JPEG")
+        samples.append({"image": buf.getvalue(), "label": i})
+    root = tempfile.mkdtemp(prefix="fastload-accel-images-")
+    write(samples, root, progress=False)
+    ds = FastloadDataset(root)
+
+    def make(**kw) -> Loader:
+        preset = ImagePreset(kind="train", size=16, backend="cpu", dtype=torch.float32)
+        loader = Loader(ds, batch_size=BATCH, shuffle=True, seed=0, transform=preset, **kw)
+        loader.set_epoch(1)
+        return loader
+
+    expected = list(make())
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(SKIP_IMAGES)]
+    rest = list(accelerator.skip_first_batches(loader, SKIP_IMAGES))
+    got = head + rest
+    same = [torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"]) for a, b in zip(got, expected)]
+    out = {"labels": [b["label"].tolist() for b in got], "pixels_equal": len(got) == len(expected) and all(same)}
+    try:
+        list(accelerator.skip_first_batches(make(num_workers=2), SKIP_IMAGES))
+        out["refusal"] = None
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        out["refusal"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def main() -> None:
     from accelerate import Accelerator
 
@@ -104,6 +148,7 @@ def main() -> None:
     report = {"rank": accelerator.process_index, "world": accelerator.num_processes}
     report["seeded"] = seeded(accelerator)
     report["token_budget"] = token_budget(accelerator)
+    report["augmented"] = augmented(accelerator)
     with open(os.path.join(sys.argv[1], f"rank{accelerator.process_index}.json"), "w") as f:
         json.dump(report, f)
     accelerator.wait_for_everyone()
