@@ -62,10 +62,11 @@ def test_transport_choice_and_validation():
 
 
 class _Recorder:
-    """An HTTP server that records each request's path and headers and answers 404."""
+    """An HTTP server that records each request's path and headers and answers `status` (no body)."""
 
-    def __init__(self) -> None:
+    def __init__(self, status: int = 404) -> None:
         self.seen: list[tuple[str, dict[str, str]]] = []
+        self.status = status
         rec = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -74,7 +75,7 @@ class _Recorder:
 
             def do_GET(self) -> None:
                 rec.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
-                self.send_response(404)
+                self.send_response(rec.status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -117,6 +118,30 @@ def test_http_headers_reach_the_server(tmp_path):
     finally:
         rec.stop()
     assert [(p, h.get("x-token")) for p, h in rec.seen] == [("/ds/index.json", "abc")]
+
+
+@pytest.mark.parametrize("url", ["http://{host}/ds", "s3://b/ds"])
+def test_error_statuses_become_standard_exceptions_judged_by_is_transient(url):
+    from fastload.remote import is_transient
+    from fastload.transport_obstore import HTTPStatusError, ObstoreTransport
+
+    rec = _Recorder()
+    host = rec.url.split("://", 1)[1]
+    opts = {} if url.startswith("http") else {"anon": True, "endpoint_url": rec.url}
+    t = ObstoreTransport(url.format(host=host), opts, connect_timeout=1, read_timeout=1)
+    want = {503: (HTTPStatusError, True), 500: (HTTPStatusError, True), 429: (HTTPStatusError, True),
+            408: (HTTPStatusError, True), 400: (HTTPStatusError, False), 403: (PermissionError, False),
+            401: (PermissionError, False), 404: (FileNotFoundError, False)}
+    try:
+        for status, (kind, transient) in want.items():
+            rec.status = status
+            with pytest.raises(kind) as info:
+                t.cat("x")
+            assert is_transient(info.value) is transient, status
+            if kind is HTTPStatusError:
+                assert info.value.status == status and str(info.value).startswith(f"{url.format(host=host)}/x: ")
+    finally:
+        rec.stop()
 
 
 def _epoch_labels(st: RemoteStorage, workers: int = 0) -> list[int]:
