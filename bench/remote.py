@@ -5,8 +5,11 @@ with `--storage-option key=value`), or against one this script writes and serves
 (`--server nginx`, the default: one worker, sendfile, almost no CPU; `--server moto`: a Python S3
 server that shares the client's cores, whose CPU share is reported). Measures in one run,
 interleaved per round, `num_workers` 0 and 2, shuffled (`ShardWindowSampler`) and sequential:
-the raw pipeline, the Loader's first epoch (empty cache) and second epoch, and with a local server
-the same epoch over the local copy. See `fastload.benchmark.remote` (also `fastload bench --remote URL`).
+the raw pipeline (8 threads of urllib/boto3, and of obstore), the Loader's first epoch (empty cache)
+and second epoch per transport (`--transport`, default: "auto", which is obstore for http/s3, and
+"fsspec"), and with a local server the same epoch over the local copy. Every row: median and range
+over the rounds of MB/s, user and total CPU s/GB of this process, seconds to the first batch.
+See `fastload.benchmark.remote` (also `fastload bench --remote URL`).
 
 Run: `python -m bench.remote [--server nginx|moto] [--shards 12 --shard-size 32MB --rounds 3]`.
 """
@@ -121,11 +124,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=8, help="threads of the raw pipeline")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--transport", dest="transports", action="append", choices=("auto", "obstore", "fsspec"),
+                    help="Loader rows per transport (repeatable; default: auto and fsspec)")
     args = ap.parse_args(argv)
+    args.transports = tuple(args.transports or ("auto", "fsspec"))
     opts = dict(kv.split("=", 1) for kv in args.storage_option)
     common = {"rounds": args.rounds, "threads": args.threads, "batch_size": args.batch_size}
     if args.url:
-        res = run_remote(args.url, storage_options=opts, **common)
+        res = run_remote(args.url, storage_options=opts, transports=args.transports, **common)
     else:
         work = tempfile.mkdtemp(prefix="fastload-bench-remote-")
         root = os.path.join(work, "root")
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             url, opts, pid, stop = _serve(args.server, root, work)
             try:
                 res = run_remote(url, storage_options=opts, local=os.path.join(root, "ds"), watch_pids=(pid,),
-                                 **common)
+                                 transports=args.transports, raw_clients=("plain", "obstore"), **common)
             finally:
                 stop()
         finally:

@@ -85,6 +85,7 @@ def open_dataset(
     verify: str | None = None,
     verify_checksums: bool | None = None,
     max_open_shards: int | None = None,
+    transport: str = "auto",
 ) -> FastloadDataset | ParquetDataset | LanceDataset:
     """Open a fastload dataset from a local directory (zero-copy mmap) or any fsspec URL (through a shard cache).
 
@@ -119,6 +120,7 @@ def open_dataset(
         cache_dir=cache_dir,
         cache_limit=cache_limit,
         max_open_shards=max_open_shards,
+        transport=transport,
     )
     # the storage's `max_open_shards` follows its share of a cache shared with other readers
     return FastloadDataset(

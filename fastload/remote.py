@@ -49,6 +49,8 @@ from .remote_get import (
 )
 from .remote_plan import PrefetchPlan
 from .retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
+from .transfer_stats import TransferStats
+from .transport_obstore import ObstoreTransport, choose_transport, usable_here
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -110,7 +112,17 @@ class RemoteStorage:
     Network waits: `connect_timeout` and `read_timeout` (seconds, defaults `CONNECT_TIMEOUT_S` = 5
     and `READ_TIMEOUT_S` = 15) are added to `storage_options` where it sets none (see
     `network_options`); `retry` bounds the attempts and their total time (default `RetryPolicy()`:
-    10 attempts, 30 s). `verify`: see `ShardCache` ("once" by default: every cached shard is hashed
+    10 attempts, 30 s).
+
+    `transport`: "auto" (default) receives s3://, gs://, az:// and http(s):// URLs through obstore
+    (`fastload.transport_obstore`: Rust `object_store`, bodies received with the GIL released in the
+    fetch threads, `storage_options` mapped by `store_config`) and every other URL, or options obstore
+    has no equivalent for, through fsspec; "obstore" or "fsspec" forces one (ValueError when obstore
+    cannot read the URL or map the options). The chosen one is `self.transport`. obstore does not
+    survive `fork`: a process forked after its parent used it (a Loader's process workers) reads
+    through fsspec.
+
+    `verify`: see `ShardCache` ("once" by default: every cached shard is hashed
     against the manifest before its first use in each process).
     """
 
@@ -132,9 +144,13 @@ class RemoteStorage:
         wait_timeout: float = 600.0,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         read_timeout: float = READ_TIMEOUT_S,
+        transport: str = "auto",
     ) -> None:
         self.url = url.rstrip("/")
         self.root = self.url
+        self._user_options = dict(storage_options or {})
+        self.transport = choose_transport(self.url, transport, self._user_options)
+        self._timeouts = (float(connect_timeout), float(read_timeout))
         self.storage_options = network_options(
             self.url, dict(storage_options or {}), connect_timeout=connect_timeout, read_timeout=read_timeout
         )
@@ -242,6 +258,9 @@ class RemoteStorage:
             "url",
             "root",
             "storage_options",
+            "_user_options",
+            "transport",
+            "_timeouts",
             "retry",
             "prefetch_depth",
             "fetch_threads",
@@ -270,6 +289,8 @@ class RemoteStorage:
         self._pid = os.getpid()
         self._fs: Any = None
         self._fs_root = ""
+        self._obstore: ObstoreTransport | None = None
+        self._obstore_lock = threading.Lock()
         self._planner: PrefetchPlan | None = None
         self._receivers: ReceiveLoops | None = None
         self._receivers_final: Any = None
@@ -309,6 +330,23 @@ class RemoteStorage:
             self._fs, self._fs_root = fs, path.rstrip("/")
         return self._fs
 
+    def _via_obstore(self) -> bool:
+        """Whether this process reads through obstore: the transport chosen, unless this process was
+        forked after obstore ran in its parent (obstore's runtime does not survive a fork: fsspec then)."""
+        return self.transport == "obstore" and usable_here()
+
+    @property
+    def obstore(self) -> ObstoreTransport:
+        """This process's obstore client for the URL (built on first use; `transport="obstore"` only)."""
+        self._check_pid()
+        with self._obstore_lock:
+            if self._obstore is None:
+                connect, read = self._timeouts
+                self._obstore = ObstoreTransport(
+                    self.url, self._user_options, connect_timeout=connect, read_timeout=read
+                )
+            return self._obstore
+
     def claim_budget(self) -> None:
         """Claim this reader's share of the cache (see `max_open_shards`): raises `CacheBudgetError`
         when even its least does not fit next to the leasts of the other live readers. Other readers
@@ -327,10 +365,13 @@ class RemoteStorage:
         self._trim_readers(others=False)
 
     def remote_path(self, name: str) -> str:
-        """The fsspec path of a dataset-relative name (absolute paths and '..' are refused)."""
+        """The transport's path of a dataset-relative name (absolute paths and '..' are refused):
+        relative to the URL for obstore, the fsspec file system's path otherwise."""
         rel = check_relative_path(name, self.url)
         if "://" in name:
             raise FormatError(f"{self.url}: file name {name!r} is not relative")
+        if self._via_obstore():
+            return rel
         fs = self.fs  # sets _fs_root
         del fs
         return f"{self._fs_root}/{rel}" if self._fs_root else rel
@@ -347,8 +388,9 @@ class RemoteStorage:
         if name not in self._small:
             rpath = self.remote_path(name)
             url = f"{self.url}/{name}"
+            cat = self.obstore.cat if self._via_obstore() else self.fs.cat_file
             try:
-                data = retry_call(lambda: self.fs.cat_file(rpath), url=url, policy=self.retry)
+                data = retry_call(lambda: cat(rpath), url=url, policy=self.retry)
             except FileNotFoundError as exc:
                 raise FormatError(f"{url}: file is missing") from exc
             self._small[name] = bytes(data)
@@ -488,6 +530,9 @@ class RemoteStorage:
         """
         stats = self.cache.transfer
         stats.add("requests", 1)
+        if self._via_obstore():
+            self._obstore_into(rpath, sink, stats)
+            return
         loops = self._receivers_now()
         if loops is None:
             t0 = time.perf_counter()
@@ -513,6 +558,20 @@ class RemoteStorage:
         data = loops.run(lambda fs, path: fs._cat_file(path), rpath)
         stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
         sink.write(data)
+
+    def _obstore_into(self, rpath: str, sink: Download, stats: TransferStats) -> None:
+        """`_get_into` through obstore, in this thread with the GIL released while receiving: ranged
+        GETs over `4 x part_bytes` (whole-object GETs from then on when the store ignores ranges),
+        else one streamed GET."""
+        size = getattr(sink, "size", 0)
+        if self.part_bytes and size > 4 * self.part_bytes and self._ranges_ok:
+            try:
+                self.obstore.ranged_into(rpath, sink, self.part_bytes, stats)
+                return
+            except NoRanges:
+                self._ranges_ok = False
+                sink.reset()
+        self.obstore.stream_into(rpath, sink, stats)
 
     def _fetch(self, name: str, sink: Download) -> None:
         """Whole-object GET of `name` into `sink`, retried on transient errors (bad checksums too)."""

@@ -372,12 +372,13 @@ def test_loader_epochs_and_resume_over_s3(remote, local_ds, proxy, tmp_path, wor
 def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the_get(
     remote, local_ds, proxy, tmp_path, monkeypatch
 ):
+    """The fsspec transport (the one with event loops) streams bodies in pieces on its loop threads."""
     import fastload.remote as remote_mod
     from fastload.formats import ChecksumError
 
     monkeypatch.setattr(remote_mod, "STREAM_CHUNK", 16 << 10)
     before = _threads("fastload-receive")
-    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB")
+    ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", transport="fsspec")
     st: RemoteStorage = ds.storage
     info = ds.manifest.shards[0]
 
@@ -585,15 +586,17 @@ SHORT_WAITS = {
 }
 
 
-def test_frozen_server_ends_in_a_clear_error(tmp_path):
+@pytest.mark.parametrize(("transport", "error"), [("auto", "TimeoutError"), ("fsspec", "ReadTimeoutError")])
+def test_frozen_server_ends_in_a_clear_error(tmp_path, transport, error):
     server = FrozenServer()
     try:
         opts = storage_options(f"http://127.0.0.1:{server.port}")
         del opts["config_kwargs"]  # RemoteStorage's own timeouts apply
         t0 = time.monotonic()
-        pattern = r"s3://data/ds/index\.json: giving up after \d+ attempts in .*ReadTimeoutError"
+        pattern = rf"s3://data/ds/index\.json: giving up after \d+ attempts in .*last error {error}: "
         with pytest.raises(RemoteFetchError, match=pattern):
-            RemoteStorage("s3://data/ds", storage_options=opts, cache_dir=tmp_path, cache_limit="10MB", **SHORT_WAITS)
+            RemoteStorage("s3://data/ds", storage_options=opts, cache_dir=tmp_path, cache_limit="10MB",
+                          transport=transport, **SHORT_WAITS)
         took = time.monotonic() - t0
         assert took < 10, took  # budget 3 s + one attempt (0.5 s connect + 0.5 s read) + client start-up
         assert server.accepted >= 1  # connected, then each attempt timed out on the read

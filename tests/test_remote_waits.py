@@ -27,9 +27,9 @@ def server(tmp_path):
     srv.stop()
 
 
-def _open(url: str, cache_dir: str, retry: RetryPolicy) -> FastloadDataset:
+def _open(url: str, cache_dir: str, retry: RetryPolicy, transport: str) -> FastloadDataset:
     storage = RemoteStorage(url, cache_dir=cache_dir, cache_limit="4MB", prefetch_depth=0, retry=retry,
-                            connect_timeout=READ_S, read_timeout=READ_S)
+                            connect_timeout=READ_S, read_timeout=READ_S, transport=transport)
     return FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
 
 
@@ -46,10 +46,11 @@ def _first_batch_error(ds: FastloadDataset) -> tuple[RemoteFetchError, float, in
     return info.value, took, int(m.group(1)), float(m.group(2))
 
 
-def test_frozen_server_one_cycle_of_the_documented_length(server, tmp_path):
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_frozen_server_one_cycle_of_the_documented_length(server, tmp_path, transport):
     # each attempt waits read_timeout for the first byte; attempts start while less than `total` has passed
     retry = RetryPolicy(attempts=10, base=0.01, cap=0.02, total=1.0)
-    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), retry)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), retry, transport)
     server.freeze()
     err, took, attempts, stated = _first_batch_error(ds)
     assert "shards/shard-00000" in str(err) and "TimeoutError" in str(err)
@@ -58,10 +59,11 @@ def test_frozen_server_one_cycle_of_the_documented_length(server, tmp_path):
     assert expected * READ_S - 0.05 <= stated <= took + 0.05 and took < expected * READ_S + 0.6, (stated, took)
 
 
-def test_killed_server_one_cycle_of_the_documented_length(server, tmp_path):
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_killed_server_one_cycle_of_the_documented_length(server, tmp_path, transport):
     # refused connections fail at once: every attempt is made, with the backoff sleeps between them
     retry = RetryPolicy(attempts=6, base=0.1, cap=0.2, total=30)
-    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), retry)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), retry, transport)
     server.kill()
     err, took, attempts, stated = _first_batch_error(ds)
     assert "Connect" in str(err)

@@ -77,10 +77,21 @@ def _whole_object_get(url: str, storage_options: dict[str, Any] | None) -> Calla
     return lambda rel: fs.cat_file(f"{root.rstrip('/')}/{rel}")
 
 
+def _obstore_get(url: str, storage_options: dict[str, Any] | None) -> Callable[[str], bytes]:
+    """A whole-object GET through obstore (the client of fastload's obstore transport)."""
+    import obstore
+
+    from fastload.transport_obstore import ObstoreTransport
+
+    store = ObstoreTransport(url, dict(storage_options or {}), connect_timeout=60, read_timeout=60).store
+    return lambda rel: obstore.get(store, rel).bytes()
+
+
 def raw_pipeline(url: str, shards: list[Any], out_dir: str, *, threads: int = 8,
-                 storage_options: dict[str, Any] | None = None) -> float:
-    """Bytes/s of `threads` threads doing whole-object GET + xxh3 + write + rename, one shard each."""
-    get = _whole_object_get(url, storage_options)
+                 storage_options: dict[str, Any] | None = None, client: str = "plain") -> float:
+    """Bytes/s of `threads` threads doing whole-object GET + xxh3 + write + rename, one shard each.
+    `client`: "plain" (urllib for http(s), boto3 for s3, fsspec otherwise) or "obstore"."""
+    get = _obstore_get(url, storage_options) if client == "obstore" else _whole_object_get(url, storage_options)
     os.makedirs(out_dir, exist_ok=True)
 
     def one(info: Any) -> int:
@@ -122,7 +133,10 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
     before = storage.stats() if callable(getattr(storage, "stats", None)) else {}
     t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     n = 0
+    first_s = 0.0
     for batch in loader:
+        if not n:
+            first_s = time.perf_counter() - t0
         n += len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
     took = time.perf_counter() - t0
     cpu_s, user_s = _cpu_since(c0)
@@ -130,7 +144,7 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
         raise RuntimeError(f"epoch saw {n} samples, the dataset has {len(ds)}")
     after = loader.stats()
     stages = {k: after[f"remote_{k}"] - before[f"remote_{k}"] for k in STAGES if f"remote_{k}" in after}
-    stages["cpu_s"], stages["user_s"] = cpu_s, user_s
+    stages["cpu_s"], stages["user_s"], stages["first_batch_s"] = cpu_s, user_s, first_s
     for k in ("gets_in_flight_mean", "gets_target"):  # the GETs in flight, and how many the window chose
         if f"remote_{k}" in after:
             stages[k] = after[f"remote_{k}"]
@@ -170,8 +184,13 @@ class _Cpu:
 
 def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, rounds: int = 3, threads: int = 8,
                batch_size: int = 256, window: int = 4, workers: tuple[int, ...] = (0, 2), local: str | None = None,
-               watch_pids: tuple[int, ...] = (), workdir: str | None = None) -> dict[str, Any]:
-    """Measure `rounds` interleaved rounds (see the module docstring); rates in bytes/s per round."""
+               watch_pids: tuple[int, ...] = (), workdir: str | None = None,
+               transports: tuple[str, ...] = ("auto",), raw_clients: tuple[str, ...] = ("plain",)) -> dict[str, Any]:
+    """Measure `rounds` interleaved rounds (see the module docstring); rates in bytes/s per round.
+
+    `transports`: the Loader rows' `open_dataset(transport=...)`, each row named with the transport
+    as a prefix except "auto"'s; `raw_clients`: the raw rows' GET clients ("plain": row "raw", the
+    baseline of the ratios; "obstore": row "raw obstore")."""
     from fastload.benchmark.limits import recycle_page_cache
     from fastload.dataset import open_dataset
     from fastload.formats import FastloadDataset
@@ -181,6 +200,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
     cost: dict[str, list[float]] = {}  # raw and cold rows: this process's CPU seconds per GB
     user: dict[str, list[float]] = {}  # the same, user-mode CPU only
     stages: dict[str, list[dict]] = {}
+    first: dict[str, list[float]] = {}  # Loader rows: seconds from the epoch's start to its first batch
     shares: list[float] = []
     try:
         probe = open_dataset(url, storage_options=storage_options, cache_dir=os.path.join(work, "probe"),
@@ -191,43 +211,58 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
         local_ds = FastloadDataset(local) if local else None
         for r in range(rounds):
             cpu = _Cpu(watch_pids) if watch_pids else None
-            recycle_page_cache(work, nbytes)
-            c0 = resource.getrusage(resource.RUSAGE_SELF)
-            rows.setdefault("raw", []).append(
-                raw_pipeline(url, shards, os.path.join(work, "raw"), threads=threads, storage_options=storage_options)
-            )
-            cpu_s, user_s = _cpu_since(c0)
-            cost.setdefault("raw", []).append(cpu_s / (nbytes / 1e9))
-            user.setdefault("raw", []).append(user_s / (nbytes / 1e9))
-            for w in workers:
-                for shuffled in (True, False):
-                    key = f"w{w} {'shuffled' if shuffled else 'sequential'}"
-                    cache = os.path.join(work, f"cache-{r}-{w}-{int(shuffled)}")
-                    ds = open_dataset(url, storage_options=storage_options, cache_dir=cache, cache_limit=2 * nbytes)
-                    args = {"shuffled": shuffled, "workers": w, "batch_size": batch_size, "window": window}
-                    recycle_page_cache(work, nbytes)
-                    cold, st = _epoch(ds, seed=r, **args)
-                    cost.setdefault(f"{key} cold", []).append(st.pop("cpu_s") / (nbytes / 1e9))
-                    user.setdefault(f"{key} cold", []).append(st.pop("user_s") / (nbytes / 1e9))
-                    warm, _ = _epoch(ds, seed=r + 1, **args)
-                    rows.setdefault(f"{key} cold", []).append(nbytes / cold)
-                    rows.setdefault(f"{key} warm", []).append(nbytes / warm)
-                    stages.setdefault(f"{key} cold", []).append(st)
-                    if local_ds is not None:
-                        rows.setdefault(f"{key} local", []).append(nbytes / _epoch(local_ds, seed=r + 1, **args)[0])
-                    ds.storage.close()
-                    del ds
-                    shutil.rmtree(cache, ignore_errors=True)
+            for client in raw_clients:
+                name = "raw" if client == "plain" else f"raw {client}"
+                recycle_page_cache(work, nbytes)
+                c0 = resource.getrusage(resource.RUSAGE_SELF)
+                rows.setdefault(name, []).append(raw_pipeline(
+                    url, shards, os.path.join(work, "raw"), threads=threads, storage_options=storage_options,
+                    client=client))
+                cpu_s, user_s = _cpu_since(c0)
+                cost.setdefault(name, []).append(cpu_s / (nbytes / 1e9))
+                user.setdefault(name, []).append(user_s / (nbytes / 1e9))
+            for transport, w, shuffled in ((t, w, s) for t in transports for w in workers for s in (True, False)):
+                key = ("" if transport == "auto" else f"{transport} ") + (
+                    f"w{w} {'shuffled' if shuffled else 'sequential'}")
+                cache = os.path.join(work, f"cache-{r}-{transport}-{w}-{int(shuffled)}")
+                ds = open_dataset(url, storage_options=storage_options, cache_dir=cache, cache_limit=2 * nbytes,
+                                  transport=transport)
+                args = {"shuffled": shuffled, "workers": w, "batch_size": batch_size, "window": window}
+                recycle_page_cache(work, nbytes)
+                cold, st = _epoch(ds, seed=r, **args)
+                cost.setdefault(f"{key} cold", []).append(st.pop("cpu_s") / (nbytes / 1e9))
+                user.setdefault(f"{key} cold", []).append(st.pop("user_s") / (nbytes / 1e9))
+                warm, wst = _epoch(ds, seed=r + 1, **args)
+                cost.setdefault(f"{key} warm", []).append(wst["cpu_s"] / (nbytes / 1e9))
+                user.setdefault(f"{key} warm", []).append(wst["user_s"] / (nbytes / 1e9))
+                first.setdefault(f"{key} cold", []).append(st.pop("first_batch_s"))
+                first.setdefault(f"{key} warm", []).append(wst["first_batch_s"])
+                rows.setdefault(f"{key} cold", []).append(nbytes / cold)
+                rows.setdefault(f"{key} warm", []).append(nbytes / warm)
+                stages.setdefault(f"{key} cold", []).append(st)
+                if local_ds is not None and transport == transports[0]:
+                    rows.setdefault(f"{key} local", []).append(nbytes / _epoch(local_ds, seed=r + 1, **args)[0])
+                ds.storage.close()
+                del ds
+                shutil.rmtree(cache, ignore_errors=True)
             if cpu is not None:
                 shares.append(cpu.share())
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"url": url, "bytes": nbytes, "shards": len(shards), "rounds": rounds, "threads": threads,
-            "rows": rows, "cpu_s_per_GB": cost, "user_cpu_s_per_GB": user, "stages": stages, "server_cpu_share": shares}
+            "rows": rows, "cpu_s_per_GB": cost, "user_cpu_s_per_GB": user, "stages": stages, "server_cpu_share": shares,
+            "first_batch_s": first}
 
 
 def _med(v: list[float]) -> float:
     return sorted(v)[len(v) // 2]
+
+
+def _span(v: list[float] | None, scale: float, digits: int) -> str:
+    """"median [min-max]" of `v` times `scale` with `digits` decimals ("-" when there is nothing)."""
+    if not v:
+        return "-"
+    return f"{_med(v) * scale:.{digits}f} [{min(v) * scale:.{digits}f}-{max(v) * scale:.{digits}f}]"
 
 
 def format_remote(res: dict[str, Any]) -> str:
@@ -253,6 +288,12 @@ def format_remote(res: dict[str, Any]) -> str:
     if res.get("user_cpu_s_per_GB"):
         lines.append("of which user-mode: " + " ".join(
             f"{k}={_med(v):.2f}" for k, v in res["user_cpu_s_per_GB"].items()))
+    lines.append(f"{'medians [min-max] over rounds':40s} {'MB/s':>15s} {'user s/GB':>17s} {'CPU s/GB':>17s} "
+                 f"{'first batch s':>17s}")
+    for k, v in rows.items():
+        cells = [_span(v, 1e-6, 0), _span(res.get("user_cpu_s_per_GB", {}).get(k), 1, 2),
+                 _span(res.get("cpu_s_per_GB", {}).get(k), 1, 2), _span(res.get("first_batch_s", {}).get(k), 1, 2)]
+        lines.append(f"{k:40s} " + " ".join(f"{c:>17s}" for c in cells))
     if res["server_cpu_share"]:
         sh = res["server_cpu_share"]
         lines.append(f"server CPU share of the cores per round: {' '.join(f'{100 * s:.1f}%' for s in sh)}")

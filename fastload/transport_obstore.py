@@ -1,0 +1,288 @@
+"""Shard transfers through obstore (Rust `object_store`): bodies received outside the interpreter.
+
+`ObstoreTransport` reads one dataset's objects from S3, GCS, Azure or plain HTTP(S). Each call runs
+in the calling thread (a `RemoteStorage` fetch thread) and releases the GIL while the request is
+sent and the body received; Python code runs once per `STREAM_CHUNK` of body (write into the cache
+file and hash), not per socket read. obstore's own retries are off (`max_retries=0`): fastload's
+`RetryPolicy` counts every attempt. Its errors are turned into the standard exceptions
+`fastload.retry.is_transient` judges (`TimeoutError`, `ConnectionError`, `FileNotFoundError`,
+`PermissionError`, `HTTPStatusError` with the status), each with the first line of obstore's message.
+
+`store_config` maps fsspec-style `storage_options` (s3fs, gcsfs, adlfs, http keys) onto the obstore
+client; options it cannot map raise `UnmappedOptions` (the "auto" transport then keeps fsspec).
+
+obstore's runtime (tokio) does not survive `fork`: a process forked after its parent used obstore
+(`usable_here()` False: a Loader's process workers) reads through fsspec instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from datetime import timedelta
+from typing import Any
+
+from .transfer_stats import TransferStats
+
+__all__ = [
+    "OBSTORE_SCHEMES",
+    "STREAM_CHUNK",
+    "TRANSPORTS",
+    "HTTPStatusError",
+    "ObstoreTransport",
+    "UnmappedOptions",
+    "choose_transport",
+    "store_config",
+]
+
+TRANSPORTS = ("auto", "obstore", "fsspec")
+OBSTORE_SCHEMES = {
+    "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "azure": "azure", "abfs": "azure",
+    "abfss": "azure", "http": "http", "https": "http",
+}
+STREAM_CHUNK = 1 << 20  # body bytes handed to the sink per Python call
+_PARTS_IN_FLIGHT = 4  # ranged GETs of one shard outstanding at once
+
+# fsspec options that configure fsspec's own instance bookkeeping, not the connection: ignored here
+_FSSPEC_ONLY = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "asynchronous",
+                "loop", "default_block_size", "default_cache_type", "default_fill_cache", "cache_regions"}
+
+
+_STARTED_IN: int | None = None  # the process whose obstore runtime was started by this module
+
+
+def usable_here() -> bool:
+    """Whether obstore works in this process: no obstore client was built before a fork into it."""
+    return _STARTED_IN is None or os.getpid() == _STARTED_IN
+
+
+class UnmappedOptions(ValueError):
+    """`storage_options` hold keys the obstore client has no equivalent for."""
+
+
+class HTTPStatusError(OSError):
+    """A response with an error status (`status`; 5xx, 408 and 429 are transient)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _bool(v: Any) -> bool:
+    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")
+
+
+def store_config(url: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(obstore `config`, `client_options`) for `url` from fsspec-style `storage_options`.
+
+    s3: `key`/`secret`/`token` (or `aws_access_key_id`/...) -> credentials, `anon` -> `skip_signature`,
+    `endpoint_url` (top level or in `client_kwargs`) -> `endpoint` (http:// allowed), `region_name`
+    (top level, `client_kwargs` or `config_kwargs`) -> `region`, `requester_pays` -> `request_payer`,
+    `config_kwargs={"s3": {"addressing_style": "virtual"}}` -> `virtual_hosted_style_request`.
+    gcs: `token="anon"` -> `skip_signature`, another `token` string -> `service_account` (a key file);
+    `endpoint_url` -> `base_url`. azure: `account_name`, `account_key`, `sas_token` -> `sas_key`,
+    `anon` -> `skip_signature`. http(s): `headers` (or `client_kwargs["headers"]`) -> `default_headers`.
+    Every scheme: `config_kwargs` connect/read timeouts and `retries` are fastload's own settings and
+    are ignored here, as are fsspec's instance options. Anything else raises `UnmappedOptions`."""
+    kind = OBSTORE_SCHEMES[url.split("://", 1)[0].lower()]
+    opts = {k: v for k, v in options.items() if k not in _FSSPEC_ONLY}
+    client_kwargs = dict(opts.pop("client_kwargs", None) or {})
+    config_kwargs = dict(opts.pop("config_kwargs", None) or {})
+    for k in ("connect_timeout", "read_timeout", "retries"):
+        config_kwargs.pop(k, None)
+    config: dict[str, Any] = {}
+    client: dict[str, Any] = {}
+
+    def take(src: dict[str, Any], names: tuple[str, ...], dest: str, conv: Any = None) -> None:
+        for n in names:
+            if n in src:
+                v = src.pop(n)
+                if v is not None:
+                    config[dest] = conv(v) if conv else v
+
+    if kind == "s3":
+        for src in (opts, client_kwargs):
+            take(src, ("key", "aws_access_key_id"), "access_key_id")
+            take(src, ("secret", "aws_secret_access_key"), "secret_access_key")
+            take(src, ("token", "aws_session_token"), "session_token")
+            take(src, ("endpoint_url",), "endpoint")
+            take(src, ("region_name",), "region")
+        take(config_kwargs, ("region_name",), "region")
+        take(opts, ("anon",), "skip_signature", _bool)
+        take(opts, ("requester_pays",), "request_payer", _bool)
+        s3 = dict(config_kwargs.pop("s3", None) or {})
+        style = s3.pop("addressing_style", None)
+        if style is not None:
+            config["virtual_hosted_style_request"] = style == "virtual"
+        if s3:
+            config_kwargs["s3"] = s3  # left unmapped
+    elif kind == "gcs":
+        tok = opts.pop("token", None)
+        if tok == "anon":
+            config["skip_signature"] = True
+        elif isinstance(tok, str):
+            config["service_account"] = tok
+        elif tok is not None:
+            opts["token"] = tok  # a credentials object: left unmapped
+        take(opts, ("endpoint_url",), "base_url")
+        take(opts, ("anon",), "skip_signature", _bool)
+        opts.pop("project", None)  # billing project: reads of a named bucket do not need it
+    elif kind == "azure":
+        take(opts, ("account_name",), "account_name")
+        take(opts, ("account_key",), "account_key")
+        take(opts, ("sas_token",), "sas_key")
+        take(opts, ("anon",), "skip_signature", _bool)
+    else:
+        headers = opts.pop("headers", None) or client_kwargs.pop("headers", None)
+        if headers:
+            client["default_headers"] = {str(k): str(v) for k, v in dict(headers).items()}
+    if str(config.get("endpoint", config.get("base_url", ""))).startswith("http://") or kind == "http":
+        client["allow_http"] = True
+    left = sorted(opts) + [f"client_kwargs[{k!r}]" for k in sorted(client_kwargs)] + [
+        f"config_kwargs[{k!r}]" for k in sorted(config_kwargs)
+    ]
+    if left:
+        raise UnmappedOptions(f"{url}: storage_options {', '.join(left)} have no obstore equivalent")
+    return config, client
+
+
+def choose_transport(url: str, transport: str, options: dict[str, Any]) -> str:
+    """"obstore" or "fsspec" for `url`: "auto" picks obstore for s3/gs/az/http(s) URLs whose
+    `storage_options` it can map (`store_config`), fsspec otherwise; "obstore" on another scheme or
+    with unmappable options raises ValueError naming them (ImportError without obstore)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{url}: transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}")
+    if transport == "fsspec":
+        return "fsspec"
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in OBSTORE_SCHEMES:
+        if transport == "obstore":
+            raise ValueError(f"{url}: transport='obstore' reads {', '.join(sorted(OBSTORE_SCHEMES))} URLs only")
+        return "fsspec"
+    try:
+        store_config(url, options)
+        import obstore  # noqa: F401 - a dependency; without it "auto" keeps fsspec
+    except (UnmappedOptions, ImportError):
+        if transport == "obstore":
+            raise
+        return "fsspec"
+    return "obstore"
+
+
+_STATUS = re.compile(r"\b(?:status(?: code)?[:=]?\s*|non-2xx status code: )(\d{3})\b", re.IGNORECASE)
+
+
+def translate(exc: BaseException, what: str) -> BaseException:
+    """A standard exception for an obstore error (`exc` itself when it is not one)."""
+    import obstore.exceptions as oe
+
+    if not isinstance(exc, oe.BaseError):
+        return exc
+    text = str(exc)
+    head = f"{what}: {text.splitlines()[0] if text else type(exc).__name__}"
+    if isinstance(exc, oe.NotFoundError):
+        return FileNotFoundError(head)
+    if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
+        return PermissionError(head)
+    if "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower():
+        return TimeoutError(head)
+    m = _STATUS.search(text)
+    if m:
+        return HTTPStatusError(head, int(m.group(1)))
+    if "HTTP error" in text or "error sending request" in text or "connection" in text.lower():
+        return ConnectionError(head)  # no response status: refused, reset, closed mid-body, cut short
+    return exc
+
+
+class ObstoreTransport:
+    """GETs of `url`'s objects (paths relative to it) through one obstore client of this process.
+
+    `connect_timeout` bounds each connection's set-up, `read_timeout` each wait for body bytes
+    (obstore's `ClientConfig`); no request retries inside obstore."""
+
+    def __init__(self, url: str, options: dict[str, Any], *, connect_timeout: float, read_timeout: float) -> None:
+        from obstore.store import from_url
+
+        global _STARTED_IN
+        if not usable_here():
+            raise RuntimeError(f"{url}: obstore cannot run in a process forked after its parent used it")
+        _STARTED_IN = os.getpid()
+        self.url = url.rstrip("/")
+        config, client = store_config(self.url, options)
+        client.setdefault("connect_timeout", timedelta(seconds=connect_timeout))
+        client.setdefault("read_timeout", timedelta(seconds=read_timeout))
+        retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=0)}
+        self.store = from_url(self.url, config=config or None, client_options=client, retry_config=retry)
+
+    def cat(self, path: str) -> bytes:
+        """The whole object at `path` (small files: manifest, meta)."""
+        import obstore
+
+        try:
+            return bytes(obstore.get(self.store, path).bytes())
+        except Exception as exc:
+            raise translate(exc, f"{self.url}/{path}") from exc
+
+    def stream_into(self, path: str, sink: Any, stats: TransferStats, chunk: int = STREAM_CHUNK) -> None:
+        """One whole-object GET of `path`, each `chunk` of body handed to `sink.write` as it arrives.
+        Time to the response headers counts as `request_s`, the waits for body chunks as `receive_s`."""
+        import obstore
+
+        t0 = time.perf_counter()
+        recv = 0.0
+        try:
+            result = obstore.get(self.store, path)
+            t1 = time.perf_counter()
+            stream = result.stream(min_chunk_size=chunk)
+            while True:
+                t = time.perf_counter()
+                try:
+                    b = next(stream)
+                except StopIteration:
+                    break
+                recv += time.perf_counter() - t
+                stats.add("bytes", len(b))
+                sink.write(b)
+        except Exception as exc:
+            raise translate(exc, f"{self.url}/{path}") from exc
+        stats.add_many(request_s=t1 - t0, receive_s=recv)
+
+    def ranged_into(self, path: str, sink: Any, part: int, stats: TransferStats) -> None:
+        """The object in ranged GETs of `part` bytes, `_PARTS_IN_FLIGHT` at a time on threads of
+        this call, each handed to `sink.write_at` as it arrives. A part of the wrong length (or a
+        store that refuses ranges) raises `NoRanges`; on a failure no part not yet started starts."""
+        import obstore
+        import obstore.exceptions as oe
+
+        from .remote_get import NoRanges
+
+        size = sink.size
+        lock = threading.Lock()
+
+        def one(start: int) -> None:
+            end = min(size, start + part)
+            t0 = time.perf_counter()
+            try:
+                data = obstore.get_range(self.store, path, start=start, end=end)
+            except oe.NotSupportedError as exc:
+                raise NoRanges from exc
+            except Exception as exc:
+                raise translate(exc, f"{self.url}/{path}") from exc
+            stats.add_many(receive_s=time.perf_counter() - t0, bytes=len(data), ranged_parts=1)
+            if len(data) != end - start:
+                raise NoRanges
+            with lock:
+                sink.write_at(start, data)
+
+        with ThreadPoolExecutor(_PARTS_IN_FLIGHT, thread_name_prefix="fastload-part") as pool:
+            futures = [pool.submit(one, start) for start in range(0, size, part)]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+            if failed:
+                for f in futures:
+                    f.cancel()
+                wait(futures)
+                raise failed[0].exception()  # type: ignore[misc]
