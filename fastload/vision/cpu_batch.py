@@ -96,6 +96,13 @@ def _mode(num: int, *, whole: bool = False, restart: bool = False) -> str:
     return MODES[num] + RESTART if restart else MODES[num]
 
 
+def _count_modes(nums: np.ndarray, started: np.ndarray) -> dict[str, int]:
+    """Images per decode mode of windows decoded at `nums`/8, `started` (1) from their restart
+    interval: counted per (num, started) pair, not per image."""
+    pairs, counts = np.unique(nums.astype(np.int64) * 2 + (started != 0), return_counts=True)
+    return {_mode(int(p) // 2, restart=bool(p % 2)): int(c) for p, c in zip(pairs.tolist(), counts.tolist())}
+
+
 def _chunk(job: BatchJob, lo: int, hi: int, plan: tuple[np.ndarray, ...], failed: dict[int, str]) -> Counter[str]:
     """Decode images lo..hi-1 of `job`; returns how many took each decode mode."""
     todo, nums, scaled, resized, started = plan
@@ -111,7 +118,7 @@ def _chunk(job: BatchJob, lo: int, hi: int, plan: tuple[np.ndarray, ...], failed
         whole += _decode_direct(job, direct, nums, scaled, started)
         whole += _decode_resized(job, scaled_out, nums, scaled, started)
         done = np.setdiff1d(windowed, whole)
-        modes.update(_mode(int(nums[i]), restart=bool(started[i])) for i in done.tolist())
+        modes.update(_count_modes(nums[done], started[done]))
     for i in sorted(whole):
         try:
             img, window = _decode_whole(job, i, int(nums[i]), scaled[i])
