@@ -6,8 +6,8 @@ thread (the calling thread takes the first). Per chunk, one call of the window d
 (`cpu_decode.decode_windows`, GIL released) decodes every JPEG's crop window (DCT-downscaled
 when asked; from the window's restart interval where the JPEG has a restart index), mirrored in
 the decoder when flipped, straight from the values buffer: into the uint8 batch buffer when the
-window is the output size (crop only), otherwise into one chunk scratch buffer that torch's
-antialiased resize then reads (a second call, when a chunk has both). The normalising lookup
+window is the output size (crop only), otherwise into the thread's scratch block (reused batch
+after batch) that torch's antialiased resize then reads (a second call, when a chunk has both). The normalising lookup
 table then writes the chunk's output in one call. Python runs per chunk, except one resize call
 per resized image and the fallbacks: non-JPEG images (Pillow), CMYK/YCCK JPEGs and builds
 without the extension decode whole images (`decode_rgb`) and are cropped after, with the same
@@ -17,6 +17,7 @@ warning as an error), which then fails unless simplejpeg or Pillow decode it.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -175,7 +176,7 @@ def _decode_resized(
         return []
     need = scaled[sel, 2] * scaled[sel, 3] * 3
     at = np.concatenate([[0], np.cumsum(need)])
-    scratch = np.empty(int(at[-1]), dtype=np.uint8)
+    scratch = _scratch(int(at[-1]))
     params = _params(job, sel, nums, scaled, at[:-1])
     left = {int(sel[row]) for row, _, _ in _decode_windows(job, sel, params, scratch, started)}
     for k, i in enumerate(sel.tolist()):
@@ -183,6 +184,23 @@ def _decode_resized(
             h, w = int(scaled[i, 2]), int(scaled[i, 3])
             _resize(scratch[at[k] : at[k + 1]].reshape(h, w, 3), job.images[i])
     return sorted(left)
+
+
+# The window pixels a thread decodes before resizing them live in one block per thread, reused
+# batch after batch (a fresh block costs a page fault per 4 KiB): up to this many bytes are kept.
+SCRATCH_KEEP = 64 << 20
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """`nbytes` of this thread's scratch block (contents undefined; only this thread uses it, and
+    only until its chunk's resizes are done)."""
+    if nbytes > SCRATCH_KEEP:
+        return np.empty(nbytes, dtype=np.uint8)
+    block = getattr(_SCRATCH, "block", None)
+    if block is None or block.size < nbytes:
+        block = _SCRATCH.block = np.empty(min(SCRATCH_KEEP, max(nbytes, nbytes + nbytes // 4)), dtype=np.uint8)
+    return block[:nbytes]
 
 
 def _decode_whole(job: BatchJob, i: int, num: int, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
