@@ -231,7 +231,7 @@ def test_convert_stores_reencoded_jpegs_by_default(tmp_path, flag: list[str]) ->
         preset = ImagePreset(kind="eval", size=24, resize=None, backend="cpu", normalize=False)
         loader = Loader(with_indices(open_dataset(str(tmp_path / "out"))), batch_size=5, transform=preset)
         assert sum(len(b["image"]) for b in loader) == len(files)
-        modes = loader.stats()["vision_decode_modes"]
+        modes = loader.stats()["components"]["transform"]["vision_decode_modes"]
         assert modes.get("window, from its restart interval", 0) > 0 and sum(modes.values()) == len(files)
 
 
