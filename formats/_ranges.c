@@ -9,14 +9,6 @@
  * right after range i - 1 in dst. Every range is bounds-checked before anything is copied:
  * IndexError names the first bad position; ValueError for a size mismatch.
  *
- *   gather_fields(jobs) -> None
- *
- * jobs: a sequence of (src, starts, lengths, itemsize, dst) tuples, each as for `gather`, all with
- * the same number of ranges (one per sample of a batch: one job per field). Every job is checked
- * as `gather` checks it before anything is copied; then, with the GIL released once, sample i's
- * ranges of every job are copied one after the other, sample by sample: one pass over all of a
- * sample's byte ranges, whichever fields hold them.
- *
  *   split(values, offsets, utf8) -> list
  *
  * values: a byte buffer; offsets: a C-contiguous int64 buffer, non-decreasing, within values.
@@ -107,109 +99,6 @@ fail_src:
     return result;
 }
 
-/* One job of `gather_fields`: its buffers (held until released) and its place in the output. */
-typedef struct {
-    Py_buffer src, starts, lengths, dst;
-    Py_ssize_t itemsize;
-    int held; /* buffers acquired: 0..4 */
-} field_job;
-
-static void release_job(field_job *j) {
-    if (j->held > 3) PyBuffer_Release(&j->dst);
-    if (j->held > 2) PyBuffer_Release(&j->lengths);
-    if (j->held > 1) PyBuffer_Release(&j->starts);
-    if (j->held > 0) PyBuffer_Release(&j->src);
-    j->held = 0;
-}
-
-/* Acquire and check job k's buffers (as `gather` checks its arguments); -1 with an exception set.
- * *n: the number of ranges every job has; -1 until job 0 sets it. */
-static int take_job(PyObject *item, Py_ssize_t k, Py_ssize_t *np, field_job *j) {
-    PyObject *src_obj, *starts_obj, *lengths_obj, *dst_obj;
-    if (!PyTuple_Check(item) ||
-        !PyArg_ParseTuple(item, "OOOnO", &src_obj, &starts_obj, &lengths_obj, &j->itemsize, &dst_obj)) {
-        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "job %zd must be a (src, starts, lengths, itemsize, dst) tuple", k);
-        }
-        return -1;
-    }
-    if (j->itemsize <= 0) {
-        PyErr_Format(PyExc_ValueError, "job %zd: itemsize must be positive", k);
-        return -1;
-    }
-    if (PyObject_GetBuffer(src_obj, &j->src, PyBUF_C_CONTIGUOUS) < 0) return -1;
-    j->held = 1;
-    if (get_i64(starts_obj, &j->starts, "starts") < 0) return -1;
-    j->held = 2;
-    if (get_i64(lengths_obj, &j->lengths, "lengths") < 0) return -1;
-    j->held = 3;
-    if (PyObject_GetBuffer(dst_obj, &j->dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return -1;
-    j->held = 4;
-    if (*np < 0) *np = j->starts.len / 8;
-    Py_ssize_t n = *np;
-    if (j->starts.len / 8 != n || j->lengths.len / 8 != n) {
-        PyErr_Format(PyExc_ValueError, "job %zd has %zd starts and %zd lengths, job 0 %zd", k, j->starts.len / 8,
-                     j->lengths.len / 8, n);
-        return -1;
-    }
-    const int64_t *s = (const int64_t *)j->starts.buf, *l = (const int64_t *)j->lengths.buf;
-    int64_t src_items = (int64_t)(j->src.len / j->itemsize), total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (s[i] < 0 || l[i] < 0 || s[i] > src_items || l[i] > src_items - s[i]) {
-            PyErr_Format(PyExc_IndexError, "job %zd: range %zd ([%lld, +%lld) items) lies outside the source of %lld items",
-                         k, i, (long long)s[i], (long long)l[i], (long long)src_items);
-            return -1;
-        }
-        total += l[i];
-    }
-    if (total > (int64_t)(PY_SSIZE_T_MAX / j->itemsize) || (Py_ssize_t)total * j->itemsize != j->dst.len) {
-        PyErr_Format(PyExc_ValueError, "job %zd: destination holds %zd bytes, the ranges %lld", k, j->dst.len,
-                     (long long)total * (long long)j->itemsize);
-        return -1;
-    }
-    return 0;
-}
-
-static PyObject *gather_fields(PyObject *self, PyObject *args) {
-    PyObject *jobs_obj, *result = NULL;
-    if (!PyArg_ParseTuple(args, "O", &jobs_obj)) return NULL;
-    PyObject *seq = PySequence_Fast(jobs_obj, "jobs must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq), n = -1;
-    field_job *jobs = PyMem_Calloc(m > 0 ? (size_t)m : 1, sizeof(field_job));
-    char **out = PyMem_Calloc(m > 0 ? (size_t)m : 1, sizeof(char *));
-    if (jobs == NULL || out == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t k = 0; k < m; k++) {
-        if (take_job(items[k], k, &n, &jobs[k]) < 0) goto done;
-        out[k] = (char *)jobs[k].dst.buf;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        for (Py_ssize_t j = 0; j < m; j++) {
-            field_job *f = &jobs[j];
-            size_t nb = (size_t)((const int64_t *)f->lengths.buf)[i] * (size_t)f->itemsize;
-            memcpy(out[j], (const char *)f->src.buf + (size_t)((const int64_t *)f->starts.buf)[i] * (size_t)f->itemsize, nb);
-            out[j] += nb;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    if (jobs != NULL) {
-        for (Py_ssize_t j = 0; j < m; j++) release_job(&jobs[j]);
-    }
-    PyMem_Free(jobs);
-    PyMem_Free(out);
-    Py_DECREF(seq);
-    return result;
-}
-
 static PyObject *split(PyObject *self, PyObject *args) {
     PyObject *values_obj, *offsets_obj;
     int utf8;
@@ -287,8 +176,6 @@ fail_seq:
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
-    {"gather_fields", gather_fields, METH_VARARGS,
-     "gather_fields(jobs): `gather` for many (src, starts, lengths, itemsize, dst) jobs, sample by sample."},
     {"split", split, METH_VARARGS, "split(values, offsets, utf8): the items of a ragged byte buffer as a list."},
     {"spans", spans, METH_VARARGS, "spans(buffers, addresses, lengths): each buffer's address and size."},
     {NULL, NULL, 0, NULL},

@@ -16,12 +16,11 @@ from .errors import FormatError
 
 try:  # optional C extension (setup.py): ranged copies with the GIL released, lists of bytes/str
     from ._ranges import gather as _c_gather
-    from ._ranges import gather_fields as _c_gather_fields
     from ._ranges import split as _c_split
 except ImportError:  # pragma: no cover - built everywhere CI runs; slower fallbacks below
-    _c_gather = _c_gather_fields = _c_split = None
+    _c_gather = _c_split = None
 
-__all__ = ["Ragged", "gather_fields", "gather_ranges"]
+__all__ = ["Ragged", "gather_ranges"]
 
 KINDS = ("bytes", "string", "image", "varray")
 
@@ -132,37 +131,3 @@ def gather_ranges(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -
     view = np.ascontiguousarray(source).view(np.uint8).data
     parts = [view[a:b] for a, b in zip((starts * size).tolist(), ((starts + lengths) * size).tolist())]
     return np.frombuffer(bytearray().join(parts), dtype=source.dtype), offsets
-
-
-def gather_fields(jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """For each job `(source, starts, lengths, dst)`: `source[starts[i] : starts[i] + lengths[i]]`
-    for every i, joined, written into `dst` (C-contiguous, exactly that many items). An item is
-    one entry of `source`'s first axis (a row of a fixed column, an element of a variable field's
-    blob). Every job has one range per sample of a batch.
-
-    By the `_ranges` extension: every range of every job is bounds-checked first (IndexError,
-    nothing copied), then, with the GIL released once, each sample's ranges over all jobs are
-    copied one after the other. Without it, job by job through `gather_ranges`."""
-    items = [(src, np.ascontiguousarray(a, dtype=np.int64), np.ascontiguousarray(n, dtype=np.int64), dst)
-             for src, a, n, dst in jobs]
-    if _c_gather_fields is not None and all(src.flags.c_contiguous for src, _, _, _ in items):
-        _c_gather_fields([(src, a, n, _item_bytes(src), dst) for src, a, n, dst in items])
-        return
-    checked = []
-    for src, a, n, dst in items:  # every range checked before any byte is copied, as the C path does
-        if len(a) and (a.min() < 0 or n.min() < 0 or (a + n).max() > len(src)):
-            bad = int(np.flatnonzero((a < 0) | (n < 0) | (a + n > len(src)))[0])
-            raise IndexError(f"range {bad} lies outside the source of {len(src)} items")
-        if int(n.sum()) * _item_bytes(src) != dst.nbytes:
-            raise ValueError(f"destination holds {dst.nbytes} bytes, the ranges {int(n.sum()) * _item_bytes(src)}")
-        checked.append((src, a, n, dst))
-    for src, a, n, dst in checked:
-        size = _item_bytes(src)
-        flat = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
-        values, _ = gather_ranges(flat, a * size, n * size)
-        dst.reshape(-1).view(np.uint8)[:] = values
-
-
-def _item_bytes(source: np.ndarray) -> int:
-    """Bytes of one entry of `source`'s first axis."""
-    return int(source.itemsize * int(np.prod(source.shape[1:], dtype=np.int64)))

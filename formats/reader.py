@@ -23,7 +23,6 @@ from .schema import Schema
 from .shapes import ShapedBatch
 from .shard import ShardIdentity, ShardReader
 from .spliced import ColumnPart, SplicedColumn, splice_available, splice_column
-from .spliced_batch import SplicedBatch
 from .spliced_ragged import SplicedRagged
 from .storage import LocalStorage, Storage
 
@@ -238,8 +237,7 @@ class FastloadDataset:
         self._spliced: dict[str, SplicedColumn] | None = None
         self._direct: list[tuple[str, Any]] | None = None  # (field, take) when every field is resident/spliced
         self._ragged: dict[str, SplicedRagged] | None = None  # variable fields spliced over all shards
-        self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, all fixed
-        self._batch: SplicedBatch | None = None  # every field, variable ones spliced: one gather per batch
+        self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, variable ones too
         self._new_locks()
         self._ledger = self._new_ledger()
         self._attach()
@@ -267,7 +265,7 @@ class FastloadDataset:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"], state["_resident"], state["_spliced"], state["_direct"] = OrderedDict(), None, None, None
-        state["_ragged"] = state["_takes"] = state["_batch"] = None
+        state["_ragged"] = state["_takes"] = None
         del state["_lock"], state["_direct_lock"], state["_local"], state["_ledger"]
         return state
 
@@ -403,7 +401,7 @@ class FastloadDataset:
         columns: list[SplicedColumn | SplicedRagged] = [*(self._spliced or {}).values(), *(self._ragged or {}).values()]
         for column in columns:
             column.check = partial(_raise, err)
-        self._spliced = self._direct = self._ragged = self._takes = self._batch = None
+        self._spliced = self._direct = self._ragged = self._takes = None
         with self._lock:
             reader = self._open.pop(k, None)
             if reader is not None:
@@ -439,7 +437,7 @@ class FastloadDataset:
     def close(self) -> None:
         """Drop the spliced views and close every open shard, releasing it to the storage (its mapping
         goes once no array refers to it; a cache may then evict it); a later read reopens what it needs."""
-        self._spliced = self._direct = self._ragged = self._takes = self._batch = None  # unmapped once unheld
+        self._spliced = self._direct = self._ragged = self._takes = None  # unmapped once no reader holds it
         with self._lock:
             while self._open:
                 k, reader = self._open.popitem()
@@ -538,11 +536,9 @@ class FastloadDataset:
                 self._ragged = ragged
                 self._spliced = spliced
                 if all(f.name in takes for f in self._fields):
-                    if ragged:  # mixed records: one gather over each sample's ranges in all fields
-                        self._batch = SplicedBatch([f.name for f in self._fields], resident=resident,
-                                                   fixed=spliced, ragged=ragged)
-                    else:
-                        self._takes = self._direct = [(f.name, takes[f.name]) for f in self._fields]
+                    self._takes = [(f.name, takes[f.name]) for f in self._fields]
+                    if not ragged:
+                        self._direct = self._takes
             return self._spliced
 
     def _all_shards_at_hand(self) -> bool:
@@ -697,11 +693,10 @@ class FastloadDataset:
         put back in one more pass.
         """
         direct = self._takes if fields is None else None
-        batch = self._batch if fields is None else None
-        if direct is not None or batch is not None:  # every field read over all shards: the common local case
+        if direct is not None:  # every field is one take over all shards: the common local case
             idx = np.asarray(indices, dtype=np.int64).reshape(-1)
             try:
-                return batch(idx) if batch is not None else {name: take(idx) for name, take in direct}
+                return {name: take(idx) for name, take in direct}
             except IndexError:
                 self._checked_indices(idx)  # raises the error that names the dataset
                 raise

@@ -60,16 +60,6 @@ class SplicedRagged:
 
         Raises IndexError for an index out of range; `check` runs before any byte is copied.
         """
-        starts, lengths = self.ranges(indices)
-        values, offsets = gather_ranges(self.items.rows, starts, lengths)
-        return self.batch(values, offsets, indices)
-
-    def ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(starts, lengths) of the samples at `indices` in `items.rows`, in items, after `check`
-        has seen them (so the bytes under them are verified): what a gather copies.
-
-        Raises IndexError for an index out of range; ChecksumError naming the first sample on a
-        corrupt block."""
         starts = self.starts.take(indices)
         lengths = self.lengths.take(indices)
         check = self.check
@@ -78,12 +68,10 @@ class SplicedRagged:
                 check(starts, lengths)
             except ChecksumError as exc:
                 raise self._named(exc, indices, starts, lengths) from exc
-        return starts, lengths
-
-    def batch(self, values: np.ndarray, offsets: np.ndarray, indices: np.ndarray) -> Ragged:
-        """The `Ragged` of the samples at `indices`, their items gathered into `values` (`ranges`)."""
+        values, offsets = gather_ranges(self.items.rows, starts, lengths)
         origin = None if self._where is None else partial(_origin, self._where, self.name, indices, len(self))
         return Ragged(values, offsets, self.kind, origin=origin)
+
 
     def _named(self, exc: ChecksumError, indices: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> ChecksumError:
         """`exc` with the first sample of the batch whose items lie on a corrupt block named."""
