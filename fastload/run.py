@@ -13,11 +13,11 @@ the base seed of its run. It hands them over through one protocol:
   worker's copy before the first batch of a new run context. It is called again only when a fact
   changed. `bind_run` must be cheap and only record the facts (thread workers may still finish a
   batch of an abandoned epoch meanwhile).
+* `SettingsReporter`: a component with `component_describe()`; `Loader.describe()["components"]`
+  holds each one's settings under its role, as `stats()` holds the counters below.
 * `StatsReporter`: a component with `component_stats()`; `Loader.stats()["components"]` holds
   each one's mapping under its role (`"sampler"`, `"batch_sampler"`, `"transform"`,
   `"collate_fn"`, `"dataset"`), read from the objects in the Loader's process.
-* `ComponentDescriber`: a component with `component_describe()`; `Loader.describe()["components"]`
-  holds each one's settings under its role, as `stats()` does the counters.
 * `current_batch()`: while the Loader's fetch stage calls the dataset, `collate_fn` and
   `transform` for a batch, the batch's `BatchContext` (the run and the dataset indices of its
   samples, in the batch's order), in whichever thread or worker process fetches it; None
@@ -54,10 +54,10 @@ import numpy as np
 __all__ = [
     "COMPONENT_ROLES",
     "BatchContext",
-    "ComponentDescriber",
     "EpochRelay",
     "RunAware",
     "RunContext",
+    "SettingsReporter",
     "StatsReporter",
     "batch_context",
     "bind_components",
@@ -97,7 +97,7 @@ class StatsReporter(Protocol):
 
 
 @runtime_checkable
-class ComponentDescriber(Protocol):
+class SettingsReporter(Protocol):
     """A component whose settings `Loader.describe()["components"][role]` shows."""
 
     def component_describe(self) -> Mapping[str, Any]:
@@ -151,9 +151,9 @@ def collect_component_stats(components: Mapping[str, Any]) -> dict[str, dict[str
 
 
 def collect_component_descriptions(components: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """`{role: dict(obj.component_describe())}` for each `ComponentDescriber` of `components`
+    """`{role: dict(obj.component_describe())}` for each `SettingsReporter` of `components`
     ({role: object}), each object under its first role only."""
-    return {role: dict(obj.component_describe()) for role, obj in _first_roles(components, ComponentDescriber)}
+    return {role: dict(obj.component_describe()) for role, obj in _first_roles(components, SettingsReporter)}
 
 
 def _first_roles(components: Mapping[str, Any], kind: type) -> list[tuple[str, Any]]:

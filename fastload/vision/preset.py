@@ -362,7 +362,7 @@ class ImagePreset:
         scale) it picks and whether windows start at their restart interval."""
         return preset_report.describe(self)
 
-    component_describe = describe  # `fastload.run.ComponentDescriber`
+    component_describe = describe  # `fastload.run.SettingsReporter`
 
     def stats(self) -> dict[str, Any]:
         """Counters for `loader.stats()` (this process's: with process workers they stay in the

@@ -110,7 +110,7 @@ def _crop(preset: Any) -> dict[str, Any]:
 def _seed_rule(preset: Any) -> str:
     if preset.seed is not None:
         return f"seed={preset.seed}"
-    return "the Loader's run seed" if preset.run is not None else "0 (no Loader)"
+    return "the Loader's run seed" if preset.run is not None else "0 (no Loader bound)"
 
 
 def describe(preset: Any) -> dict[str, Any]:
