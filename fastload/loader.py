@@ -91,7 +91,14 @@ from fastload.pipeline.order import STATE_VERSION, RankedOrder, batches_from, ch
 from fastload.pipeline.pinned import PinStage
 from fastload.pipeline.progress import EpochProgress
 from fastload.pipeline.sources import WorkerSet
-from fastload.run import COMPONENT_ROLES, EpochRelay, RunContext, bind_components, collect_component_stats
+from fastload.run import (
+    COMPONENT_ROLES,
+    EpochRelay,
+    RunContext,
+    bind_components,
+    collect_component_descriptions,
+    collect_component_stats,
+)
 from fastload.sampling import SamplerOrder, SeededOrder
 from fastload.stats import LoaderStats
 from fastload.validate import validate_loader_args
@@ -442,12 +449,18 @@ class Loader(Generic[T_co]):
         `device` and `prefetch` (H2D on a side stream, copies in flight), `order`
         ("seeded shuffle", "seeded sequential", "sampler"), `direct_path` (a batch is the
         dataset's takes wrapped as tensors), `epoch_plan`, `order_ahead` (as the next epoch
-        decides it), `cores`, `cuda`, and `autotune`: False, or the probe's choice and every
-        decision with the batch rates behind it."""
+        decides it), `cores`, `cuda`, `autotune`: False, or the probe's choice and every
+        decision with the batch rates behind it, and `components`: `{role: settings}` of each
+        component with `component_describe()` (`fastload.run`; e.g. an image preset's size, kind,
+        backend, threads and decode modes)."""
+        components = collect_component_descriptions({role: getattr(self, role) for role in COMPONENT_ROLES})
         if self._iterable:
-            return {"worker_kind": "torch", "num_workers": self.num_workers, "order": "iterable dataset"}
-        return describe_settings(self.config, direct=self._fetcher.direct_path(), order=order_kind(self._order),
+            return {"worker_kind": "torch", "num_workers": self.num_workers, "order": "iterable dataset",
+                    "components": components}
+        info = describe_settings(self.config, direct=self._fetcher.direct_path(), order=order_kind(self._order),
                                  autotune=self._probe.report() if self._probe is not None else self.config.autotune)
+        info["components"] = components
+        return info
 
     def stats(self) -> dict[str, Any]:
         """Loader statistics since construction / `reset_stats()`.

@@ -13,6 +13,8 @@ the base seed of its run. It hands them over through one protocol:
   worker's copy before the first batch of a new run context. It is called again only when a fact
   changed. `bind_run` must be cheap and only record the facts (thread workers may still finish a
   batch of an abandoned epoch meanwhile).
+* `SettingsReporter`: a component with `component_describe()`; `Loader.describe()["components"]`
+  holds each one's settings under its role, as `stats()` holds the counters below.
 * `StatsReporter`: a component with `component_stats()`; `Loader.stats()["components"]` holds
   each one's mapping under its role (`"sampler"`, `"batch_sampler"`, `"transform"`,
   `"collate_fn"`, `"dataset"`), read from the objects in the Loader's process.
@@ -61,9 +63,11 @@ __all__ = [
     "EpochRelay",
     "RunAware",
     "RunContext",
+    "SettingsReporter",
     "StatsReporter",
     "batch_context",
     "bind_components",
+    "collect_component_descriptions",
     "collect_component_stats",
     "current_batch",
     "unknown_batch",
@@ -97,6 +101,14 @@ class StatsReporter(Protocol):
 
     def component_stats(self) -> Mapping[str, Any]:
         """The component's counters (plain values)."""
+
+
+@runtime_checkable
+class SettingsReporter(Protocol):
+    """A component whose settings `Loader.describe()["components"][role]` shows."""
+
+    def component_describe(self) -> Mapping[str, Any]:
+        """The component's configuration (plain values)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,14 +182,25 @@ def bind_components(components: Iterable[Any], run: RunContext) -> None:
 def collect_component_stats(components: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """`{role: dict(obj.component_stats())}` for each `StatsReporter` of `components` ({role: object}),
     each object under its first role only."""
-    out: dict[str, dict[str, Any]] = {}
+    return {role: dict(obj.component_stats()) for role, obj in _first_roles(components, StatsReporter)}
+
+
+def collect_component_descriptions(components: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """`{role: dict(obj.component_describe())}` for each `SettingsReporter` of `components`
+    ({role: object}), each object under its first role only."""
+    return {role: dict(obj.component_describe()) for role, obj in _first_roles(components, SettingsReporter)}
+
+
+def _first_roles(components: Mapping[str, Any], kind: type) -> list[tuple[str, Any]]:
+    """(role, object) for each object of `components` that is a `kind`, under its first role only."""
+    out: list[tuple[str, Any]] = []
     seen: set[int] = set()
     for role, obj in components.items():
         if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, StatsReporter):
-            out[role] = dict(obj.component_stats())
+        if isinstance(obj, kind):
+            out.append((role, obj))
     return out
 
 

@@ -218,3 +218,121 @@ def test_datasets_that_fit_in_memory_are_mapped_in_huge_page_units(tmp_path, mon
     total, advised = _huge_advised_maps(tmp_path / "ds")
     assert ds.num_shards > 2 and total >= 2 * ds.num_shards  # each shard, and its parts of spliced columns
     assert advised == (total if fits else 0)
+
+
+# -- mixed records: fixed rows, resident labels and variable fields, all read over every shard ----
+
+MIXED = Schema(
+    (
+        Field("record", "ndarray", np.dtype(np.uint8), (3, 20, 20)),  # a spliced fixed column (not resident)
+        Field("label", "scalar", np.dtype(np.int64)),  # resident
+        Field("jpeg", "bytes"),
+        Field("tokens", "varray", np.dtype(np.int32)),
+        Field("caption", "string"),
+    )
+)
+
+
+def _mixed_samples(n: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "record": rng.integers(0, 256, (3, 20, 20), dtype=np.uint8),
+            "label": int(rng.integers(-(2**40), 2**40)),
+            "jpeg": rng.bytes(int(rng.integers(0, 3000))),
+            "tokens": rng.integers(-(2**31), 2**31, int(rng.integers(0, 400)), dtype=np.int32),
+            "caption": "é" * int(rng.integers(0, 6)) + str(i),
+        }
+        for i in range(n)
+    ]
+
+
+def _as_bytes(batch: dict, i: int) -> dict:
+    out = {}
+    for name, col in batch.items():
+        item = col[i] if not hasattr(col, "offsets") else col.to_list()[i]
+        out[name] = item if isinstance(item, (bytes, str)) else np.asarray(item).tobytes()
+    return out
+
+
+def _sample_bytes(sample: dict) -> dict:
+    return {k: v if isinstance(v, (bytes, str)) else np.asarray(v).tobytes() for k, v in sample.items()}
+
+
+@pytest.fixture(scope="module")
+def mixed_dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixed") / "ds"
+    samples = _mixed_samples(600, 5)  # shards of several 64 KiB blocks per field
+    write(samples, str(path), schema=MIXED, shard_size=600 << 10, progress=False, workers=1)
+    return path, samples
+
+
+@pytest.mark.parametrize("c_extension", [True, False])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), size=st.integers(0, 90))
+def test_mixed_batches_are_byte_for_byte_the_samples(mixed_dataset, monkeypatch, c_extension, seed, size):
+    """Shuffled batches (negative indices too) of a dataset of mixed records, read from the spliced
+    columns, with and without the `_ranges` extension."""
+    from fastload.formats import ragged as ragged_mod
+
+    if not c_extension:
+        monkeypatch.setattr(ragged_mod, "_c_gather", None)
+    path, samples = mixed_dataset
+    ds = FastloadDataset(path)
+    assert ds.num_shards >= 3
+    ds.get_batch([0])  # maps and splices every field
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(-len(samples), len(samples), size)
+    batch = ds.get_batch(idx)
+    assert list(batch) == [f.name for f in MIXED]
+    assert batch["record"].shape == (size, 3, 20, 20) and batch["label"].shape == (size,)
+    for pos, i in enumerate(idx.tolist()):
+        assert _as_bytes(batch, pos) == _sample_bytes(samples[i])
+    ds.close()
+
+
+@pytest.mark.parametrize("field", ["record", "jpeg", "tokens"])
+def test_mixed_batch_never_copies_an_unverified_byte(mixed_dataset, tmp_path, field):
+    """A flipped byte in one shard's column of `field`: once the columns are spliced, a batch
+    touching that block raises ChecksumError naming the file, shard and field's sample; batches
+    elsewhere still read correct bytes."""
+    import shutil
+
+    from fastload.formats import ChecksumError
+
+    src, samples = mixed_dataset
+    path = tmp_path / "ds"
+    shutil.copytree(src, path)
+    ds = FastloadDataset(path)
+    shard = ds.shard(2)
+    first, stop = (int(b) for b in ds.shard_boundaries[2:4])
+
+    def nbytes(i: int) -> int:
+        return np.asarray(samples[i][field]).nbytes if field != "jpeg" else len(samples[i][field])
+
+    start = shard.fixed_offset[field] if field == "record" else shard.blob_offset[field]
+    places = start + np.concatenate([[0], np.cumsum([nbytes(i) for i in range(first, stop)])])
+    block = 1 << 16
+    # a sample whose first byte lies in a block of this field's bytes only (not one verified on open)
+    sample, where = next(
+        (first + k, int(p)) for k, p in enumerate(places[:-1])
+        if nbytes(first + k) and p // block * block >= start and (p // block + 1) * block <= places[-1]
+    )
+    file = os.path.join(path, ds.manifest.shards[2].file)
+    ds.close()
+    with open(file, "r+b") as fh:
+        fh.seek(where)
+        old = fh.read(1)
+        fh.seek(where)
+        fh.write(bytes([old[0] ^ 0x40]))
+    ds = FastloadDataset(path)
+    clean = np.arange(0, int(ds.shard_boundaries[1]))  # shard 0 only
+    batch = ds.get_batch(clean[:5])
+    batch = ds.get_batch(clean[::-1])  # through the spliced columns, now in place
+    for pos, i in enumerate(clean[::-1].tolist()):
+        assert _as_bytes(batch, pos) == _sample_bytes(samples[i])
+    with pytest.raises(ChecksumError, match=rf"{ds.manifest.shards[2].file}.*shard 2"):
+        ds.get_batch(np.array([0, sample, 1]))
+    with pytest.raises(ChecksumError):
+        ds.get_batch(np.array([sample]))  # still refused: a failed block is never taken as verified
+    ds.close()

@@ -580,6 +580,30 @@ def test_loader_order_resume_and_stats(image_dataset) -> None:
     assert ref.stats()["components"]["transform"]["vision_threads"] == 1  # the Loader's 2 workers: the parallelism
 
 
+def test_loader_describe_shows_the_preset(image_dataset) -> None:
+    """`loader.describe()["components"]` holds the preset's settings, as `transform=` or as a
+    views `collate_fn=`, with the Loader's run bound (threads, seed rule)."""
+    Loader = pytest.importorskip("fastload.loader").Loader
+    from fastload.vision import with_indices
+
+    preset = train_preset(size=32, backend="cpu")
+    loader = Loader(with_indices(image_dataset), batch_size=5, transform=preset, num_workers=2)
+    next(iter(loader))
+    desc = loader.describe()["components"]["transform"]
+    assert desc == preset.describe()
+    assert (desc["stage"], desc["kind"], desc["size"], desc["backend"]) == ("ImagePreset", "train", (32, 32), "cpu")
+    assert desc["threads"] == 1 and "num_workers=2" in desc["threads_rule"]
+    assert desc["seed"] == "the Loader's run seed"
+    assert desc["crop"] == {"scale": (0.08, 1.0), "ratio": (3 / 4, 4 / 3), "flip_p": 0.5}
+    assert (desc["restart_path"] is not None) == (decode_windows is not None)
+    as_collate = eval_preset(size=32, backend="cpu", resize=None, seed=4)
+    loader = Loader(with_indices(image_dataset), batch_size=5, collate_fn=as_collate)
+    desc = loader.describe()["components"]["collate_fn"]
+    assert (desc["kind"], desc["resize"], desc["seed"]) == ("eval", None, "seed=4")
+    assert desc["crop"] == {"crop_fraction": None, "flip_p": 0.0}
+    assert "transform" not in loader.describe()["components"]
+
+
 # -- window decode (the _jpegwin extension) ----------------------------------------------------
 
 needs_window_decoder = pytest.mark.skipif(

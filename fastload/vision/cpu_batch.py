@@ -6,8 +6,8 @@ thread (the calling thread takes the first). Per chunk, one call of the window d
 (`cpu_decode.decode_windows`, GIL released) decodes every JPEG's crop window (DCT-downscaled
 when asked; from the window's restart interval where the JPEG has a restart index), mirrored in
 the decoder when flipped, straight from the values buffer: into the uint8 batch buffer when the
-window is the output size (crop only), otherwise into one chunk scratch buffer that torch's
-antialiased resize then reads (a second call, when a chunk has both). The normalising lookup
+window is the output size (crop only), otherwise into the thread's scratch block (reused batch
+after batch) that torch's antialiased resize then reads (a second call, when a chunk has both). The normalising lookup
 table then writes the chunk's output in one call. Python runs per chunk, except one resize call
 per resized image and the fallbacks: non-JPEG images (Pillow), CMYK/YCCK JPEGs and builds
 without the extension decode whole images (`decode_rgb`) and are cropped after, with the same
@@ -17,6 +17,7 @@ warning as an error), which then fails unless simplejpeg or Pillow decode it.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -96,6 +97,13 @@ def _mode(num: int, *, whole: bool = False, restart: bool = False) -> str:
     return MODES[num] + RESTART if restart else MODES[num]
 
 
+def _count_modes(nums: np.ndarray, started: np.ndarray) -> dict[str, int]:
+    """Images per decode mode of windows decoded at `nums`/8, `started` (1) from their restart
+    interval: counted per (num, started) pair, not per image."""
+    pairs, counts = np.unique(nums.astype(np.int64) * 2 + (started != 0), return_counts=True)
+    return {_mode(int(p) // 2, restart=bool(p % 2)): int(c) for p, c in zip(pairs.tolist(), counts.tolist())}
+
+
 def _chunk(job: BatchJob, lo: int, hi: int, plan: tuple[np.ndarray, ...], failed: dict[int, str]) -> Counter[str]:
     """Decode images lo..hi-1 of `job`; returns how many took each decode mode."""
     todo, nums, scaled, resized, started = plan
@@ -111,7 +119,7 @@ def _chunk(job: BatchJob, lo: int, hi: int, plan: tuple[np.ndarray, ...], failed
         whole += _decode_direct(job, direct, nums, scaled, started)
         whole += _decode_resized(job, scaled_out, nums, scaled, started)
         done = np.setdiff1d(windowed, whole)
-        modes.update(_mode(int(nums[i]), restart=bool(started[i])) for i in done.tolist())
+        modes.update(_count_modes(nums[done], started[done]))
     for i in sorted(whole):
         try:
             img, window = _decode_whole(job, i, int(nums[i]), scaled[i])
@@ -168,7 +176,7 @@ def _decode_resized(
         return []
     need = scaled[sel, 2] * scaled[sel, 3] * 3
     at = np.concatenate([[0], np.cumsum(need)])
-    scratch = np.empty(int(at[-1]), dtype=np.uint8)
+    scratch = _scratch(int(at[-1]))
     params = _params(job, sel, nums, scaled, at[:-1])
     left = {int(sel[row]) for row, _, _ in _decode_windows(job, sel, params, scratch, started)}
     for k, i in enumerate(sel.tolist()):
@@ -176,6 +184,23 @@ def _decode_resized(
             h, w = int(scaled[i, 2]), int(scaled[i, 3])
             _resize(scratch[at[k] : at[k + 1]].reshape(h, w, 3), job.images[i])
     return sorted(left)
+
+
+# The window pixels a thread decodes before resizing them live in one block per thread, reused
+# batch after batch (a fresh block costs a page fault per 4 KiB): up to this many bytes are kept.
+SCRATCH_KEEP = 64 << 20
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """`nbytes` of this thread's scratch block (contents undefined; only this thread uses it, and
+    only until its chunk's resizes are done)."""
+    if nbytes > SCRATCH_KEEP:
+        return np.empty(nbytes, dtype=np.uint8)
+    block = getattr(_SCRATCH, "block", None)
+    if block is None or block.size < nbytes:
+        block = _SCRATCH.block = np.empty(min(SCRATCH_KEEP, max(nbytes, nbytes + nbytes // 4)), dtype=np.uint8)
+    return block[:nbytes]
 
 
 def _decode_whole(job: BatchJob, i: int, num: int, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

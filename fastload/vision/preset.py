@@ -377,9 +377,12 @@ class ImagePreset:
         return normalize_on_device(x, mean=self.mean, std=self.std, layout=layout, dtype=dtype)
 
     def describe(self) -> dict[str, Any]:
-        """The image stage's configuration, for `loader.describe()`: what runs, where, with how
-        many threads, and which decode modes (window / DCT scale) it picks."""
+        """The image stage's configuration, shown by `loader.describe()["components"]`: what
+        runs, where, with how many threads, the crop settings, which decode modes (window / DCT
+        scale) it picks and whether windows start at their restart interval."""
         return preset_report.describe(self)
+
+    component_describe = describe  # `fastload.run.SettingsReporter`
 
     def stats(self) -> dict[str, Any]:
         """Counters for `loader.stats()` (this process's: with process workers they stay in the

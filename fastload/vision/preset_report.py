@@ -82,17 +82,45 @@ def _decode_modes(preset: Any) -> list[str]:
     return [win]
 
 
+def _restart_path(preset: Any) -> str | None:
+    """How the window decoder uses a JPEG's restart index; None where no window decoder runs."""
+    if preset.backend != "cpu" or cpu_decode.decode_windows is None:
+        return None
+    return (
+        "a JPEG with a restart index (fastload convert's default) is decoded from the restart interval "
+        "holding its window's first row; one without, from its first row"
+    )
+
+
+def _crop(preset: Any) -> dict[str, Any]:
+    """The crop / flip parameters of the preset's kind."""
+    if preset.kind == "train":
+        return {"scale": tuple(preset.scale), "ratio": tuple(preset.ratio), "flip_p": preset.flip_p}
+    return {"crop_fraction": preset.crop_fraction if preset.resize is not None else None, "flip_p": preset.flip_p}
+
+
+def _seed_rule(preset: Any) -> str:
+    if preset.seed is not None:
+        return f"seed={preset.seed}"
+    return "the Loader's run seed" if preset.run is not None else "0 (no Loader bound)"
+
+
 def describe(preset: Any) -> dict[str, Any]:
-    """The preset's configuration: what runs, where, with how many threads, which decode modes."""
+    """The preset's configuration: what runs, where, with how many threads, the crop settings,
+    which decode modes, and the restart path (`_restart_path`)."""
     return {
         "stage": "ImagePreset",
         "kind": preset.kind,
         "size": preset.out_hw,
         "resize": preset.resize,
+        "crop": _crop(preset),
+        "seed": _seed_rule(preset),
         "backend": preset.backend,
         "decoder": _decoder(preset.backend),
         "decode_modes": _decode_modes(preset),
         "dct_downscale": preset.dct_downscale,
+        "restart_path": _restart_path(preset),
+        "on_error": preset.on_error,
         "threads": preset.threads,
         "threads_rule": threads_rule(preset),
         "output": {
