@@ -90,8 +90,6 @@ def _resume_command(argv: Sequence[str]) -> str:
 
 
 def _convert_ray(args: argparse.Namespace) -> int:
-    if args.decode is not None:
-        raise ValueError("--decode runs on the local engine only (drop --engine ray)")
     try:
         from fastload.formats.ray_io import convert_ray
     except ImportError as exc:
@@ -103,7 +101,7 @@ def _convert_ray(args: argparse.Namespace) -> int:
         args.src, args.out, kind="fastload" if args.upgrade else args.kind, address=args.address,
         shard_size=args.shard_size, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
         concurrency=args.workers, on_error=args.on_error, decode_check=not args.no_decode_check, labels=args.labels,
-        fields=_field_list(args.fields),
+        fields=_field_list(args.fields), decode=args.decode,
         jpeg_restart=args.jpeg_restart,
     )
     if result.skipped:

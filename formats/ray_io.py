@@ -517,6 +517,7 @@ def convert_ray(
     decode_check: bool = True,
     labels: str | None = None,
     fields: list[str] | None = None,
+    decode: str | None = None,
     jpeg_restart: bool = True,
     **kwargs: Any,
 ) -> RayWriteResult:
@@ -525,14 +526,16 @@ def convert_ray(
     `on_error="skip"` leaves out the inputs that fail to read and lists them in
     `OUT/skipped-inputs.jsonl`, as `fastload convert --on-error=skip`; `decode_check=False` does not
     decode every image fully (`--no-decode-check`); `labels`: an image folder's labels file
-    (`--labels`); `fields`: the fields to keep (`--fields`: WebDataset, TFRecord, MDS);
+    (`--labels`); `fields`: the fields to keep (`--fields`: WebDataset, TFRecord, MDS); `decode`: an
+    ArrayRecord source's ``MODULE:FUNC`` plug-in (`--decode`), imported in each Ray task, so MODULE
+    must be importable on every node (installed, or on the workers' PYTHONPATH);
     `jpeg_restart=False` stores an image folder's JPEGs as they are (`--no-jpeg-restart`). WebDataset
     shards at a URL are read by the tasks as the local converter reads them. Other keywords go to
     `write_ray`.
     """
     started = _connect(address)
     try:
-        if kind is None and labels is None and fields is None and _ray_readable(src):
+        if kind is None and labels is None and fields is None and decode is None and _ray_readable(src):
             if on_error != "stop":
                 raise ValueError(f"--on-error=skip applies to per-input sources, not {src} (read by Ray Data)")
             lower = src.lower().rstrip("/")
@@ -543,7 +546,7 @@ def convert_ray(
             kwargs.setdefault("attrs", {"source": "ray"})
             return write_ray(ds, out, storage_options=storage_options, **kwargs)
         source = PathSource(src, kind, decode_check=decode_check, on_error=on_error, labels=labels, fields=fields,
-                            jpeg_restart=jpeg_restart)
+                            decode=decode, jpeg_restart=jpeg_restart)
         return write_ray(source, out, storage_options=storage_options, **kwargs)
     finally:
         if started:

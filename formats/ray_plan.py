@@ -39,7 +39,8 @@ class PathSource:
     path (perhaps changed since) opens it afresh. `on_error="skip"` leaves out the inputs that fail
     to read, as `--on-error=skip` does locally (per-input sources only); `labels` is an image
     folder's labels file (`--labels`), read again by each worker as the local converter reads it;
-    `fields` the fields to keep (`--fields`: WebDataset, TFRecord, MDS).
+    `fields` the fields to keep (`--fields`: WebDataset, TFRecord, MDS); `decode` an ArrayRecord
+    source's ``MODULE:FUNC`` plug-in (`--decode`), resolved in each worker that opens the source.
     `jpeg_restart`: an image folder's JPEGs get restart markers (`--jpeg-restart`, the default).
     """
 
@@ -47,12 +48,13 @@ class PathSource:
 
     def __init__(
         self, src: str, kind: str | None, *, decode_check: bool = True, on_error: str = "stop",
-        labels: str | None = None, fields: list[str] | None = None, jpeg_restart: bool = True,
+        labels: str | None = None, fields: list[str] | None = None, decode: str | None = None,
+        jpeg_restart: bool = True,
     ) -> None:
         if on_error not in ("stop", "skip"):
             raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
         self.src, self.kind, self.decode_check, self.labels = src, kind, decode_check, labels
-        self.fields = fields
+        self.fields, self.decode = fields, decode
         self.jpeg_restart = jpeg_restart
         self.token = uuid.uuid4().hex
         source, schema, attrs = self._open()
@@ -86,7 +88,7 @@ class PathSource:
         from .sources import open_source
 
         return open_source(self.src, self.kind, decode_check=self.decode_check, labels=self.labels,
-                           fields=self.fields, jpeg_restart=self.jpeg_restart)
+                           decode=self.decode, fields=self.fields, jpeg_restart=self.jpeg_restart)
 
     def sample(self, i: int) -> dict[str, Any]:
         """Sample `i` as a dict (per-input sources)."""
