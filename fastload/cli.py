@@ -43,11 +43,11 @@ def _convert(args: argparse.Namespace) -> int:
     )
     skipping = None
     if args.on_error == "skip":
-        from fastload.formats.sources import SkipBadInputs
+        from fastload.formats.sources import SkipBadInputs, skip_refusal
         from fastload.formats.writer import BlockSource
 
         if isinstance(source, BlockSource):
-            raise SystemExit(f"fastload convert: --on-error=skip applies to per-input sources, not {args.src}")
+            raise SystemExit(f"fastload convert: {skip_refusal(args.src, attrs)}")
         source = skipping = SkipBadInputs(source)
     manifest = write(
         source,

@@ -61,7 +61,9 @@ class PathSource:
         if schema is None:  # pragma: no cover - every source kind names its schema
             raise SchemaError(f"{src}: the source has no schema")
         if on_error == "skip" and isinstance(source, BlockSource):
-            raise ValueError(f"--on-error=skip applies to per-input sources, not {src}")
+            from .sources import skip_refusal
+
+            raise ValueError(skip_refusal(src, dict(attrs)))
         self.skipping = on_error == "skip"
         self.schema, self.attrs = schema, dict(attrs)
         self.num_samples = _length(source)

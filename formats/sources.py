@@ -35,6 +35,7 @@ __all__ = [
     "decode_images",
     "detect_kind",
     "open_source",
+    "skip_refusal",
 ]
 
 SOURCE_KINDS = (
@@ -269,6 +270,15 @@ def _fastload_source(src: str) -> BlockSource:
     return BlockSource(
         schema=ds.schema, num_samples=len(ds), blocks=blocks, attrs=ds.attrs, describe=lambda i: ds.root
     )
+
+
+def skip_refusal(src: str, attrs: dict[str, Any]) -> str:
+    """Why `--on-error=skip` is refused for `src`, a columnar source (`attrs`: what `open_source` returns)."""
+    if attrs.get("source") == "lance":
+        return (f"--on-error=skip cannot apply to the Lance dataset {src}: pylance reads it in blocks of rows "
+                "and its read errors name a data file or page, not a row, so no single bad row can be told "
+                "apart and left out; convert without --on-error=skip (a read error stops the conversion)")
+    return f"--on-error=skip applies to per-input sources, not {src}"
 
 
 def open_source(

@@ -231,6 +231,10 @@ def test_convert_lance_is_deterministic_and_resumable(lance_dir, tmp_path):
     Path(victim).write_bytes(good)
     assert main(["convert", str(lance_dir), str(tmp_path / "cut"), "--resume", *args]) == 0
     assert _files(tmp_path / "cut") == _files(tmp_path / "one")
+    # --on-error=skip: refused up front, saying why, before anything is written
+    with pytest.raises(SystemExit, match=r"cannot apply to the Lance dataset .*name a data file or page, not a row"):
+        main(["convert", str(lance_dir), str(tmp_path / "skip"), "--on-error", "skip", *args])
+    assert not (tmp_path / "skip").exists()
 
 
 def test_convert_parquet_without_datasets_goes_through_pyarrow(parquet_dir, tmp_path, monkeypatch):

@@ -87,6 +87,9 @@ def test_lance_on_ray_same_bytes_as_local(tmp_path, capsys):
     lance.write_dataset(_table(), str(tmp_path / "data.lance"), max_rows_per_file=70)
     assert _local_and_ray(capsys, tmp_path, tmp_path / "data.lance", "--shard-size", "8KiB") >= 3
     assert FastloadDataset(tmp_path / "ray").get_batch(np.arange(300))["id"].tolist() == list(range(300))
+    code, _, err = _convert(capsys, tmp_path / "data.lance", tmp_path / "skip", "--on-error=skip",
+                            ray_address=_convert.address)
+    assert code == 2 and "cannot apply to the Lance dataset" in err and "not a row" in err
 
 
 def test_litdata_on_ray_same_bytes_and_skip_report_as_local(tmp_path, capsys):
