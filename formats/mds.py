@@ -19,7 +19,8 @@ Column encodings -> fields (``/`` in a column name becomes ``.``):
   first samples (fixed ``ndarray``, ``varray`` or ``vndarray``)
 * ``json`` -> `JsonFields` (objects spread into ``COLUMN.KEY`` fields)
 * refused by name: ``pkl`` (pickle: fastload never unpickles), ``list[pil]``, ``list[jpeg]``,
-  ``list[png]``, ``jpeg_array`` (a list of images per sample has no field kind); leave them out
+  ``list[png]``, ``jpeg_array`` (a variable list of images per sample: no field kind holds a list of
+  byte strings); leave them out
   with `fields`
 """
 
@@ -48,13 +49,15 @@ __all__ = ["REFUSED_ENCODINGS", "MDSDataset", "is_mds_index"]
 _SCALARS = {n: np.dtype(n) for n in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                                       "float16", "float32", "float64")}
 _SCALARS["int"] = np.dtype(np.int64)
+_IMAGE_LIST = ("a variable-length list of images per sample: every fastload field holds one byte string or one "
+               "array per sample (an `image` field one image), none a list of byte strings")
 REFUSED_ENCODINGS = {
     "pkl": "pickle: fastload never unpickles dataset files",
-    "list[pil]": "a list of images per sample has no field kind",
-    "list[jpeg]": "a list of images per sample has no field kind",
-    "list[png]": "a list of images per sample has no field kind",
-    "jpeg_array": "a list of images per sample has no field kind",
-    "jpegarray": "a list of images per sample has no field kind",
+    "list[pil]": _IMAGE_LIST,
+    "list[jpeg]": _IMAGE_LIST,
+    "list[png]": _IMAGE_LIST,
+    "jpeg_array": _IMAGE_LIST,
+    "jpegarray": _IMAGE_LIST,
 }
 # streaming's NDArray codes: value dtypes and shape dtypes
 _ND_VALUES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32",
