@@ -60,14 +60,51 @@ class FileRanges:
             return fsspec.open(path, "rb", **self.storage_options).open()
         return open(path, "rb")
 
+    def _fs(self, url: str) -> tuple[Any, str]:
+        import fsspec
+
+        return fsspec.core.url_to_fs(url, **self.storage_options)  # type: ignore[no-any-return]
+
     def size(self, path: str) -> int:
         """The size of `path` in bytes."""
         if is_url(path):
-            import fsspec
-
-            fs, inner = fsspec.core.url_to_fs(path, **self.storage_options)
+            fs, inner = self._fs(path)
             return int(fs.size(inner))
         return os.path.getsize(path)
+
+    def isfile(self, path: str) -> bool:
+        """Whether `path` is a file."""
+        if is_url(path):
+            fs, inner = self._fs(path)
+            return bool(fs.isfile(inner))
+        return os.path.isfile(path)
+
+    def isdir(self, path: str) -> bool:
+        """Whether `path` is a directory (for an object store: a prefix with objects under it)."""
+        if is_url(path):
+            fs, inner = self._fs(path)
+            return bool(fs.isdir(inner))
+        return os.path.isdir(path)
+
+    def files(self, folder: str) -> list[str]:
+        """The names of the files directly in `folder` (not hidden ones), sorted."""
+        if is_url(folder):
+            fs, inner = self._fs(folder)
+            entries = fs.ls(inner, detail=True)
+            names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file"]
+        else:
+            names = [e for e in os.listdir(folder) if os.path.isfile(os.path.join(folder, e))]
+        return sorted(n for n in names if not n.startswith("."))
+
+    @staticmethod
+    def join(folder: str, name: str) -> str:
+        """`name` inside `folder` (a local path or a URL)."""
+        return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(folder, name)
+
+    def read_all(self, path: str) -> bytes:
+        """The whole of `path`."""
+        with self.open(path) as fh:
+            return fh.read()  # type: ignore[no-any-return]
 
     def _handles(self) -> OrderedDict[str, Any]:
         local = self._local

@@ -1,6 +1,7 @@
 """MosaicML Streaming MDS datasets as a source, read without the streaming library.
 
-`SRC` is a directory with streaming's ``index.json`` and its ``.mds`` shards (``format: mds``; its
+`SRC` is a directory (local or an fsspec URL, read through `foreign.FileRanges`) with streaming's
+``index.json`` and its ``.mds`` shards (``format: mds``; its
 JSON/CSV/TSV shard formats are refused). A shard is ``uint32 n, uint32 offsets[n + 1], config
 JSON, samples``; a sample holds a ``uint32`` size per variable-size column, then every column's
 bytes in column order. Shards compressed by the writer are decompressed whole, once per process:
@@ -164,18 +165,17 @@ class MDSDataset(ForeignSource):
 
     def __init__(self, src: str, *, fields: Sequence[str] | None = None, decode_check: bool = True) -> None:
         self.src, self.decode_check = src, decode_check
-        index_path = os.path.join(src, "index.json")
-        if not os.path.isfile(index_path):
+        self.ranges = FileRanges()
+        index_path = self.ranges.join(src, "index.json")
+        if not self.ranges.isfile(index_path):
             raise FormatError(f"{src}: no index.json (an MDS dataset directory holds index.json and its shards)")
-        if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
+        if self.ranges.size(index_path) > _MAX_INDEX_BYTES:
             raise FormatError(f"{index_path}: larger than {_MAX_INDEX_BYTES} bytes; not an MDS index")
         try:
-            with open(index_path, "rb") as fh:
-                index = json.load(fh)
+            index = json.loads(self.ranges.read_all(index_path))
         except (OSError, ValueError) as exc:
             raise FormatError(f"{index_path}: not valid JSON ({exc})") from exc
         self.shards, columns = self._read_index(index, index_path)
-        self.ranges = FileRanges()
         counts = np.array([s.samples for s in self.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
         if self._starts[-1] == 0:
@@ -212,9 +212,10 @@ class MDSDataset(ForeignSource):
                 ]
                 zipped = s.get("zip_data")
                 entry = _ShardEntry(
-                    raw=os.path.join(self.src, check_relative_path(raw["basename"], at)),
+                    raw=self.ranges.join(self.src, check_relative_path(raw["basename"], at)),
                     raw_hashes=dict(raw.get("hashes") or {}),
-                    zipped=os.path.join(self.src, check_relative_path(zipped["basename"], at)) if zipped else None,
+                    zipped=(self.ranges.join(self.src, check_relative_path(zipped["basename"], at))
+                            if zipped else None),
                     zip_hashes=dict((zipped or {}).get("hashes") or {}),
                     compression=s.get("compression"),
                     samples=samples,
@@ -237,7 +238,7 @@ class MDSDataset(ForeignSource):
         """The shard file and the sample's number in it."""
         k = int(np.searchsorted(self._starts, i, side="right")) - 1
         s = self.shards[k]
-        name = s.zipped if s.zipped is not None and not os.path.exists(s.raw) else s.raw
+        name = s.zipped if s.zipped is not None and not self.ranges.isfile(s.raw) else s.raw
         return f"{name}: sample {i - int(self._starts[k])}"
 
     # ------------------------------------------------------------ shard bytes
@@ -259,17 +260,15 @@ class MDSDataset(ForeignSource):
     def _load(self, k: int) -> tuple[np.ndarray, bytes | None]:
         s = self.shards[k]
         data: bytes | None = None
-        if os.path.exists(s.raw):
+        if self.ranges.isfile(s.raw):
             if s.raw_hashes:
-                with open(s.raw, "rb") as fh:
-                    _check_hashes(fh.read(), s.raw_hashes, s.raw)
-            size = os.path.getsize(s.raw)
+                _check_hashes(self.ranges.read_all(s.raw), s.raw_hashes, s.raw)
+            size = self.ranges.size(s.raw)
             head = self.ranges.read(s.raw, 0, 4)
             n = int(np.frombuffer(head, "<u4")[0])
             table = self.ranges.read(s.raw, 4, 4 * (n + 1)) if 4 * (n + 2) <= size else b""
-        elif s.zipped is not None and os.path.exists(s.zipped):
-            with open(s.zipped, "rb") as fh:
-                packed = fh.read()
+        elif s.zipped is not None and self.ranges.isfile(s.zipped):
+            packed = self.ranges.read_all(s.zipped)
             _check_hashes(packed, s.zip_hashes, s.zipped)
             data = _decompress(s.compression, packed, s.zipped)
             _check_hashes(data, s.raw_hashes, s.zipped + " (decompressed)")

@@ -1,7 +1,8 @@
 """TFRecord files of `tf.train.Example` records as a source, read without TensorFlow.
 
 `SRC` is a TFRecord file or a directory of them (``.tfrecord``, ``.tfrecords``, ``.tfrec``; name
-order; with ``--kind tfrecord`` every non-hidden file of the directory). A record is framed as
+order; with ``--kind tfrecord`` every non-hidden file of the directory), local or an fsspec URL
+(read through `foreign.FileRanges`). A record is framed as
 ``uint64 length, uint32 masked crc32c(length), data, uint32 masked crc32c(data)``; both CRCs are
 checked (the length's when the file is indexed, the data's when the record is read) with the
 ``crc32c`` package (``fastload[migrate]``). Each record is parsed as a `tf.train.Example` by a small
@@ -18,7 +19,6 @@ name (leave it out with `fields`). Compressed (GZIP/ZLIB) TFRecord files are ref
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -51,34 +51,35 @@ def masked_crc32c(data: bytes) -> int:
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
-def tfrecord_paths(src: str) -> list[str]:
-    """The TFRecord files `src` names, in name order: a file, or a directory's files with a TFRecord
-    extension (every non-hidden file when none has one)."""
-    if not os.path.isdir(src):
+def tfrecord_paths(src: str, ranges: FileRanges | None = None) -> list[str]:
+    """The TFRecord files `src` (a local path or an fsspec URL) names, in name order: a file, or a
+    directory's files with a TFRecord extension (every non-hidden file when none has one)."""
+    ranges = ranges or FileRanges()
+    if not ranges.isdir(src):
         paths = [src]
     else:
-        files = sorted(e for e in os.listdir(src) if not e.startswith(".") and os.path.isfile(os.path.join(src, e)))
+        files = ranges.files(src)
         named = [e for e in files if e.lower().endswith(TFRECORD_EXTENSIONS)]
-        paths = [os.path.join(src, e) for e in (named or files)]
+        paths = [ranges.join(src, e) for e in (named or files)]
     if not paths:
         raise FormatError(f"{src}: no TFRecord files ({', '.join(TFRECORD_EXTENSIONS)})")
     for p in paths:
-        if not os.path.isfile(p):
+        if not ranges.isfile(p):
             raise FileNotFoundError(f"source {p!r} does not exist")
-        with open(p, "rb") as fh:
+        with ranges.open(p) as fh:
             if fh.read(2) in (b"\x1f\x8b",):
                 raise FormatError(f"{p}: a GZIP-compressed TFRecord file; decompress it first (gunzip)")
     return paths
 
 
-def _index_file(path: str) -> tuple[np.ndarray, np.ndarray, str | None]:
+def _index_file(ranges: FileRanges, path: str) -> tuple[np.ndarray, np.ndarray, str | None]:
     """(data offsets, data lengths) of every record, and why the file cannot be read past the last one."""
     offsets: list[int] = []
     lengths: list[int] = []
-    size = os.path.getsize(path)
+    size = ranges.size(path)
     pos = 0
     problem = None
-    with open(path, "rb") as fh:
+    with ranges.open(path) as fh:
         while pos < size:
             head = fh.read(12)
             if len(head) < 12:
@@ -248,9 +249,9 @@ class TFRecords(ForeignSource):
 
     def __init__(self, src: str, *, fields: Sequence[str] | None = None, decode_check: bool = True) -> None:
         self.src, self.decode_check = src, decode_check
-        self.paths = tfrecord_paths(src)
         self.ranges = FileRanges()
-        parts = [_index_file(p) for p in self.paths]
+        self.paths = tfrecord_paths(src, self.ranges)
+        parts = [_index_file(self.ranges, p) for p in self.paths]
         # a file that cannot be framed past some record ends in one bad input naming it
         self._file = np.concatenate([np.full(len(o) + (e is not None), k, np.int32)
                                      for k, (o, _, e) in enumerate(parts)])

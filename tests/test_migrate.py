@@ -366,6 +366,44 @@ def test_tfrecord_corrupt_records_are_named(tmp_path, capsys):
     assert len(FastloadDataset(tmp_path / "out")) == 10 + 6
 
 
+def _in_memory(folder, name: str) -> str:
+    """The files of `folder` copied to fsspec's in-memory filesystem under /`name`; its ``memory://`` URL."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    if fs.exists(f"/{name}"):
+        fs.rm(f"/{name}", recursive=True)
+    for f in sorted(os.listdir(folder)):
+        fs.pipe(f"/{name}/{f}", (folder / f).read_bytes())
+    return f"memory://{name}"
+
+
+def test_tfrecord_from_fsspec_urls_as_from_local_files(tmp_path, capsys):
+    src = tmp_path / "tf"
+    _write_tfrecords(src, files=2, per_file=25)
+    assert _convert(src, tmp_path / "local") == 0
+    url = _in_memory(src, f"tf-{tmp_path.name}")
+    assert _convert(url, tmp_path / "mem", "--kind", "tfrecord", "--workers", "2") == 0
+    assert _convert(f"file://{src}", tmp_path / "file", "--kind", "tfrecord") == 0
+    assert _files(tmp_path / "local") == _files(tmp_path / "mem") == _files(tmp_path / "file")
+    assert _convert(f"{url}/train-00001.tfrecord", tmp_path / "one", "--kind", "tfrecord") == 0
+    assert len(FastloadDataset(tmp_path / "one")) == 25
+    # a corrupt record at a URL is named by the URL, and left out with --on-error=skip
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    data = bytearray(fs.cat(f"/{url[9:]}/train-00001.tfrecord"))
+    data[16 + int.from_bytes(data[:8], "little") + 40] ^= 0xFF  # record 1's data
+    fs.pipe(f"/{url[9:]}/train-00001.tfrecord", bytes(data))
+    capsys.readouterr()
+    assert _convert(url, tmp_path / "bad", "--kind", "tfrecord") == 2
+    assert f"{url}/train-00001.tfrecord: record 1: the data's CRC does not match" in capsys.readouterr().err
+    assert _convert(url, tmp_path / "skip", "--kind", "tfrecord", "--on-error", "skip") == 0
+    report = [json.loads(line) for line in (tmp_path / "skip" / "skipped-inputs.jsonl").read_text().splitlines()]
+    assert [r["input"] for r in report] == [f"{url}/train-00001.tfrecord: record 1"]
+    fs.rm(f"/{url[9:]}", recursive=True)
+
+
 # ---------------------------------------------------------------- MosaicML Streaming MDS
 
 
@@ -517,6 +555,28 @@ def test_mds_corrupt_shards_are_named(tmp_path, capsys):
     source, _, _ = open_source(str(tmp_path / "hashed"), fields=["i64"])
     with pytest.raises(FormatError, match=str(last)):
         source[len(source) - 1]
+
+
+@pytest.mark.parametrize("compression", [None, "gz"])
+def test_mds_from_fsspec_urls_as_from_a_local_directory(tmp_path, capsys, compression):
+    src = tmp_path / "mds"
+    _write_mds(src, n=40, compression=compression)
+    assert _convert(src, tmp_path / "local") == 0
+    url = _in_memory(src, f"mds-{tmp_path.name}")
+    assert _convert(url, tmp_path / "mem", "--kind", "mds", "--workers", "2") == 0
+    assert _convert(f"file://{src}", tmp_path / "file", "--kind", "mds") == 0
+    assert _files(tmp_path / "local") == _files(tmp_path / "mem") == _files(tmp_path / "file")
+    # a shard missing at the URL is named by its URL
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    index = json.loads(fs.cat(f"/{url[9:]}/index.json"))
+    entry = index["shards"][1]
+    fs.rm(f"/{url[9:]}/{(entry['zip_data'] or entry['raw_data'])['basename']}")
+    capsys.readouterr()
+    assert _convert(url, tmp_path / "bad", "--kind", "mds") == 2
+    assert f"{url}/{entry['raw_data']['basename']}: the shard file is missing" in capsys.readouterr().err
+    fs.rm(f"/{url[9:]}", recursive=True)
 
 
 def test_mds_resume_after_a_failure_gives_identical_output(tmp_path):
