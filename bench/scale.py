@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from bench.epoch_start import IndexDS
-from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
-from fastload.index_shuffle import IndexShuffle
 from fastload.loader import Loader
-from fastload.sampling import SeededOrder, rank_indices
+from fastload.order.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
+from fastload.order.index_shuffle import IndexShuffle
+from fastload.order.sampling import SeededOrder, rank_indices
 
 __all__ = ["main"]
 

@@ -110,7 +110,7 @@ def open_dataset(
             text, verify=verify, verify_checksums=verify_checksums, max_open_shards=max_open_shards or 64
         )
     _check_protocol(text)
-    from fastload.remote import RemoteStorage
+    from fastload.remote.storage import RemoteStorage
 
     # The remote storage sizes the number of pinned shards from the cache budget when not given.
     storage = RemoteStorage(

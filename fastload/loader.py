@@ -10,7 +10,7 @@ and — given the same sampler / generator / global RNG — the same batches in 
   `Ragged` with tensor `values`/`offsets`. A `collate_fn` that declares
   ``accepts_batch_views = True`` (`fastload.BatchViews`, `TextCollate`, `ImagePreset`) gets the
   batch's columns instead: fixed fields as tensors, variable ones as `Ragged` of tensors, one
-  gather per field and no per-sample Python object (`fastload.views`); `transform` then runs on
+  gather per field and no per-sample Python object (`fastload.fetch.views`); `transform` then runs on
   its output. `describe()["batch"]` says which. Datasets with `__getitems__` get one call per
   batch (as in torch) and a cheaper collate with `default_collate`'s output.
 * Workers: `num_workers=N` starts exactly N workers: threads on the fast path (GIL-releasing
@@ -26,10 +26,10 @@ and — given the same sampler / generator / global RNG — the same batches in 
   `describe()` shows every resolved setting (`fastload.pipeline.config` holds the rules).
 * `pin_memory=True` (with an accelerator) or `device='cuda[:N]'`: batches are packed into a
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
-  `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
+  `prefetch` batches ahead (see `fastload.transfer.side_stream`). `device='cpu'` is a no-op stage.
 * Order: `seed=` gives an epoch order that is a pure function of (seed, epoch, len(dataset));
   ranks get disjoint, equally long shares (padding by repetition unless `drop_last`), see
-  `fastload.sampling`. Rank and world size are resolved at the first `iter()` (`rank`/`world_size`,
+  `fastload.order.sampling`. Rank and world size are resolved at the first `iter()` (`rank`/`world_size`,
   else `torch.distributed` when initialized, else `RANK` and `WORLD_SIZE`; a partial environment
   raises), so a Loader built before the process group exists takes the rank the run has.
 * Epochs: once the last batch of an epoch was delivered, the next `iter()` starts the next epoch
@@ -76,22 +76,22 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from fastload.device import DeviceStage, resolve_device
 from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
 from fastload.loader_views import EpochBatchSampler, torch_collate
-from fastload.pinned import BufferRing
+from fastload.order.choice import STATE_VERSION, RankedOrder, batches_from, check_state, dealt_world, order_kind
+from fastload.order.sampling import SamplerOrder, SeededOrder
 from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
 from fastload.pipeline.config import describe_settings, order_ahead_rule
-from fastload.pipeline.device import DeviceQueue
 from fastload.pipeline.intake import TORCH_ARGS, build_stages
-from fastload.pipeline.order import STATE_VERSION, RankedOrder, batches_from, check_state, dealt_world, order_kind
-from fastload.pipeline.pinned import PinStage
 from fastload.pipeline.progress import EpochProgress
-from fastload.pipeline.sources import WorkerSet
 from fastload.run import COMPONENT_ROLES, EpochRelay, RunContext, bind_components, collect_component_stats
-from fastload.sampling import SamplerOrder, SeededOrder
 from fastload.stats import LoaderStats
+from fastload.transfer.device_queue import DeviceQueue
+from fastload.transfer.pin_stage import PinStage
+from fastload.transfer.ring import BufferRing
+from fastload.transfer.side_stream import DeviceStage, resolve_device
 from fastload.validate import validate_loader_args
+from fastload.workers.kept import WorkerSet
 
 __all__ = ["Loader"]
 
@@ -117,8 +117,8 @@ class Loader(Generic[T_co]):
     former name of `autotune`, same meaning), `epoch_plan`
     (a seeded order or torch's own samplers, over a local fastload dataset of fixed-size fields,
     fetched in this process: read the row lookups and small fields of a whole epoch at once as
-    its order is computed, see `fastload.plan`; default True; False: per batch, without the
-    plan's memory, at most `fastload.plan.PLAN_MAX_BYTES`).
+    its order is computed, see `fastload.fetch.plan`; default True; False: per batch, without the
+    plan's memory, at most `fastload.fetch.plan.PLAN_MAX_BYTES`).
     """
 
     # the drop-in attributes hold the user's objects as given (torch types them more narrowly)
@@ -214,12 +214,12 @@ class Loader(Generic[T_co]):
     # ---- rank, world size, order
     @property
     def rank(self) -> int:
-        """This process's rank (see `fastload.pipeline.order.RankedOrder`)."""
+        """This process's rank (see `fastload.order.choice.RankedOrder`)."""
         return self._orders.rank_world()[0]
 
     @property
     def world_size(self) -> int:
-        """The number of ranks (see `fastload.pipeline.order.RankedOrder`)."""
+        """The number of ranks (see `fastload.order.choice.RankedOrder`)."""
         return self._orders.rank_world()[1]
 
     @property
@@ -468,7 +468,7 @@ class Loader(Generic[T_co]):
         (`fastload.run.StatsReporter`; roles "sampler", "batch_sampler", "transform",
         "collate_fn", "dataset"; the objects in this process: with worker processes a
         transform's counters stay in the workers). The dataset's `storage.stats()` (a remote
-        dataset's `remote_*` transfer timings, see `fastload.transfer_stats`) is merged in
+        dataset's `remote_*` transfer timings, see `fastload.remote.transfer_stats`) is merged in
         without overriding these.
         """
         storage = getattr(self.dataset, "storage", None)

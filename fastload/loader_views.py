@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import BatchSampler, Sampler
 
-from fastload.collate import columns_to_torch
+from fastload.fetch.collate import columns_to_torch
 from fastload.formats.ragged import Ragged
 from fastload.formats.shapes import ShapedBatch
-from fastload.pipeline.order import RankedOrder
+from fastload.order.choice import RankedOrder
+from fastload.order.sampling import SeededOrder
 from fastload.pipeline.progress import EpochProgress
-from fastload.sampling import SeededOrder
 
 __all__ = ["EpochBatchSampler", "EpochSampler", "LoaderCollate", "columns_from_samples", "torch_collate"]
 
@@ -222,7 +222,7 @@ def _inferred_column(name: str, items: list[Any]) -> Any:
 def torch_collate(collate_fn: Callable[[Any], Any], fetcher: Any, dataset: Any) -> Callable[[Any], Any]:
     """`loader.collate_fn`: `collate_fn` (torch's resolved one) where the Loader's batch is exactly
     `collate_fn(samples)`, else a `LoaderCollate` giving the Loader's batch from samples. `fetcher`:
-    the Loader's `fastload.fetch.Fetcher` (its `mode`, `collate_fn`, `transform`, `scalar_fields`)."""
+    the Loader's `fastload.fetch.fetcher.Fetcher` (its `mode`, `collate_fn`, `transform`, `scalar_fields`)."""
     if fetcher.mode == "columns":
         return LoaderCollate(columns=True, collate=collate_fn, transform=fetcher.transform,
                              scalar_fields=fetcher.scalar_fields, schema=getattr(dataset, "schema", None))

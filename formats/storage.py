@@ -1,4 +1,4 @@
-"""Where a dataset's files come from. `LocalStorage` is a directory; remote storage lives in `fastload.remote`.
+"""Where a dataset's files come from. `LocalStorage` is a directory; remote storage lives in `fastload.remote.storage`.
 
 The reader asks a storage object for small files (manifest, meta) as bytes and for shards as
 local paths it can mmap; `acquire` pins a shard (a cache must not evict it) until `release`.

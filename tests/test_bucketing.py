@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
+from fastload.fetch.text_collate import TextCollate
 from fastload.formats.ragged import Ragged
-from fastload.text_collate import TextCollate
+from fastload.order.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
 
 
 def _pad_up(x: int, m: int) -> int:

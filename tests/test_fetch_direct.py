@@ -14,8 +14,8 @@ from probe_clock import use_step_clock
 from torch.utils.data import DataLoader
 
 from fastload import Loader
-from fastload.collate import columns_to_torch
-from fastload.fetch import Fetcher, torch_gather
+from fastload.fetch.collate import columns_to_torch
+from fastload.fetch.fetcher import Fetcher, torch_gather
 from fastload.formats import FastloadDataset, Field, Schema, write
 from fastload.formats import spliced as spliced_mod
 from fastload.formats.spliced import splice_available

@@ -1,4 +1,4 @@
-"""`fastload.index_shuffle` and the seeded order built on it: a bijection for every n, exactly
+"""`fastload.order.index_shuffle` and the seeded order built on it: a bijection for every n, exactly
 once per epoch over ranks and workers, exact and checked resume, and randomness measured
 against `np.random.permutation` with the same statistics and thresholds."""
 
@@ -9,9 +9,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fastload.index_shuffle import IndexShuffle, index_shuffle
 from fastload.loader import Loader
-from fastload.sampling import ORDER_VERSION, SeededOrder, epoch_permutation, rank_indices
+from fastload.order.index_shuffle import IndexShuffle, index_shuffle
+from fastload.order.sampling import ORDER_VERSION, SeededOrder, epoch_permutation, rank_indices
 
 pytestmark = pytest.mark.timeout(120)
 

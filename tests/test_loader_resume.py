@@ -14,7 +14,7 @@ from probe_clock import use_step_clock
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fastload.loader import Loader
-from fastload.sampling import epoch_permutation, rank_indices, resolve_rank_world
+from fastload.order.sampling import epoch_permutation, rank_indices, resolve_rank_world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -309,9 +309,9 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
 
 
 def test_orders_larger_than_the_ahead_budget_are_computed_at_epoch_start(monkeypatch):
-    import fastload.sampling
+    import fastload.order.sampling
 
-    monkeypatch.setattr(fastload.sampling, "AHEAD_MAX_BYTES", 8 * 102)  # DirectIdxDS() has 103 samples
+    monkeypatch.setattr(fastload.order.sampling, "AHEAD_MAX_BYTES", 8 * 102)  # DirectIdxDS() has 103 samples
     loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     assert run(loader) == _epoch_of(0) and loader._order._ahead.pending is None
     assert run(loader) == _epoch_of(1) and loader._order._ahead.pending is None
@@ -362,7 +362,7 @@ def test_unplanned_epochs_are_streamed_not_computed_ahead(ds, workers, worker_ty
 def test_ahead_computes_one_value_per_key_and_recomputes_in_the_caller_on_error():
     import threading
 
-    from fastload.ahead import Ahead
+    from fastload.order.ahead import Ahead
 
     calls, release = [], threading.Event()
 

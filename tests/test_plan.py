@@ -1,4 +1,4 @@
-"""The epoch plan of the direct path (`fastload.plan`): the small reads of a whole epoch done at
+"""The epoch plan of the direct path (`fastload.fetch.plan`): the small reads of a whole epoch done at
 once change how batches are read, never what they hold, what order they come in, or where a
 resume picks up."""
 
@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastload import Loader
-from fastload import plan as plan_mod
-from fastload.fetch import Fetcher
+from fastload.fetch import plan as plan_mod
+from fastload.fetch.fetcher import Fetcher
+from fastload.fetch.plan import EpochPlan
 from fastload.formats import FastloadDataset, Field, Schema, write
 from fastload.formats.spliced import splice_available
-from fastload.plan import EpochPlan
 
 pytestmark = pytest.mark.skipif(not splice_available(), reason="the direct path needs spliced columns (Linux)")
 
@@ -137,7 +137,7 @@ def test_a_batch_changed_in_place_changes_no_other_batch(dataset):
 
 def test_no_plan_above_the_byte_bound(dataset, monkeypatch, count_planned):
     monkeypatch.setattr(plan_mod, "PLAN_MAX_BYTES", 8)
-    monkeypatch.setattr("fastload.fetch.PLAN_MAX_BYTES", 8)
+    monkeypatch.setattr("fastload.fetch.fetcher.PLAN_MAX_BYTES", 8)
     kw = dict(batch_size=64, shuffle=True, seed=3)
     loader = Loader(dataset, **kw)
     got = _batches(loader, epochs=1)
@@ -308,7 +308,7 @@ def test_torch_order_resume_replays_into_a_plan(dataset, count_planned):
 
 def test_no_plan_when_its_batches_objects_alone_exceed_the_bound(dataset, monkeypatch):
     """batch_size=1: a planned batch per sample; their Python objects count against the bound."""
-    monkeypatch.setattr("fastload.fetch.PLAN_MAX_BYTES", 100 * plan_mod.BATCH_BYTES)
+    monkeypatch.setattr("fastload.fetch.fetcher.PLAN_MAX_BYTES", 100 * plan_mod.BATCH_BYTES)
     fetch = Fetcher(dataset, mode="columns", collate_fn=None, scalar_fields=frozenset({"y"}))
     fetch.refresh()
     order = np.arange(101, dtype=np.int64)

@@ -114,7 +114,7 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
     (with `cpu_s` and `user_s`: this process's CPU and user-mode CPU seconds over the epoch, imports
     and loader set-up excluded)."""
     from fastload.loader import Loader
-    from fastload.shard_shuffle import ShardWindowSampler
+    from fastload.order.shard_shuffle import ShardWindowSampler
 
     sampler = ShardWindowSampler.from_dataset(ds, window=window, seed=seed) if shuffled else None
     loader = Loader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, worker_type="thread")

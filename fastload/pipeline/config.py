@@ -8,7 +8,7 @@ Rules:
 
 * Batch form (`batch_rule`): "views" when the `collate_fn` declares ``accepts_batch_views = True``
   and the dataset has `get_batch` (the collate gets the columns: tensors and `Ragged`, see
-  `fastload.views`); "torch" for the default collation on `get_batch` (torch's exact types);
+  `fastload.fetch.views`); "torch" for the default collation on `get_batch` (torch's exact types);
   "samples" otherwise (a list of samples, as torch hands its `collate_fn`).
 * Worker kind (`worker_type="auto"`): threads on the columnar fast paths (a dataset with
   `get_batch` and the default collation or a batch-views collate: gathers that release the GIL;

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastload.pipeline.autotune import ThreadProbe
-from fastload.pipeline.device import DeviceQueue
-from fastload.pipeline.pinned import PinStage
 from fastload.stats import LoaderStats
+from fastload.transfer.device_queue import DeviceQueue
+from fastload.transfer.pin_stage import PinStage
 from fastload.workers import InlineSource, ThreadSource, WorkerError
 
 __all__ = ["EpochHooks", "EpochIterator", "EpochStages"]

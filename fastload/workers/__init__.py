@@ -5,6 +5,8 @@
 * `threads`: `ThreadPool` (worker threads kept across epochs) and `ThreadSource` (one epoch's
   hand-over, with work stealing by a waiting consumer).
 * `processes`: `ProcessSource` (worker processes, shared-memory slots, parent watchdog).
+* `kept`: `WorkerSet`, the workers a Loader keeps across epochs (its thread pool, persistent
+  process workers).
 """
 
 from fastload.workers.base import BatchSource, InlineSource, WorkerError

@@ -35,8 +35,8 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
-from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
-from fastload.pinned import referenced_beyond, storage_refs
+from fastload.fetch.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
+from fastload.transfer.ring import referenced_beyond, storage_refs
 from fastload.workers.base import WorkerError
 
 __all__ = ["PARENT_POLL_S", "ProcessSource"]

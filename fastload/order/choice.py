@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastload.sampling import RunRank, SamplerOrder, SeededOrder, batches_left
+from fastload.order.sampling import RunRank, SamplerOrder, SeededOrder, batches_left
 
 __all__ = ["STATE_VERSION", "RankedOrder", "batches_from", "check_state", "dealt_world", "make_order", "order_kind"]
 

@@ -4,7 +4,7 @@ Two order sources feed the Loader, both yielding `(indices, snapshot)` per batch
 `snapshot` is what `Loader.state_dict()` stores once the consumer has received that batch:
 
 * `SeededOrder` (``seed=`` given, or a distributed run without a user sampler): position `p` of
-  an epoch holds sample `IndexShuffle(n, seed, epoch)(p)` (`fastload.index_shuffle`: a keyed
+  an epoch holds sample `IndexShuffle(n, seed, epoch)(p)` (`fastload.order.index_shuffle`: a keyed
   bijection computed per position, so nothing of size n is ever built); ranks are dealt
   interleaved positions like `DistributedSampler` (padding by repetition when
   ``drop_last=False``), and each rank maps only the positions of its own next batches. Position
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from fastload.ahead import Ahead
-from fastload.index_shuffle import IndexShuffle
-from fastload.plan import PLAN_MAX_BYTES
+from fastload.fetch.plan import PLAN_MAX_BYTES
+from fastload.order.ahead import Ahead
+from fastload.order.index_shuffle import IndexShuffle
 from fastload.run import RunContext
 
 __all__ = [
@@ -283,7 +283,7 @@ class SeededOrder:
     unplanned, in chunks of at most `STREAM_SAMPLES` as its batches are asked for (growing from
     one batch, so the first batch comes at once); with a plan hook (`epoch(plan=)`), its whole
     epoch at once (the plan reads it all), and, when that fits `AHEAD_MAX_BYTES`, the next
-    epoch's on a background thread during this one (`fastload.ahead`; `epoch(..., ahead=)`).
+    epoch's on a background thread during this one (`fastload.order.ahead`; `epoch(..., ahead=)`).
     """
 
     def __init__(

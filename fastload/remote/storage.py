@@ -26,15 +26,13 @@ import fsspec
 import xxhash
 from fsspec.asyn import AsyncFileSystem
 
-from .cache import CacheBudgetError, Download, ShardCache
-from .cache_files import file_xxh3
-from .formats.errors import FormatError
-from .formats.forksafe import reset_in_child
-from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
-from .formats.units import format_size
-from .get_window import GetWindow
-from .receive_loops import ReceiveLoops
-from .remote_get import (
+from fastload.formats.errors import FormatError
+from fastload.formats.forksafe import reset_in_child
+from fastload.formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
+from fastload.formats.units import format_size
+from fastload.remote.cache.files import file_xxh3
+from fastload.remote.cache.shard_cache import CacheBudgetError, Download, ShardCache
+from fastload.remote.get import (
     CONNECT_TIMEOUT_S,
     PART_BYTES,
     READ_TIMEOUT_S,
@@ -47,8 +45,10 @@ from .remote_get import (
     stream_into,
     takes_ranges,
 )
-from .remote_plan import PrefetchPlan
-from .retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
+from fastload.remote.get_window import GetWindow
+from fastload.remote.plan import PrefetchPlan
+from fastload.remote.receive_loops import ReceiveLoops
+from fastload.remote.retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -406,7 +406,7 @@ class RemoteStorage:
 
     def stats(self) -> dict[str, float]:
         """This process's transfer timings and counters, keys prefixed `remote_` (see
-        `fastload.transfer_stats`); `remote_MBps` is `bytes` / `get_busy_s` in MB/s."""
+        `fastload.remote.transfer_stats`); `remote_MBps` is `bytes` / `get_busy_s` in MB/s."""
         self._check_pid()
         out = self.cache.stats()
         out["MBps"] = out["bytes"] / out["get_busy_s"] / 1e6 if out["get_busy_s"] > 0 else 0.0

@@ -1,6 +1,6 @@
 """`EpochPlan`: an epoch's small per-sample reads on the Loader's direct path, done at once.
 
-On the direct path (a local fastload dataset of fixed-size fields, see `fastload.fetch`) a batch
+On the direct path (a local fastload dataset of fixed-size fields, see `fastload.fetch.fetcher`) a batch
 costs, besides the gather of its large fields, a lookup of its rows in each spliced column and a
 gather of each small in-memory field (labels, ids): small random reads, a numpy call each, paid
 per batch in the thread that fetches, with the caches cold after the large gather. Done once for

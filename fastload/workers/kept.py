@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fastload.device import use_worker_stream, worker_stream
-from fastload.fetch import Fetcher
-from fastload.pinned import BufferRing
+from fastload.fetch.fetcher import Fetcher
 from fastload.pipeline.config import LoaderConfig
-from fastload.pipeline.pinned import ring_post
 from fastload.run import RunContext
+from fastload.transfer.pin_stage import ring_post
+from fastload.transfer.ring import BufferRing
+from fastload.transfer.side_stream import use_worker_stream, worker_stream
 from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource
 
 __all__ = ["WorkerSet"]

@@ -7,11 +7,11 @@ shard once instead of every shard for every batch. Ranks get equal contiguous sl
 order (padded by wrapping like `DistributedSampler`, or trimmed with `drop_last`), so each rank
 reads its own windows. The order depends only on (seed, epoch): resume is exact.
 
-Rank and world size (`fastload.sampling.RunRank`): arguments given win; else, held by a
+Rank and world size (`fastload.order.sampling.RunRank`): arguments given win; else, held by a
 `fastload.Loader`, the Loader's run (`bind_run`, which also sets the epoch at every epoch start);
 else, used alone, resolved from `torch.distributed` or RANK/WORLD_SIZE at the first `__iter__`.
 
-Both shuffles are `fastload.index_shuffle.IndexShuffle`s (the shards', and one per window over
+Both shuffles are `fastload.order.index_shuffle.IndexShuffle`s (the shards', and one per window over
 its samples), so a position of the epoch maps to its sample in O(1): a rank maps its own slice
 chunk by chunk, holding per-shard and per-window arrays only, never one entry per sample.
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from fastload.index_shuffle import IndexShuffle
-from fastload.sampling import RankedSampler, RunRank
+from fastload.order.index_shuffle import IndexShuffle
+from fastload.order.sampling import RankedSampler, RunRank
 
 __all__ = ["ORDER_VERSION", "ShardWindowSampler", "randomness_report", "shards_in_order"]
 

@@ -10,10 +10,10 @@ Modes (chosen by the Loader):
   nothing else, timed as "read". With two cores gathering, every microsecond the GIL is held per batch shows.
   When the Loader has handed over the epoch's order (`plan`), the row lookups and the small
   in-memory fields of all its batches are read at once, and a batch is one gather per large
-  field plus slices (`fastload.plan`).
+  field plus slices (`fastload.fetch.plan`).
 * ``views`` — `dataset.get_batch(indices)` once, `columns_to_views` (fixed fields as tensors,
   variable fields as `Ragged` of tensors: no per-sample Python), then `collate_fn`, a collate
-  that declares ``accepts_batch_views`` (`fastload.views`), then `transform`.
+  that declares ``accepts_batch_views`` (`fastload.fetch.views`), then `transform`.
 * ``getitems`` — `dataset.__getitems__(indices)` once (as torch does), then `collate_fn`.
 * ``getitem`` — `[dataset[i] for i in indices]`, then `collate_fn`.
 * ``single`` — `batch_size=None`: `collate_fn(dataset[index])` (torch's `default_convert`).
@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastload.collate import columns_to_torch, zero_copy_column
-from fastload.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan
-from fastload.retry import RemoteFetchError
+from fastload.fetch.collate import columns_to_torch, zero_copy_column
+from fastload.fetch.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan
+from fastload.fetch.views import columns_to_views
+from fastload.remote.retry import RemoteFetchError
 from fastload.run import RunContext, batch_context, bind_components
-from fastload.views import columns_to_views
 
 __all__ = ["MODES", "Fetcher", "torch_gather"]
 
@@ -97,7 +97,7 @@ class Fetcher:
 
     def plan(self, indices: np.ndarray, batch_size: int, *, install: bool = True) -> list[np.ndarray] | None:
         """Do the small reads of the direct path for all of `indices` (an epoch's order) now, in
-        one vectorized step per field, instead of per batch (see `fastload.plan`), and return
+        one vectorized step per field, instead of per batch (see `fastload.fetch.plan`), and return
         its batches of `batch_size` (the arrays to fetch: the plan knows them by identity).
         Replaces the previous plan. None, and no plan, off the direct path, for an empty or
         oversized one (`PLAN_MAX_BYTES`), or when an index is out of range (the batch holding it

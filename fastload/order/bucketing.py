@@ -1,7 +1,7 @@
 """`TokenBudgetBatchSampler`: length-bucketed batches under a token budget, balanced over ranks.
 
 The epoch plan is a pure function of (seed, epoch, lengths, world_size, settings). The epoch's
-order (`fastload.index_shuffle`, seeded by `(seed, epoch)`) is cut into windows of about
+order (`fastload.order.index_shuffle`, seeded by `(seed, epoch)`) is cut into windows of about
 `window` samples (one window up to `window` samples, the default 2**20; bigger datasets get
 `n // window` windows of equal size), and each window is planned alone, in turn, as the
 iteration reaches it, so memory is O(window) whatever the dataset size:
@@ -25,7 +25,7 @@ iteration reaches it, so memory is O(window) whatever the dataset size:
 Rank `r` yields `plan[step][r]` for every step: every rank yields the same number of batches.
 Resume is exact: the state is `(epoch, seed, batches yielded by this rank)`.
 
-Rank and world size (`fastload.sampling.RunRank`): arguments given win; else, held by a
+Rank and world size (`fastload.order.sampling.RunRank`): arguments given win; else, held by a
 `fastload.Loader`, the Loader's run (`bind_run`, which also sets the epoch at every epoch start,
 so epochs driven by `iter()` alone get a new plan each); else, used alone, resolved from
 `torch.distributed` or RANK/WORLD_SIZE, afresh until the first `__iter__`.
@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from fastload.index_shuffle import IndexShuffle
-from fastload.sampling import RankedSampler, RunRank
+from fastload.order.index_shuffle import IndexShuffle
+from fastload.order.sampling import RankedSampler, RunRank
 
 __all__ = ["DEFAULT_WINDOW", "ORDER_VERSION", "TokenBudgetBatchSampler", "padding_stats", "step_imbalance"]
 
