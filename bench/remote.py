@@ -6,7 +6,7 @@ with `--storage-option key=value`), or against one this script writes and serves
 server that shares the client's cores, whose CPU share is reported). Measures in one run,
 interleaved per round, `num_workers` 0 and 2, shuffled (`ShardWindowSampler`) and sequential:
 the raw pipeline, the Loader's first epoch (empty cache) and second epoch, and with a local server
-the same epoch over the local copy. See `fastload.benchmark.remote` (also `fastload bench --remote URL`).
+the same epoch over the local copy. See `fastload.benchmark.run_remote` (also `fastload bench --remote URL`).
 
 Run: `python -m bench.remote [--server nginx|moto] [--shards 12 --shard-size 32MB --rounds 3]`.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fastload.benchmark.remote import format_remote, run_remote
+from fastload.benchmark import format_remote, run_remote
 from fastload.formats import write
 from fastload.formats.units import parse_size
 
