@@ -4,7 +4,8 @@ Public API (imported lazily, so `import fastload` is cheap and never fails for a
 optional dependency such as DALI):
 
 - `fastload.Loader`: drop-in replacement for `torch.utils.data.DataLoader`.
-- `fastload.open_dataset(path_or_url, ...)`: a fastload dataset, local (mmap) or remote (cached).
+- `fastload.open_dataset(path_or_url, ...)`: a fastload dataset, local (mmap) or remote (cached);
+  `fastload.read_ray(path_or_url)`: the same as a `ray.data.Dataset` (`fastload[ray]`).
 - `fastload.formats`: the on-disk format (`write`, readers for fastload/LMDB/HDF5).
 - `fastload.TokenBudgetBatchSampler`, `fastload.TextCollate`: variable-length text batches.
 - `fastload.BatchViews`: a `collate_fn` that yields each batch as its columns (`Ragged` views
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Loader": "fastload.loader",
     "open_dataset": "fastload.dataset",
+    "read_ray": "fastload.dataset",
     "TokenBudgetBatchSampler": "fastload.order.bucketing",
     "TextCollate": "fastload.fetch.text_collate",
     "BatchViews": "fastload.fetch.views",

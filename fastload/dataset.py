@@ -11,7 +11,7 @@ from fastload.formats.resume import incomplete_conversion
 if TYPE_CHECKING:
     from fastload.formats.arrow_dataset import LanceDataset, ParquetDataset
 
-__all__ = ["is_url", "open_dataset"]
+__all__ = ["is_url", "open_dataset", "read_ray"]
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -123,4 +123,26 @@ def open_dataset(
     # the storage's `max_open_shards` follows its share of a cache shared with other readers
     return FastloadDataset(
         storage=storage, verify=verify, verify_checksums=verify_checksums, max_open_shards=max_open_shards or 64
+    )
+
+
+def read_ray(
+    path_or_url: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    override_num_blocks: int | None = None,
+) -> Any:
+    """A fastload dataset (directory or fsspec URL) as a `ray.data.Dataset` of its samples, in dataset order.
+
+    Each read task opens the dataset with `open_dataset` (a URL through the shard cache), reads a
+    run of whole shards and yields one block per shard; `override_num_blocks` sets the number of
+    tasks (at most one per shard). Needs `fastload[ray]`.
+    """
+    import ray.data
+
+    from fastload.formats.ray_io import FastloadDatasource
+
+    return ray.data.read_datasource(
+        FastloadDatasource(os.fspath(path_or_url), opener=open_dataset, storage_options=storage_options),
+        override_num_blocks=override_num_blocks,
     )
