@@ -296,7 +296,7 @@ class Loader(Generic[T_co]):
         assert workers is not None  # a map-style Loader builds its WorkerSet in __init__
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = cfg.worker_kind != "process"
-        plan = self._fetcher.plan if cfg.epoch_plan and in_process and self._fetcher.direct else None
+        plan = self._fetcher if cfg.epoch_plan and in_process and self._fetcher.direct else None
         base_seed: int | None
         if isinstance(order_stage, SeededOrder):
             ahead = order_ahead_rule(cfg, direct=self._fetcher.direct)
@@ -351,8 +351,7 @@ class Loader(Generic[T_co]):
 
     def _epoch_done(self, it: EpochIterator) -> None:
         """`it` delivered its epoch's last batch: the next `iter()` starts the next epoch."""
-        if self._progress.complete(it):
-            self._fetcher.release_plan()
+        self._progress.complete(it)
 
     # ---- epochs and state
     @property
@@ -403,8 +402,6 @@ class Loader(Generic[T_co]):
         self._orders.fix()
         epoch, order, position = int(state["epoch"]), self._order, state["position"]
         if isinstance(order, SeededOrder):
-            if position is not None:
-                order.check(position)
             if state.get("seed") is not None:
                 self._orders.set_seed(int(state["seed"]))
         elif state.get("run_seed") is not None:
@@ -488,9 +485,6 @@ class Loader(Generic[T_co]):
     def close(self) -> None:
         """Stop the active iterator and any persistent workers (`state_dict()` still says where it was)."""
         self._progress.stop_active()
-        fetcher = getattr(self, "_fetcher", None)  # none for an IterableDataset
-        if fetcher is not None:
-            fetcher.release_plan()
         self._stop_workers()
 
     def __del__(self) -> None:

@@ -55,7 +55,7 @@ def _rank_batches(orders: RankedOrder, progress: EpochProgress, torch_batches: A
         # the epoch under way: its draws replayed from the RNG states captured when it started
         start = {"batches": 0, "sampler_state": None, "rng": pos["rng"], "base_seed": None}
         _, _, replayed = order.epoch(draw_base_seed=False, resume=start)
-        for indices, _ in replayed:
+        for indices, _, _ in replayed:
             yield indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
         return
     geometry = (0, order.world_size, order.batch_size)
@@ -70,7 +70,7 @@ def _rank_batches(orders: RankedOrder, progress: EpochProgress, torch_batches: A
             "load_state, without skip_first_batches)"
         )
     _, _, batches = order.epoch(progress.epoch, ahead=False)
-    for indices, _ in batches:
+    for indices, _, _ in batches:
         yield indices.tolist()
 
 

@@ -372,7 +372,7 @@ def test_windows_cover_every_sample_once_and_resume_across_them(drop_last: bool)
     with pytest.raises(ValueError, match="window"):
         TokenBudgetBatchSampler(lengths, rank=1, world_size=3, **{**kw, "window": 1000}).load_state_dict(state)
     old = {k: v for k, v in state.items() if k != "order_version"}
-    with pytest.raises(ValueError, match="plan is version 1"):
+    with pytest.raises(ValueError, match="order is version 1"):
         resumed.load_state_dict(old)
 
 

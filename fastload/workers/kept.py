@@ -19,7 +19,7 @@ from fastload.run import RunContext
 from fastload.transfer.pin_stage import ring_post
 from fastload.transfer.ring import BufferRing
 from fastload.transfer.side_stream import use_worker_stream, worker_stream
-from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource
+from fastload.workers import BatchSource, InlineSource, ProcessSource, ThreadPool, ThreadSource
 
 __all__ = ["WorkerSet"]
 
@@ -55,7 +55,7 @@ class WorkerSet:
 
     def source(
         self, ring: BufferRing | None, device_index: int | None, base_seed: int | None, run: RunContext | None = None
-    ) -> tuple[Any, bool, bool]:
+    ) -> tuple[BatchSource, bool, bool]:
         """The epoch's batch source -> (source, owned by the epoch, packs into `ring` itself);
         worker processes get `run` with each task (threads share the bound fetcher)."""
         cfg, fetcher = self.config, self.fetcher
