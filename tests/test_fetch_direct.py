@@ -202,3 +202,23 @@ def test_generic_dataset_probe_starts_inline(tmp_path):
     loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread", autotune=True)
     iter(loader)
     assert isinstance(loader._probe, ThreadProbe) and loader._probe.phase == "inline"
+
+
+def test_a_view_that_adds_a_column_is_not_read_through_the_wrapped_takes(tmp_path):
+    """`with_indices` adds `__indices__` to every batch: the wrapped dataset's direct path (whose
+    takes lack it) is not passed through, so the Loader reads the view batch by batch."""
+    from fastload.fetch.direct import DirectReader
+    from fastload.vision import with_indices
+
+    ds = _dataset(tmp_path / "ds")
+    view = with_indices(ds)
+    assert isinstance(ds, DirectReader) and not isinstance(view, DirectReader)
+    assert not hasattr(view, "direct_takes") and view.num_shards == ds.num_shards  # other attributes forwarded
+    fetch = _fetcher(view)
+    assert not fetch.direct_path()
+    idx = np.array([7, 3, N - 1])
+    got, _ = fetch(idx)
+    assert got["__indices__"].tolist() == idx.tolist() and got["y"].tolist() == (idx * 7).tolist()
+    batches = list(Loader(view, batch_size=64, shuffle=True, seed=1))
+    assert sorted(i for b in batches for i in b["__indices__"].tolist()) == list(range(N))
+    assert all(torch.equal(b["y"], b["__indices__"] * 7) for b in batches)

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from fastload.fetch.collate import columns_to_torch, zero_copy_column
+from fastload.fetch.direct import DirectReader
 from fastload.fetch.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan, PlanSlice
 from fastload.fetch.views import columns_to_views
 from fastload.remote.retry import RemoteFetchError
@@ -138,8 +139,10 @@ class Fetcher:
         return self._prepared is not None
 
     def _make_plan(self, indices: np.ndarray, batch_size: int, takes: list[Any] | None) -> EpochPlan | None:
-        direct_plan = getattr(self.dataset, "direct_plan", None)
-        if takes is None or direct_plan is None or type(indices) is not np.ndarray or not len(indices):
+        dataset = self.dataset
+        if takes is None or not isinstance(dataset, DirectReader) or type(indices) is not np.ndarray:
+            return None
+        if not len(indices):
             return None
         if indices.dtype != np.int64 or indices.ndim != 1:
             return None
@@ -147,7 +150,7 @@ class Fetcher:
         if room < 0:
             return None
         try:
-            fields = direct_plan(indices, max_bytes=room)
+            fields = dataset.direct_plan(indices, max_bytes=room)
         except IndexError:
             return None
         if fields is None or [name for name, _, _ in fields] != [name for name, _ in takes]:
@@ -244,12 +247,13 @@ class Fetcher:
     def _direct_takes(self) -> list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None:
         """The dataset's `direct_takes()` in columns mode without a `transform`, when every column
         they give converts with a bare `torch.from_numpy` (checked on one sample), else None."""
-        direct = getattr(self.dataset, "direct_takes", None)
+        dataset = self.dataset
         takes = alone = None
-        if direct is not None and self.mode == "columns" and self.transform is None:
-            takes = direct()
+        if isinstance(dataset, DirectReader) and self.mode == "columns" and self.transform is None:
+            takes = dataset.direct_takes()
         if takes is not None:
-            probe = self.dataset.get_batch(np.zeros(min(1, len(self.dataset)), dtype=np.int64))
+            assert isinstance(dataset, DirectReader)
+            probe = dataset.get_batch(np.zeros(min(1, len(dataset)), dtype=np.int64))
             if list(probe) != [name for name, _ in takes] or not all(
                 zero_copy_column(name, col, self.scalar_fields) for name, col in probe.items()
             ):
@@ -258,7 +262,7 @@ class Fetcher:
                 plain = dict(takes)
                 alone = [
                     (name, partial(_tensor_take, take) if take is plain[name] else take)
-                    for name, take in direct(gather=torch_gather)
+                    for name, take in dataset.direct_takes(gather=torch_gather) or ()
                 ]
         self._takes, self._takes_alone, self._takes_checked = takes, alone, True
         return takes
