@@ -91,6 +91,7 @@ from fastload.transfer.pin_stage import PinStage
 from fastload.transfer.ring import BufferRing
 from fastload.transfer.side_stream import DeviceStage, resolve_device
 from fastload.validate import validate_loader_args
+from fastload.workers import ThreadPool
 from fastload.workers.kept import WorkerSet
 
 __all__ = ["Loader"]
@@ -113,8 +114,7 @@ class Loader(Generic[T_co]):
     this epoch runs; None, the default: only when a core is left over by this epoch's fetching,
     see `fastload.pipeline.config.order_ahead_rule`), `autotune` (thread workers: compare them
     with fetching inline in the consumer's thread during the run and keep the faster, see
-    `fastload.pipeline.autotune`; default False: the workers always fetch), `adaptive` (the
-    former name of `autotune`, same meaning), `epoch_plan`
+    `fastload.pipeline.autotune`; default False: the workers always fetch), `epoch_plan`
     (a seeded order or torch's own samplers, over a local fastload dataset of fixed-size fields,
     fetched in this process: read the row lookups and small fields of a whole epoch at once as
     its order is computed, see `fastload.fetch.plan`; default True; False: per batch, without the
@@ -159,7 +159,6 @@ class Loader(Generic[T_co]):
         ring_slots: int | None = None,
         order_ahead: bool | None = None,
         autotune: bool = False,
-        adaptive: bool | None = None,
         epoch_plan: bool = True,
     ) -> None:
         init_args = dict(locals())  # the configuration a pickled Loader is rebuilt from
@@ -193,7 +192,7 @@ class Loader(Generic[T_co]):
         self._probe: ThreadProbe | None = None  # autotune's probe, kept across epochs
         if not self._iterable:
             self.order_ahead, self.epoch_plan = order_ahead, epoch_plan
-            self.autotune = bool(autotune if adaptive is None else adaptive)
+            self.autotune = bool(autotune)
             stages = build_stages(dl, user_collate=collate_fn, transform=transform, worker_type=worker_type,
                                   device=self.device, buffer_ring=buffer_ring, ring_slots=ring_slots, prefetch=prefetch,
                                   autotune=self.autotune, order_ahead=order_ahead, epoch_plan=epoch_plan)
@@ -275,6 +274,21 @@ class Loader(Generic[T_co]):
             return len(self._dl)
         self._bind_run()
         return self._progress.length(self._order, self.drop_last)
+
+    @property
+    def order_stage(self) -> SeededOrder | SamplerOrder:
+        """The order the next `iter()` runs, for the run's current rank and world size."""
+        return self._orders.get()
+
+    @property
+    def autotune_probe(self) -> ThreadProbe | None:
+        """The inline-vs-threads probe (`autotune=True`, kept across epochs once an epoch made it)."""
+        return self._probe
+
+    @property
+    def thread_pool(self) -> ThreadPool | None:
+        """The worker threads kept across epochs (thread workers, once an epoch started them)."""
+        return self._workers.threads if self._workers is not None else None
 
     @property
     def _active(self) -> EpochIterator | None:

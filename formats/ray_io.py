@@ -45,6 +45,7 @@ from .manifest import MANIFEST_NAME, META_NAME, Manifest
 from .ray_plan import PathSource, Plan, RefSource, block_rows, plan_shards
 from .schema import Schema
 from .shard import ShardIdentity, ShardInfo, ShardReader, write_shard
+from .storage import is_url
 from .units import parse_size
 from .writer import (
     DEFAULT_SHARD_SIZE,
@@ -64,10 +65,6 @@ _INFER_SAMPLES = 64
 SKIP_REPORT_NAME = "skipped-inputs.jsonl"  # the inputs `on_error="skip"` left out, as the local `convert` names it
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
 # ---------------------------------------------------------------- output location (local directory or fsspec URL)
 
 
@@ -81,7 +78,7 @@ class _Output:
     @property
     def remote(self) -> bool:
         """True for an fsspec URL, False for a local directory."""
-        return _is_url(self.root)
+        return is_url(self.root)
 
     def fs(self) -> Any:
         """The fsspec filesystem of a URL output."""
@@ -501,7 +498,7 @@ def _ray_readable(src: str) -> bool:
 
     if is_webdataset(src, list_urls=False):
         return False  # .tar shards: read by `PathSource` in the tasks (a URL folder: --kind webdataset)
-    return _is_url(src) or src.lower().endswith(".parquet") or (
+    return is_url(src) or src.lower().endswith(".parquet") or (
         os.path.isdir(src) and any(n.lower().endswith(".parquet") for n in os.listdir(src))
     )
 
@@ -548,7 +545,7 @@ def convert_ray(
 
 
 def _arrow_fs(src: str, storage_options: dict[str, Any] | None) -> Any:
-    if not _is_url(src) or not storage_options:
+    if not is_url(src) or not storage_options:
         return None
     import fsspec
     import pyarrow.fs

@@ -23,6 +23,7 @@ from fastload.pipeline.autotune import ThreadProbe
 from fastload.stats import LoaderStats
 from fastload.transfer.device_queue import DeviceQueue
 from fastload.transfer.pin_stage import PinStage
+from fastload.transfer.ring import BufferRing
 from fastload.workers import BatchSource, WorkerError
 
 __all__ = ["EpochHooks", "EpochIterator", "EpochStages"]
@@ -153,6 +154,16 @@ class EpochIterator:
     def depth(self) -> int:
         """Batches kept in flight now (0 while the autotune probe has the consumer fetch alone)."""
         return self._depth
+
+    @property
+    def source(self) -> BatchSource | None:
+        """The epoch's fetch stage (None once the epoch is closed)."""
+        return self._source
+
+    @property
+    def ring(self) -> BufferRing | None:
+        """The pinned-buffer ring batches are packed into (None: batches keep their own memory)."""
+        return self._pin.ring
 
     def _dispatch(self) -> None:
         assert self._source is not None

@@ -56,7 +56,6 @@ __all__ = [
     "RemoteFetchError",
     "RemoteStorage",
     "RetryPolicy",
-    "is_remote_url",
     "is_transient",
     "network_options",
 ]
@@ -69,11 +68,6 @@ _READERS: weakref.WeakSet[RemoteStorage] = weakref.WeakSet()  # this process's s
 def _exact(nbytes: int) -> str:
     """A budget to recommend: exact bytes (a rounded size could fall short), with the readable size."""
     return f"{nbytes} ({format_size(nbytes)})"
-
-
-def is_remote_url(path: Any) -> bool:
-    """True for "proto://..." strings other than plain local paths."""
-    return isinstance(path, str) and "://" in path and not path.startswith("file://")
 
 
 class RemoteStorage:

@@ -11,7 +11,7 @@
 
 from fastload.workers.base import BatchSource, InlineSource, WorkerError
 from fastload.workers.processes import ProcessSource
-from fastload.workers.threads import STEAL_MODES, ThreadPool, ThreadSource, resolve_steal
+from fastload.workers.threads import STEAL_MODES, ThreadPool, ThreadSource, resolve_steal, steal_rule
 
 __all__ = [
     "STEAL_MODES",
@@ -22,4 +22,5 @@ __all__ = [
     "ThreadSource",
     "WorkerError",
     "resolve_steal",
+    "steal_rule",
 ]

@@ -240,6 +240,11 @@ class ProcessSource:
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.task_qs, self.result_q)
 
     @property
+    def slots_per_worker(self) -> list[int]:
+        """Shared-memory slots each worker has been given so far (reused once released)."""
+        return list(self._next_sid)
+
+    @property
     def pids(self) -> list[int]:
         """The worker processes' pids."""
         return [p.pid for p in self.procs if p.pid is not None]

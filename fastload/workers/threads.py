@@ -23,9 +23,21 @@ from fastload.fetch.plan import PlanSlice
 from fastload.system import usable_cores
 from fastload.workers.base import Fetch, WorkerError, fetch_planned
 
-__all__ = ["STEAL_MODES", "ThreadPool", "ThreadSource", "resolve_steal"]
+__all__ = ["STEAL_MODES", "ThreadPool", "ThreadSource", "resolve_steal", "steal_rule"]
 
 STEAL_MODES = ("auto", "always", "bounded", False)
+
+
+def steal_rule(
+    *, num_workers: int, cores: int, cuda: bool, timeout: float = 0, worker_init: bool = False
+) -> str | bool:
+    """What "auto" means: whether a waiting consumer fetches unstarted batches itself. Never with
+    a `timeout` (a stolen batch could outlast it) or a `worker_init` (the consumer's thread never
+    ran it), nor when the workers fill every core (a consumer fetching too only contends);
+    "bounded" when CUDA is available (the consumer goes back to launching GPU work), else "always"."""
+    if timeout or worker_init or num_workers >= cores:
+        return False
+    return "bounded" if cuda else "always"
 
 
 def resolve_steal(steal: bool | str, *, num_workers: int, timeout: float = 0) -> str | bool:
@@ -35,9 +47,7 @@ def resolve_steal(steal: bool | str, *, num_workers: int, timeout: float = 0) ->
     if timeout or not steal:
         return False  # a stolen batch could outlast `timeout`
     if steal == "auto":
-        if num_workers >= usable_cores():
-            return False  # the workers already fill every core: a consumer fetching too only contends
-        return "bounded" if torch.cuda.is_available() else "always"
+        return steal_rule(num_workers=num_workers, cores=usable_cores(), cuda=torch.cuda.is_available())
     return steal
 
 
@@ -154,6 +164,11 @@ class ThreadPool:
                 if shared.wake.get_nowait() is None:  # the pool is being stopped: keep the stop
                     shared.wake.put(None)
                     break
+
+    @property
+    def started(self) -> bool:
+        """Whether the threads were started (by a source's first batch)."""
+        return not self._unstarted
 
     @property
     def usable(self) -> bool:
@@ -340,6 +355,16 @@ class ThreadSource:
             return True
         elapsed = time.perf_counter() - started
         return elapsed <= (1.0 - self.STEAL_MIN_REMAINING) * mean or elapsed >= self.STEAL_OVERDUE * mean
+
+    @property
+    def finished(self) -> int:
+        """Batches the workers finished that the consumer has not taken yet."""
+        return len(self._epoch.done)
+
+    @property
+    def reports_waiting(self) -> int:
+        """Finished-batch reports queued for a waiting consumer (at most one per worker)."""
+        return self._shared.ready.qsize()
 
     @property
     def broken(self) -> bool:
