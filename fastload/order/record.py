@@ -3,7 +3,7 @@
 `BatchRecord` is one batch of an epoch as the order yields it: its indices, the resume position
 after it, and where it lies in the epoch's plan (`fastload.fetch.plan.PlanSlice`, or None). The
 record travels with the batch to whichever thread fetches it, so the fetch stage never has to
-recognise a batch. `Planner` is the fetch stage's side of the plan (`fastload.fetch.Fetcher`):
+recognise a batch. `Planner` is the fetch stage's side of the plan (`fastload.fetch.fetcher.Fetcher`):
 the order hands it an epoch's whole index array once it is computed.
 """
 
