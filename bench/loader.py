@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     def fl(nw: int, **kw: Any) -> float:
         loader = Loader(fds, batch_size=BATCH, shuffle=True, num_workers=nw, worker_type="thread", **kw)
         samples_per_s = rate(epochs_of(loader, epochs), limit, dict_size)
-        probe = loader._probe
+        probe = loader.autotune_probe
         if nw in probe_log and probe is not None:
             probe_log[nw].append(f"{probe.choice} ({probe.switches} switches, {probe.retries} retries)")
         return samples_per_s

@@ -79,6 +79,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
 from fastload.loader_views import EpochBatchSampler, torch_collate
 from fastload.order.choice import STATE_VERSION, RankedOrder, batches_from, check_state, dealt_world, order_kind
+from fastload.order.record import Order
 from fastload.order.sampling import SamplerOrder, SeededOrder
 from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
 from fastload.pipeline.config import describe_settings, order_ahead_rule
@@ -306,19 +307,17 @@ class Loader(Generic[T_co]):
         self._orders.fix()
         run = self._bind_run()
         self._fetcher.refresh()
-        cfg, workers, order_stage = self.config, self._workers, self._order
+        cfg, workers, stage = self.config, self._workers, self._order
+        order_stage: Order = stage
         assert workers is not None  # a map-style Loader builds its WorkerSet in __init__
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = cfg.worker_kind != "process"
         plan = self._fetcher if cfg.epoch_plan and in_process and self._fetcher.direct else None
-        base_seed: int | None
-        if isinstance(order_stage, SeededOrder):
-            ahead = order_ahead_rule(cfg, direct=self._fetcher.direct)
-            base_seed, start, order = order_stage.epoch(self._progress.epoch, resume, ahead=ahead, plan=plan)
-        else:
-            draw = not workers.reuses_processes
-            base_seed, start, order = order_stage.epoch(draw_base_seed=draw, resume=resume, plan=plan)
-        expected = batches_from(order_stage, start if resume is not None else None, self.drop_last)
+        base_seed, start, order = order_stage.epoch(
+            self._progress.epoch, resume, plan=plan, ahead=order_ahead_rule(cfg, direct=self._fetcher.direct),
+            draw_base_seed=not workers.reuses_processes,
+        )
+        expected = batches_from(stage, start if resume is not None else None, self.drop_last)
         device_index = self._device_index()
         ring = None
         if cfg.ring_slots is not None:

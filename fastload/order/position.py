@@ -53,9 +53,9 @@ def check_settings(state: dict[str, Any], current: dict[str, Any], *, owner: str
 
 def _count(state: dict[str, Any], key: str, owner: str, *, least: int = 0) -> int:
     """`state[key]` as an int of at least `least` (ValueError naming it otherwise)."""
-    value = state.get(key)
+    value: Any = state.get(key)
     try:
-        count = operator.index(value) if not isinstance(value, bool) else None
+        count = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         count = None
     if count is None or count < least:

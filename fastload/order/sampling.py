@@ -325,6 +325,7 @@ class SeededOrder:
         *,
         ahead: bool = True,
         plan: Planner | None = None,
+        draw_base_seed: bool = True,
     ) -> tuple[int, dict[str, Any], Iterator[BatchRecord]]:
         """`(base_seed, start_position, iterator of BatchRecord)` for this rank; `ahead`: with
         `plan`, compute the next epoch's indices in the background meanwhile (if they fit
@@ -332,7 +333,8 @@ class SeededOrder:
         indices to come once it is computed (before the first batch is yielded; not when they are
         past `PLAN_MAX_BYTES`: the epoch is then streamed); the batches then come with their
         slices of that plan. With `ahead`, `plan.prepare_plan` is called on the background thread
-        with the next epoch's indices, to prepare what that epoch's call will use."""
+        with the next epoch's indices, to prepare what that epoch's call will use. The workers'
+        base seed is `seed_for(seed, epoch)` (`draw_base_seed` is a sampler order's)."""
         base, skip = 0, 0
         if resume is not None:
             base, skip = self.position(resume).resume_at(self.world_size, self.batch_size)
@@ -493,9 +495,16 @@ class SamplerOrder:
         return len(self.index_sampler)  # type: ignore[arg-type]
 
     def epoch(
-        self, *, draw_base_seed: bool, resume: dict[str, Any] | None = None, plan: Planner | None = None
+        self,
+        epoch: int = 0,
+        resume: dict[str, Any] | None = None,
+        *,
+        ahead: bool = True,
+        plan: Planner | None = None,
+        draw_base_seed: bool = True,
     ) -> tuple[int | None, dict[str, Any], Iterator[BatchRecord]]:
-        """Start an epoch: `(base_seed, start_position, iterator of BatchRecord)`.
+        """Start an epoch: `(base_seed, start_position, iterator of BatchRecord)` (`epoch` and
+        `ahead` are a seeded order's: a sampler takes its epoch through `set_epoch`).
 
         Mirrors torch: the workers' base seed is drawn from `generator` before the sampler's
         first draw, so orders match `DataLoader` given the same generator/global RNG. `plan`: as
