@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 DEMO_OUT   := demo_out
 # The public API modules the type checker reads (from build/docs-pkg, the installed layout).
-TYPED := __init__ loader dataset validate stats run bucketing text_collate shard_shuffle remote cache cli \
+TYPED := __init__ loader dataset validate stats run order/bucketing fetch/text_collate order/shard_shuffle remote/storage remote/cache/shard_cache cli \
 	formats/__init__ formats/reader formats/writer formats/schema formats/ragged formats/errors \
 	formats/lmdb_dataset formats/hdf5_dataset formats/sources formats/verify \
 	vision/__init__ vision/preset vision/indexed vision/params cuda_ops/__init__ benchmark/__init__

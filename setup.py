@@ -73,7 +73,7 @@ setup(
         "tqdm",
         "psutil",
         "pillow",
-        "obstore>=0.12",  # the default transport of s3/gs/az/http(s) datasets (fastload.transport_obstore)
+        "obstore>=0.12",  # the default transport of s3/gs/az/http(s) datasets (fastload.remote.transport_obstore)
     ],
     extras_require={
         "s3": ["s3fs>=2024.1"],  # unbounded, pip picks s3fs 0.4 (2020, pre-aiobotocore) beside moto

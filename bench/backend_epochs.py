@@ -31,9 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from fastload.benchmark.backends import release
-from fastload.benchmark.limits import dataset_files, evict, sequential_read
-from fastload.benchmark.synthetic import RawRanges, build
+from fastload.benchmark import RawRanges, build, dataset_files, evict, release, sequential_read
 from fastload.formats.ragged import gather_ranges
 from fastload.formats.units import parse_size
 

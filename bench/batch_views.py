@@ -4,7 +4,7 @@
 
 Builds the embedded default of `fastload bench` (mixed records: JPEG bytes, token lists, a 12 KiB
 array, a label; batch 256) once, then runs, in each of `--rounds` rounds, every loader kind of
-`fastload.benchmark.loaders` at every worker count, one after the other (`run_loader`: shuffled
+`fastload.benchmark.run_loader` at every worker count, one after the other (`run_loader`: shuffled
 epochs, steady-state samples/s as the training loop sees them, torch's workers persistent). Per
 round it takes each kind's best worker count, and reports the per-round ratios (best fastload
 views / best torch row, best fastload torch-typed / best torch row, views / torch-typed) and
@@ -20,8 +20,7 @@ import tempfile
 
 import torch
 
-from fastload.benchmark.loaders import LABELS, LOADER_KINDS, TORCH_KINDS, run_loader
-from fastload.benchmark.synthetic import build
+from fastload.benchmark import LABELS, LOADER_KINDS, TORCH_KINDS, build, run_loader
 from fastload.formats import FastloadDataset
 from fastload.formats.units import parse_size
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
+from fastload.fetch.text_collate import TextCollate
 from fastload.formats import (
     Block,
     BlockSource,
@@ -33,7 +33,7 @@ from fastload.formats import (
     Schema,
     write,
 )
-from fastload.text_collate import TextCollate
+from fastload.order.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
 
 __all__ = ["main", "make_lengths", "write_dataset"]
 

@@ -89,7 +89,7 @@ def _forget_cluster(port: int) -> None:
 
 
 def _jpeg_folder(root: str, count: int) -> str:
-    from fastload.benchmark.synthetic import make_jpegs
+    from fastload.benchmark import make_jpegs
 
     jpegs, _ = make_jpegs(64, seed=3, min_side=160, max_side=320)
     folder = os.path.join(root, "jpegs")
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.size, args.jpegs, args.rounds, args.shard_size = "24MiB", 400, 1, "4MiB"
 
-    from fastload.benchmark.synthetic import build
+    from fastload.benchmark import build
     from fastload.formats.units import parse_size
 
     root = tempfile.mkdtemp(prefix="fastload-bench-convert-")

@@ -4,9 +4,9 @@
     python -m bench.epoch_start --quick    # 20k samples (smoke run)
     python -m bench.epoch_start --rounds 16   # and the throughput cost of the background thread
 
-A seeded epoch planned on the direct path (`fastload.plan`) needs the rank's whole epoch of
+A seeded epoch planned on the direct path (`fastload.fetch.plan`) needs the rank's whole epoch of
 indices, O(n) work before the first batch of the epoch can be read; `fastload.Loader` computes the
-next epoch's order on a background thread while the current epoch runs (`fastload.ahead`).
+next epoch's order on a background thread while the current epoch runs (`fastload.order.ahead`).
 `IndexDS` below is not on the direct path: its order is streamed batch by batch (see
 docs/order.md), so there both rows time that streamed order and nothing is computed ahead. This
 bench measures the first batch of epochs 2-4 both ways in one run: with the order computed ahead

@@ -219,8 +219,7 @@ def _lmdb_cold_rows(db: LMDBDataset, naive: Callable[..., object], batches: list
     (carried by pickling, as a DataLoader worker gets the dataset)."""
     import pickle
 
-    from fastload.benchmark.backends import release
-    from fastload.benchmark.limits import evict, resident_fraction
+    from fastload.benchmark import evict, release, resident_fraction
     from fastload.formats.writer import fsync_path
 
     learnt = pickle.dumps(db)

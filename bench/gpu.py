@@ -38,10 +38,10 @@ from bench.train_step import train, write_dataset
 from bench.vision import SETS, batches_of, make_jpegs, preset_pass
 from fastload import cuda_ops
 from fastload.dataset import open_dataset
-from fastload.device import DeviceStage
 from fastload.loader import Loader
-from fastload.pinned import BufferRing
 from fastload.system import usable_cores
+from fastload.transfer.ring import BufferRing
+from fastload.transfer.side_stream import DeviceStage
 from fastload.vision import IMAGENET_MEAN, IMAGENET_STD, ImagePreset, dali_available
 
 __all__ = ["ROWS", "Row", "main", "run_row"]

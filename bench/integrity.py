@@ -84,9 +84,7 @@ def _cold_bytes(ds_dir: str, mode: str, fraction: float) -> int:
 def _bench_best(mode: str, workdir: str) -> float:
     """The embedded `fastload bench`'s best fastload Loader row (median samples/s of its repeats) with
     `open_dataset(verify=mode)`."""
-    from fastload.benchmark import add_arguments
-    from fastload.benchmark.cli import config_from_args
-    from fastload.benchmark.runner import run_benchmark
+    from fastload.benchmark import add_arguments, config_from_args, run_benchmark
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

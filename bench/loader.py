@@ -22,7 +22,7 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
   default (the workers always fetch) and against 0 workers, in `LIMIT_ROUNDS` paired rounds, on this dataset,
   on a short run (`SHORT_SAMPLES`, epochs shorter than the probe's windows) and on a run of
   `LONG_EPOCHS` epochs (long enough for the probe to try the workers: a 3-epoch run is not);
-* the epoch plan (`fastload.plan`): 0 workers and 2 thread workers always fetching, each with
+* the epoch plan (`fastload.fetch.plan`): 0 workers and 2 thread workers always fetching, each with
   and without it (`epoch_plan=False`), and the raw 2-thread gather, in `LIMIT_ROUNDS` paired
   rounds, on this dataset and on `SMALL_SAMPLES` records of `SMALL_RECORD` bytes (where the
   per-batch lookups the plan replaces weigh most);
@@ -57,7 +57,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import fastload.formats as formats
-from fastload.fetch import Fetcher
+from fastload.fetch.fetcher import Fetcher
 from fastload.loader import Loader
 from fastload.system import usable_cores
 
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     def fl(nw: int, **kw: Any) -> float:
         loader = Loader(fds, batch_size=BATCH, shuffle=True, num_workers=nw, worker_type="thread", **kw)
         samples_per_s = rate(epochs_of(loader, epochs), limit, dict_size)
-        probe = loader._probe
+        probe = loader.autotune_probe
         if nw in probe_log and probe is not None:
             probe_log[nw].append(f"{probe.choice} ({probe.switches} switches, {probe.retries} retries)")
         return samples_per_s

@@ -9,7 +9,7 @@ the raw pipeline (8 threads of urllib/boto3, and of obstore), the Loader's first
 and second epoch per transport (`--transport`, default: "auto", which is obstore for http/s3, and
 "fsspec"), and with a local server the same epoch over the local copy. Every row: median and range
 over the rounds of MB/s, user and total CPU s/GB of this process, seconds to the first batch.
-See `fastload.benchmark.remote` (also `fastload bench --remote URL`).
+See `fastload.benchmark.run_remote` (also `fastload bench --remote URL`).
 
 Run: `python -m bench.remote [--server nginx|moto] [--shards 12 --shard-size 32MB --rounds 3]`.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fastload.benchmark.remote import format_remote, run_remote
+from fastload.benchmark import format_remote, run_remote
 from fastload.formats import write
 from fastload.formats.units import parse_size
 

@@ -22,7 +22,7 @@ from http_faults import ShardServer
 
 from fastload import Loader, open_dataset
 from fastload.formats import write
-from fastload.remote import RemoteFetchError
+from fastload.remote.storage import RemoteFetchError
 
 
 def _case(tmp: str, how: str) -> None:

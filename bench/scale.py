@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from bench.epoch_start import IndexDS
-from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
-from fastload.index_shuffle import IndexShuffle
 from fastload.loader import Loader
-from fastload.sampling import SeededOrder, rank_indices
+from fastload.order.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
+from fastload.order.index_shuffle import IndexShuffle
+from fastload.order.sampling import SeededOrder, rank_indices
 
 __all__ = ["main"]
 
@@ -100,7 +100,7 @@ def whole_epoch(n: int, rank: int, repeats: int = 3) -> tuple[float, float, int,
     order = SeededOrder(n, batch_size=BS, shuffle=True, drop_last=False, seed=0, rank=rank, world_size=WORLD)
 
     def stream() -> int:
-        return sum(len(b) for b, _ in order.epoch(3)[2])
+        return sum(len(b) for b, _, _ in order.epoch(3)[2])
 
     def share() -> np.ndarray:
         return order.indices(3, skip=5, step=WORKERS)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fastload.benchmark.loaders import bottleneck
+from fastload.benchmark import bottleneck
 from fastload.dataset import open_dataset
 from fastload.formats import Block, BlockSource, Field, Schema, parse_size, write
 from fastload.loader import Loader

@@ -21,7 +21,7 @@ other users of the machine hits a row and its baselines alike):
 - `fastload.Loader` over a fastload dataset of the set's JPEGs as `fastload convert` stores them
   (re-encoded with restart markers; repeated to `LOADER_IMAGES`, so
   an epoch is many batches, as in training), eval crop-only and train presets as `transform`,
-  num_workers 0/1/2 (`adaptive=False`, so each row runs the workers it names);
+  num_workers 0/1/2 (`autotune=False`, so each row runs the workers it names);
 - on a CUDA machine: the DALI mixed (nvJPEG) rows and the data stall of a prefetching loop.
 `--resize-kernels` times, instead, the resize kernels on the train windows (torch, Pillow, OpenCV
 where it imports). Each row prints the median images/s over rounds and its ratios to the baselines measured just
@@ -157,7 +157,7 @@ def _loader_pass(root: str, preset: ImagePreset, batch_size: int, workers: int) 
         transform=preset,
         seed=0,
         num_workers=workers,
-        adaptive=False,
+        autotune=False,
     )
 
     def one_pass() -> int:
@@ -353,7 +353,7 @@ root, workers, size, bs, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
 kw = {"resize": None} if kind == "eval" else {}
 preset = ImagePreset(kind=kind, size=size, backend="cpu", normalize=False, **kw)
 loader = Loader(with_indices(open_dataset(root)), batch_size=bs, drop_last=True, transform=preset,
-                num_workers=workers, seed=0, adaptive=False)
+                num_workers=workers, seed=0, autotune=False)
 t1 = time.perf_counter()
 it = iter(loader)
 next(it)

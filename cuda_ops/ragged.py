@@ -1,6 +1,6 @@
 """`pad_ragged`: a ragged token buffer (flat values + offsets) -> right-padded (B, L) batch.
 
-This is the stable entry point the variable-length NLP path (`fastload.bucketing`) calls on the
+This is the stable entry point the variable-length NLP path (`fastload.order.bucketing`) calls on the
 columnar `Ragged(values, offsets)` a batch arrives as. `pad_ragged_reference` defines the
 semantics in plain torch; `pad_ragged` runs one CUDA kernel for CUDA `values`.
 """
@@ -162,7 +162,7 @@ def _launch_pad_ragged(values: torch.Tensor, offsets: torch.Tensor, length: int,
 def pad_ragged(values: Array, offsets: Array, *, pad_value: int = 0, pad_to_multiple_of: int = 1,
                max_len: int | None = None, labels_pad_value: int | None = None,
                mask_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Right-pad a ragged token buffer into a (B, L) batch. Stable API used by `fastload.bucketing`.
+    """Right-pad a ragged token buffer into a (B, L) batch. Stable API used by `fastload.order.bucketing`.
 
     values: flat 1-D integer tensor (any int dtype, signed or unsigned) or numpy array.
     offsets: int64, length B + 1, non-decreasing; row b is values[offsets[b]:offsets[b + 1]]

@@ -4,11 +4,12 @@ Public API (imported lazily, so `import fastload` is cheap and never fails for a
 optional dependency such as DALI):
 
 - `fastload.Loader`: drop-in replacement for `torch.utils.data.DataLoader`.
-- `fastload.open_dataset(path_or_url, ...)`: a fastload dataset, local (mmap) or remote (cached).
+- `fastload.open_dataset(path_or_url, ...)`: a fastload dataset, local (mmap) or remote (cached);
+  `fastload.read_ray(path_or_url)`: the same as a `ray.data.Dataset` (`fastload[ray]`).
 - `fastload.formats`: the on-disk format (`write`, readers for fastload/LMDB/HDF5).
 - `fastload.TokenBudgetBatchSampler`, `fastload.TextCollate`: variable-length text batches.
 - `fastload.BatchViews`: a `collate_fn` that yields each batch as its columns (`Ragged` views
-  of variable fields, no per-sample Python objects; see `fastload.views`).
+  of variable fields, no per-sample Python objects; see `fastload.fetch.views`).
 - `fastload.ShardWindowSampler`, `fastload.RemoteStorage`: object storage through a shard cache.
 - `fastload.vision`: DALI / CPU image presets; `fastload.cuda_ops`: fused CUDA kernels.
 - `fastload.RunContext`, `fastload.RunAware` (`fastload.run`): the run's facts (seed, epoch,
@@ -25,16 +26,17 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Loader": "fastload.loader",
     "open_dataset": "fastload.dataset",
-    "TokenBudgetBatchSampler": "fastload.bucketing",
-    "TextCollate": "fastload.text_collate",
-    "BatchViews": "fastload.views",
+    "read_ray": "fastload.dataset",
+    "TokenBudgetBatchSampler": "fastload.order.bucketing",
+    "TextCollate": "fastload.fetch.text_collate",
+    "BatchViews": "fastload.fetch.views",
     "RunContext": "fastload.run",
     "RunAware": "fastload.run",
-    "ShardWindowSampler": "fastload.shard_shuffle",
-    "RemoteStorage": "fastload.remote",
-    "RetryPolicy": "fastload.remote",
-    "RemoteFetchError": "fastload.remote",
-    "CacheBudgetError": "fastload.cache",
+    "ShardWindowSampler": "fastload.order.shard_shuffle",
+    "RemoteStorage": "fastload.remote.storage",
+    "RetryPolicy": "fastload.remote.storage",
+    "RemoteFetchError": "fastload.remote.storage",
+    "CacheBudgetError": "fastload.remote.cache.shard_cache",
     "FastloadDataset": "fastload.formats",
     "LMDBDataset": "fastload.formats",
     "HDF5Dataset": "fastload.formats",

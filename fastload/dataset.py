@@ -7,17 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastload.formats import FastloadDataset
 from fastload.formats.resume import incomplete_conversion
+from fastload.formats.storage import is_url
 
 if TYPE_CHECKING:
     from fastload.formats.arrow_dataset import LanceDataset, ParquetDataset
 
-__all__ = ["is_url", "open_dataset"]
-
-
-def is_url(path: str | os.PathLike[str]) -> bool:
-    """True for fsspec URLs (``s3://``, ``gs://``, ``memory://``, ...); ``file://`` counts as local."""
-    text = os.fspath(path)
-    return "://" in text and not text.startswith("file://")
+__all__ = ["open_dataset", "read_ray"]
 
 
 # Reading in place, where a class exists; every kind converts with `fastload convert SRC OUT`.
@@ -49,9 +44,9 @@ def _check_local(path: str) -> None:
 
 
 def _open_in_place(
-    kind: str, path: str, verify: str | None, verify_checksums: bool | None
+    kind: str, path: str, verify: str | None
 ) -> ParquetDataset | LanceDataset:
-    if verify not in (None, "auto") or verify_checksums is not None:
+    if verify not in (None, "auto"):
         raise ValueError(
             f"{path!r} is read in place ({kind}): it has no fastload block checksums to verify, only the "
             "checks its own format makes (see docs/migrate.md); convert it for verified reads"
@@ -83,7 +78,6 @@ def open_dataset(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit: int | str | None = None,
     verify: str | None = None,
-    verify_checksums: bool | None = None,
     max_open_shards: int | None = None,
     transport: str = "auto",
 ) -> FastloadDataset | ParquetDataset | LanceDataset:
@@ -95,7 +89,7 @@ def open_dataset(
 
     `verify`: "auto" (default: every byte read is checked against its block checksum once per
     process), "full" (also every shard whole when opened) or "none" (structure only); see
-    `FastloadDataset`. `verify_checksums=True`/`False` is the older spelling of "full"/"none".
+    `FastloadDataset`.
     """
     text = os.fspath(path)
     if text.startswith("file://"):
@@ -105,13 +99,13 @@ def open_dataset(
 
         kind = in_place_kind(text)
         if kind is not None:
-            return _open_in_place(kind, text, verify, verify_checksums)
+            return _open_in_place(kind, text, verify)
         _check_local(text)
         return FastloadDataset(
-            text, verify=verify, verify_checksums=verify_checksums, max_open_shards=max_open_shards or 64
+            text, verify=verify, max_open_shards=max_open_shards or 64
         )
     _check_protocol(text)
-    from fastload.remote import RemoteStorage
+    from fastload.remote.storage import RemoteStorage
 
     # The remote storage sizes the number of pinned shards from the cache budget when not given.
     storage = RemoteStorage(
@@ -124,5 +118,27 @@ def open_dataset(
     )
     # the storage's `max_open_shards` follows its share of a cache shared with other readers
     return FastloadDataset(
-        storage=storage, verify=verify, verify_checksums=verify_checksums, max_open_shards=max_open_shards or 64
+        storage=storage, verify=verify, max_open_shards=max_open_shards or 64
+    )
+
+
+def read_ray(
+    path_or_url: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    override_num_blocks: int | None = None,
+) -> Any:
+    """A fastload dataset (directory or fsspec URL) as a `ray.data.Dataset` of its samples, in dataset order.
+
+    Each read task opens the dataset with `open_dataset` (a URL through the shard cache), reads a
+    run of whole shards and yields one block per shard; `override_num_blocks` sets the number of
+    tasks (at most one per shard). Needs `fastload[ray]`.
+    """
+    import ray.data
+
+    from fastload.formats.ray_io import FastloadDatasource
+
+    return ray.data.read_datasource(
+        FastloadDatasource(os.fspath(path_or_url), opener=open_dataset, storage_options=storage_options),
+        override_num_blocks=override_num_blocks,
     )

@@ -10,7 +10,7 @@ and — given the same sampler / generator / global RNG — the same batches in 
   `Ragged` with tensor `values`/`offsets`. A `collate_fn` that declares
   ``accepts_batch_views = True`` (`fastload.BatchViews`, `TextCollate`, `ImagePreset`) gets the
   batch's columns instead: fixed fields as tensors, variable ones as `Ragged` of tensors, one
-  gather per field and no per-sample Python object (`fastload.views`); `transform` then runs on
+  gather per field and no per-sample Python object (`fastload.fetch.views`); `transform` then runs on
   its output. `describe()["batch"]` says which. Datasets with `__getitems__` get one call per
   batch (as in torch) and a cheaper collate with `default_collate`'s output.
 * Workers: `num_workers=N` starts exactly N workers: threads on the fast path (GIL-releasing
@@ -26,10 +26,10 @@ and — given the same sampler / generator / global RNG — the same batches in 
   `describe()` shows every resolved setting (`fastload.pipeline.config` holds the rules).
 * `pin_memory=True` (with an accelerator) or `device='cuda[:N]'`: batches are packed into a
   bounded ring of reused pinned buffers; with `device`, the H2D copy runs on a side stream
-  `prefetch` batches ahead (see `fastload.device`). `device='cpu'` is a no-op stage.
+  `prefetch` batches ahead (see `fastload.transfer.side_stream`). `device='cpu'` is a no-op stage.
 * Order: `seed=` gives an epoch order that is a pure function of (seed, epoch, len(dataset));
   ranks get disjoint, equally long shares (padding by repetition unless `drop_last`), see
-  `fastload.sampling`. Rank and world size are resolved at the first `iter()` (`rank`/`world_size`,
+  `fastload.order.sampling`. Rank and world size are resolved at the first `iter()` (`rank`/`world_size`,
   else `torch.distributed` when initialized, else `RANK` and `WORLD_SIZE`; a partial environment
   raises), so a Loader built before the process group exists takes the rank the run has.
 * Epochs: once the last batch of an epoch was delivered, the next `iter()` starts the next epoch
@@ -79,18 +79,15 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from fastload.device import DeviceStage, resolve_device
 from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
 from fastload.loader_views import BatchRelay, EpochBatchSampler, torch_collate
-from fastload.pinned import BufferRing
+from fastload.order.choice import STATE_VERSION, RankedOrder, batches_from, check_state, dealt_world, order_kind
+from fastload.order.record import Order
+from fastload.order.sampling import SamplerOrder, SeededOrder
 from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
 from fastload.pipeline.config import describe_settings, order_ahead_rule
-from fastload.pipeline.device import DeviceQueue
 from fastload.pipeline.intake import TORCH_ARGS, build_stages
-from fastload.pipeline.order import STATE_VERSION, RankedOrder, batches_from, check_state, dealt_world, order_kind
-from fastload.pipeline.pinned import PinStage
 from fastload.pipeline.progress import EpochProgress
-from fastload.pipeline.sources import WorkerSet
 from fastload.run import (
     COMPONENT_ROLES,
     EpochRelay,
@@ -99,9 +96,14 @@ from fastload.run import (
     collect_component_descriptions,
     collect_component_stats,
 )
-from fastload.sampling import SamplerOrder, SeededOrder
 from fastload.stats import LoaderStats
+from fastload.transfer.device_queue import DeviceQueue
+from fastload.transfer.pin_stage import PinStage
+from fastload.transfer.ring import BufferRing
+from fastload.transfer.side_stream import DeviceStage, resolve_device
 from fastload.validate import validate_loader_args
+from fastload.workers import ThreadPool
+from fastload.workers.kept import WorkerSet
 
 __all__ = ["Loader"]
 
@@ -123,12 +125,11 @@ class Loader(Generic[T_co]):
     this epoch runs; None, the default: only when a core is left over by this epoch's fetching,
     see `fastload.pipeline.config.order_ahead_rule`), `autotune` (thread workers: compare them
     with fetching inline in the consumer's thread during the run and keep the faster, see
-    `fastload.pipeline.autotune`; default False: the workers always fetch), `adaptive` (the
-    former name of `autotune`, same meaning), `epoch_plan`
+    `fastload.pipeline.autotune`; default False: the workers always fetch), `epoch_plan`
     (a seeded order or torch's own samplers, over a local fastload dataset of fixed-size fields,
     fetched in this process: read the row lookups and small fields of a whole epoch at once as
-    its order is computed, see `fastload.plan`; default True; False: per batch, without the
-    plan's memory, at most `fastload.plan.PLAN_MAX_BYTES`).
+    its order is computed, see `fastload.fetch.plan`; default True; False: per batch, without the
+    plan's memory, at most `fastload.fetch.plan.PLAN_MAX_BYTES`).
     """
 
     # the drop-in attributes hold the user's objects as given (torch types them more narrowly)
@@ -169,7 +170,6 @@ class Loader(Generic[T_co]):
         ring_slots: int | None = None,
         order_ahead: bool | None = None,
         autotune: bool = False,
-        adaptive: bool | None = None,
         epoch_plan: bool = True,
     ) -> None:
         init_args = dict(locals())  # the configuration a pickled Loader is rebuilt from
@@ -203,7 +203,7 @@ class Loader(Generic[T_co]):
         self._probe: ThreadProbe | None = None  # autotune's probe, kept across epochs
         if not self._iterable:
             self.order_ahead, self.epoch_plan = order_ahead, epoch_plan
-            self.autotune = bool(autotune if adaptive is None else adaptive)
+            self.autotune = bool(autotune)
             stages = build_stages(dl, user_collate=collate_fn, transform=transform, worker_type=worker_type,
                                   device=self.device, buffer_ring=buffer_ring, ring_slots=ring_slots, prefetch=prefetch,
                                   autotune=self.autotune, order_ahead=order_ahead, epoch_plan=epoch_plan)
@@ -227,12 +227,12 @@ class Loader(Generic[T_co]):
     # ---- rank, world size, order
     @property
     def rank(self) -> int:
-        """This process's rank (see `fastload.pipeline.order.RankedOrder`)."""
+        """This process's rank (see `fastload.order.choice.RankedOrder`)."""
         return self._orders.rank_world()[0]
 
     @property
     def world_size(self) -> int:
-        """The number of ranks (see `fastload.pipeline.order.RankedOrder`)."""
+        """The number of ranks (see `fastload.order.choice.RankedOrder`)."""
         return self._orders.rank_world()[1]
 
     @property
@@ -280,6 +280,21 @@ class Loader(Generic[T_co]):
         return self._progress.length(self._order, self.drop_last)
 
     @property
+    def order_stage(self) -> SeededOrder | SamplerOrder:
+        """The order the next `iter()` runs, for the run's current rank and world size."""
+        return self._orders.get()
+
+    @property
+    def autotune_probe(self) -> ThreadProbe | None:
+        """The inline-vs-threads probe (`autotune=True`, kept across epochs once an epoch made it)."""
+        return self._probe
+
+    @property
+    def thread_pool(self) -> ThreadPool | None:
+        """The worker threads kept across epochs (thread workers, once an epoch started them)."""
+        return self._workers.threads if self._workers is not None else None
+
+    @property
     def _active(self) -> EpochIterator | None:
         """The live iterator (held weakly: the consumer owns it)."""
         return self._progress.active
@@ -295,19 +310,17 @@ class Loader(Generic[T_co]):
         self._orders.fix()
         run = self._bind_run()
         self._fetcher.refresh()
-        cfg, workers, order_stage = self.config, self._workers, self._order
+        cfg, workers, stage = self.config, self._workers, self._order
+        order_stage: Order = stage
         assert workers is not None  # a map-style Loader builds its WorkerSet in __init__
         # batches fetched in this process read their small fields from a plan of the whole epoch
         in_process = cfg.worker_kind != "process"
-        plan = self._fetcher.plan if cfg.epoch_plan and in_process and self._fetcher.direct else None
-        base_seed: int | None
-        if isinstance(order_stage, SeededOrder):
-            ahead = order_ahead_rule(cfg, direct=self._fetcher.direct)
-            base_seed, start, order = order_stage.epoch(self._progress.epoch, resume, ahead=ahead, plan=plan)
-        else:
-            draw = not workers.reuses_processes
-            base_seed, start, order = order_stage.epoch(draw_base_seed=draw, resume=resume, plan=plan)
-        expected = batches_from(order_stage, start if resume is not None else None, self.drop_last)
+        plan = self._fetcher if cfg.epoch_plan and in_process and self._fetcher.direct else None
+        base_seed, start, order = order_stage.epoch(
+            self._progress.epoch, resume, plan=plan, ahead=order_ahead_rule(cfg, direct=self._fetcher.direct),
+            draw_base_seed=not workers.reuses_processes,
+        )
+        expected = batches_from(stage, start if resume is not None else None, self.drop_last)
         device_index = self._device_index()
         ring = None
         if cfg.ring_slots is not None:
@@ -354,8 +367,7 @@ class Loader(Generic[T_co]):
 
     def _epoch_done(self, it: EpochIterator) -> None:
         """`it` delivered its epoch's last batch: the next `iter()` starts the next epoch."""
-        if self._progress.complete(it):
-            self._fetcher.release_plan()
+        self._progress.complete(it)
 
     # ---- epochs and state
     @property
@@ -406,8 +418,6 @@ class Loader(Generic[T_co]):
         self._orders.fix()
         epoch, order, position = int(state["epoch"]), self._order, state["position"]
         if isinstance(order, SeededOrder):
-            if position is not None:
-                order.check(position)
             if state.get("seed") is not None:
                 self._orders.set_seed(int(state["seed"]))
         elif state.get("run_seed") is not None:
@@ -477,7 +487,7 @@ class Loader(Generic[T_co]):
         (`fastload.run.StatsReporter`; roles "sampler", "batch_sampler", "transform",
         "collate_fn", "dataset"; the objects in this process: with worker processes a
         transform's counters stay in the workers). The dataset's `storage.stats()` (a remote
-        dataset's `remote_*` transfer timings, see `fastload.transfer_stats`) is merged in
+        dataset's `remote_*` transfer timings, see `fastload.remote.transfer_stats`) is merged in
         without overriding these.
         """
         storage = getattr(self.dataset, "storage", None)
@@ -497,9 +507,6 @@ class Loader(Generic[T_co]):
     def close(self) -> None:
         """Stop the active iterator and any persistent workers (`state_dict()` still says where it was)."""
         self._progress.stop_active()
-        fetcher = getattr(self, "_fetcher", None)  # none for an IterableDataset
-        if fetcher is not None:
-            fetcher.release_plan()
         self._stop_workers()
 
     def __del__(self) -> None:

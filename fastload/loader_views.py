@@ -51,13 +51,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import BatchSampler, Sampler, get_worker_info
 
-from fastload.collate import columns_to_torch
+from fastload.fetch.collate import columns_to_torch
 from fastload.formats.ragged import Ragged
 from fastload.formats.shapes import ShapedBatch
-from fastload.pipeline.order import RankedOrder
+from fastload.order.choice import RankedOrder
+from fastload.order.sampling import SeededOrder
 from fastload.pipeline.progress import EpochProgress
 from fastload.run import RunAware, RunContext, batch_context, unknown_batch
-from fastload.sampling import SeededOrder
 
 __all__ = [
     "BatchRelay",
@@ -124,7 +124,7 @@ def _rank_batches(orders: RankedOrder, progress: EpochProgress, torch_batches: A
         # the epoch under way: its draws replayed from the RNG states captured when it started
         start = {"batches": 0, "sampler_state": None, "rng": pos["rng"], "base_seed": None}
         _, _, replayed = order.epoch(draw_base_seed=False, resume=start)
-        for indices, _ in replayed:
+        for indices, _, _ in replayed:
             yield indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
         return
     geometry = (0, order.world_size, order.batch_size)
@@ -139,7 +139,7 @@ def _rank_batches(orders: RankedOrder, progress: EpochProgress, torch_batches: A
             "load_state, without skip_first_batches)"
         )
     _, _, batches = order.epoch(progress.epoch, ahead=False)
-    for indices, _ in batches:
+    for indices, _, _ in batches:
         yield indices.tolist()
 
 
@@ -343,7 +343,7 @@ def torch_collate(
 ) -> Callable[[Any], Any]:
     """`loader.collate_fn`: `collate_fn` (torch's resolved one) where the Loader's batch is exactly
     `collate_fn(samples)` and the collate does not take the run, else a `LoaderCollate` giving the
-    Loader's batch from samples. `fetcher`: the Loader's `fastload.fetch.Fetcher` (its `mode`,
+    Loader's batch from samples. `fetcher`: the Loader's `fastload.fetch.fetcher.Fetcher` (its `mode`,
     `collate_fn`, `transform`, `scalar_fields`); `relay`: its `EpochBatchSampler`'s, if it has one."""
     if fetcher.mode == "columns":
         return LoaderCollate(columns=True, collate=collate_fn, transform=fetcher.transform,

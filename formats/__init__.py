@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .lmdb_dataset import LMDBDataset
     from .manifest import Manifest
     from .ragged import Ragged
-    from .ray_io import read_ray, write_ray
+    from .ray_io import write_ray
     from .reader import FastloadDataset
     from .schema import Field, Schema
     from .shapes import ShapedBatch
@@ -47,7 +47,6 @@ _EXPORTS = {
     "Storage": "storage",
     "WriteInterrupted": "writer",
     "parse_size": "units",
-    "read_ray": "ray_io",
     "write": "writer",
     "write_ray": "ray_io",
 }
@@ -72,7 +71,6 @@ __all__ = [
     "Storage",
     "WriteInterrupted",
     "parse_size",
-    "read_ray",
     "write",
     "write_ray",
 ]

@@ -1,4 +1,4 @@
-"""fastload on Ray Data: `write_ray` converts on a cluster, `read_ray` opens a dataset as a `ray.data.Dataset`.
+"""fastload on Ray Data: `write_ray` converts on a cluster; `FastloadDatasource` reads one (`fastload.read_ray`).
 
 Conversion runs in two Ray Data passes over the same source:
 
@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from .manifest import MANIFEST_NAME, META_NAME, Manifest
 from .ray_plan import PathSource, Plan, RefSource, block_rows, plan_shards
 from .schema import Schema
 from .shard import ShardIdentity, ShardInfo, ShardReader, write_shard
+from .storage import is_url
 from .units import parse_size
 from .writer import (
     DEFAULT_SHARD_SIZE,
@@ -57,15 +58,11 @@ from .writer import (
     shard_name,
 )
 
-__all__ = ["FastloadDatasink", "FastloadDatasource", "RayWriteResult", "convert_ray", "read_ray", "write_ray"]
+__all__ = ["FastloadDatasink", "FastloadDatasource", "RayWriteResult", "convert_ray", "write_ray"]
 
 _TMP_MARK = ".part-"  # shards/<name>.part-<id>: a shard being written by one task attempt
 _INFER_SAMPLES = 64
 SKIP_REPORT_NAME = "skipped-inputs.jsonl"  # the inputs `on_error="skip"` left out, as the local `convert` names it
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 # ---------------------------------------------------------------- output location (local directory or fsspec URL)
@@ -81,7 +78,7 @@ class _Output:
     @property
     def remote(self) -> bool:
         """True for an fsspec URL, False for a local directory."""
-        return _is_url(self.root)
+        return is_url(self.root)
 
     def fs(self) -> Any:
         """The fsspec filesystem of a URL output."""
@@ -501,7 +498,7 @@ def _ray_readable(src: str) -> bool:
 
     if is_webdataset(src, list_urls=False):
         return False  # .tar shards: read by `PathSource` in the tasks (a URL folder: --kind webdataset)
-    return _is_url(src) or src.lower().endswith(".parquet") or (
+    return is_url(src) or src.lower().endswith(".parquet") or (
         os.path.isdir(src) and any(n.lower().endswith(".parquet") for n in os.listdir(src))
     )
 
@@ -554,7 +551,7 @@ def convert_ray(
 
 
 def _arrow_fs(src: str, storage_options: dict[str, Any] | None) -> Any:
-    if not _is_url(src) or not storage_options:
+    if not is_url(src) or not storage_options:
         return None
     import fsspec
     import pyarrow.fs
@@ -567,13 +564,17 @@ def _arrow_fs(src: str, storage_options: dict[str, Any] | None) -> Any:
 
 
 class FastloadDatasource(Datasource):
-    """A fastload dataset (directory or fsspec URL) as Ray read tasks, each reading whole shards."""
+    """A fastload dataset (directory or fsspec URL) as Ray read tasks, each reading whole shards.
 
-    def __init__(self, path: str, *, storage_options: dict[str, Any] | None = None) -> None:
-        from fastload.dataset import open_dataset
+    `opener(path, storage_options=...)` opens the dataset (in the driver and in each read task, so
+    it must pickle by reference): `fastload.read_ray` passes `fastload.open_dataset`, which reads a
+    URL through the shard cache; this layer does not know about the cache.
+    """
 
-        self.path, self.storage_options = os.fspath(path), storage_options
-        ds = open_dataset(self.path, storage_options=storage_options)
+    def __init__(self, path: str, *, opener: Callable[..., Any],
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.path, self.storage_options, self.opener = os.fspath(path), storage_options, opener
+        ds = opener(self.path, storage_options=storage_options)
         try:
             self.bounds = [int(b) for b in ds.shard_boundaries]
             self.shard_bytes = [int(s.bytes) for s in ds.manifest.shards]
@@ -602,12 +603,10 @@ class FastloadDatasource(Datasource):
         return tasks
 
     def _reader(self, shards: list[int]) -> Any:
-        path, options, bounds = self.path, self.storage_options, self.bounds
+        path, options, bounds, opener = self.path, self.storage_options, self.bounds, self.opener
 
         def read() -> Iterator[Any]:
-            from fastload.dataset import open_dataset
-
-            ds = open_dataset(path, storage_options=options)
+            ds = opener(path, storage_options=options)
             try:
                 for k in shards:
                     yield _to_ray_block(ds, bounds[k], bounds[k + 1], f"{path}: shard {k}")
@@ -635,16 +634,3 @@ def _to_ray_block(ds: Any, start: int, stop: int, where: str) -> Any:
         arr[:] = items
         columns[f.name] = arr
     return BlockAccessor.batch_to_block(columns)
-
-
-def read_ray(path_or_url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,
-             override_num_blocks: int | None = None) -> Any:
-    """A fastload dataset as a `ray.data.Dataset` of its samples, in dataset order.
-
-    Each read task reads a run of whole shards and yields one block per shard;
-    `override_num_blocks` sets the number of tasks (at most one per shard).
-    """
-    return ray.data.read_datasource(
-        FastloadDatasource(os.fspath(path_or_url), storage_options=storage_options),
-        override_num_blocks=override_num_blocks,
-    )

@@ -41,12 +41,8 @@ HUGE_FRACTION = 0.5  # datasets up to this fraction of physical memory are mappe
 VERIFY_MODES = ("auto", "full", "none")
 
 
-def verify_mode(verify: str | None, verify_checksums: bool | None) -> str:
-    """The `verify` mode from the keyword and the older `verify_checksums` flag (True: "full", False: "none")."""
-    if verify_checksums is not None:
-        if verify is not None:
-            raise TypeError("pass verify= or verify_checksums=, not both")
-        return "full" if verify_checksums else "none"
+def verify_mode(verify: str | None) -> str:
+    """The `verify` mode (None: "auto"); ValueError for another value."""
     verify = "auto" if verify is None else verify
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -176,8 +172,8 @@ class FastloadDataset:
     `verify` (FORMAT.md, "Reading and verification"): "auto" (default) checks every byte it returns: each
     64 KiB block of a version-2 shard against its checksum when a read first touches it (once per
     process), a version-1 shard whole when it is opened; "full" also hashes every shard whole when
-    opened; "none" checks structure only. `verify_checksums=True` / `False` mean "full" / "none".
-    A mismatch raises `ChecksumError` naming the file and byte range; no data is returned.
+    opened; "none" checks structure only. A mismatch raises `ChecksumError` naming the file and
+    byte range; no data is returned.
     """
 
     def __init__(
@@ -186,10 +182,9 @@ class FastloadDataset:
         *,
         storage: Storage | None = None,
         verify: str | None = None,
-        verify_checksums: bool | None = None,
         max_open_shards: int = 64,
     ) -> None:
-        self.verify = verify_mode(verify, verify_checksums)
+        self.verify = verify_mode(verify)
         if storage is None:
             if root is None:
                 raise TypeError("FastloadDataset needs a root directory or a storage object")

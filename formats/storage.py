@@ -1,4 +1,4 @@
-"""Where a dataset's files come from. `LocalStorage` is a directory; remote storage lives in `fastload.remote`.
+"""Where a dataset's files come from. `LocalStorage` is a directory; remote storage lives in `fastload.remote.storage`.
 
 The reader asks a storage object for small files (manifest, meta) as bytes and for shards as
 local paths it can mmap; `acquire` pins a shard (a cache must not evict it) until `release`.
@@ -12,7 +12,13 @@ from typing import Protocol, runtime_checkable
 from .errors import FormatError
 from .manifest import check_relative_path
 
-__all__ = ["LocalStorage", "Storage"]
+__all__ = ["LocalStorage", "Storage", "is_url"]
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for fsspec URLs (``s3://``, ``gs://``, ``memory://``, ...); ``file://`` counts as local."""
+    text = os.fspath(path)
+    return "://" in text and not text.startswith("file://")
 
 
 @runtime_checkable

@@ -1,4 +1,4 @@
-"""Batch views (`fastload.views`): a collate that declares `accepts_batch_views` gets the columns.
+"""Batch views (`fastload.fetch.views`): a collate that declares `accepts_batch_views` gets the columns.
 
 Every field kind is checked byte for byte against `ds[i]`, in shuffled order, with 0/1/2 thread
 and process workers and with the reused-buffer ring, while every batch of the epoch is held (a
@@ -14,10 +14,10 @@ import torch
 
 import fastload
 from fastload.benchmark.synthetic import make_jpegs
+from fastload.fetch.text_collate import TextCollate
+from fastload.fetch.views import BatchViews, columns_to_views
 from fastload.formats import FastloadDataset, Field, Ragged, Schema, write
 from fastload.loader import Loader
-from fastload.text_collate import TextCollate
-from fastload.views import BatchViews, columns_to_views
 
 SCHEMA = Schema(
     (

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastload.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
+from fastload.fetch.text_collate import TextCollate
 from fastload.formats.ragged import Ragged
-from fastload.text_collate import TextCollate
+from fastload.order.bucketing import TokenBudgetBatchSampler, padding_stats, step_imbalance
 
 
 def _pad_up(x: int, m: int) -> int:
@@ -372,7 +372,7 @@ def test_windows_cover_every_sample_once_and_resume_across_them(drop_last: bool)
     with pytest.raises(ValueError, match="window"):
         TokenBudgetBatchSampler(lengths, rank=1, world_size=3, **{**kw, "window": 1000}).load_state_dict(state)
     old = {k: v for k, v in state.items() if k != "order_version"}
-    with pytest.raises(ValueError, match="plan is version 1"):
+    with pytest.raises(ValueError, match="order is version 1"):
         resumed.load_state_dict(old)
 
 

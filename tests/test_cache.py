@@ -10,8 +10,8 @@ import time
 import pytest
 import xxhash
 
-from fastload.cache import CacheBudgetError, CacheStateError, Download, ShardCache
 from fastload.formats.errors import ChecksumError
+from fastload.remote.cache.shard_cache import CacheBudgetError, CacheStateError, Download, ShardCache
 
 KB = 1000
 

@@ -22,9 +22,9 @@ import pytest
 from http_faults import ShardServer
 
 from fastload import Loader
-from fastload.cache import CacheBudgetError, ShardCache
 from fastload.formats import ChecksumError, FastloadDataset, write
-from fastload.remote import RemoteStorage
+from fastload.remote.cache.shard_cache import CacheBudgetError, ShardCache
+from fastload.remote.storage import RemoteStorage
 
 N = 600  # 12 shards of 50 samples
 SHARD = 100_000

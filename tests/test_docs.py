@@ -35,9 +35,9 @@ MODULES = _documented_modules()
 
 
 def test_every_api_page_names_objects():
-    assert {"fastload.loader", "fastload.dataset", "fastload.formats", "fastload.bucketing",
-            "fastload.text_collate", "fastload.vision", "fastload.cuda_ops", "fastload.benchmark",
-            "fastload.remote"} <= set(MODULES)
+    assert {"fastload.loader", "fastload.dataset", "fastload.formats", "fastload.order.bucketing",
+            "fastload.fetch.text_collate", "fastload.vision", "fastload.cuda_ops", "fastload.benchmark",
+            "fastload.remote.storage"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", ["fastload", *MODULES])

@@ -14,8 +14,8 @@ from probe_clock import use_step_clock
 from torch.utils.data import DataLoader
 
 from fastload import Loader
-from fastload.collate import columns_to_torch
-from fastload.fetch import Fetcher, torch_gather
+from fastload.fetch.collate import columns_to_torch
+from fastload.fetch.fetcher import Fetcher, torch_gather
 from fastload.formats import FastloadDataset, Field, Schema, write
 from fastload.formats import spliced as spliced_mod
 from fastload.formats.spliced import splice_available
@@ -58,7 +58,7 @@ def test_direct_path_matches_get_batch(tmp_path):
         want = columns_to_torch(ds.get_batch(idx), scalar_fields=frozenset({"y"}))
         assert _same(got, want)
         assert set(timings) == {"read"}
-    assert fetch._takes is not None, "the direct path was taken"
+    assert fetch.direct, "the direct path was taken"
     calls = []
     ds.get_batch = lambda *a, **k: calls.append(a)  # no get_batch call per batch on the direct path
     fetch(np.arange(10))
@@ -73,7 +73,7 @@ def test_direct_path_declined_when_conversion_is_needed(tmp_path, case):
     fetch = _fetcher(ds, transform=(lambda cols: cols) if case == "transform" else None)
     idx = np.array([4, 1, 9])
     got, _ = fetch(idx)
-    assert fetch._takes is None
+    assert not fetch.direct_path()
     assert got["y"].dtype == torch.int64 and got["y"].tolist() == [28, 7, 63]  # widened as default_collate does
     assert torch.equal(got["x"], torch.from_numpy(ds.get_batch(idx)["x"]))
 
@@ -91,14 +91,13 @@ def test_direct_path_after_close_and_in_a_pickled_copy(tmp_path):
     fetch = _fetcher(ds)
     idx = np.array([3, 400, 77])
     first, _ = fetch(idx)
-    old = fetch._takes
     ds.close()
-    fetch.refresh()  # what the Loader does as an epoch starts
+    fetch.refresh()  # what the Loader does as an epoch starts: the reopened dataset's mappings
     again, _ = fetch(idx)
-    assert _same(first, again) and fetch._takes is not old, "the reopened dataset's mappings are used"
+    assert _same(first, again) and fetch.direct
     copy = pickle.loads(pickle.dumps(fetch))
-    assert copy._takes is None
-    assert _same(first, copy(idx)[0]) and copy._takes is not None
+    assert not copy.direct  # its takes are looked up in the process that uses it
+    assert _same(first, copy(idx)[0]) and copy.direct
 
 
 @pytest.mark.parametrize("workers", [(0, "thread"), (1, "thread"), (2, "thread"), (2, "process")])
@@ -126,7 +125,7 @@ def test_loader_over_fixed_fields_matches_torch(tmp_path, workers):
         assert sorted(ys.tolist()) == [i * 7 for i in range(N)], "every sample exactly once per epoch"
     assert loader.stats()["read_s"] > 0
     if wt == "thread":
-        assert loader._fetcher._takes is not None, "the Loader reads through the direct takes"
+        assert loader.describe()["direct_path"], "the Loader reads through the direct takes"
 
 
 @settings(max_examples=40, deadline=None)
@@ -156,7 +155,7 @@ def test_fetch_alone_matches_fetch(tmp_path, monkeypatch, use_table):
     ds = _dataset(tmp_path / "ds")
     fetch = _fetcher(ds)
     fetch.refresh()
-    assert fetch._takes_alone is not None and fetch._takes_alone is not fetch._takes
+    assert fetch.direct
     rng = np.random.default_rng(1)
     for idx in (np.sort(rng.permutation(N)[:64]), rng.integers(-N, N, 33), [N - 1, -N, 0, 0], []):
         alone, timings = fetch.fetch_alone(idx)
@@ -185,10 +184,10 @@ def test_direct_path_probe_starts_inline_then_keeps_the_faster_mode(tmp_path, mo
     want = [b["y"].tolist() for _ in range(2) for b in inline]  # two epochs
     loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread", autotune=True)
     it = iter(loader)
-    assert loader._fetcher.direct and loader._probe.phase == "inline" and it._depth == 0
+    assert loader.describe()["direct_path"] and loader.autotune_probe.phase == "inline" and it.depth == 0
     got = [b["y"].tolist() for b in it] + [b["y"].tolist() for b in loader]
     assert got == want
-    probe = loader._probe
+    probe = loader.autotune_probe
     assert probe.rate_threads > 0 and probe.rate_inline > 0
     assert probe.choice == ("threads" if threads_win else "inline")
     decision = loader.describe()["autotune"]["decisions"][0]  # the decision and the rates it was made on
@@ -201,4 +200,24 @@ def test_generic_dataset_probe_starts_inline(tmp_path):
     ds = _dataset(tmp_path / "ds", ragged=True)  # a ragged field: no direct path
     loader = Loader(ds, batch_size=8, shuffle=True, seed=2, num_workers=1, worker_type="thread", autotune=True)
     iter(loader)
-    assert isinstance(loader._probe, ThreadProbe) and loader._probe.phase == "inline"
+    assert isinstance(loader.autotune_probe, ThreadProbe) and loader.autotune_probe.phase == "inline"
+
+
+def test_a_view_that_adds_a_column_is_not_read_through_the_wrapped_takes(tmp_path):
+    """`with_indices` adds `__indices__` to every batch: the wrapped dataset's direct path (whose
+    takes lack it) is not passed through, so the Loader reads the view batch by batch."""
+    from fastload.fetch.direct import DirectReader
+    from fastload.vision import with_indices
+
+    ds = _dataset(tmp_path / "ds")
+    view = with_indices(ds)
+    assert isinstance(ds, DirectReader) and not isinstance(view, DirectReader)
+    assert not hasattr(view, "direct_takes") and view.num_shards == ds.num_shards  # other attributes forwarded
+    fetch = _fetcher(view)
+    assert not fetch.direct_path()
+    idx = np.array([7, 3, N - 1])
+    got, _ = fetch(idx)
+    assert got["__indices__"].tolist() == idx.tolist() and got["y"].tolist() == (idx * 7).tolist()
+    batches = list(Loader(view, batch_size=64, shuffle=True, seed=1))
+    assert sorted(i for b in batches for i in b["__indices__"].tolist()) == list(range(N))
+    assert all(torch.equal(b["y"], b["__indices__"] * 7) for b in batches)

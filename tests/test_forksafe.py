@@ -8,10 +8,10 @@ import threading
 
 import numpy as np
 
-from fastload.cache import ShardCache
 from fastload.formats import write
 from fastload.formats.forksafe import reset_in_child
 from fastload.formats.reader import FastloadDataset
+from fastload.remote.cache.shard_cache import ShardCache
 
 
 def _in_child(run, timeout: float = 10.0) -> int:

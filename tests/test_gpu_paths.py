@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from fastload.device import use_worker_stream, worker_stream
+from fastload.fetch.text_collate import TextCollate, _PinnedStaging
 from fastload.formats.ragged import Ragged
-from fastload.pinned import BufferRing
-from fastload.pipeline.sources import thread_init as _thread_init
-from fastload.text_collate import TextCollate, _PinnedStaging
+from fastload.transfer.ring import BufferRing
+from fastload.transfer.side_stream import use_worker_stream, worker_stream
+from fastload.workers.kept import thread_init as _thread_init
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -238,7 +238,7 @@ def test_cuda_transform_in_worker_threads_is_ordered_before_the_consumer():
 def test_pin_fence_without_a_device_waits_for_every_stream_of_the_device():
     """pin_memory without `device`: the user's copies may be on any stream, so the slot's fence
     waits for the whole device (not one stream's event) before the slot is rewritten."""
-    from fastload.device import DeviceWideFence
+    from fastload.transfer.side_stream import DeviceWideFence
 
     calls: list[int] = []
 

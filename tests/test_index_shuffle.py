@@ -1,4 +1,4 @@
-"""`fastload.index_shuffle` and the seeded order built on it: a bijection for every n, exactly
+"""`fastload.order.index_shuffle` and the seeded order built on it: a bijection for every n, exactly
 once per epoch over ranks and workers, exact and checked resume, and randomness measured
 against `np.random.permutation` with the same statistics and thresholds."""
 
@@ -9,9 +9,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fastload.index_shuffle import IndexShuffle, index_shuffle
 from fastload.loader import Loader
-from fastload.sampling import ORDER_VERSION, SeededOrder, epoch_permutation, rank_indices
+from fastload.order.index_shuffle import IndexShuffle, index_shuffle
+from fastload.order.position import ORDER_VERSION
+from fastload.order.sampling import SeededOrder, epoch_permutation, rank_indices
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,7 +159,7 @@ def test_exactly_once_over_ranks_and_workers(n, world, drop_last):
         mine = order.indices(epoch)
         kw = dict(base=0, world_size=world, rank=r, batch_size=bs, drop_last=drop_last)
         assert np.array_equal(mine, rank_indices(perm, sort=True, **kw))  # == dealing the whole permutation
-        streamed = [b for b, _ in order.epoch(epoch)[2]]
+        streamed = [b for b, _, _ in order.epoch(epoch)[2]]
         assert len(streamed) == len(order) and np.array_equal(np.concatenate(streamed or [mine[:0]]), mine)
         shares = [order.indices(epoch, skip=w, step=workers) for w in range(workers)]  # worker w: batches w::3
         assert sorted(np.concatenate(shares).tolist()) == sorted(mine.tolist())
@@ -181,7 +182,7 @@ def test_exactly_once_for_large_n_and_many_ranks():
     seen = np.zeros(n, dtype=np.int64)
     for r in range(world):
         order = SeededOrder(n, batch_size=bs, shuffle=True, drop_last=False, seed=9, rank=r, world_size=world)
-        for batch, _ in order.epoch(0)[2]:
+        for batch, _, _ in order.epoch(0)[2]:
             np.add.at(seen, batch, 1)
     padding = (-n) % world
     assert seen.min() == 1 and seen.sum() == n + padding and (seen == 2).sum() == padding
@@ -216,14 +217,14 @@ def test_resume_with_a_world_size_that_does_not_divide_the_rest(world, new_world
         order = SeededOrder(n, batch_size=bs, shuffle=True, drop_last=drop_last, seed=2, rank=r, world_size=world)
         it = order.epoch(1)[2]
         for _ in range(5):
-            batch, pos = next(it)
+            batch, pos, _ = next(it)
             before += batch.tolist()
         states.append(pos)
     after = []
     for r in range(new_world):
         order = SeededOrder(n, batch_size=bs, shuffle=True, drop_last=drop_last, seed=2, rank=r,
                             world_size=new_world)
-        after += [i for b, _ in order.epoch(1, resume=states[0])[2] for i in b.tolist()]
+        after += [i for b, _, _ in order.epoch(1, resume=states[0])[2] for i in b.tolist()]
     assert len(set(before)) == len(before) == 5 * bs * world and not set(before) & set(after)
     rest = n - len(before)
     if drop_last:
@@ -257,7 +258,7 @@ def test_a_state_from_another_dataset_length_or_order_version_is_refused():
         _loader(100, shuffle=False).load_state_dict(state)
     old = {**state, "position": {k: v for k, v in state["position"].items() if k not in ("order", "n", "shuffle")}}
     b = _loader(100)
-    with pytest.raises(ValueError, match="seeded order is version 1.*'position' set to None"):
+    with pytest.raises(ValueError, match="order is version 1.*'position' set to None"):
         b.load_state_dict(old)
     b.load_state_dict({**old, "position": None})  # the documented way out: that epoch from its start
     assert [x.tolist() for x in b] == [x.tolist() for x in _loader(100)]
@@ -273,9 +274,15 @@ def test_a_huge_epoch_is_streamed_not_planned():
 
     calls: list[int] = []
 
-    def plan(indices, batch_size, *, install=True):
-        calls.append(len(indices))
-        return None
+    class Planner:
+        def plan(self, indices, batch_size):
+            calls.append(len(indices))
+            return None
+
+        def prepare_plan(self, indices, batch_size):
+            calls.append(len(indices))
+
+    plan = Planner()
 
     kw = dict(batch_size=256, shuffle=True, drop_last=False, seed=0, rank=0, world_size=1)
     tracemalloc.start()
@@ -286,7 +293,7 @@ def test_a_huge_epoch_is_streamed_not_planned():
     assert calls == [] and peak < 8 << 20 and all(len(b) == 256 for b in batches)
     assert len(np.unique(np.concatenate(batches))) == 600 * 256
     small = SeededOrder(1000, **kw)
-    got = [b for b, _ in small.epoch(0, plan=plan, ahead=False)[2]]
+    got = [b for b, _, _ in small.epoch(0, plan=plan, ahead=False)[2]]
     assert calls == [1000] and np.array_equal(np.concatenate(got), small.indices(0))
 
 

@@ -511,11 +511,11 @@ def test_a_true_version_1_shard_is_hashed_whole_before_its_first_read(pristine, 
             _read_by_every_path(v1, name)
 
 
-def test_verify_keyword_and_old_flag():
+def test_verify_keyword():
     with pytest.raises(ValueError, match="verify must be one of"):
         FastloadDataset("/nonexistent", verify="sometimes")
-    with pytest.raises(TypeError, match="not both"):
-        FastloadDataset("/nonexistent", verify="full", verify_checksums=True)
+    with pytest.raises(TypeError, match="verify_checksums"):
+        FastloadDataset("/nonexistent", verify_checksums=True)  # the 0.1.0 spelling is gone
 
 
 def test_manifest_entry_that_is_a_directory(pristine, tmp_path):

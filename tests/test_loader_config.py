@@ -120,7 +120,7 @@ def test_autotune_is_opt_in_and_reports_its_decisions(monkeypatch):
 
     plain = Loader(ColumnsDS(), batch_size=4, num_workers=1)
     list(plain)
-    assert plain._probe is None and "thread_mode" not in plain.stats()
+    assert plain.autotune_probe is None and "thread_mode" not in plain.stats()
     for name, value in (("FIRST_S", 0.0), ("MIN_WINDOW_S", 0.0), ("WINDOW", 3), ("FILL", 3), ("MARGIN", 1e9)):
         monkeypatch.setattr(ThreadProbe, name, value)
     tuned = Loader(ColumnsDS(), batch_size=4, num_workers=1, autotune=True)

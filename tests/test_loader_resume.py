@@ -14,7 +14,7 @@ from probe_clock import use_step_clock
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fastload.loader import Loader
-from fastload.sampling import epoch_permutation, rank_indices, resolve_rank_world
+from fastload.order.sampling import epoch_permutation, rank_indices, resolve_rank_world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -280,13 +280,13 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
     loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     fresh = _epoch_of
     first = run(loader)
-    ahead = loader._order._ahead
-    assert ahead.pending == (1, 0, 0)
+    order = loader.order_stage
+    assert order.ahead_pending == (1, 0, 0)
     assert run(loader) == fresh(1)  # taken from the background result
-    assert ahead.pending == (2, 0, 0)
+    assert order.ahead_pending == (2, 0, 0)
     loader.set_epoch(7)  # not the epoch computed ahead: computed on the spot, same batches
     assert run(loader) == fresh(7)
-    assert ahead.pending == (8, 0, 0)
+    assert order.ahead_pending == (8, 0, 0)
     assert first == fresh(0)
     # a resume two batches into epoch 1, on a loader that has epoch 1 from its start computed ahead
     other = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
@@ -295,7 +295,7 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
     state = other.state_dict()  # epoch 0, two batches in
     resumed = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
     run(resumed)
-    assert resumed._order._ahead.pending == (1, 0, 0)
+    assert resumed.order_stage.ahead_pending == (1, 0, 0)
     resumed.load_state_dict(state)
     assert run(resumed) == fresh(0)[2:]
     other.set_epoch(1)
@@ -303,18 +303,18 @@ def test_next_epoch_order_is_computed_ahead_and_used_only_when_it_matches():
     next(it), next(it)
     state = other.state_dict()  # epoch 1, two batches in
     resumed.load_state_dict(state)
-    assert resumed._order._ahead.pending == (1, 0, 0)  # epoch 1 from its start: not what is asked now
+    assert resumed.order_stage.ahead_pending == (1, 0, 0)  # epoch 1 from its start: not what is asked now
     assert run(resumed) == fresh(1)[2:]
-    assert resumed._order._ahead.pending == (2, 0, 0)
+    assert resumed.order_stage.ahead_pending == (2, 0, 0)
 
 
 def test_orders_larger_than_the_ahead_budget_are_computed_at_epoch_start(monkeypatch):
-    import fastload.sampling
+    import fastload.order.sampling
 
-    monkeypatch.setattr(fastload.sampling, "AHEAD_MAX_BYTES", 8 * 102)  # DirectIdxDS() has 103 samples
+    monkeypatch.setattr(fastload.order.sampling, "AHEAD_MAX_BYTES", 8 * 102)  # DirectIdxDS() has 103 samples
     loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=True)
-    assert run(loader) == _epoch_of(0) and loader._order._ahead.pending is None
-    assert run(loader) == _epoch_of(1) and loader._order._ahead.pending is None
+    assert run(loader) == _epoch_of(0) and loader.order_stage.ahead_pending is None
+    assert run(loader) == _epoch_of(1) and loader.order_stage.ahead_pending is None
 
 
 def _epoch_of(epoch: int) -> list[list[int]]:
@@ -341,12 +341,12 @@ def test_next_epoch_order_is_computed_ahead_by_default_only_when_a_core_is_left_
     monkeypatch.setattr(fastload.pipeline.config, "usable_cores", lambda: cores)
     loader = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type=worker_type)
     assert run(loader) == _epoch_of(0)
-    assert (loader._order._ahead.pending == (1, 0, 0)) is expected
+    assert (loader.order_stage.ahead_pending == (1, 0, 0)) is expected
     assert run(loader) == _epoch_of(1)
     kw = {"num_workers": workers, "worker_type": worker_type}
     forced = Loader(DirectIdxDS(), batch_size=10, shuffle=True, seed=5, order_ahead=not expected, **kw)
     assert run(forced) == _epoch_of(0)
-    assert (forced._order._ahead.pending == (1, 0, 0)) is not expected
+    assert (forced.order_stage.ahead_pending == (1, 0, 0)) is not expected
 
 
 @pytest.mark.parametrize(("ds", "workers", "worker_type"), [(IdxDS, 0, "auto"), (DirectIdxDS, 2, "process")])
@@ -355,14 +355,14 @@ def test_unplanned_epochs_are_streamed_not_computed_ahead(ds, workers, worker_ty
     order maps each rank's positions as its batches are asked for: nothing to compute ahead."""
     loader = Loader(ds(), batch_size=10, shuffle=True, seed=5, order_ahead=True, num_workers=workers,
                     worker_type=worker_type)
-    assert run(loader) == _epoch_of(0) and loader._order._ahead.pending is None
-    assert run(loader) == _epoch_of(1) and loader._order._ahead.pending is None
+    assert run(loader) == _epoch_of(0) and loader.order_stage.ahead_pending is None
+    assert run(loader) == _epoch_of(1) and loader.order_stage.ahead_pending is None
 
 
 def test_ahead_computes_one_value_per_key_and_recomputes_in_the_caller_on_error():
     import threading
 
-    from fastload.ahead import Ahead
+    from fastload.order.ahead import Ahead
 
     calls, release = [], threading.Event()
 
@@ -448,13 +448,13 @@ class _ProbedEpoch:
     """What `EpochIterator` does with the probe's answers: its in-flight depth follows them."""
 
     def __init__(self, probe, depth: int) -> None:
-        self.probe, self._full_depth, self._depth = probe, depth, 0
+        self.probe, self.full_depth, self.depth = probe, depth, 0
 
     def attach(self, now: float) -> None:
-        self._depth = self._full_depth if self.probe.attach(now) else 0
+        self.depth = self.full_depth if self.probe.attach(now) else 0
 
     def tick(self, now: float) -> None:
-        self._depth = self._full_depth if self.probe.tick(now) else 0
+        self.depth = self.full_depth if self.probe.tick(now) else 0
 
 
 def _probe_and_epoch(depth: int):
@@ -498,20 +498,20 @@ def test_thread_probe_switches_modes_without_changing_batches(monkeypatch, margi
     assert run(again) == ref[61:]
 
 
-@pytest.mark.parametrize("kw", [{}, {"adaptive": False}, {"autotune": False}])
+@pytest.mark.parametrize("kw", [{}, {"autotune": False}])
 def test_without_autotune_the_workers_stay_on(kw):
-    """By default (or `autotune=False`, or its former name `adaptive=False`): no probe, the thread
+    """By default (or `autotune=False`): no probe, the thread
     workers' queue stays full (never the inline mode), same batches as 0 workers."""
     from fastload.workers import ThreadSource
 
     ref = run(Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4), epochs=2)
     loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread", **kw)
     it = iter(loader)
-    assert it.probe is None and isinstance(it._source, ThreadSource) and it._depth == it._full_depth > 0
+    assert it.probe is None and isinstance(it.source, ThreadSource) and it.depth == loader.config.depth > 0
     got = []
     for b in it:
         got.append(ids(b))
-        assert it._depth == it._full_depth
+        assert it.depth == loader.config.depth
     assert got + run(loader) == ref
 
 
@@ -527,7 +527,7 @@ def test_thread_probe_windows_go_on_across_short_epochs(threads_rate):
     while not probe.trials or probe.phase in ("fill", "threads"):  # until the first trial is decided
         it.attach(now)
         for _ in range(10):
-            now += 1 / threads_rate if it._depth else 1e-3  # the workers' rate when they run, else inline's 1000/s
+            now += 1 / threads_rate if it.depth else 1e-3  # the workers' rate when they run, else inline's 1000/s
             it.tick(now)
         now += 1.0  # between epochs: not timed
         epochs += 1
@@ -574,20 +574,20 @@ def test_thread_probe_retries_the_workers_after_choosing_inline():
     probe, it = _probe_and_epoch(4)
     it.attach(0.0)
     now, _ = _until_phase_changes(probe, it, 0.0, 1e-3)  # inline at 1000 batches/s until the first trial
-    assert probe.phase == "fill" and it._depth == 4 and probe.rate_inline == pytest.approx(1000)
+    assert probe.phase == "fill" and it.depth == 4 and probe.rate_inline == pytest.approx(1000)
     now, ticks = _until_phase_changes(probe, it, now, 1e-3)
     assert probe.phase == "threads" and ticks == ThreadProbe.FILL  # warmed up before they are timed
     now, _ = _until_phase_changes(probe, it, now, 2e-3)  # the workers at 500/s (a slow stretch)
-    assert (probe.phase, probe.choice, it._depth, probe.retries) == ("inline", "inline", 0, 0)
+    assert (probe.phase, probe.choice, it.depth, probe.retries) == ("inline", "inline", 0, 0)
     decided = now
     now, ticks = _until_phase_changes(probe, it, now, ThreadProbe.RETRY_S / 200)
     assert now - decided >= ThreadProbe.RETRY_S > now - decided - ThreadProbe.RETRY_S / 200
-    assert probe.phase == "fill" and it._depth == 4 and probe.retries == 1
+    assert probe.phase == "fill" and it.depth == 4 and probe.retries == 1
     assert probe.rate_inline == pytest.approx(ticks / (now - decided))  # the whole inline stretch
     assert probe.retry_s == 2 * ThreadProbe.RETRY_S
     now, _ = _until_phase_changes(probe, it, now, 1e-3)
     now, _ = _until_phase_changes(probe, it, now, ThreadProbe.RETRY_S / 400)  # twice the inline stretch: kept
-    assert (probe.phase, probe.choice, it._depth, probe.switches) == ("watch", "threads", 4, 1)
+    assert (probe.phase, probe.choice, it.depth, probe.switches) == ("watch", "threads", 4, 1)
 
 
 def test_thread_probe_backs_off_while_inline_keeps_winning():
@@ -600,7 +600,7 @@ def test_thread_probe_backs_off_while_inline_keeps_winning():
     for _ in range(10):
         now, _ = _until_phase_changes(probe, it, now, 1e-2)  # fill
         now, _ = _until_phase_changes(probe, it, now, 1e-2)  # the workers 10x slower than inline
-        assert (probe.phase, probe.choice, it._depth) == ("inline", "inline", 0)
+        assert (probe.phase, probe.choice, it.depth) == ("inline", "inline", 0)
         decided = now
         now, _ = _until_phase_changes(probe, it, now, 1e-3)
         waits.append(now - decided)
@@ -623,7 +623,7 @@ def test_thread_probe_retrying_every_batch_keeps_batches_and_order(monkeypatch, 
     loader = Loader(IdxDS(3000), batch_size=10, shuffle=True, seed=5, num_workers=workers, worker_type="thread",
                     autotune=True)
     assert run(loader, epochs=2) == ref
-    assert loader._probe.retries >= 3 and loader._probe.choice == "inline"
+    assert loader.autotune_probe.retries >= 3 and loader.autotune_probe.choice == "inline"
 
 
 @pytest.mark.parametrize("threads_rate", [2000, 900, 500])
@@ -634,10 +634,10 @@ def test_thread_probe_order_of_windows(threads_rate):
 
     probe, it = _probe_and_epoch(4)
     it.attach(0.0)
-    assert (probe.phase, it._depth) == ("inline", 0)
+    assert (probe.phase, it.depth) == ("inline", 0)
     now, ticks = _until_phase_changes(probe, it, 0.0, 1e-3)
     assert ticks == max(ThreadProbe.WINDOW, round(ThreadProbe.FIRST_S / 1e-3), round(ThreadProbe.MIN_WINDOW_S / 1e-3))
-    assert probe.rate_inline == pytest.approx(1000) and (probe.phase, it._depth, probe.trials) == ("fill", 4, 1)
+    assert probe.rate_inline == pytest.approx(1000) and (probe.phase, it.depth, probe.trials) == ("fill", 4, 1)
     now, ticks = _until_phase_changes(probe, it, now, 1e-3)
     assert probe.phase == "threads" and ticks == ThreadProbe.FILL
     now, ticks = _until_phase_changes(probe, it, now, 1 / threads_rate)
@@ -646,9 +646,9 @@ def test_thread_probe_order_of_windows(threads_rate):
     assert ticks == pytest.approx(threads_rate * window / (3 if clearly else 1), abs=1)
     assert probe.rate_threads == pytest.approx(threads_rate)
     if threads_rate > 1000 * ThreadProbe.MARGIN:
-        assert (probe.phase, probe.choice, it._depth) == ("watch", "threads", 4)
+        assert (probe.phase, probe.choice, it.depth) == ("watch", "threads", 4)
     else:
-        assert (probe.phase, probe.choice, it._depth) == ("inline", "inline", 0)
+        assert (probe.phase, probe.choice, it.depth) == ("inline", "inline", 0)
         assert probe.retry_at == pytest.approx(now + ThreadProbe.RETRY_S)
 
 
@@ -662,6 +662,6 @@ def test_a_run_shorter_than_first_s_never_starts_the_workers(monkeypatch):
     loader = Loader(IdxDS(2000), batch_size=10, shuffle=True, seed=4, num_workers=2, worker_type="thread",
                     autotune=True)
     assert run(loader, epochs=2) == ref
-    assert loader._probe.trials == 0 and loader._probe.choice == "inline"
-    pool = loader._workers.threads
-    assert pool is not None and len(pool._unstarted) == pool.num_workers
+    assert loader.autotune_probe.trials == 0 and loader.autotune_probe.choice == "inline"
+    pool = loader.thread_pool
+    assert pool is not None and not pool.started

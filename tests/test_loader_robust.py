@@ -108,7 +108,7 @@ def test_killed_worker_is_reported_not_hung():
     loader = Loader(SlowDS(delay=0.02), batch_size=4, num_workers=2, worker_type="process")
     it = iter(loader)
     next(it)
-    victim = it._source.pids[1]
+    victim = it.source.pids[1]
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {victim}\) exited unexpectedly") as exc:
@@ -116,7 +116,7 @@ def test_killed_worker_is_reported_not_hung():
             pass
     assert str(exc.value.__cause__) == f"DataLoader worker (pid {victim}) is killed by signal: Killed. "  # torch's
     assert time.monotonic() - t0 < 5
-    assert not wait_gone(set(it._source.pids if it._source else []) | {victim})
+    assert not wait_gone(set(it.source.pids if it.source else []) | {victim})
 
 
 @pytest.mark.parametrize("wt", ["thread", "process"])
@@ -179,9 +179,10 @@ def test_ctrl_c_in_a_training_script_cleans_up(tmp_path):
                 return np.zeros(1000, np.float32)
 
         loader = Loader(DS(), batch_size=16, num_workers=2, worker_type="process")
-        for k, b in enumerate(loader):
+        it = iter(loader)
+        for k, b in enumerate(it):
             if k == 3:
-                print(" ".join(map(str, loader._active._source.pids)), flush=True)
+                print(" ".join(map(str, it.source.pids)), flush=True)
                 os.kill(os.getpid(), signal.SIGINT)
     """))
     shm_before = shm_entries()
@@ -218,7 +219,7 @@ def test_buffer_ring_reuses_slots_but_never_overwrites_kept_batches(workers):
     it = iter(loader)
     streamed = [b["x"].sum().item() for b in it]  # nothing kept: slots are recycled
     assert streamed == [r.sum().item() for r in ref]
-    assert it._pin.ring.allocations <= 4
+    assert it.ring.allocations <= 4
     kept = list(Loader(ds, **kw))  # everything kept: full slots are retired, never rewritten
     assert all(torch.equal(k["x"], r) for k, r in zip(kept, ref))
 
@@ -228,8 +229,8 @@ def test_process_slots_are_reused_when_streaming():
     it = iter(loader)
     total = sum(float(b.sum()) for b in it)
     assert total == float(np.arange(400).sum() * 64)
-    src = it._source
-    assert src is None or max(src._next_sid) <= 6
+    src = it.source
+    assert src is None or max(src.slots_per_worker) <= 6
 
 
 def test_device_cpu_stage_is_a_noop():
@@ -302,14 +303,14 @@ def test_cuda_pin_memory_uses_pinned_ring():
     assert b["x"].is_pinned()
     for _ in it:
         pass
-    assert it._pin.ring is not None and it._pin.ring.allocations <= it._pin.ring.capacity
+    assert it.ring is not None and it.ring.allocations <= it.ring.capacity
 
 
 def test_persistent_pool_with_dead_worker_is_replaced():
     loader = Loader(SlowDS(n=200, delay=0.005), batch_size=4, num_workers=2, persistent_workers=True)
     it = iter(loader)
     next(it)
-    os.kill(it._source.pids[0], signal.SIGKILL)
+    os.kill(it.source.pids[0], signal.SIGKILL)
     with pytest.raises(RuntimeError, match="exited unexpectedly"):
         for _ in it:
             pass

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastload import Loader
-from fastload.pinned import BufferRing, referenced_beyond, storage_refs
+from fastload.transfer.ring import BufferRing, referenced_beyond, storage_refs
 
 KEEP = 32
 

@@ -1,4 +1,4 @@
-"""The epoch plan of the direct path (`fastload.plan`): the small reads of a whole epoch done at
+"""The epoch plan of the direct path (`fastload.fetch.plan`): the small reads of a whole epoch done at
 once change how batches are read, never what they hold, what order they come in, or where a
 resume picks up."""
 
@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastload import Loader
-from fastload import plan as plan_mod
-from fastload.fetch import Fetcher
+from fastload.fetch import plan as plan_mod
+from fastload.fetch.fetcher import Fetcher
+from fastload.fetch.plan import EpochPlan
 from fastload.formats import FastloadDataset, Field, Schema, write
 from fastload.formats.spliced import splice_available
-from fastload.plan import EpochPlan
 
 pytestmark = pytest.mark.skipif(not splice_available(), reason="the direct path needs spliced columns (Linux)")
 
@@ -42,7 +42,8 @@ def dataset(tmp_path_factory) -> FastloadDataset:
     write(samples, str(path), schema=schema, shard_size=32 << 10, progress=False)
     ds = FastloadDataset(path)
     assert ds.num_shards > 2
-    assert ds.direct_takes() is not None and "x" in ds._spliced and {"y", "w"} <= set(ds._resident)
+    rows = {name: rows for name, _, rows in ds.direct_plan(np.arange(2))}
+    assert rows["x"] is not None and rows["y"] is None and rows["w"] is None  # x spliced, y and w in memory
     return ds
 
 
@@ -63,16 +64,26 @@ def _same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> boo
 
 @pytest.fixture
 def count_planned(monkeypatch) -> list[int]:
-    """[batches read from a plan, batches not]."""
+    """[batches read from a plan, batches that came with a plan slice and were not read from it]."""
     counts = [0, 0]
-    batch = EpochPlan.batch
+    read = EpochPlan.read
 
-    def counting(self, indices, *, alone):
-        out = batch(self, indices, alone=alone)
-        counts[out is None] += 1
-        return out
+    def counting_read(self, a, b, *, alone):
+        counts[0] += 1
+        return read(self, a, b, alone=alone)
 
-    monkeypatch.setattr(EpochPlan, "batch", counting)
+    monkeypatch.setattr(EpochPlan, "read", counting_read)
+    def counting(fetch):
+        def counting_fetch(self, indices, planned=None):
+            before = counts[0]
+            out = fetch(self, indices, planned)
+            counts[1] += planned is not None and counts[0] == before
+            return out
+
+        return counting_fetch
+
+    for name in ("__call__", "fetch_alone"):
+        monkeypatch.setattr(Fetcher, name, counting(getattr(Fetcher, name)))
     return counts
 
 
@@ -95,7 +106,7 @@ def test_planned_batches_equal_unplanned_ones(dataset, count_planned, workers, c
     loader = Loader(dataset, epoch_plan=False, **kw)
     unplanned = _batches(loader)
     assert count_planned == [len(planned), 0]  # nothing more planned
-    assert loader._fetcher.direct  # the direct path without a plan: the plan is all that differed
+    assert loader.describe()["direct_path"]  # the direct path without a plan: the plan is all that differed
     assert _same(planned, unplanned)
     if not config.get("drop_last"):  # every sample of the rank's share, once per epoch
         per_epoch = sum(len(b["y"]) for b in planned) // 2
@@ -137,11 +148,11 @@ def test_a_batch_changed_in_place_changes_no_other_batch(dataset):
 
 def test_no_plan_above_the_byte_bound(dataset, monkeypatch, count_planned):
     monkeypatch.setattr(plan_mod, "PLAN_MAX_BYTES", 8)
-    monkeypatch.setattr("fastload.fetch.PLAN_MAX_BYTES", 8)
+    monkeypatch.setattr("fastload.fetch.fetcher.PLAN_MAX_BYTES", 8)
     kw = dict(batch_size=64, shuffle=True, seed=3)
     loader = Loader(dataset, **kw)
     got = _batches(loader, epochs=1)
-    assert loader._fetcher._plan is None and count_planned == [0, 0]
+    assert count_planned == [0, 0]
     monkeypatch.undo()
     assert _same(got, _batches(Loader(dataset, **kw), epochs=1))
 
@@ -163,7 +174,7 @@ def test_out_of_range_index_is_not_planned_and_raises_in_its_batch(dataset):
     fetch = Fetcher(dataset, mode="columns", collate_fn=None, scalar_fields=frozenset({"y"}))
     fetch.refresh()
     order = np.array([5, 1, N + 3, 2], dtype=np.int64)
-    assert fetch.plan(order, 2) is None and fetch._plan is None
+    assert fetch.plan(order, 2) is None
     got, _ = fetch(order[:2])
     assert got["y"].tolist() == [5, 1]
     with pytest.raises(IndexError) as info:
@@ -173,21 +184,20 @@ def test_out_of_range_index_is_not_planned_and_raises_in_its_batch(dataset):
 
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 60), batch_size=st.integers(1, 70), lead=st.integers(0, 5))
-def test_plan_knows_exactly_its_own_batches(n, batch_size, lead):
-    """A plan cuts its array into consecutive batches and recognises those very arrays, nothing
-    else: not equal copies, not other slices of the same memory, not tensors or lists."""
+def test_each_planned_batch_reads_its_own_slice(n, batch_size, lead):
+    """A plan cuts its array into consecutive batches, and each batch's slice reads exactly that
+    batch's planned values."""
     owner = np.arange(lead + n + 3, dtype=np.int64) * 10
     planned = owner[lead : lead + n]
-    plan = EpochPlan(planned, batch_size, [])
+    plan = EpochPlan(planned, batch_size, [("v", planned * 3, None, None)])
     assert np.array_equal(np.concatenate(plan.batches), planned)
     assert [len(b) for b in plan.batches[:-1]] == [batch_size] * (len(plan.batches) - 1)
     assert 0 < len(plan.batches[-1]) <= batch_size
-    for k, b in enumerate(plan.batches):
-        assert plan.offset(b) == k * batch_size
-        assert plan.offset(b.copy()) is None
-        assert plan.offset(planned[k * batch_size : k * batch_size + len(b)]) is None  # same memory, not the batch
-        assert plan.offset(torch.from_numpy(b)) is None and plan.offset(list(b)) is None
-    assert plan.offset(planned) is None
+    assert len(plan.slices()) == len(plan.batches)
+    for k, (b, piece) in enumerate(zip(plan.batches, plan.slices())):
+        assert (piece.plan, piece.start, piece.stop) == (plan, k * batch_size, k * batch_size + len(b))
+        for alone in (False, True):
+            assert piece.read(alone=alone)["v"].tolist() == (b * 3).tolist()
 
 
 def test_plan_rejects_what_it_cannot_plan():
@@ -206,8 +216,9 @@ def plan_calls(monkeypatch) -> list[str]:
     direct_plan = FastloadDataset.direct_plan
 
     def spy(self, indices, **kw):
-        calls.append(threading.current_thread().name)
-        return direct_plan(self, indices, **kw)
+        out = direct_plan(self, indices, **kw)
+        calls.append(threading.current_thread().name)  # once read
+        return out
 
     monkeypatch.setattr(FastloadDataset, "direct_plan", spy)
     return calls
@@ -237,7 +248,7 @@ def test_a_plan_prepared_before_the_dataset_was_reopened_is_not_used(dataset, pl
     loader = Loader(dataset, order_ahead=True, **kw)
     first = _batches(loader, epochs=1)  # epoch 1's order and plan are computed ahead meanwhile
     deadline = time.monotonic() + 30
-    while loader._fetcher._pending is None:  # prepared against the mappings of before the close
+    while "fastload-order" not in plan_calls:  # prepared against the mappings of before the close
         assert time.monotonic() < deadline
         time.sleep(0.001)
     dataset.close()  # its columns are mapped anew when the next epoch starts
@@ -247,19 +258,30 @@ def test_a_plan_prepared_before_the_dataset_was_reopened_is_not_used(dataset, pl
     assert _same(first + second, ref)
 
 
-def test_the_plan_is_released_when_its_epoch_ends(dataset):
+def test_the_plan_is_released_when_its_epoch_ends(dataset, monkeypatch):
+    import weakref
+
+    plans: list[weakref.ref] = []
+    make = Fetcher.plan
+
+    def keep(self, indices, batch_size):
+        out = make(self, indices, batch_size)
+        plans.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(Fetcher, "plan", keep)
     loader = Loader(dataset, batch_size=64, shuffle=True, seed=2)
     it = iter(loader)
     next(it)
-    assert loader._fetcher._plan is not None
+    assert len(plans) == 1 and plans[0]() is not None
     for _ in it:
         pass
-    assert loader._fetcher._plan is None  # its epoch is over: nothing reads it any more
+    assert plans[0]() is None  # its epoch is over: nothing reads it any more
     it = iter(loader)
     next(it)
-    assert loader._fetcher._plan is not None
+    assert len(plans) == 2 and plans[1]() is not None
     loader.close()
-    assert loader._fetcher._plan is None
+    assert plans[1]() is None
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -308,10 +330,10 @@ def test_torch_order_resume_replays_into_a_plan(dataset, count_planned):
 
 def test_no_plan_when_its_batches_objects_alone_exceed_the_bound(dataset, monkeypatch):
     """batch_size=1: a planned batch per sample; their Python objects count against the bound."""
-    monkeypatch.setattr("fastload.fetch.PLAN_MAX_BYTES", 100 * plan_mod.BATCH_BYTES)
+    monkeypatch.setattr("fastload.fetch.fetcher.PLAN_MAX_BYTES", 100 * plan_mod.BATCH_BYTES)
     fetch = Fetcher(dataset, mode="columns", collate_fn=None, scalar_fields=frozenset({"y"}))
     fetch.refresh()
     order = np.arange(101, dtype=np.int64)
-    assert fetch.plan(order, 1) is None and fetch._plan is None
+    assert fetch.plan(order, 1) is None
     assert fetch.plan(order[:50], 1) is not None  # 50 batches' objects and 50 samples' fields fit
     assert fetch.plan(order, 2) is not None

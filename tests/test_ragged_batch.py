@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fastload.fetch.text_collate import TextCollate
 from fastload.formats import ChecksumError, FastloadDataset, Field, FormatError, Ragged, Schema, write
 from fastload.formats import ragged as ragged_module
 from fastload.formats import reader as reader_module
 from fastload.formats.ragged import gather_ranges
 from fastload.loader import Loader
-from fastload.text_collate import TextCollate
 
 SCHEMA = Schema(
     (

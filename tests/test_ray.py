@@ -132,7 +132,8 @@ def test_same_bytes_as_local_converter(ray_session, sources, tmp_path, kind, sha
 
 
 def test_ray_dataset_round_trip_and_read_ray(ray_session, tmp_path):
-    from fastload.formats.ray_io import read_ray, write_ray
+    from fastload import read_ray
+    from fastload.formats.ray_io import write_ray
 
     rows = [{"id": i, "blob": bytes([i % 251]) * (i % 37), "tokens": np.arange(i % 50, dtype=np.int64),
              "vec": np.full(4, i, np.float32), "name": f"n{i}"} for i in range(700)]
@@ -271,8 +272,9 @@ def test_cli_driver_killed_then_cli_resume_keeps_finished_shards(ray_session, so
 
 
 def test_s3_output_and_read_back(ray_session, sources, tmp_path, moto, s3_bucket):  # noqa: F811
+    from fastload import read_ray
     from fastload.dataset import open_dataset
-    from fastload.formats.ray_io import PathSource, read_ray, write_ray
+    from fastload.formats.ray_io import PathSource, write_ray
 
     opts = storage_options(moto.endpoint)
     url = f"s3://{s3_bucket}/data/ds"

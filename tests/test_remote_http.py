@@ -105,7 +105,7 @@ def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
 
 def _ranged_epoch(url: str, cache_dir: str, n: int) -> dict:
     from fastload.formats import FastloadDataset
-    from fastload.remote import RemoteStorage
+    from fastload.remote.storage import RemoteStorage
 
     st = RemoteStorage(url, cache_dir=cache_dir, cache_limit="8MB", part_bytes=20_000)  # 100 KB shards: 5 parts
     ds = FastloadDataset(storage=st, max_open_shards=st.max_open_shards)
@@ -148,7 +148,7 @@ def test_a_server_without_ranges_gets_whole_object_gets(tmp_path):
         srv.shutdown()
         srv.server_close()
         t.join()
-    from fastload.remote_get import PARTS_IN_FLIGHT
+    from fastload.remote.get import PARTS_IN_FLIGHT
 
     # each shard's first ranged answer is the whole body: it stops that shard's parts (threads that
     # had started one before the first failure try once each; obstore refuses such an answer before

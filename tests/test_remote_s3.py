@@ -21,10 +21,10 @@ from s3_fixtures import (  # noqa: F401
     upload_dir,
 )
 
-from fastload.cache import CacheBudgetError, ShardCache
 from fastload.formats import FastloadDataset, FormatError, Ragged, write
-from fastload.remote import RemoteFetchError, RemoteStorage, RetryPolicy
-from fastload.shard_shuffle import ShardWindowSampler
+from fastload.order.shard_shuffle import ShardWindowSampler
+from fastload.remote.cache.shard_cache import CacheBudgetError, ShardCache
+from fastload.remote.storage import RemoteFetchError, RemoteStorage, RetryPolicy
 
 NUM_SAMPLES = 1200
 SHARD = "150KB"
@@ -373,7 +373,7 @@ def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the
     remote, local_ds, proxy, tmp_path, monkeypatch
 ):
     """The fsspec transport (the one with event loops) streams bodies in pieces on its loop threads."""
-    import fastload.remote as remote_mod
+    import fastload.remote.storage as remote_mod
     from fastload.formats import ChecksumError
 
     monkeypatch.setattr(remote_mod, "STREAM_CHUNK", 16 << 10)

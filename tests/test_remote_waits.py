@@ -13,7 +13,7 @@ from http_faults import ShardServer
 
 from fastload import Loader
 from fastload.formats import FastloadDataset, write
-from fastload.remote import RemoteFetchError, RemoteStorage, RetryPolicy
+from fastload.remote.storage import RemoteFetchError, RemoteStorage, RetryPolicy
 
 READ_S = 0.4
 

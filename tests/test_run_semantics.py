@@ -41,8 +41,8 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 from fastload import BatchViews, Loader, ShardWindowSampler, TextCollate, TokenBudgetBatchSampler
 from fastload.formats import FastloadDataset, Field, Ragged, Schema, write
+from fastload.order.sampling import RunRank
 from fastload.run import RunAware, RunContext, current_batch
-from fastload.sampling import RunRank
 from fastload.vision import ImagePreset, dali_available
 
 N_IMAGES, N_TOKENS, BATCH = 24, 48, 4

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fastload.shard_shuffle import (
+from fastload.order.shard_shuffle import (
     ShardWindowSampler,
     randomness_report,
     shards_in_order,

@@ -145,7 +145,7 @@ def test_cached_remote_dataset_splices_once_every_shard_is_open(tmp_path):
     (pinned), then switches to the spliced path; batches are identical throughout."""
     import fsspec
 
-    from fastload.remote import RemoteStorage
+    from fastload.remote.storage import RemoteStorage
 
     data = np.random.default_rng(5).integers(0, 255, (600, 500), dtype=np.uint8)
     _write(tmp_path / "ds", data, 64 << 10, extra_field=True)

@@ -100,7 +100,6 @@ def test_loader_with_stealing_thread_workers_covers_each_sample_once(tmp_path) -
     ds = FastloadDataset(tmp_path / "ds")
     inline = Loader(ds, batch_size=32, shuffle=True, seed=3)
     threaded = Loader(ds, batch_size=32, shuffle=True, seed=3, num_workers=1, worker_type="thread")
-    threaded._thread_probe = lambda: None  # always threads: the stealing path
     for epoch in range(2):
         a = [b["y"].numpy().copy() for b in inline]
         b = [(b["y"].numpy().copy(), b["x"].numpy().copy()) for b in threaded]
@@ -144,7 +143,10 @@ def test_bounded_stealing_takes_a_nearly_done_batch() -> None:
     would hold up the GPU step it launches next)."""
     fetch_s = 0.3
 
+    started = {j: threading.Event() for j in range(5)}
+
     def fetch(indices):
+        started[int(indices[0])].set()
         time.sleep(fetch_s)
         return {"j": int(indices[0])}, {"read": fetch_s}
 
@@ -154,8 +156,7 @@ def test_bounded_stealing_takes_a_nearly_done_batch() -> None:
         assert src.get(0)[0]["j"] == 0  # taken inline or by the worker: the mean fetch time is now known
         for j in range(1, 5):
             src.put(j, np.array([j]))
-        while 1 not in src._epoch.started:  # the worker has started batch 1
-            time.sleep(0.005)
+        assert started[1].wait(10)  # the worker has started batch 1
         time.sleep(fetch_s - 0.08)  # batch 1 is ~80 ms from done, far less than 0.75 of a fetch
         before = src.stolen
         assert src.get(1)[0]["j"] == 1
@@ -208,7 +209,6 @@ def test_thread_workers_serve_every_epoch_and_exit_with_their_loader(tmp_path, h
     write(({"y": i} for i in range(2000)), tmp_path / "ds", schema=schema, progress=False)
     before = _fastload_threads()
     loader = Loader(FastloadDataset(tmp_path / "ds"), batch_size=16, num_workers=2, worker_type="thread")
-    loader._thread_probe = lambda: None  # workers from the first batch (the probe would start inline)
     it = iter(loader)
     for _ in range(5):
         next(it)
@@ -277,14 +277,14 @@ def test_workers_filling_every_core_start_as_asked_without_stealing(tmp_path) ->
     nw = max(2, cores)
     it = iter(Loader(ds, batch_size=16, num_workers=nw, worker_type="thread"))
     try:
-        assert it._source.num_threads == nw
-        assert it._source.steal is False
+        assert it.source.num_threads == nw
+        assert it.source.steal is False
         assert sorted(int(y) for b in it for y in b["y"]) == list(range(256))
     finally:
         it.close()
     with_init = iter(Loader(ds, batch_size=16, num_workers=nw, worker_type="thread", worker_init_fn=lambda w: None))
     try:
-        assert with_init._source.num_threads == nw and with_init._source.steal is False
+        assert with_init.source.num_threads == nw and with_init.source.steal is False
     finally:
         with_init.close()
 
@@ -296,10 +296,10 @@ def test_reports_do_not_pile_up_when_the_consumer_never_waits() -> None:
         for j in range(200):
             src.put(j, np.array([j]))
         deadline = time.monotonic() + 10
-        while len(src._epoch.done) < 200 and time.monotonic() < deadline:
+        while src.finished < 200 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert [src.get(j)[0]["j"] for j in range(200)] == list(range(200))
-        assert src._shared.ready.qsize() <= 1
+        assert src.reports_waiting <= 1
     finally:
         src.close()
 
@@ -376,7 +376,7 @@ from fastload.formats import FastloadDataset
 from fastload.loader import Loader
 ds = FastloadDataset(sys.argv[1])
 for _ in range(12):
-    loader = Loader(ds, batch_size=16, num_workers=2, worker_type="thread", adaptive=False)
+    loader = Loader(ds, batch_size=16, num_workers=2, worker_type="thread", autotune=False)
     loader.cycle = loader  # left to the garbage collector
     for _ in range(2):
         for batch in loader:
@@ -418,9 +418,9 @@ def test_the_pool_keeps_num_workers_threads_whatever_the_cores(tmp_path, monkeyp
         loader = Loader(FastloadDataset(tmp_path / "ds"), batch_size=16, num_workers=2, worker_type="thread")
         try:
             assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
-            first = loader._workers.threads
+            first = loader.thread_pool
             assert first is not None and first.num_workers == 2
             assert sorted(int(y) for b in loader for y in b["y"]) == list(range(640))
-            assert loader._workers.threads is first  # kept across epochs
+            assert loader.thread_pool is first  # kept across epochs
         finally:
             loader.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from fastload.remote_get import BYTES_IN_FLIGHT, MAX_GETS, gets_in_flight
-from fastload.transfer_stats import TransferStats
+from fastload.remote.get import BYTES_IN_FLIGHT, MAX_GETS, gets_in_flight
+from fastload.remote.transfer_stats import TransferStats
 
 MB = 1 << 20
 
@@ -56,7 +56,7 @@ def _drive(window, rate_at) -> list[int]:
 
 
 def test_get_window_doubles_while_it_pays_then_undoes_the_step_that_did_not():
-    from fastload.get_window import GetWindow
+    from fastload.remote.get_window import GetWindow
 
     w = GetWindow(floor=2, ceiling=16)
     seen = _drive(w, lambda k: min(k, 4) * 100e6)  # each GET 100 MB/s, the link full at 4
@@ -67,7 +67,7 @@ def test_get_window_doubles_while_it_pays_then_undoes_the_step_that_did_not():
 
 
 def test_get_window_stays_at_two_on_a_full_link_and_climbs_to_the_ceiling_on_a_slow_store():
-    from fastload.get_window import GetWindow
+    from fastload.remote.get_window import GetWindow
 
     lan = GetWindow(floor=2, ceiling=16)
     assert set(_drive(lan, lambda k: 1e9)) == {2, 4} and lan.target == 2 and lan.settled

@@ -15,8 +15,8 @@ from s3_fixtures import MotoServer, moto, upload_dir  # noqa: F401
 
 from fastload import Loader
 from fastload.formats import FastloadDataset, FormatError, write
-from fastload.remote import RemoteFetchError, RemoteStorage, RetryPolicy
-from fastload.transport_obstore import UnmappedOptions, choose_transport, store_config
+from fastload.remote.storage import RemoteFetchError, RemoteStorage, RetryPolicy
+from fastload.remote.transport_obstore import UnmappedOptions, choose_transport, store_config
 
 N = 300
 
@@ -122,8 +122,8 @@ def test_http_headers_reach_the_server(tmp_path):
 
 @pytest.mark.parametrize("url", ["http://{host}/ds", "s3://b/ds"])
 def test_error_statuses_become_standard_exceptions_judged_by_is_transient(url):
-    from fastload.remote import is_transient
-    from fastload.transport_obstore import HTTPStatusError, ObstoreTransport
+    from fastload.remote.storage import is_transient
+    from fastload.remote.transport_obstore import HTTPStatusError, ObstoreTransport
 
     rec = _Recorder()
     host = rec.url.split("://", 1)[1]

@@ -51,19 +51,45 @@ JSON schema (``schema_version`` 1)::
 Samples/s and MB/s of loaders are steady-state (first batch received to last); the time to the
 first batch is reported separately. The data stall is the consumer's wait after the first batch
 over the wall time after it; input-bound means a stall above `INPUT_BOUND_STALL` (10%).
+
+The scripts under `bench/` (`python -m bench.NAME`) use this engine through the names exported
+here: the synthetic datasets (`build`, `make_jpegs`), the raw limits (`dataset_files`, `evict`,
+`sequential_read`, `resident_fraction`), one loader run (`run_loader`, `bottleneck`) and the
+remote measurement (`run_remote`, `format_remote`).
 """
 
 from __future__ import annotations
 
+from fastload.benchmark.backends import release
 from fastload.benchmark.cli import add_arguments, config_from_args, run_cli
+from fastload.benchmark.limits import dataset_files, evict, resident_fraction, sequential_read
+from fastload.benchmark.loaders import LABELS, LOADER_KINDS, TORCH_KINDS, bottleneck, run_loader
+from fastload.benchmark.remote import format_remote, run_remote
 from fastload.benchmark.runner import INPUT_BOUND_STALL, SCHEMA_VERSION, BenchConfig, run_benchmark
+from fastload.benchmark.synthetic import RawRanges, Synthetic, build, make_jpegs
 
 __all__ = [
     "INPUT_BOUND_STALL",
+    "LABELS",
+    "LOADER_KINDS",
     "SCHEMA_VERSION",
+    "TORCH_KINDS",
     "BenchConfig",
+    "RawRanges",
+    "Synthetic",
     "add_arguments",
+    "bottleneck",
+    "build",
     "config_from_args",
+    "dataset_files",
+    "evict",
+    "format_remote",
+    "make_jpegs",
+    "release",
+    "resident_fraction",
     "run_benchmark",
     "run_cli",
+    "run_loader",
+    "run_remote",
+    "sequential_read",
 ]

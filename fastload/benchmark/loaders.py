@@ -150,8 +150,8 @@ def make_loader(
     pin = device.type == "cuda"
     persistent = num_workers > 0
     if kind in FASTLOAD_KINDS:
+        from fastload.fetch.views import BatchViews
         from fastload.loader import Loader
-        from fastload.views import BatchViews
 
         return Loader(
             dataset,

@@ -81,7 +81,7 @@ def _obstore_get(url: str, storage_options: dict[str, Any] | None) -> Callable[[
     """A whole-object GET through obstore (the client of fastload's obstore transport)."""
     import obstore
 
-    from fastload.transport_obstore import ObstoreTransport
+    from fastload.remote.transport_obstore import ObstoreTransport
 
     store = ObstoreTransport(url, dict(storage_options or {}), connect_timeout=60, read_timeout=60).store
     return lambda rel: obstore.get(store, rel).bytes()
@@ -125,7 +125,7 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
     (with `cpu_s` and `user_s`: this process's CPU and user-mode CPU seconds over the epoch, imports
     and loader set-up excluded)."""
     from fastload.loader import Loader
-    from fastload.shard_shuffle import ShardWindowSampler
+    from fastload.order.shard_shuffle import ShardWindowSampler
 
     sampler = ShardWindowSampler.from_dataset(ds, window=window, seed=seed) if shuffled else None
     loader = Loader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, worker_type="thread")

@@ -70,7 +70,7 @@ class _Progress:
 
 
 def _kind_of(path: str) -> str:
-    from fastload.dataset import is_url
+    from fastload.formats.storage import is_url
 
     if is_url(path):
         return "remote"

@@ -8,7 +8,7 @@ Rules:
 
 * Batch form (`batch_rule`): "views" when the `collate_fn` declares ``accepts_batch_views = True``
   and the dataset has `get_batch` (the collate gets the columns: tensors and `Ragged`, see
-  `fastload.views`); "torch" for the default collation on `get_batch` (torch's exact types);
+  `fastload.fetch.views`); "torch" for the default collation on `get_batch` (torch's exact types);
   "samples" otherwise (a list of samples, as torch hands its `collate_fn`).
 * Worker kind (`worker_type="auto"`): threads on the columnar fast paths (a dataset with
   `get_batch` and the default collation or a batch-views collate: gathers that release the GIL;
@@ -40,10 +40,11 @@ from typing import Any
 import torch
 
 from fastload.system import usable_cores
+from fastload.workers.threads import steal_rule
 
 __all__ = [
     "COLUMNAR_MODES", "STEAL_AHEAD", "LoaderConfig", "batch_rule", "describe_settings", "order_ahead_rule",
-    "resolve_config", "steal_rule", "worker_kind_rule",
+    "resolve_config", "worker_kind_rule",
 ]
 
 STEAL_AHEAD = 2  # thread workers: extra batches in flight that a waiting consumer fetches itself
@@ -94,13 +95,6 @@ def worker_kind_rule(num_workers: int, worker_type: str, mode: str) -> str:
     if worker_type != "auto":
         return worker_type
     return "thread" if mode in COLUMNAR_MODES else "process"
-
-
-def steal_rule(*, num_workers: int, cores: int, cuda: bool, timeout: float, worker_init: bool) -> str | bool:
-    """Whether a waiting consumer fetches unstarted batches itself (thread workers)."""
-    if timeout or worker_init or num_workers >= cores:
-        return False
-    return "bounded" if cuda else "always"
 
 
 def order_ahead_rule(config: LoaderConfig, *, direct: bool, torch_threads: int | None = None) -> bool:

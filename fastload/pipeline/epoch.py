@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from fastload.order.record import BatchRecord
 from fastload.pipeline.autotune import ThreadProbe
-from fastload.pipeline.device import DeviceQueue
-from fastload.pipeline.pinned import PinStage
 from fastload.stats import LoaderStats
-from fastload.workers import InlineSource, ThreadSource, WorkerError
+from fastload.transfer.device_queue import DeviceQueue
+from fastload.transfer.pin_stage import PinStage
+from fastload.transfer.ring import BufferRing
+from fastload.workers import BatchSource, WorkerError
 
 __all__ = ["EpochHooks", "EpochIterator", "EpochStages"]
 
@@ -44,12 +46,12 @@ class EpochHooks:
 
 @dataclass(frozen=True)
 class EpochStages:
-    """One epoch's stage objects: `order` (an iterator of `(indices, position)`), `source` (the
-    fetch stage, a `BatchSource`; closed with the epoch when `owns_source`), `pin`, `device`
-    (None: batches stay on the host) and `probe` (opt-in autotune; used with thread workers only)."""
+    """One epoch's stage objects: `order` (an iterator of `BatchRecord`), `source` (the fetch
+    stage, a `BatchSource`; closed with the epoch when `owns_source`), `pin`, `device` (None:
+    batches stay on the host) and `probe` (opt-in autotune; used with an `adaptive` source only)."""
 
-    order: Iterator[tuple[Any, dict[str, Any]]]
-    source: Any
+    order: Iterator[BatchRecord]
+    source: BatchSource
     owns_source: bool
     pin: PinStage
     device: DeviceQueue | None = None
@@ -73,7 +75,8 @@ class EpochIterator:
     ) -> None:
         order, source, owns_source = stages.order, stages.source, stages.owns_source
         pin, device, probe = stages.pin, stages.device, stages.probe
-        self._hooks, self._order, self._source, self._owns_source = hooks, order, source, owns_source
+        self._hooks, self._order, self._owns_source = hooks, order, owns_source
+        self._source: BatchSource | None = source
         self._depth, self._pin, self._device = max(1, depth), pin, device
         self._stats, self._batched = stats, batched
         self._inflight: deque[tuple[int, int, dict[str, Any]]] = deque()  # (batch number, samples, position)
@@ -91,16 +94,16 @@ class EpochIterator:
             gradient_state._add_dataloader(self)
         # one of three shapes, chosen once: no per-batch checks of which one applies
         lean = pin.ring is None and device is None
-        if isinstance(source, InlineSource) and lean:
+        if source.inline and lean:
             # (functions, not bound methods: an attribute holding a bound method is a reference cycle,
             # and a deleted iterator must end its workers at once, not at the next garbage collection)
             self._step = EpochIterator._next_inline  # nothing in flight, nothing to release
-        elif isinstance(source, ThreadSource) and lean:
+        elif source.adaptive and lean:
             self._step = EpochIterator._next_adaptive  # the probe's inline mode as lean as `_next_inline`
         else:
             self._step = EpochIterator._next_host if device is None else EpochIterator._next_device
         self._full_depth = self._depth
-        self.probe = probe if isinstance(source, ThreadSource) else None
+        self.probe = probe if source.adaptive else None
         if self.probe is not None:
             self._depth = self._full_depth if self.probe.attach(_perf()) else 0
 
@@ -124,9 +127,8 @@ class EpochIterator:
         except Exception:
             # a batch's own error (the dataset, collate_fn, transform): raised for that batch, and the
             # iterator goes on with the next one, as torch's does; a dead, stuck or unstarted worker ends it
-            if isinstance(self._source, (InlineSource, type(None))) or not (
-                self._source.broken or isinstance(sys.exc_info()[1], WorkerError)
-            ):
+            source = self._source
+            if source is None or source.inline or not (source.broken or isinstance(sys.exc_info()[1], WorkerError)):
                 raise
             self.close()
             self._hooks.failed(self)
@@ -148,46 +150,63 @@ class EpochIterator:
         return out
 
     # ---- stages
+    @property
+    def depth(self) -> int:
+        """Batches kept in flight now (0 while the autotune probe has the consumer fetch alone)."""
+        return self._depth
+
+    @property
+    def source(self) -> BatchSource | None:
+        """The epoch's fetch stage (None once the epoch is closed)."""
+        return self._source
+
+    @property
+    def ring(self) -> BufferRing | None:
+        """The pinned-buffer ring batches are packed into (None: batches keep their own memory)."""
+        return self._pin.ring
+
     def _dispatch(self) -> None:
+        assert self._source is not None
         inflight, put, batched = self._inflight, self._source.put, self._batched
         while not self._order_done and len(inflight) < self._depth:
-            nxt = next(self._order, None)
-            if nxt is None:
+            rec = next(self._order, None)
+            if rec is None:
                 self._order_done = True
                 break
-            indices, pos = nxt
+            indices = rec.indices
             j = self._j
             self._j += 1
-            put(j, indices)
-            inflight.append((j, len(indices) if batched else 1, pos))
+            put(j, indices, rec.plan)
+            inflight.append((j, len(indices) if batched else 1, rec.position))
 
     def _next_cpu(self) -> tuple[Any, int, dict[str, Any], list[Any]] | None:
-        inflight = self._inflight
+        inflight, source = self._inflight, self._source
+        assert source is not None
         if len(inflight) < self._depth:
             self._dispatch()
         if inflight:
             j, n, pos = inflight.popleft()
-            batch, timings, token = self._source.get(j)
-        elif self._depth == 0 and not self._order_done:  # adaptive inline mode (thread source)
-            nxt = next(self._order, None)
-            if nxt is None:
+            batch, timings, token = source.get(j)
+        elif self._depth == 0 and not self._order_done:  # the probe's inline mode (an adaptive source)
+            rec = next(self._order, None)
+            if rec is None:
                 self._order_done = True
                 return None
-            indices, pos = nxt
+            indices, pos = rec.indices, rec.position
             n = len(indices) if self._batched else 1
-            batch, timings, token = self._source.run_inline(indices)
+            batch, timings, token = source.run_inline(indices, rec.plan)
         else:
             return None
         self._stats.add_many(timings)
-        batch, tokens = self._pin.pack(batch, token, self._source)
+        batch, tokens = self._pin.pack(batch, token, source)
         if len(inflight) < self._depth:
             self._dispatch()  # keep workers busy while the consumer works
         return batch, n, pos, tokens
 
     def _next_inline(self) -> tuple[Any, int, dict[str, Any]]:
         """`num_workers=0` without a ring or a device: fetch straight from the order."""
-        indices, pos = next(self._order)  # StopIteration ends the epoch
-        batch, timings = self._source.fetch(indices)
+        indices, pos, planned = next(self._order)  # StopIteration ends the epoch
+        batch, timings = self._source.fetch_alone(indices, planned)  # type: ignore[union-attr]
         self._stats.add_many(timings)
         return batch, len(indices) if self._batched else 1, pos
 
@@ -197,8 +216,8 @@ class EpochIterator:
         `fetch_alone`, nothing else; otherwise `_next_host`."""
         if self._depth or self._inflight:
             return self._next_host()
-        indices, pos = next(self._order)  # StopIteration ends the epoch
-        batch, timings = self._source.fetch_alone(indices)
+        indices, pos, planned = next(self._order)  # StopIteration ends the epoch
+        batch, timings = self._source.fetch_alone(indices, planned)  # type: ignore[union-attr]
         self._stats.add_many(timings)
         return batch, len(indices) if self._batched else 1, pos
 
@@ -249,7 +268,7 @@ class EpochIterator:
         if self._device is not None:
             self._device.close()
         self._pin.close()
-        if self._owns_source:
+        if self._owns_source and self._source is not None:
             self._source.close()
         self._source = None
         self._order = iter(())

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from fastload.collate import fast_collate
-from fastload.fetch import Fetcher
+from fastload.fetch.collate import fast_collate
+from fastload.fetch.fetcher import Fetcher
+from fastload.fetch.views import accepts_batch_views
 from fastload.pipeline.config import COLUMNAR_MODES, LoaderConfig, batch_rule, resolve_config, worker_kind_rule
-from fastload.pipeline.sources import WorkerSet
-from fastload.views import accepts_batch_views
+from fastload.workers.kept import WorkerSet
 
 __all__ = ["TORCH_ARGS", "LoaderStages", "build_stages", "fetch_mode"]
 
@@ -35,7 +35,7 @@ def _scalar_fields(dataset: Any) -> frozenset[str]:
 
 
 def fetch_mode(dataset: Any, *, batched: bool, default_collate: bool, views: bool = False) -> str:
-    """How a batch is fetched (`fastload.fetch.MODES`), from what its collation receives
+    """How a batch is fetched (`fastload.fetch.fetcher.MODES`), from what its collation receives
     (`batch_rule`): "views" or "columns" (the fast paths, one `get_batch` per batch), else
     "single" without batching, "getitems" or "getitem"."""
     get_batch = callable(getattr(dataset, "get_batch", None))

@@ -23,8 +23,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from fastload.pipeline.order import batches_from
-from fastload.sampling import SamplerOrder, SeededOrder
+from fastload.order.choice import batches_from
+from fastload.order.sampling import SamplerOrder, SeededOrder
 
 __all__ = ["EpochProgress"]
 

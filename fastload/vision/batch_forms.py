@@ -66,7 +66,7 @@ def _select(value: Any, keep: np.ndarray) -> Any:
     if hasattr(value, "offsets") and hasattr(value, "values"):
         items = [value[int(i)] for i in keep]
         out = type(value).from_list(items, kind=value.kind, dtype=np.asarray(value.values[:0]).dtype)
-        if isinstance(value.values, torch.Tensor):  # batch views (fastload.views) stay tensors
+        if isinstance(value.values, torch.Tensor):  # batch views (fastload.fetch.views) stay tensors
             out = type(value)(torch.from_numpy(out.values), torch.from_numpy(out.offsets), out.kind)
         return out
     if isinstance(value, list):

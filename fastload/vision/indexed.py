@@ -3,7 +3,9 @@
 The image preset keys random crops/flips by dataset index (exact resume) and names bad samples
 by it; a plain `get_batch` dict does not say which indices it holds. The view adds them:
 `get_batch(indices)` gets an `__indices__` int64 column, `ds[i]` / `__getitems__` an
-`__index__` entry per sample. Everything else is forwarded to the wrapped dataset.
+`__index__` entry per sample. Other attributes are forwarded to the wrapped dataset, except the
+direct path's methods (`fastload.fetch.direct.DirectReader`): the wrapped dataset's takes lack the
+`__indices__` column, so the view is read batch by batch through its own `get_batch`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from fastload.fetch.direct import DIRECT_READER_METHODS
 
 __all__ = ["INDEX_KEY", "IndexedDataset", "with_indices"]
 
@@ -44,6 +48,8 @@ class IndexedDataset:
     def __getattr__(self, name: str) -> Any:
         if name == "dataset":  # not set yet (unpickling)
             raise AttributeError(name)
+        if name in DIRECT_READER_METHODS:  # its takes are not this view's batches (no `__indices__`)
+            raise AttributeError(f"{type(self).__name__} has no {name}: its batches carry `__indices__`")
         return getattr(self.dataset, name)
 
 

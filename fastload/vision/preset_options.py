@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastload.cuda_ops.normalize import IMAGENET_MEAN, IMAGENET_STD  # the kernels' defaults, the presets' too
 from fastload.vision.dali_pipeline import DALI_MISSING, dali_available
 
 __all__ = [
@@ -25,8 +26,6 @@ __all__ = [
     "resolve_backend",
 ]
 
-IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 INDICES_KEY = "__indices__"
 EPOCH_KEY = "__epoch__"
 

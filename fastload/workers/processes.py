@@ -35,9 +35,10 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
-from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
-from fastload.pinned import referenced_beyond, storage_refs
-from fastload.workers.base import WorkerError
+from fastload.fetch.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
+from fastload.fetch.plan import PlanSlice
+from fastload.transfer.ring import referenced_beyond, storage_refs
+from fastload.workers.base import WorkerError, fetch_planned
 
 __all__ = ["PARENT_POLL_S", "ProcessSource"]
 
@@ -182,7 +183,11 @@ def worker_exit_error(pid: int | None, code: int | None) -> RuntimeError:
 
 
 class ProcessSource:
-    """Worker processes returning batches through reused shared-memory slots."""
+    """Worker processes returning batches through reused shared-memory slots. A batch the consumer
+    fetches itself (`fetch_alone`, `run_inline`) runs `fetch` in this process."""
+
+    inline = False
+    adaptive = False
 
     def __init__(
         self,
@@ -197,6 +202,7 @@ class ProcessSource:
     ) -> None:
         ctx = mp_context if mp_context is not None else multiprocessing.get_context()
         self.num_workers, self.timeout = num_workers, timeout
+        self._fetch = fetch
         self.run = run  # the run context each task carries (`fastload.run.RunContext`)
         self.result_q = ctx.Queue()
         self.task_qs = [ctx.Queue() for _ in range(num_workers)]
@@ -234,6 +240,11 @@ class ProcessSource:
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.task_qs, self.result_q)
 
     @property
+    def slots_per_worker(self) -> list[int]:
+        """Shared-memory slots each worker has been given so far (reused once released)."""
+        return list(self._next_sid)
+
+    @property
     def pids(self) -> list[int]:
         """The worker processes' pids."""
         return [p.pid for p in self.procs if p.pid is not None]
@@ -248,8 +259,18 @@ class ProcessSource:
         self._ready.clear()
         self._owner.clear()
 
-    def put(self, j: int, indices: Any) -> None:
-        """Send batch j to worker j % num_workers with a free slot of that worker."""
+    def fetch_alone(self, indices: Any, planned: PlanSlice | None = None) -> tuple[Any, dict[str, float]]:
+        """Fetch one batch in this process (the workers are not involved)."""
+        return fetch_planned(self._fetch, indices, planned)
+
+    def run_inline(self, indices: Any, planned: PlanSlice | None = None) -> tuple[Any, dict[str, float], Any]:
+        """`fetch_alone`, with no release token (the batch is in this process's memory)."""
+        batch, timings = fetch_planned(self._fetch, indices, planned)
+        return batch, timings, None
+
+    def put(self, j: int, indices: Any, planned: PlanSlice | None = None) -> None:
+        """Send batch j to worker j % num_workers with a free slot of that worker (plans are read in
+        the process that made them: a worker reads the batch per batch)."""
         w = j % self.num_workers
         if self._free[w]:
             sid = self._free[w].popleft()

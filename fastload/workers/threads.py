@@ -19,12 +19,25 @@ from typing import Any
 
 import torch
 
+from fastload.fetch.plan import PlanSlice
 from fastload.system import usable_cores
-from fastload.workers.base import WorkerError
+from fastload.workers.base import Fetch, WorkerError, fetch_planned
 
-__all__ = ["STEAL_MODES", "ThreadPool", "ThreadSource", "resolve_steal"]
+__all__ = ["STEAL_MODES", "ThreadPool", "ThreadSource", "resolve_steal", "steal_rule"]
 
 STEAL_MODES = ("auto", "always", "bounded", False)
+
+
+def steal_rule(
+    *, num_workers: int, cores: int, cuda: bool, timeout: float = 0, worker_init: bool = False
+) -> str | bool:
+    """What "auto" means: whether a waiting consumer fetches unstarted batches itself. Never with
+    a `timeout` (a stolen batch could outlast it) or a `worker_init` (the consumer's thread never
+    ran it), nor when the workers fill every core (a consumer fetching too only contends);
+    "bounded" when CUDA is available (the consumer goes back to launching GPU work), else "always"."""
+    if timeout or worker_init or num_workers >= cores:
+        return False
+    return "bounded" if cuda else "always"
 
 
 def resolve_steal(steal: bool | str, *, num_workers: int, timeout: float = 0) -> str | bool:
@@ -34,9 +47,7 @@ def resolve_steal(steal: bool | str, *, num_workers: int, timeout: float = 0) ->
     if timeout or not steal:
         return False  # a stolen batch could outlast `timeout`
     if steal == "auto":
-        if num_workers >= usable_cores():
-            return False  # the workers already fill every core: a consumer fetching too only contends
-        return "bounded" if torch.cuda.is_available() else "always"
+        return steal_rule(num_workers=num_workers, cores=usable_cores(), cuda=torch.cuda.is_available())
     return steal
 
 
@@ -45,7 +56,8 @@ class _Shared:
     so dropping the pool stops them); lives as long as the threads, across epochs."""
 
     def __init__(self) -> None:
-        self.todo: deque[tuple[int, Any, _EpochWork]] = deque()  # batches nobody has started, in order
+        # batches nobody has started, in order: (j, indices, plan slice, epoch)
+        self.todo: deque[tuple[int, Any, PlanSlice | None, _EpochWork]] = deque()
         self.wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()  # one token per batch put; None: exit
         self.ready: queue.SimpleQueue[int] = queue.SimpleQueue()  # batches finished while the consumer waited
         self.waiting = False  # the consumer is (about to be) blocked on `ready`
@@ -60,10 +72,10 @@ class _EpochWork:
 
     def __init__(
         self,
-        fetch: Callable[[Any], tuple[Any, dict[str, float]]],
+        fetch: Fetch,
         post: Callable[[Any, dict[str, float]], tuple[Any, Any]] | None,
         timed: bool,
-        fetch_alone: Callable[[Any], tuple[Any, dict[str, float]]] | None = None,
+        fetch_alone: Fetch | None = None,
     ) -> None:
         self.fetch, self.post, self.timed = fetch, post, timed
         self.fetch_alone = fetch_alone or fetch
@@ -71,14 +83,16 @@ class _EpochWork:
         self.done: dict[int, tuple[Any, BaseException | None]] = {}  # finished by a worker, not yet taken
         self.started: dict[int, float] = {}  # batch -> when a worker started it ("bounded" mode only)
 
-    def work(self, indices: Any, j: int | None = None, *, alone: bool = False) -> tuple[Any, dict[str, float], Any]:
+    def work(
+        self, indices: Any, planned: PlanSlice | None, j: int | None = None, *, alone: bool = False
+    ) -> tuple[Any, dict[str, float], Any]:
         """Fetch one batch (batch `j` of the epoch when a worker runs it) and `post` it; `alone`:
         no worker is fetching meanwhile (`fetch_alone` may use every core)."""
         if self.timed:
             t0 = time.perf_counter()
             if j is not None:
                 self.started[j] = t0
-        batch, timings = (self.fetch_alone if alone else self.fetch)(indices)
+        batch, timings = fetch_planned(self.fetch_alone if alone else self.fetch, indices, planned)
         token = None
         if self.post is not None:
             batch, token = self.post(batch, timings)
@@ -101,14 +115,14 @@ def _thread_worker(shared: _Shared, wid: int, init: Callable[[int], None] | None
     todo, wake, ready = shared.todo, shared.wake, shared.ready
     while wake.get() is not None:
         try:
-            j, indices, epoch = todo.popleft()
+            j, indices, planned, epoch = todo.popleft()
         except IndexError:  # the consumer took that batch itself
             continue
         try:
-            epoch.done[j] = (epoch.work(indices, j), None)
+            epoch.done[j] = (epoch.work(indices, planned, j), None)
         except BaseException as exc:  # noqa: BLE001 - raised in the consumer when batch j's turn comes
             epoch.done[j] = (None, exc)
-        del indices, epoch  # an idle worker keeps no epoch alive (its fetcher, dataset, tensors)
+        del indices, planned, epoch  # an idle worker keeps no epoch alive (its fetcher, dataset, tensors)
         if shared.waiting:  # only then: a consumer that never waits must not fill the queue
             ready.put(j)
 
@@ -132,8 +146,8 @@ class ThreadPool:
         _live_pools.add(self)
 
     def start(self) -> None:
-        """Start the threads if they are not running yet (the first batch put does this: an epoch
-        that autotune runs inline starts none)."""
+        """Start the threads if they are not running yet (a source's first batch put does this: an
+        epoch that autotune runs inline starts none)."""
         for t in self._unstarted:
             t.start()
             _started_threads.add(t)
@@ -150,6 +164,11 @@ class ThreadPool:
                 if shared.wake.get_nowait() is None:  # the pool is being stopped: keep the stop
                     shared.wake.put(None)
                     break
+
+    @property
+    def started(self) -> bool:
+        """Whether the threads were started (by a source's first batch)."""
+        return not self._unstarted
 
     @property
     def usable(self) -> bool:
@@ -219,16 +238,19 @@ class ThreadSource:
     STEAL_MIN_REMAINING = 0.75  # of the mean fetch time
     STEAL_OVERDUE = 2.0  # mean fetch times
 
+    inline = False
+    adaptive = True
+
     def __init__(
         self,
-        fetch: Callable[[Any], tuple[Any, dict[str, float]]],
+        fetch: Fetch,
         num_workers: int,
         *,
         timeout: float = 0,
         post: Callable[[Any, dict[str, float]], tuple[Any, Any]] | None = None,
         init: Callable[[int], None] | None = None,
         steal: bool | str = "auto",
-        fetch_alone: Callable[[Any], tuple[Any, dict[str, float]]] | None = None,
+        fetch_alone: Fetch | None = None,
         pool: ThreadPool | None = None,
     ) -> None:
         self.timeout = timeout
@@ -240,15 +262,20 @@ class ThreadSource:
         # only the "bounded" mode needs fetch start times and their mean
         self._epoch = epoch = _EpochWork(fetch, post, timed=self.steal == "bounded", fetch_alone=fetch_alone)
         self._work = epoch.work
-        self.fetch_alone = epoch.fetch_alone  # for a caller fetching while no batch is in flight
+        self._pool_started = False  # the first batch put starts the pool: an epoch autotune runs inline starts none
         self.stolen = 0  # batches the consumer fetched while waiting (diagnostics)
 
-    def put(self, j: int, indices: Any) -> None:
+    def put(self, j: int, indices: Any, planned: PlanSlice | None = None) -> None:
         """Queue batch j for the workers (starting them on the first batch)."""
-        if self.pool._unstarted:  # started by the first batch: an epoch autotune runs inline starts none
+        if not self._pool_started:
             self.pool.start()
-        self._shared.todo.append((j, indices, self._epoch))
+            self._pool_started = True
+        self._shared.todo.append((j, indices, planned, self._epoch))
         self._shared.wake.put(True)
+
+    def fetch_alone(self, indices: Any, planned: PlanSlice | None = None) -> tuple[Any, dict[str, float]]:
+        """Fetch one batch in the caller while no batch is in flight (`fetch_alone` of the fetcher)."""
+        return fetch_planned(self._epoch.fetch_alone, indices, planned)
 
     def get(self, j: int) -> tuple[Any, dict[str, float], Any]:
         """Batch j: taken when a worker finished it, else stolen/fetched here or waited for."""
@@ -275,19 +302,19 @@ class ThreadSource:
                 raise shared.init_error
             if self.steal and todo:
                 try:
-                    k, indices, _ = todo.popleft()
+                    k, indices, planned, _ = todo.popleft()
                 except IndexError:  # a worker took it meanwhile
                     continue
                 if k == j:  # no worker has started batch j: fetch it here instead of waiting
-                    return self._work(indices)
+                    return self._work(indices, planned)
                 if self._worth_stealing(j):
                     self.stolen += 1
                     try:
-                        done[k] = (self._work(indices), None)
+                        done[k] = (self._work(indices, planned), None)
                     except Exception as exc:  # noqa: BLE001 - raised when batch k's turn comes, in order
                         done[k] = (None, exc)
                     continue
-                todo.appendleft((k, indices, epoch))  # batch j is nearly done: leave k to the workers
+                todo.appendleft((k, indices, planned, epoch))  # batch j is nearly done: leave k to the workers
                 shared.wake.put(True)
             self._wait_ready(j, deadline)
         return None
@@ -330,14 +357,24 @@ class ThreadSource:
         return elapsed <= (1.0 - self.STEAL_MIN_REMAINING) * mean or elapsed >= self.STEAL_OVERDUE * mean
 
     @property
+    def finished(self) -> int:
+        """Batches the workers finished that the consumer has not taken yet."""
+        return len(self._epoch.done)
+
+    @property
+    def reports_waiting(self) -> int:
+        """Finished-batch reports queued for a waiting consumer (at most one per worker)."""
+        return self._shared.ready.qsize()
+
+    @property
     def broken(self) -> bool:
         """A worker failed to start (its `worker_init_fn` raised): no later batch can come."""
         return self._shared.init_error is not None
 
-    def run_inline(self, indices: Any) -> tuple[Any, dict[str, float], Any]:
+    def run_inline(self, indices: Any, planned: PlanSlice | None = None) -> tuple[Any, dict[str, float], Any]:
         """Fetch in the calling thread (autotune's inline mode: no batch is in flight then, so it
-        runs `fetch_alone`)."""
-        return self._work(indices, alone=True)
+        runs `fetch_alone`), posted as a worker's batch is."""
+        return self._work(indices, planned, alone=True)
 
     def release(self, token: Any) -> None:
         """Nothing to release: a ring slot's token goes to the ring (`PinStage`)."""

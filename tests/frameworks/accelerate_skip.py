@@ -67,9 +67,9 @@ def seeded(accelerator) -> dict:
 
 
 def token_budget(accelerator) -> dict:
-    from fastload.bucketing import TokenBudgetBatchSampler
+    from fastload.fetch.text_collate import TextCollate
     from fastload.formats import FastloadDataset, write
-    from fastload.text_collate import TextCollate
+    from fastload.order.bucketing import TokenBudgetBatchSampler
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 40, N_TEXT)

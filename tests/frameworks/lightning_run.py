@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fastload import Loader
-from fastload.bucketing import TokenBudgetBatchSampler
+from fastload.order.bucketing import TokenBudgetBatchSampler
 
 N, BATCH = 192, 8
 LENGTHS = (np.arange(N) * 7) % 31 + 1  # token counts for the token-budget sampler

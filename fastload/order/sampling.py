@@ -1,10 +1,11 @@
 """Batch orders: seeded rank-aware epochs, torch-sampler replay, exact mid-epoch resume.
 
-Two order sources feed the Loader, both yielding `(indices, snapshot)` per batch where
-`snapshot` is what `Loader.state_dict()` stores once the consumer has received that batch:
+Two order sources feed the Loader, both yielding a `BatchRecord` (`fastload.order.record`) per
+batch, whose `position` is what `Loader.state_dict()` stores once the consumer has received
+that batch:
 
 * `SeededOrder` (``seed=`` given, or a distributed run without a user sampler): position `p` of
-  an epoch holds sample `IndexShuffle(n, seed, epoch)(p)` (`fastload.index_shuffle`: a keyed
+  an epoch holds sample `IndexShuffle(n, seed, epoch)(p)` (`fastload.order.index_shuffle`: a keyed
   bijection computed per position, so nothing of size n is ever built); ranks are dealt
   interleaved positions like `DistributedSampler` (padding by repetition when
   ``drop_last=False``), and each rank maps only the positions of its own next batches. Position
@@ -27,14 +28,15 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from fastload.ahead import Ahead
-from fastload.index_shuffle import IndexShuffle
-from fastload.plan import PLAN_MAX_BYTES
+from fastload.fetch.plan import PLAN_MAX_BYTES, PlanSlice
+from fastload.order.ahead import Ahead
+from fastload.order.index_shuffle import IndexShuffle
+from fastload.order.position import SamplerPosition, SeededPosition
+from fastload.order.record import BatchRecord, Planner
 from fastload.run import RunContext
 
 __all__ = [
     "AHEAD_MAX_BYTES",
-    "ORDER_VERSION",
     "STREAM_SAMPLES",
     "RankedSampler",
     "RunRank",
@@ -51,10 +53,6 @@ __all__ = [
 
 AHEAD_MAX_BYTES = 256 << 20  # a rank's epoch (int64 per sample) up to this size is computed an epoch ahead
 STREAM_SAMPLES = 1 << 16  # an epoch that is not planned is mapped in chunks of up to this many positions
-# The seeded order's algorithm, recorded in every position: 1 was an np.random permutation of the
-# whole epoch, 2 is `IndexShuffle`. A state of another version cannot resume exactly.
-ORDER_VERSION = 2
-PlanHook = Callable[..., list[np.ndarray] | None]  # plan(indices, batch_size) -> the batches to yield, or None
 
 
 def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -158,12 +156,10 @@ class RankedSampler:
         self.set_epoch(run.epoch)
 
 
-def batches_left(position: dict[str, Any], *, n: int, batch_size: int, world_size: int, drop_last: bool) -> int:
-    """How many batches `SeededOrder.epoch` yields from `position` (a resume state) at this world
-    size and batch size: the rest of the epoch, re-dealt when either changed."""
-    base, skip = int(position["base"]), int(position["batches"])
-    if position["world_size"] != world_size or position["batch_size"] != batch_size:
-        base, skip = min(n, base + skip * int(position["batch_size"]) * int(position["world_size"])), 0
+def batches_left(position: SeededPosition, *, n: int, batch_size: int, world_size: int, drop_last: bool) -> int:
+    """How many batches `SeededOrder.epoch` yields from `position` at this world size and batch
+    size: the rest of the epoch, re-dealt when either changed (`SeededPosition.resume_at`)."""
+    base, skip = position.resume_at(world_size, batch_size)
     if n - base <= 0:
         return 0
     return max(0, _num_batches(_per_rank(n - base, world_size, drop_last), batch_size, drop_last) - skip)
@@ -265,8 +261,7 @@ def rank_indices(
 def _sort_batches(mine: np.ndarray, batch_size: int) -> np.ndarray:
     """A copy of `mine` with each run of `batch_size` (and the shorter tail) sorted."""
     full = (len(mine) // batch_size) * batch_size
-    # indices that fit int32 sort as int32: the same result, and for 200k samples this step
-    # took 0.8 ms here against 1.8 ms sorting int64 (paid at every epoch start)
+    # indices that fit int32 sort as int32: the same result, in about half the time (paid at every epoch start)
     i32 = np.iinfo(np.int32)
     narrow = len(mine) > 0 and i32.min <= int(mine.min()) and int(mine.max()) <= i32.max
     keys = mine.astype(np.int32) if narrow else mine.copy()
@@ -281,9 +276,9 @@ class SeededOrder:
     With `shuffle`, which samples share a batch is random (`IndexShuffle`); inside a batch they
     are sorted, so a reader gathers them in storage order. A rank maps only its own positions:
     unplanned, in chunks of at most `STREAM_SAMPLES` as its batches are asked for (growing from
-    one batch, so the first batch comes at once); with a plan hook (`epoch(plan=)`), its whole
+    one batch, so the first batch comes at once); with a planner (`epoch(plan=)`), its whole
     epoch at once (the plan reads it all), and, when that fits `AHEAD_MAX_BYTES`, the next
-    epoch's on a background thread during this one (`fastload.ahead`; `epoch(..., ahead=)`).
+    epoch's on a background thread during this one (`fastload.order.ahead`; `epoch(..., ahead=)`).
     """
 
     def __init__(
@@ -304,37 +299,24 @@ class SeededOrder:
     def __len__(self) -> int:
         return _num_batches(_per_rank(self.n, self.world_size, self.drop_last), self.batch_size, self.drop_last)
 
+    @property
+    def ahead_pending(self) -> Any:
+        """The `(epoch, base, skip)` whose indices are being computed ahead, or None."""
+        return self._ahead.pending
+
     def base_seed(self, epoch: int) -> int:
         """The workers' base seed for `epoch`: `seed_for(seed, epoch)`, as `epoch()` returns it."""
         return seed_for(self.seed, epoch)
 
-    def check(self, position: dict[str, Any]) -> None:
-        """Raise ValueError unless `position` (a `state_dict()`'s) resumes this order exactly."""
-        if "base" not in position:
+    def position(self, state: dict[str, Any]) -> SeededPosition:
+        """`state` (a `state_dict()`'s position) as a position of this order; ValueError unless it
+        resumes this order exactly."""
+        if "base" not in state:
             raise ValueError(
                 "cannot resume: the state's position is not a seeded order's (it was saved by a Loader "
                 "iterating a sampler: torch's order, or a user sampler), this Loader has a seeded order"
             )
-        version = position.get("order", 1)
-        if version != ORDER_VERSION:
-            raise ValueError(
-                f"cannot resume: the state's seeded order is version {version!r}, this fastload computes "
-                f"version {ORDER_VERSION} (a different permutation of each epoch), so its unseen samples "
-                "cannot be told apart; to restart that epoch from its beginning under the current order, "
-                "load the state with its 'position' set to None"
-            )
-        if position.get("n") != self.n:
-            raise ValueError(
-                f"cannot resume: the state was saved over a dataset of {position.get('n')} samples, this "
-                f"one has {self.n}"
-            )
-        if position.get("shuffle") != self.shuffle:
-            saved = position.get("shuffle")
-            raise ValueError(f"cannot resume: the state has shuffle={saved}, this order shuffle={self.shuffle}")
-        base, done = int(position["base"]), int(position["batches"])
-        world, bs = int(position["world_size"]), int(position["batch_size"])
-        if not 0 <= base <= self.n or done < 0 or world < 1 or bs < 1:
-            raise ValueError(f"cannot resume: invalid seeded position {position}")
+        return SeededPosition.from_state(state, n=self.n, shuffle=self.shuffle)
 
     def epoch(
         self,
@@ -342,36 +324,25 @@ class SeededOrder:
         resume: dict[str, Any] | None = None,
         *,
         ahead: bool = True,
-        plan: PlanHook | None = None,
-    ) -> tuple[int, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
-        """`(base_seed, start_position, iterator of (indices, position))` for this rank; `ahead`:
-        with `plan`, compute the next epoch's indices in the background meanwhile (if they fit
-        `AHEAD_MAX_BYTES`); `plan(indices, batch_size)`: called with the array of all the indices
-        to come once it is computed (before the first batch is yielded; not when they are past
-        `PLAN_MAX_BYTES`: the epoch is then streamed); it may return the batches to yield (that
-        array cut into `batch_size` slices, e.g. ones a fetcher recognises), None to leave it to
-        the order. With `ahead`, it is also called on the background thread with the next
-        epoch's indices and `install=False`, to prepare what that epoch's call will use."""
+        plan: Planner | None = None,
+        draw_base_seed: bool = True,
+    ) -> tuple[int, dict[str, Any], Iterator[BatchRecord]]:
+        """`(base_seed, start_position, iterator of BatchRecord)` for this rank; `ahead`: with
+        `plan`, compute the next epoch's indices in the background meanwhile (if they fit
+        `AHEAD_MAX_BYTES`); `plan.plan(indices, batch_size)`: called with the array of all the
+        indices to come once it is computed (before the first batch is yielded; not when they are
+        past `PLAN_MAX_BYTES`: the epoch is then streamed); the batches then come with their
+        slices of that plan. With `ahead`, `plan.prepare_plan` is called on the background thread
+        with the next epoch's indices, to prepare what that epoch's call will use. The workers'
+        base seed is `seed_for(seed, epoch)` (`draw_base_seed` is a sampler order's)."""
         base, skip = 0, 0
         if resume is not None:
-            self.check(resume)
-            base, skip = int(resume["base"]), int(resume["batches"])
-            if resume["world_size"] != self.world_size or resume["batch_size"] != self.batch_size:
-                consumed = skip * int(resume["batch_size"]) * int(resume["world_size"])
-                base, skip = min(self.n, base + consumed), 0
+            base, skip = self.position(resume).resume_at(self.world_size, self.batch_size)
         start = self._pos(base, skip)
         return seed_for(self.seed, epoch), start, self._iter(epoch, base, skip, ahead, plan)
 
     def _pos(self, base: int, batches: int) -> dict[str, Any]:
-        return {
-            "order": ORDER_VERSION,
-            "n": self.n,
-            "shuffle": self.shuffle,
-            "base": base,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "batches": batches,
-        }
+        return SeededPosition.state(self.n, self.shuffle, base, self.world_size, self.batch_size, batches)
 
     def batches_left(self, base: int = 0, skip: int = 0) -> int:
         """This rank's batches in the rest of an epoch from position (`base`, `skip`)."""
@@ -404,11 +375,11 @@ class SeededOrder:
         self._shuffle = (self.seed, epoch, shuffle)
         return shuffle
 
-    def _indices_ahead(self, epoch: int, plan: PlanHook | None) -> np.ndarray:
-        """`indices(epoch)` on the background thread, and its plan prepared (not installed)."""
+    def _indices_ahead(self, epoch: int, plan: Planner | None) -> np.ndarray:
+        """`indices(epoch)` on the background thread, and its plan prepared."""
         mine = self.indices(epoch)
         if plan is not None:
-            plan(mine, self.batch_size, install=False)
+            plan.prepare_plan(mine, self.batch_size)
         return mine
 
     def _iter(
@@ -417,23 +388,23 @@ class SeededOrder:
         base: int,
         skip: int,
         ahead: bool,
-        plan: PlanHook | None,
-    ) -> Iterator[tuple[Any, dict[str, Any]]]:
+        plan: Planner | None,
+    ) -> Iterator[BatchRecord]:
         bs = self.batch_size
         left = self.batches_left(base, skip)
         if plan is not None and left * bs * 8 <= PLAN_MAX_BYTES:  # planned: the rank's whole epoch at once
             mine = self._ahead.take((epoch, base, skip))
             if mine is None:
                 mine = self.indices(epoch, base, skip)
-            batches: Iterable[np.ndarray] = _cut(mine, bs, plan)
+            batches: Iterable[tuple[np.ndarray, PlanSlice | None]] = _cut(mine, bs, plan)
             if ahead and self.shuffle and len(self) * bs * 8 <= AHEAD_MAX_BYTES:  # the next epoch, meanwhile
                 self._ahead.start((epoch + 1, 0, 0), self._indices_ahead, epoch + 1, plan)
         else:
             batches = self._stream(epoch, base, skip, skip + left)
-        for k, indices in enumerate(batches, start=skip + 1):
-            yield indices, self._pos(base, k)
+        for k, (indices, planned) in enumerate(batches, start=skip + 1):
+            yield BatchRecord(indices, self._pos(base, k), planned)
 
-    def _stream(self, epoch: int, base: int, skip: int, stop: int) -> Iterator[np.ndarray]:
+    def _stream(self, epoch: int, base: int, skip: int, stop: int) -> Iterator[tuple[np.ndarray, None]]:
         """Batches `skip..stop` mapped chunk by chunk: 1 batch, then twice as many each time, up
         to `STREAM_SAMPLES` positions."""
         bs, step, cap = self.batch_size, 1, max(1, STREAM_SAMPLES // self.batch_size)
@@ -442,35 +413,40 @@ class SeededOrder:
             end = min(stop, k + step)
             chunk = self.indices(epoch, base, k, end)
             for a in range(0, len(chunk), bs):
-                yield chunk[a : a + bs]
+                yield chunk[a : a + bs], None
             k, step = end, min(cap, step * 2)
 
 
-def _cut(order: np.ndarray, bs: int, plan: PlanHook | None) -> Iterable[np.ndarray]:
-    """`order` in consecutive batches of `bs` (the last may be shorter): those `plan` returns for
-    it, else slices made here."""
-    planned = plan(order, bs) if plan is not None and len(order) else None
-    return planned if planned is not None else (order[k : k + bs] for k in range(0, len(order), bs))
+def _cut(order: np.ndarray, bs: int, plan: Planner | None) -> Iterable[tuple[np.ndarray, PlanSlice | None]]:
+    """`order` in consecutive batches of `bs` (the last may be shorter), each with its slice of
+    the plan `plan` makes of `order` (None without one)."""
+    planned = plan.plan(order, bs) if plan is not None and len(order) else None
+    if planned is not None:
+        return zip(planned.batches, planned.slices())
+    return ((order[k : k + bs], None) for k in range(0, len(order), bs))
 
 
-def torch_batches(batch_sampler: Any) -> Callable[[PlanHook | None], Iterator[np.ndarray]] | None:
+Cut = Iterator[tuple[Any, PlanSlice | None]]  # batches, each with its plan slice or None
+
+
+def torch_batches(batch_sampler: Any) -> Callable[[Planner | None], Cut] | None:
     """For torch's own `BatchSampler` over `RandomSampler` / `SequentialSampler`: a function
     producing the same batches as int64 arrays (one `randperm`, no per-index Python) with the
     same RNG draws, including the extra `randperm` torch's sampler makes when exhausted. Its
-    argument: a plan hook as in `SeededOrder.epoch`, called with the epoch's batched indices."""
+    argument: a planner as in `SeededOrder.epoch`, given the epoch's batched indices."""
     if type(batch_sampler) is not BatchSampler:
         return None
     sampler, bs, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
     if type(sampler) is SequentialSampler:
 
-        def sequential(plan: PlanHook | None = None) -> Iterator[np.ndarray]:
+        def sequential(plan: Planner | None = None) -> Cut:
             n = len(sampler.data_source)
             yield from _cut(np.arange(n - n % bs if drop_last else n, dtype=np.int64), bs, plan)
 
         return sequential
     if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
 
-        def shuffled(plan: PlanHook | None = None) -> Iterator[np.ndarray]:
+        def shuffled(plan: Planner | None = None) -> Cut:
             n = len(sampler.data_source)
             gen = sampler.generator
             private = gen is None
@@ -519,43 +495,53 @@ class SamplerOrder:
         return len(self.index_sampler)  # type: ignore[arg-type]
 
     def epoch(
-        self, *, draw_base_seed: bool, resume: dict[str, Any] | None = None, plan: PlanHook | None = None
-    ) -> tuple[int | None, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
-        """Start an epoch: `(base_seed, start_position, iterator of (indices, position))`.
+        self,
+        epoch: int = 0,
+        resume: dict[str, Any] | None = None,
+        *,
+        ahead: bool = True,
+        plan: Planner | None = None,
+        draw_base_seed: bool = True,
+    ) -> tuple[int | None, dict[str, Any], Iterator[BatchRecord]]:
+        """Start an epoch: `(base_seed, start_position, iterator of BatchRecord)` (`epoch` and
+        `ahead` are a seeded order's: a sampler takes its epoch through `set_epoch`).
 
         Mirrors torch: the workers' base seed is drawn from `generator` before the sampler's
         first draw, so orders match `DataLoader` given the same generator/global RNG. `plan`: as
         in `SeededOrder.epoch`, for torch's own samplers (see `torch_batches`).
         """
-        if resume is not None and resume.get("sampler_state") is not None and self.stateful is not None:
-            self.stateful.load_state_dict(resume["sampler_state"])
-            base_seed = resume.get("base_seed")
-            k = int(resume["batches"])
-            return base_seed, dict(resume), self._track(self._iterate(plan), k, resume.get("rng"), base_seed)
-        if resume is not None and resume.get("rng") is not None:
-            return self._replay(resume, plan)
+        saved = SamplerPosition.from_state(resume) if resume is not None else None
+        if saved is not None and saved.sampler_state is not None and self.stateful is not None:
+            self.stateful.load_state_dict(saved.sampler_state)
+            return saved.base_seed, saved.get_state(), self._track(
+                self._iterate(plan), saved.batches, saved.rng, saved.base_seed
+            )
+        if saved is not None and saved.rng is not None:
+            return self._replay(saved, plan)
         rng = {
             "generator": self.generator.get_state() if self.generator is not None else None,
             "global": torch.get_rng_state(),
             "drew": draw_base_seed,
         }
         base_seed = self._draw() if draw_base_seed else None
-        start = {"batches": 0, "sampler_state": None, "rng": rng, "base_seed": base_seed}
+        start = SamplerPosition(0, None, rng, base_seed).get_state()
         return base_seed, start, self._track(self._iterate(plan), 0, rng, base_seed)
 
-    def _iterate(self, plan: PlanHook | None = None) -> Iterator[Any]:
-        """The (batch) sampler's indices; torch's own samplers' batches as `torch_batches` gives
-        them, cut by `plan` where given."""
-        return self._fast(plan) if self._fast is not None else iter(self.index_sampler)
+    def _iterate(self, plan: Planner | None = None) -> Cut:
+        """The (batch) sampler's indices, each with its plan slice (None: unplanned); torch's own
+        samplers' batches as `torch_batches` gives them, planned by `plan` where given."""
+        if self._fast is not None:
+            return self._fast(plan)
+        return ((idx, None) for idx in self.index_sampler)
 
     def _draw(self) -> int:
         return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
     def _replay(
-        self, resume: dict[str, Any], plan: PlanHook | None = None
-    ) -> tuple[int | None, dict[str, Any], Iterator[tuple[Any, dict[str, Any]]]]:
+        self, resume: SamplerPosition, plan: Planner | None = None
+    ) -> tuple[int | None, dict[str, Any], Iterator[BatchRecord]]:
         """Re-run the epoch start under the RNG states captured then, and skip what was yielded."""
-        rng = resume["rng"]
+        rng = resume.rng
         if self.generator is not None and rng["generator"] is not None:
             self.generator.set_state(rng["generator"])
         with torch.random.fork_rng(devices=[]):  # the user's global RNG is left untouched
@@ -563,8 +549,8 @@ class SamplerOrder:
             base_seed = self._draw() if rng["drew"] else None
             it = self._iterate(plan)
             head = next(it, None)  # samplers seed themselves on the first pull
-        skip = int(resume["batches"])
-        start = {"batches": skip, "sampler_state": None, "rng": rng, "base_seed": base_seed}
+        skip = resume.batches
+        start = SamplerPosition(skip, None, rng, base_seed).get_state()
         if head is None:
             return base_seed, start, iter(())
         if skip == 0:
@@ -575,15 +561,15 @@ class SamplerOrder:
         return base_seed, start, self._track(it, skip, rng, base_seed)
 
     def _track(
-        self, it: Iterator[Any], start: int, rng: Any, base_seed: int | None, head: list[Any] | None = None
-    ) -> Iterator[tuple[Any, dict[str, Any]]]:
+        self, it: Cut, start: int, rng: Any, base_seed: int | None, head: list[Any] | None = None
+    ) -> Iterator[BatchRecord]:
         k = start
-        for idx in head or ():
+        for idx, planned in head or ():
             k += 1
-            yield idx, self._pos(k, rng, base_seed)
-        for idx in it:
+            yield BatchRecord(idx, self._pos(k, rng, base_seed), planned)
+        for idx, planned in it:
             k += 1
-            yield idx, self._pos(k, rng, base_seed)
+            yield BatchRecord(idx, self._pos(k, rng, base_seed), planned)
 
     def _pos(self, k: int, rng: Any, base_seed: int | None) -> dict[str, Any]:
         state = self.stateful.state_dict() if self.stateful is not None else None

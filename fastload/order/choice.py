@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastload.sampling import RunRank, SamplerOrder, SeededOrder, batches_left
+from fastload.order.position import SamplerPosition, parse_position
+from fastload.order.sampling import RunRank, SamplerOrder, SeededOrder, batches_left
 
 __all__ = ["STATE_VERSION", "RankedOrder", "batches_from", "check_state", "dealt_world", "make_order", "order_kind"]
 
@@ -65,9 +66,10 @@ def batches_from(order: SeededOrder | SamplerOrder, position: dict[str, Any] | N
         return full
     if isinstance(order, SeededOrder):
         return batches_left(
-            position, n=order.n, batch_size=order.batch_size, world_size=order.world_size, drop_last=drop_last
+            order.position(position), n=order.n, batch_size=order.batch_size, world_size=order.world_size,
+            drop_last=drop_last,
         )
-    return max(0, full - int(position["batches"]))
+    return max(0, full - SamplerPosition.from_state(position).batches)
 
 
 def dealt_world(sampler: Any, batch_sampler: Any, world_size: int) -> int:
@@ -84,8 +86,9 @@ def check_state(
     state: dict[str, Any], order: SeededOrder | SamplerOrder, *, num_samples: int, world: int, batch_size: Any
 ) -> None:
     """Raise `ValueError` when `state` cannot continue exactly with `order` (another dataset
-    length; the other kind of order; a sampler order saved mid-epoch at another world or batch
-    size, which only a seeded order can re-deal)."""
+    length; the other kind of order; a seeded position this order cannot resume, see
+    `SeededPosition.from_state`; a sampler order saved mid-epoch at another world or batch size,
+    which only a seeded order can re-deal). The one check of a Loader state's position."""
     pos = state.get("position")
     saved_n = state.get("num_samples")
     if pos is None:
@@ -95,12 +98,15 @@ def check_state(
             f"Loader state is for a dataset of {saved_n} samples, this Loader's has {num_samples}: "
             "its position does not apply"
         )
-    seeded = isinstance(order, SeededOrder)
-    if seeded != ("base" in pos):
-        saved, here = ("a seeded", "a sampler") if "base" in pos else ("a sampler", "a seeded")
+    kind = parse_position(pos)
+    if isinstance(order, SeededOrder) != (kind == "seeded"):
+        saved, here = ("a seeded", "a sampler") if kind == "seeded" else ("a sampler", "a seeded")
         raise ValueError(f"Loader state was saved with {saved} order, this Loader has {here} order (see seed=)")
-    if seeded or not int(pos.get("batches", 0)):
-        return  # a seeded order re-deals the rest of the epoch to any world or batch size
+    if isinstance(order, SeededOrder):
+        order.position(pos)  # valid for this order; it re-deals the rest of the epoch to any world or batch size
+        return
+    if not SamplerPosition.from_state(pos).batches:
+        return
     for key, current in (("world_size", world), ("batch_size", batch_size)):
         saved_value = state.get(key)
         if saved_value is not None and saved_value != current:

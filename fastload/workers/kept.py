@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fastload.device import use_worker_stream, worker_stream
-from fastload.fetch import Fetcher
-from fastload.pinned import BufferRing
+from fastload.fetch.fetcher import Fetcher
 from fastload.pipeline.config import LoaderConfig
-from fastload.pipeline.pinned import ring_post
 from fastload.run import RunContext
-from fastload.workers import InlineSource, ProcessSource, ThreadPool, ThreadSource
+from fastload.transfer.pin_stage import ring_post
+from fastload.transfer.ring import BufferRing
+from fastload.transfer.side_stream import use_worker_stream, worker_stream
+from fastload.workers import BatchSource, InlineSource, ProcessSource, ThreadPool, ThreadSource
 
 __all__ = ["WorkerSet"]
 
@@ -55,7 +55,7 @@ class WorkerSet:
 
     def source(
         self, ring: BufferRing | None, device_index: int | None, base_seed: int | None, run: RunContext | None = None
-    ) -> tuple[Any, bool, bool]:
+    ) -> tuple[BatchSource, bool, bool]:
         """The epoch's batch source -> (source, owned by the epoch, packs into `ring` itself);
         worker processes get `run` with each task (threads share the bound fetcher)."""
         cfg, fetcher = self.config, self.fetcher

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fastload.collate import flatten, leaf_nbytes, pack_into, unflatten
+from fastload.fetch.collate import flatten, leaf_nbytes, pack_into, unflatten
 
 __all__ = ["BufferRing", "Slot", "referenced_beyond", "storage_refs"]
 

@@ -9,11 +9,11 @@ Modes (chosen by the Loader):
   (checked on one sample as each epoch starts): each batch is then those takes and `from_numpy`,
   nothing else, timed as "read". With two cores gathering, every microsecond the GIL is held per batch shows.
   When the Loader has handed over the epoch's order (`plan`), the row lookups and the small
-  in-memory fields of all its batches are read at once, and a batch is one gather per large
-  field plus slices (`fastload.plan`).
+  in-memory fields of all its batches are read at once, and a batch that comes with its
+  `PlanSlice` is one gather per large field plus slices (`fastload.fetch.plan`).
 * ``views`` — `dataset.get_batch(indices)` once, `columns_to_views` (fixed fields as tensors,
   variable fields as `Ragged` of tensors: no per-sample Python), then `collate_fn`, a collate
-  that declares ``accepts_batch_views`` (`fastload.views`), then `transform`.
+  that declares ``accepts_batch_views`` (`fastload.fetch.views`), then `transform`.
 * ``getitems`` — `dataset.__getitems__(indices)` once (as torch does), then `collate_fn`.
 * ``getitem`` — `[dataset[i] for i in indices]`, then `collate_fn`.
 * ``single`` — `batch_size=None`: `collate_fn(dataset[index])` (torch's `default_convert`).
@@ -34,25 +34,38 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastload.collate import columns_to_torch, zero_copy_column
-from fastload.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan
-from fastload.retry import RemoteFetchError
+from fastload.fetch.collate import columns_to_torch, zero_copy_column
+from fastload.fetch.direct import DirectReader
+from fastload.fetch.plan import BATCH_BYTES, PLAN_MAX_BYTES, EpochPlan, PlanSlice
+from fastload.fetch.views import columns_to_views
+from fastload.remote.retry import RemoteFetchError
 from fastload.run import RunContext, batch_context, bind_components
-from fastload.views import columns_to_views
 
 __all__ = ["MODES", "Fetcher", "torch_gather"]
 
 MODES = ("columns", "views", "getitems", "getitem", "single")
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A plan made ahead (`Fetcher.prepare_plan`) for `indices` through `takes`."""
+
+    indices: np.ndarray
+    batch_size: int
+    takes: Any
+    plan: EpochPlan | None
+
+
 class Fetcher:
-    """Picklable callable `fetcher(indices) -> (batch, {stage: seconds})`."""
+    """Picklable callable `fetcher(indices, planned=None) -> (batch, {stage: seconds})`; `planned`:
+    the batch's slice of the epoch plan (`BatchRecord.plan`)."""
 
     def __init__(
         self,
@@ -70,8 +83,8 @@ class Fetcher:
         self._takes: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None = None
         self._takes_alone: list[tuple[str, Callable[[np.ndarray], torch.Tensor]]] | None = None  # make tensors
         self._takes_checked = False
-        self._plan: EpochPlan | None = None  # this epoch's small reads, done ahead (`plan`)
-        self._pending: tuple[Any, ...] | None = None  # the next epoch's plan, prepared on another thread
+        # the next epoch's plan, prepared on the order's background thread: one store, one read
+        self._prepared: _Prepared | None = None
         self.run: RunContext | None = None  # the Loader's run (`bind_run`)
 
     def bind_run(self, run: RunContext) -> None:
@@ -84,7 +97,7 @@ class Fetcher:
         state = self.__dict__.copy()
         state["_takes"] = state["_takes_alone"] = None  # bound to this process's mappings
         state["_takes_checked"] = False
-        state["_plan"] = state["_pending"] = None
+        state["_prepared"] = None
         return state
 
     def refresh(self) -> None:
@@ -92,48 +105,44 @@ class Fetcher:
         starts, so a dataset closed and reopened between epochs is read through its new mappings;
         in the consumer's thread, rather than in whichever worker fetches first)."""
         self._takes_checked = False
-        self._plan = None
         self._direct_takes()
 
-    def plan(self, indices: np.ndarray, batch_size: int, *, install: bool = True) -> list[np.ndarray] | None:
+    def plan(self, indices: np.ndarray, batch_size: int) -> EpochPlan | None:
         """Do the small reads of the direct path for all of `indices` (an epoch's order) now, in
-        one vectorized step per field, instead of per batch (see `fastload.plan`), and return
-        its batches of `batch_size` (the arrays to fetch: the plan knows them by identity).
-        Replaces the previous plan. None, and no plan, off the direct path, for an empty or
-        oversized one (`PLAN_MAX_BYTES`), or when an index is out of range (the batch holding it
-        then raises as usual).
-
-        `install=False` (the next epoch's order computed ahead, on another thread): only prepare
-        the plan of `indices`; the call with `install=True` for those very `indices` (when that
-        epoch starts) then uses it instead of reading again, if the dataset's takes are still the
-        same (not reopened since)."""
+        one vectorized step per field, instead of per batch (see `fastload.fetch.plan`): the plan,
+        cut into batches of `batch_size`, each with the `PlanSlice` its record carries. None off
+        the direct path, for an empty or oversized plan (`PLAN_MAX_BYTES`), or when an index is
+        out of range (the batch holding it then raises as usual). A plan `prepare_plan` made for
+        these very `indices` is taken instead of reading again, if the dataset's takes are still
+        the same (not reopened since)."""
         takes = self._takes
-        if not install:
-            self._pending = (indices, batch_size, takes, self._make_plan(indices, batch_size, takes))
-            return None
-        pending, self._pending = self._pending, None
+        prepared, self._prepared = self._prepared, None
         if (
-            pending is not None
-            and pending[0] is indices
-            and pending[1] == batch_size
-            and pending[2] is takes
-            and pending[3] is not None  # none then (e.g. blocks still unverified) may be one now
+            prepared is not None
+            and prepared.indices is indices
+            and prepared.batch_size == batch_size
+            and prepared.takes is takes
+            and prepared.plan is not None  # none then (e.g. blocks still unverified) may be one now
         ):
-            plan = pending[3]
-        else:
-            plan = self._make_plan(indices, batch_size, takes)
-        self._plan = plan
-        return None if plan is None else plan.batches
+            return prepared.plan
+        return self._make_plan(indices, batch_size, takes)
 
-    def release_plan(self) -> None:
-        """Forget the current epoch's plan once the epoch is over (up to `PLAN_MAX_BYTES` that
-        nothing reads any more; batches still held keep their own slices). A plan prepared for
-        the next epoch is kept."""
-        self._plan = None
+    def prepare_plan(self, indices: np.ndarray, batch_size: int) -> None:
+        """Make the plan of `indices` (the next epoch's order, computed ahead on another thread)
+        for the `plan` call of that epoch."""
+        takes = self._takes
+        self._prepared = _Prepared(indices, batch_size, takes, self._make_plan(indices, batch_size, takes))
+
+    @property
+    def plan_prepared(self) -> bool:
+        """Whether a plan made ahead (`prepare_plan`) waits for its epoch."""
+        return self._prepared is not None
 
     def _make_plan(self, indices: np.ndarray, batch_size: int, takes: list[Any] | None) -> EpochPlan | None:
-        direct_plan = getattr(self.dataset, "direct_plan", None)
-        if takes is None or direct_plan is None or type(indices) is not np.ndarray or not len(indices):
+        dataset = self.dataset
+        if takes is None or not isinstance(dataset, DirectReader) or type(indices) is not np.ndarray:
+            return None
+        if not len(indices):
             return None
         if indices.dtype != np.int64 or indices.ndim != 1:
             return None
@@ -141,7 +150,7 @@ class Fetcher:
         if room < 0:
             return None
         try:
-            fields = direct_plan(indices, max_bytes=room)
+            fields = dataset.direct_plan(indices, max_bytes=room)
         except IndexError:
             return None
         if fields is None or [name for name, _, _ in fields] != [name for name, _ in takes]:
@@ -150,6 +159,7 @@ class Fetcher:
             indices,
             batch_size,
             [(name, data, rows, None if rows is None else torch_gather(rows)) for name, data, rows in fields],
+            source=takes,
         )
 
     @property
@@ -164,17 +174,17 @@ class Fetcher:
             self._direct_takes()
         return self._takes is not None
 
-    def __call__(self, indices: Any) -> tuple[Any, dict[str, float]]:
-        return self._call(indices, alone=False)
+    def __call__(self, indices: Any, planned: PlanSlice | None = None) -> tuple[Any, dict[str, float]]:
+        return self._call(indices, planned, alone=False)
 
-    def fetch_alone(self, indices: Any) -> tuple[Any, dict[str, float]]:
+    def fetch_alone(self, indices: Any, planned: PlanSlice | None = None) -> tuple[Any, dict[str, float]]:
         """`self(indices)` for a caller that no other thread fetches beside (`num_workers=0`, the
         autotune's inline stretch): the large fields of the direct path are gathered by one
         `torch.index_select`, which torch spreads over its intra-op threads, so one consumer uses
         every core torch may use. Same batch, same errors."""
-        return self._call(indices, alone=True)
+        return self._call(indices, planned, alone=True)
 
-    def _call(self, indices: Any, *, alone: bool) -> tuple[Any, dict[str, float]]:
+    def _call(self, indices: Any, planned: PlanSlice | None, *, alone: bool) -> tuple[Any, dict[str, float]]:
         try:
             if not self._takes_checked:
                 self._direct_takes()
@@ -182,11 +192,8 @@ class Fetcher:
             if takes is None:
                 return self._fetch(indices)
             t0 = time.perf_counter()
-            plan = self._plan
-            if plan is not None:
-                batch = plan.batch(indices, alone=alone)
-                if batch is not None:
-                    return batch, {"read": time.perf_counter() - t0}
+            if planned is not None and planned.plan.source is self._takes:  # read through these mappings
+                return planned.read(alone=alone), {"read": time.perf_counter() - t0}
             idx = np.asarray(indices, dtype=np.int64).reshape(-1)
             try:
                 if alone:  # these make tensors
@@ -240,12 +247,13 @@ class Fetcher:
     def _direct_takes(self) -> list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None:
         """The dataset's `direct_takes()` in columns mode without a `transform`, when every column
         they give converts with a bare `torch.from_numpy` (checked on one sample), else None."""
-        direct = getattr(self.dataset, "direct_takes", None)
+        dataset = self.dataset
         takes = alone = None
-        if direct is not None and self.mode == "columns" and self.transform is None:
-            takes = direct()
+        if isinstance(dataset, DirectReader) and self.mode == "columns" and self.transform is None:
+            takes = dataset.direct_takes()
         if takes is not None:
-            probe = self.dataset.get_batch(np.zeros(min(1, len(self.dataset)), dtype=np.int64))
+            assert isinstance(dataset, DirectReader)
+            probe = dataset.get_batch(np.zeros(min(1, len(dataset)), dtype=np.int64))
             if list(probe) != [name for name, _ in takes] or not all(
                 zero_copy_column(name, col, self.scalar_fields) for name, col in probe.items()
             ):
@@ -254,7 +262,7 @@ class Fetcher:
                 plain = dict(takes)
                 alone = [
                     (name, partial(_tensor_take, take) if take is plain[name] else take)
-                    for name, take in direct(gather=torch_gather)
+                    for name, take in dataset.direct_takes(gather=torch_gather) or ()
                 ]
         self._takes, self._takes_alone, self._takes_checked = takes, alone, True
         return takes

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fastload.collate import flatten, unflatten
+from fastload.fetch.collate import flatten, unflatten
 
 __all__ = ["DeviceStage", "DeviceWideFence", "resolve_device", "use_worker_stream", "worker_stream"]
 

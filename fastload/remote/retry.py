@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .formats.errors import ChecksumError, FormatError
+from fastload.formats.errors import ChecksumError, FormatError
 
 __all__ = ["RemoteFetchError", "RetryPolicy", "is_transient", "retry_call"]
 
-log = logging.getLogger("fastload.remote")
+log = logging.getLogger("fastload.remote.storage")
 T = TypeVar("T")
 
 _TRANSIENT_ERRNOS = {

@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
-from .cache import Download, ShardCache
-from .get_window import GetWindow
+from fastload.remote.cache.shard_cache import Download, ShardCache
+from fastload.remote.get_window import GetWindow
 
 __all__ = ["PrefetchPlan"]
 
-log = logging.getLogger("fastload.remote")
+log = logging.getLogger("fastload.remote.storage")
 
 
 class PrefetchPlan:

@@ -3,13 +3,13 @@
 Every process (loader workers, ranks, several loaders) that points at the same directory shares
 one budget. Layout of `root`: `data/<key>` holds complete, verified files; `tmp/<key>.<pid>.<n>`
 downloads in flight (their bytes reserved in the budget up front); the shared state and its locks
-are described in `fastload.cache_state`.
+are described in `fastload.remote.cache.state`.
 
 Parts, one concept each:
-- `fastload.cache_state.CacheState`: the shared state and this owner's pin ledger, the single
+- `fastload.remote.cache.state.CacheState`: the shared state and this owner's pin ledger, the single
   place pins are counted; dead owners' pins, reservations and temp files are dropped on every update;
-- `fastload.cache_policy.LruPolicy`: what is evicted to make room, and when a wait for room is a deadlock;
-- `fastload.cache_files.Download`: a download hashed as it is written;
+- `fastload.remote.cache.policy.LruPolicy`: what is evicted to make room, and when a wait for room is a deadlock;
+- `fastload.remote.cache.files.Download`: a download hashed as it is written;
 - this module: acquire / prefetch / release on top of them.
 
 The bytes the cache occupies on its file system never exceed `limit`: every file counts at its
@@ -40,13 +40,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .cache_files import Download, check_key, footprint
-from .cache_fill import CacheFill
-from .cache_policy import LruPolicy, split_budget
-from .cache_state import CacheBudgetError, CacheState, CacheStateError, owner_alive, owner_id
-from .formats.forksafe import reset_in_child
-from .formats.units import format_size, parse_size
-from .transfer_stats import TransferStats
+from fastload.formats.forksafe import reset_in_child
+from fastload.formats.units import format_size, parse_size
+from fastload.remote.cache.files import Download, check_key, footprint
+from fastload.remote.cache.fill import CacheFill
+from fastload.remote.cache.policy import LruPolicy, split_budget
+from fastload.remote.cache.state import CacheBudgetError, CacheState, CacheStateError, owner_alive, owner_id
+from fastload.remote.transfer_stats import TransferStats
 
 __all__ = [
     "CacheBudgetError",
@@ -223,7 +223,7 @@ class ShardCache:
         return total
 
     def stats(self) -> dict[str, float]:
-        """This process's download timings and counters (see `fastload.transfer_stats`)."""
+        """This process's download timings and counters (see `fastload.remote.transfer_stats`)."""
         self._check_pid()
         return self.transfer.snapshot()
 

@@ -1,6 +1,6 @@
 """`LruPolicy`: which cached shards make room for a new one, and when waiting for room cannot end.
 
-Runs under the state lock of `fastload.cache_state.CacheState` on the state dict it yields; it
+Runs under the state lock of `fastload.remote.cache.state.CacheState` on the state dict it yields; it
 decides from the entries, pins, soft pins, reservations and waiters recorded there, never from a
 process's own view. Rules:
 
@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .cache_files import footprint, in_use
-from .cache_state import CacheState, unlink
-from .formats.units import format_size
+from fastload.formats.units import format_size
+from fastload.remote.cache.files import footprint, in_use
+from fastload.remote.cache.state import CacheState, unlink
 
 __all__ = ["STATE_SLACK", "LruPolicy", "Room", "split_budget"]
 

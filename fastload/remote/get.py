@@ -15,7 +15,7 @@ from typing import Any
 
 from fsspec.asyn import AbstractAsyncStreamedFile, AsyncFileSystem
 
-from .transfer_stats import TransferStats
+from fastload.remote.transfer_stats import TransferStats
 
 __all__ = [
     "BYTES_IN_FLIGHT",

@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from fastload.device import DeviceWideFence
-from fastload.pinned import BufferRing
 from fastload.stats import LoaderStats
+from fastload.transfer.ring import BufferRing
+from fastload.transfer.side_stream import DeviceWideFence
 
 __all__ = ["PinStage", "ring_post"]
 

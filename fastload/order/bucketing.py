@@ -1,7 +1,7 @@
 """`TokenBudgetBatchSampler`: length-bucketed batches under a token budget, balanced over ranks.
 
 The epoch plan is a pure function of (seed, epoch, lengths, world_size, settings). The epoch's
-order (`fastload.index_shuffle`, seeded by `(seed, epoch)`) is cut into windows of about
+order (`fastload.order.index_shuffle`, seeded by `(seed, epoch)`) is cut into windows of about
 `window` samples (one window up to `window` samples, the default 2**20; bigger datasets get
 `n // window` windows of equal size), and each window is planned alone, in turn, as the
 iteration reaches it, so memory is O(window) whatever the dataset size:
@@ -25,7 +25,7 @@ iteration reaches it, so memory is O(window) whatever the dataset size:
 Rank `r` yields `plan[step][r]` for every step: every rank yields the same number of batches.
 Resume is exact: the state is `(epoch, seed, batches yielded by this rank)`.
 
-Rank and world size (`fastload.sampling.RunRank`): arguments given win; else, held by a
+Rank and world size (`fastload.order.sampling.RunRank`): arguments given win; else, held by a
 `fastload.Loader`, the Loader's run (`bind_run`, which also sets the epoch at every epoch start,
 so epochs driven by `iter()` alone get a new plan each); else, used alone, resolved from
 `torch.distributed` or RANK/WORLD_SIZE, afresh until the first `__iter__`.
@@ -46,17 +46,15 @@ from typing import Any
 
 import numpy as np
 
-from fastload.index_shuffle import IndexShuffle
-from fastload.sampling import RankedSampler, RunRank
+from fastload.order.index_shuffle import IndexShuffle
+from fastload.order.position import ORDER_VERSION, check_settings, check_version
+from fastload.order.sampling import RankedSampler, RunRank
 
-__all__ = ["DEFAULT_WINDOW", "ORDER_VERSION", "TokenBudgetBatchSampler", "padding_stats", "step_imbalance"]
+__all__ = ["DEFAULT_WINDOW", "TokenBudgetBatchSampler", "padding_stats", "step_imbalance"]
 
 _DEFAULT_MEGABATCH = 32768
 DEFAULT_WINDOW = 1 << 20  # samples planned together (~0.8 s and ~40 MB a window here)
 _SCAN = 1 << 20  # lengths validated per pass at construction
-# The plan's algorithm, recorded in `state_dict()`: 1 drew an np.random permutation of all samples,
-# 2 takes `IndexShuffle`'s order window by window. A state of another version cannot resume exactly.
-ORDER_VERSION = 2
 
 
 def _pad_up(x: np.ndarray | int, m: int) -> Any:
@@ -356,16 +354,8 @@ class TokenBudgetBatchSampler(RankedSampler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`: the next `__iter__` starts after its last yielded batch."""
-        if state.get("order_version", 1) != ORDER_VERSION:
-            raise ValueError(
-                f"cannot resume: the state's plan is version {state.get('order_version', 1)}, this sampler "
-                f"computes version {ORDER_VERSION} (another order of each epoch); call set_epoch instead "
-                "to start that epoch over"
-            )
-        mine = self._fingerprint()
-        diff = {k: (state.get(k), v) for k, v in mine.items() if k in state and state[k] != v}
-        if diff:
-            raise ValueError(f"cannot resume: sampler settings differ from the saved state {diff} (saved, current)")
+        check_version(state, key="order_version", owner="TokenBudgetBatchSampler")
+        check_settings(state, self._fingerprint(), owner="TokenBudgetBatchSampler")
         self.epoch = int(state["epoch"])
         k, j = (int(v) for v in state["at"])
         self._yielded = int(state["batches_yielded"])

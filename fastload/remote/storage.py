@@ -26,15 +26,13 @@ import fsspec
 import xxhash
 from fsspec.asyn import AsyncFileSystem
 
-from .cache import CacheBudgetError, Download, ShardCache
-from .cache_files import file_xxh3
-from .formats.errors import FormatError
-from .formats.forksafe import reset_in_child
-from .formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
-from .formats.units import format_size
-from .get_window import GetWindow
-from .receive_loops import ReceiveLoops
-from .remote_get import (
+from fastload.formats.errors import FormatError
+from fastload.formats.forksafe import reset_in_child
+from fastload.formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
+from fastload.formats.units import format_size
+from fastload.remote.cache.files import file_xxh3
+from fastload.remote.cache.shard_cache import CacheBudgetError, Download, ShardCache
+from fastload.remote.get import (
     CONNECT_TIMEOUT_S,
     PART_BYTES,
     READ_TIMEOUT_S,
@@ -47,10 +45,12 @@ from .remote_get import (
     stream_into,
     takes_ranges,
 )
-from .remote_plan import PrefetchPlan
-from .retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
-from .transfer_stats import TransferStats
-from .transport_obstore import ObstoreTransport, choose_transport, usable_here
+from fastload.remote.get_window import GetWindow
+from fastload.remote.plan import PrefetchPlan
+from fastload.remote.receive_loops import ReceiveLoops
+from fastload.remote.retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
+from fastload.remote.transfer_stats import TransferStats
+from fastload.remote.transport_obstore import ObstoreTransport, choose_transport, usable_here
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -58,7 +58,6 @@ __all__ = [
     "RemoteFetchError",
     "RemoteStorage",
     "RetryPolicy",
-    "is_remote_url",
     "is_transient",
     "network_options",
 ]
@@ -71,11 +70,6 @@ _READERS: weakref.WeakSet[RemoteStorage] = weakref.WeakSet()  # this process's s
 def _exact(nbytes: int) -> str:
     """A budget to recommend: exact bytes (a rounded size could fall short), with the readable size."""
     return f"{nbytes} ({format_size(nbytes)})"
-
-
-def is_remote_url(path: Any) -> bool:
-    """True for "proto://..." strings other than plain local paths."""
-    return isinstance(path, str) and "://" in path and not path.startswith("file://")
 
 
 class RemoteStorage:
@@ -115,7 +109,7 @@ class RemoteStorage:
     10 attempts, 30 s).
 
     `transport`: "auto" (default) receives s3://, gs://, az:// and http(s):// URLs through obstore
-    (`fastload.transport_obstore`: Rust `object_store`, bodies received with the GIL released in the
+    (`fastload.remote.transport_obstore`: Rust `object_store`, bodies received with the GIL released in the
     fetch threads, `storage_options` mapped by `store_config`) and every other URL, or options obstore
     has no equivalent for, through fsspec; "obstore" or "fsspec" forces one (ValueError when obstore
     cannot read the URL or map the options). The chosen one is `self.transport`. obstore does not
@@ -448,7 +442,7 @@ class RemoteStorage:
 
     def stats(self) -> dict[str, float]:
         """This process's transfer timings and counters, keys prefixed `remote_` (see
-        `fastload.transfer_stats`); `remote_MBps` is `bytes` / `get_busy_s` in MB/s."""
+        `fastload.remote.transfer_stats`); `remote_MBps` is `bytes` / `get_busy_s` in MB/s."""
         self._check_pid()
         out = self.cache.stats()
         out["MBps"] = out["bytes"] / out["get_busy_s"] / 1e6 if out["get_busy_s"] > 0 else 0.0

@@ -25,7 +25,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any
 
-from .transfer_stats import TransferStats
+from fastload.remote.transfer_stats import TransferStats
 
 __all__ = [
     "OBSTORE_SCHEMES",
@@ -257,7 +257,7 @@ class ObstoreTransport:
         import obstore
         import obstore.exceptions as oe
 
-        from .remote_get import NoRanges
+        from fastload.remote.get import NoRanges
 
         size = sink.size
         lock = threading.Lock()

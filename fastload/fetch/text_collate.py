@@ -150,7 +150,7 @@ class TextCollate:
 
     `max_len` cuts longer samples. `stats()` reports real/padded tokens and padding waste.
 
-    As a Loader's `collate_fn` on a `get_batch` dataset it takes batch views (`fastload.views`):
+    As a Loader's `collate_fn` on a `get_batch` dataset it takes batch views (`fastload.fetch.views`):
     the token column arrives as one `Ragged`, other columns as tensors / `Ragged`, passed through.
 
     Run context (`fastload.run`): the layout draws nothing at random, so no run fact changes a

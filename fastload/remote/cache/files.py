@@ -15,8 +15,8 @@ import time
 
 import xxhash
 
-from .formats.errors import ChecksumError
-from .transfer_stats import TransferStats
+from fastload.formats.errors import ChecksumError
+from fastload.remote.transfer_stats import TransferStats
 
 __all__ = ["Download", "check_key", "file_xxh3", "footprint", "in_use", "stamp"]
 

@@ -1,7 +1,7 @@
 """`DeviceQueue`: the device stage of an epoch, `prefetch` host-to-device copies in flight.
 
 Contract: `push(batch, n, position, tokens)` starts the copy of a host batch on the side stream
-(`fastload.device.DeviceStage`) and, when the copy no longer aliases the host buffers (any real
+(`fastload.transfer.side_stream.DeviceStage`) and, when the copy no longer aliases the host buffers (any real
 device), hands those buffers back fenced by the copy's event; `pop() -> (batch, n, position,
 tokens)` returns the oldest batch, the consumer's stream made to wait for its copy only;
 `close()` drops what is in flight. Consumer thread only; no resume state.
@@ -13,9 +13,9 @@ import time
 from collections import deque
 from typing import Any
 
-from fastload.device import DeviceStage
-from fastload.pipeline.pinned import PinStage
 from fastload.stats import LoaderStats
+from fastload.transfer.pin_stage import PinStage
+from fastload.transfer.side_stream import DeviceStage
 
 __all__ = ["DeviceQueue"]
 

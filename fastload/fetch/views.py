@@ -17,7 +17,7 @@ keeps torch's exact types (lists of bytes/str). `Loader.describe()["batch"]` say
 Safety: a view's tensors own their memory or alias a buffer only the consumer holds. Columns a
 dataset returns as slices of memory it keeps (a mapping, a resident array) are copied; the
 Loader's reused buffers (pinned ring slots, worker shared memory) are retired, never rewritten,
-while the user still references a view of them (`fastload.pinned`).
+while the user still references a view of them (`fastload.transfer.ring`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastload.collate import columns_to_torch
+from fastload.fetch.collate import columns_to_torch
 from fastload.formats.ragged import Ragged
 from fastload.run import RunContext
 

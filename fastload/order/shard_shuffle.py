@@ -7,11 +7,11 @@ shard once instead of every shard for every batch. Ranks get equal contiguous sl
 order (padded by wrapping like `DistributedSampler`, or trimmed with `drop_last`), so each rank
 reads its own windows. The order depends only on (seed, epoch): resume is exact.
 
-Rank and world size (`fastload.sampling.RunRank`): arguments given win; else, held by a
+Rank and world size (`fastload.order.sampling.RunRank`): arguments given win; else, held by a
 `fastload.Loader`, the Loader's run (`bind_run`, which also sets the epoch at every epoch start);
 else, used alone, resolved from `torch.distributed` or RANK/WORLD_SIZE at the first `__iter__`.
 
-Both shuffles are `fastload.index_shuffle.IndexShuffle`s (the shards', and one per window over
+Both shuffles are `fastload.order.index_shuffle.IndexShuffle`s (the shards', and one per window over
 its samples), so a position of the epoch maps to its sample in O(1): a rank maps its own slice
 chunk by chunk, holding per-shard and per-window arrays only, never one entry per sample.
 """
@@ -23,14 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from fastload.index_shuffle import IndexShuffle
-from fastload.sampling import RankedSampler, RunRank
+from fastload.order.index_shuffle import IndexShuffle
+from fastload.order.position import ORDER_VERSION, check_settings, check_version
+from fastload.order.sampling import RankedSampler, RunRank
 
-__all__ = ["ORDER_VERSION", "ShardWindowSampler", "randomness_report", "shards_in_order"]
+__all__ = ["ShardWindowSampler", "randomness_report", "shards_in_order"]
 
-# The order's algorithm, recorded in `state_dict()`: 1 was np.random permutations of the shards and
-# of each window's samples, 2 is `IndexShuffle`. A state of another version cannot resume exactly.
-ORDER_VERSION = 2
 _CHUNK = 1 << 16  # positions mapped at a time
 
 
@@ -265,15 +263,9 @@ class ShardWindowSampler(RankedSampler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next `__iter__` continues `state["epoch"]` after `state["consumed"]` indices."""
-        if state.get("order_version", 1) != ORDER_VERSION:
-            raise ValueError(
-                f"cannot resume: the state's order is version {state.get('order_version', 1)}, this sampler "
-                f"computes version {ORDER_VERSION} (another permutation of each epoch); call set_epoch instead "
-                "to start that epoch over"
-            )
-        for k in ("seed", "window", "shuffle", "world_size", "num_samples", "drop_last"):
-            if k in state and state[k] != getattr(self, k):
-                raise ValueError(f"cannot resume: sampler {k}={getattr(self, k)!r}, saved state has {state[k]!r}")
+        check_version(state, key="order_version", owner="ShardWindowSampler")
+        settings = ("seed", "window", "shuffle", "world_size", "num_samples", "drop_last")
+        check_settings(state, {k: getattr(self, k) for k in settings}, owner="ShardWindowSampler")
         consumed = int(state.get("consumed", 0))
         if not 0 <= consumed <= self.per_rank:
             raise ValueError(f"cannot resume at {consumed} of {self.per_rank} indices")

@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .cache_files import Download, file_xxh3, stamp
-from .cache_policy import LruPolicy, Room
-from .cache_state import CacheBudgetError, CacheState, unlink
-from .formats.blocks import vouch_file
-from .formats.units import format_size
-from .transfer_stats import TransferStats
+from fastload.formats.blocks import vouch_file
+from fastload.formats.units import format_size
+from fastload.remote.cache.files import Download, file_xxh3, stamp
+from fastload.remote.cache.policy import LruPolicy, Room
+from fastload.remote.cache.state import CacheBudgetError, CacheState, unlink
+from fastload.remote.transfer_stats import TransferStats
 
 __all__ = ["CacheFill"]
 
