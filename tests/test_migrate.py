@@ -609,9 +609,8 @@ def test_fields_is_refused_for_other_sources(tmp_path, capsys):
 def test_on_ray_the_local_bytes_and_report(tmp_path, monkeypatch):
     """`--engine ray` writes what the local converter writes, for each of the three sources (the
     WebDataset one with a bad sample left out and reported)."""
-    ray = pytest.importorskip("ray", reason="Ray Data (fastload[ray]) is not installed")
-    for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}.items():
-        monkeypatch.setenv(key, value)
+    pytest.importorskip("ray", reason="Ray Data (fastload[ray]) is not installed")
+    from ray_fixtures import local_ray
     _write_wds(tmp_path / "wds", n=40, per_shard=15)
     _rewrite_shard(tmp_path / "wds" / "shards-000001.tar",
                    lambda m: {**m, "jpg": m["jpg"][:40]} if m["__key__"] == "dir/s00020" else m)
@@ -620,13 +619,9 @@ def test_on_ray_the_local_bytes_and_report(tmp_path, monkeypatch):
     runs = {"wds": ("--fields", "__key__,jpg,cls,npy", "--on-error", "skip"), "tf": (), "mds": ()}
     for name, args in runs.items():
         assert _convert(tmp_path / name, tmp_path / f"{name}-local", *args) == 0
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
-             logging_level="WARNING", log_to_driver=False)
-    try:
+    with local_ray():
         for name, args in runs.items():
             assert _convert(tmp_path / name, tmp_path / f"{name}-ray", "--engine", "ray", "--workers", "2", *args) == 0
-    finally:
-        ray.shutdown()
     for name in runs:
         assert _files(tmp_path / f"{name}-local") == _files(tmp_path / f"{name}-ray"), name
     report = (tmp_path / "wds-ray" / "skipped-inputs.jsonl").read_text()

@@ -12,9 +12,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from ray_fixtures import local_ray  # noqa: E402
 from test_arrow_in_place import _table  # noqa: E402
 from test_migrate_chunks import _numbers, _optimize, _record, _write_records  # noqa: E402
-from test_ray import RAY_ENV, _convert, _same_files  # noqa: E402
+from test_ray import _convert, _same_files  # noqa: E402
 
 from fastload.formats import FastloadDataset  # noqa: E402
 from fastload.formats.verify import verify_dataset  # noqa: E402
@@ -44,22 +45,11 @@ def plugin_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_session(plugin_dir):
-    """One 2-CPU local Ray cluster for the module (as tests/test_ray.py starts it); its workers import
+    """One 2-CPU local Ray cluster for the module (`ray_fixtures.local_ray`); its workers import
     the `--decode` plug-in through PYTHONPATH, as a user's cluster would have it installed."""
-    env = {**RAY_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")]))}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
-             logging_level="WARNING", log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    path = os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")]))
+    with local_ray({"PYTHONPATH": path}) as address:
+        yield address
 
 
 def _local_and_ray(capsys, tmp_path, src, *flags):

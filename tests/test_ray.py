@@ -17,6 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from ray_fixtures import RAY_ENV, local_ray  # noqa: E402
 from s3_fixtures import moto, s3_bucket, storage_options  # noqa: E402, F401
 
 from fastload.cli import main  # noqa: E402
@@ -27,25 +28,11 @@ from fastload.formats.verify import verify_dataset  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
-
-
 @pytest.fixture(scope="module")
 def ray_session():
-    """A 2-CPU local Ray cluster shared by the module's tests (small object store, no dashboard)."""
-    saved = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
-             logging_level="WARNING", log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """A 2-CPU local Ray cluster shared by the module's tests (`ray_fixtures.local_ray`)."""
+    with local_ray() as address:
+        yield address
 
 
 def _jsonl(path, n, *, seed=0, bad_line=None, bad=None):

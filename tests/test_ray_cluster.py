@@ -14,12 +14,11 @@ import time
 
 import numpy as np
 import pytest
+from ray_fixtures import RAY_ENV
 
 from fastload.formats import write
 from fastload.formats.sources import open_source
 from fastload.formats.verify import verify_dataset
-
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
 
 
 def _free_port():
