@@ -139,9 +139,33 @@ def test_reset_in_child_runs_in_the_child_only_while_the_object_lives():
 
 
 def test_registrations_of_dead_objects_are_dropped():
+    """Registering short-lived objects holds no memory once they are gone (nor keeps them alive)."""
+    import gc
+    import tracemalloc
+    import weakref
+
     from fastload.formats import forksafe
 
-    before = len(forksafe._REGISTERED)
-    for _ in range(3):
-        reset_in_child(type("T", (), {})(), lambda obj: None)
-    assert len(forksafe._REGISTERED) == before
+    def register_many(n: int) -> None:
+        for _ in range(n):
+            reset_in_child(type("T", (), {})(), lambda obj: None)
+
+    register_many(10)  # warm up
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        register_many(5000)
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    in_module = [tracemalloc.Filter(True, forksafe.__file__)]
+    held = sum(s.size_diff for s in after.filter_traces(in_module).compare_to(before.filter_traces(in_module), "filename"))
+    assert held < 16 << 10, f"{held} bytes still held by the registry after 5000 dead registrations"
+    obj = type("T", (), {})()
+    ref = weakref.ref(obj)
+    reset_in_child(obj, lambda o: None)
+    del obj
+    gc.collect()
+    assert ref() is None
