@@ -161,7 +161,8 @@ def test_registrations_of_dead_objects_are_dropped():
     finally:
         tracemalloc.stop()
     in_module = [tracemalloc.Filter(True, forksafe.__file__)]
-    held = sum(s.size_diff for s in after.filter_traces(in_module).compare_to(before.filter_traces(in_module), "filename"))
+    diff = after.filter_traces(in_module).compare_to(before.filter_traces(in_module), "filename")
+    held = sum(stat.size_diff for stat in diff)
     assert held < 16 << 10, f"{held} bytes still held by the registry after 5000 dead registrations"
     obj = type("T", (), {})()
     ref = weakref.ref(obj)
