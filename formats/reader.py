@@ -7,8 +7,9 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -340,6 +341,11 @@ class FastloadDataset:
             self._close_beyond(self._open_cap())
             return reader
 
+    @property
+    def open_shards(self) -> int:
+        """How many shards are mapped now (at most `max_open_shards`)."""
+        return len(self._open)
+
     def _open_cap(self) -> int:
         """How many shards to keep open now: `max_open_shards`, or less while the storage's share of
         a cache shared with other readers is smaller (`storage.max_open_shards`, which may change)."""
@@ -503,6 +509,11 @@ class FastloadDataset:
         column = reader.fixed[name]
         reader.ensure_rows(name, np.arange(len(column), dtype=np.int64))
         return column
+
+    def spliced_columns(self) -> Mapping[str, SplicedColumn]:
+        """The fixed fields read as one array over all shards (`SplicedColumn`, see spliced.py), by
+        name, read-only; empty until every shard is at hand (a remote dataset: after its first epoch)."""
+        return MappingProxyType(self._spliced_columns())
 
     def _spliced_columns(self) -> dict[str, SplicedColumn]:
         """The other fixed fields, once all shards are at hand, each mapped as one array over all shards

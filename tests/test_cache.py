@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
 import threading
@@ -406,9 +407,17 @@ def test_a_collected_cache_objects_pins_are_dropped_without_locking_in_del(tmp_p
     gone, src = ShardCache(tmp_path, limit="1MB"), Source()
     src.acquire(gone, 1)
     assert set(other.state()["pins"]) == {"k1"}
-    with other._locked():  # an update in progress while the collector runs __del__
-        gone.__del__()
-    del gone
+    lock_fd = os.open(os.path.join(tmp_path, ".lock"), os.O_RDWR)  # the cache's cross-process lock
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # an update in progress while the collector runs __del__
+    try:
+        collector = threading.Thread(target=gone.__del__)
+        collector.start()
+        collector.join(5)
+        assert not collector.is_alive(), "__del__ waited for the cache's lock"
+    finally:
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        os.close(lock_fd)
+    del gone, collector
     assert other.state()["pins"] == {}
 
 

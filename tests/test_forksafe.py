@@ -11,6 +11,7 @@ import numpy as np
 from fastload.formats import write
 from fastload.formats.forksafe import reset_in_child
 from fastload.formats.reader import FastloadDataset
+from fastload.formats.storage import LocalStorage
 from fastload.remote.cache.shard_cache import ShardCache
 
 
@@ -55,19 +56,71 @@ def _fork_while_held(lock_of, use) -> int:
 
 
 def test_shard_cache_in_a_child_forked_while_a_thread_holds_its_mutex(tmp_path):
+    """A thread in `claim` waits for the cache's cross-process `.lock` (held here) while holding
+    the cache's mutex; a child forked then claims once that lock is free."""
+    import fcntl
+
     cache = ShardCache(tmp_path, limit="1MB")
     cache.claim(0)
-    assert _fork_while_held(lambda: cache._mutex, lambda: cache.claim(1000)) == 0
+    lock_fd = os.open(tmp_path / ".lock", os.O_RDWR)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    claimer = threading.Thread(target=cache.claim, args=(500,))
+    claimer.start()
+    try:
+        probe = threading.Thread(target=cache.pinned_keys)  # takes the mutex alone: waits while the claimer holds it
+        probe.start()
+        probe.join(0.5)
+        assert probe.is_alive(), "the claimer holds the mutex while it waits for the file lock"
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            signal.alarm(15)
+            try:
+                code = 0 if cache.claim(1000) is not None else 1
+            except BaseException:  # noqa: BLE001 - the child reports any failure by its exit code
+                code = 1
+            os._exit(code)
+    finally:
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        os.close(lock_fd)
+        claimer.join()
+        probe.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_dataset_in_a_child_forked_while_a_thread_holds_its_lock(tmp_path):
+class _HeldOpen(LocalStorage):
+    """Local files whose next `acquire` once `armed` waits for `go`: the thread opening that
+    shard holds the dataset's lock meanwhile (the dataset acquires a shard's file under it)."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.armed, self.opening, self.go = False, threading.Event(), threading.Event()
+
+    def acquire(self, name: str, *, size: int, xxh3: str) -> str:
+        if self.armed and not self.opening.is_set():
+            self.opening.set()
+            self.go.wait(30)
+        return super().acquire(name, size=size, xxh3=xxh3)
+
+
+def test_dataset_in_a_child_forked_while_a_thread_opens_a_shard(tmp_path):
     write([{"x": np.full(4, i, dtype=np.int32)} for i in range(100)], str(tmp_path / "ds"), progress=False)
-    ds = FastloadDataset(str(tmp_path / "ds"))
+    storage = _HeldOpen(tmp_path / "ds")
+    ds = FastloadDataset(storage=storage)
+    storage.armed = True
+    opener = threading.Thread(target=lambda: ds[0])
+    opener.start()
+    assert storage.opening.wait(10)
 
     def read() -> None:
         assert ds[7]["x"].tolist() == [7] * 4
 
-    assert _fork_while_held(lambda: ds._lock, read) == 0
+    try:
+        code = _in_child(read)
+    finally:
+        storage.go.set()
+        opener.join()
+    assert code == 0
 
 
 def test_reset_in_child_runs_in_the_child_only_while_the_object_lives():
@@ -86,9 +139,34 @@ def test_reset_in_child_runs_in_the_child_only_while_the_object_lives():
 
 
 def test_registrations_of_dead_objects_are_dropped():
+    """Registering short-lived objects holds no memory once they are gone (nor keeps them alive)."""
+    import gc
+    import tracemalloc
+    import weakref
+
     from fastload.formats import forksafe
 
-    before = len(forksafe._REGISTERED)
-    for _ in range(3):
-        reset_in_child(type("T", (), {})(), lambda obj: None)
-    assert len(forksafe._REGISTERED) == before
+    def register_many(n: int) -> None:
+        for _ in range(n):
+            reset_in_child(type("T", (), {})(), lambda obj: None)
+
+    register_many(10)  # warm up
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        register_many(5000)
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    in_module = [tracemalloc.Filter(True, forksafe.__file__)]
+    diff = after.filter_traces(in_module).compare_to(before.filter_traces(in_module), "filename")
+    held = sum(stat.size_diff for stat in diff)
+    assert held < 16 << 10, f"{held} bytes still held by the registry after 5000 dead registrations"
+    obj = type("T", (), {})()
+    ref = weakref.ref(obj)
+    reset_in_child(obj, lambda o: None)
+    del obj
+    gc.collect()
+    assert ref() is None

@@ -416,7 +416,7 @@ def test_max_open_shards_bounds_the_mappings(small_ds):
     for start in range(0, 600, 50):
         idx = np.arange(start, min(600, start + 50))
         np.testing.assert_array_equal(ds.get_batch(idx[::-1])["x"], ref.get_batch(idx[::-1])["x"])
-        assert len(ds._open) <= 2
+        assert ds.open_shards <= 2
 
 
 # -- fuzzing: any corruption gives FormatError (or, without checksums, data from inside the file) ------

@@ -367,7 +367,7 @@ def test_warm_reads_skip_verification(pristine, tmp_path):
     shutil.copytree(pristine["fixed"][0], tmp_path / "ds")  # files this process has not verified yet
     ds = FastloadDataset(tmp_path / "ds")
     ds.get_batch(np.arange(10))
-    column = ds._spliced["x"]
+    column = ds.spliced_columns()["x"]
     assert column.check is not None
     assert ds.direct_plan(np.arange(len(ds))) is None  # no epoch plan while blocks are unverified
     ds.get_batch(np.random.default_rng(0).permutation(len(ds)))
@@ -651,7 +651,7 @@ def test_reader_threads_share_the_ledger_and_all_see_a_bad_block(pristine, tmp_p
     with ThreadPoolExecutor(4) as pool:
         for got in pool.map(read, orders):
             assert all(got[i] == expected["x"][i][1] for i in range(n))
-    assert ds._spliced["x"].check is None  # every block verified once, shared by the threads
+    assert ds.spliced_columns()["x"].check is None  # every block verified once, shared by the threads
 
     path = tmp_path / "ds"
     shutil.copytree(src, path)
@@ -686,7 +686,7 @@ def test_a_second_dataset_on_the_same_files_reuses_verification_until_a_file_cha
     first.get_batch(np.arange(len(first)))
     second = FastloadDataset(path)
     second.get_batch(np.arange(3))
-    assert second._spliced["x"].check is None  # nothing left to verify in this process
+    assert second.spliced_columns()["x"].check is None  # nothing left to verify in this process
     shard = path / "shards" / "shard-00000.fls"
     raw = bytearray(shard.read_bytes())
     raw[100_000] ^= 1

@@ -52,7 +52,7 @@ def test_shuffled_batches_match_numpy(tmp_path_factory, monkeypatch, row_shape, 
     _write(path, data, max(shard_size, 8 * data[0].nbytes + 8192), extra_field=bool(seed % 2))
     monkeypatch.setattr(spliced_mod, "TABLE_ROWS", 1 << 30 if use_table else 0)
     ds = FastloadDataset(path)
-    assert "x" in ds._spliced_columns(), "a local dataset's large fixed field is spliced"
+    assert "x" in ds.spliced_columns(), "a local dataset's large fixed field is spliced"
     for idx in (rng.permutation(n)[:256], np.arange(n), rng.integers(-n, n, 50), [n - 1, -n, 0, 0], []):
         got = ds.get_batch(idx, fields=["x"])["x"]
         want = data[np.asarray(idx, dtype=np.int64)]
@@ -106,7 +106,7 @@ def test_mapping_lives_until_the_last_array_is_gone(tmp_path):
     shards = tmp_path / "ds" / "shards"
     ds = FastloadDataset(tmp_path / "ds", max_open_shards=1)
     ds.get_batch([0, 399])
-    column = ds._spliced_columns()["x"]
+    column = ds.spliced_columns()["x"]
     ds.close()
     gc.collect()
     assert _maps_of(shards) >= 1, "the spliced column still maps its shards while referenced"
@@ -126,8 +126,8 @@ def test_pickled_and_forked_datasets_splice_their_own(tmp_path):
     ds = FastloadDataset(tmp_path / "ds")
     ds.get_batch([1])
     clone = pickle.loads(pickle.dumps(ds))
-    assert clone._spliced is None
     np.testing.assert_array_equal(clone.get_batch([499, 2])["x"], data[[499, 2]])
+    assert clone.spliced_columns()["x"] is not ds.spliced_columns()["x"]  # its own mapping
     read, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child reads through the mapping it inherited
@@ -167,7 +167,7 @@ def test_cached_remote_dataset_splices_once_every_shard_is_open(tmp_path):
                 np.testing.assert_array_equal(batch["x"], data[idx])
                 assert [len(t) for t in batch["tokens"].to_list()] == [i % 5 for i in idx]
             if epoch == 0:
-                assert "x" in ds._spliced_columns(), "every shard is open after one epoch: spliced"
+                assert "x" in ds.spliced_columns(), "every shard is open after one epoch: spliced"
         ds.close()
     finally:
         fs.rm("/splice-ds", recursive=True)
@@ -179,10 +179,10 @@ def test_huge_alignment_gives_way_to_page_alignment_past_the_reserve_limit(tmp_p
     data = np.random.default_rng(7).integers(0, 255, (600, 3064), dtype=np.uint8)
     _write(tmp_path / "ds", data, 512 << 10)
     huge = FastloadDataset(tmp_path / "ds")
-    span_huge = huge._spliced_columns()["x"].rows.nbytes
+    span_huge = huge.spliced_columns()["x"].rows.nbytes
     monkeypatch.setattr(spliced_mod, "HUGE_RESERVE_LIMIT", 0)
     paged = FastloadDataset(tmp_path / "ds")
-    column = paged._spliced_columns()["x"]
+    column = paged.spliced_columns()["x"]
     assert huge.num_shards > 2 and column.rows.nbytes < span_huge // 100
     idx = np.random.default_rng(8).permutation(600)
     np.testing.assert_array_equal(paged.get_batch(idx)["x"], data[idx])

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from fastload.order.index_shuffle import IndexShuffle
-from fastload.order.position import ORDER_VERSION, check_settings, check_version
+from fastload.order.position import EpochPosition
 from fastload.order.sampling import RankedSampler, RunRank
 
 __all__ = ["DEFAULT_WINDOW", "TokenBudgetBatchSampler", "padding_stats", "step_imbalance"]
@@ -324,12 +324,10 @@ class TokenBudgetBatchSampler(RankedSampler):
             self._yielded = 0
             self._at = (0, 0)
 
-    def _fingerprint(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, Any]:
         # cheap: the Loader snapshots `state_dict()` after every batch it pulls
         return {
-            "order_version": ORDER_VERSION,
             "seed": self.seed,
-            "world_size": self.world_size,
             "num_samples": len(self.lengths),
             "total_tokens": self._total_tokens,
             "max_tokens": self.max_tokens,
@@ -341,24 +339,25 @@ class TokenBudgetBatchSampler(RankedSampler):
             "drop_last": self.drop_last,
         }
 
+    @property
+    def position(self) -> EpochPosition:
+        """Where this rank is: `consumed` = batches yielded this epoch, `cursor` = (window, step)
+        of the next batch."""
+        return EpochPosition(self.epoch, self._yielded, self.rank, self.world_size, self._settings(), self._at)
+
     def state_dict(self) -> dict[str, Any]:
-        """`{epoch, batches_yielded, at (window, step), rank, ...settings}`: enough to continue
-        after the last yielded batch."""
-        return {
-            "epoch": self.epoch,
-            "batches_yielded": self._yielded,
-            "at": list(self._at),
-            "rank": self.rank,
-            **self._fingerprint(),
-        }
+        """`self.position.get_state()`: enough to continue after the last yielded batch."""
+        return self.position.get_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`: the next `__iter__` starts after its last yielded batch."""
-        check_version(state, key="order_version", owner="TokenBudgetBatchSampler")
-        check_settings(state, self._fingerprint(), owner="TokenBudgetBatchSampler")
-        self.epoch = int(state["epoch"])
-        k, j = (int(v) for v in state["at"])
-        self._yielded = int(state["batches_yielded"])
+        pos = EpochPosition.from_state(state, owner="TokenBudgetBatchSampler", world_size=self.world_size,
+                                       settings=self._settings())
+        if len(pos.cursor) != 2:
+            raise ValueError(f"cannot resume TokenBudgetBatchSampler: cursor={list(pos.cursor)} is not (window, step)")
+        k, j = pos.cursor
+        self.epoch = pos.epoch
+        self._yielded = pos.consumed
         self._resume = (self._yielded, k, j)
         self._at = (k, j)
 

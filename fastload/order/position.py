@@ -12,16 +12,20 @@ once, by the same rules, with errors that say what differs:
   run began, batches since), with `resume_at`, the one re-deal rule for another world or batch
   size; `SamplerPosition`: a replayed sampler's (batches yielded, the sampler's own state, the
   RNG states of the epoch's start). `parse_position` tells the two apart.
+* `EpochPosition`: where a sampler fastload ships (`TokenBudgetBatchSampler`,
+  `ShardWindowSampler`) is in its epoch: the one state shape both save through `state_dict()`.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "ORDER_VERSION",
+    "EpochPosition",
     "SamplerPosition",
     "SeededPosition",
     "check_settings",
@@ -147,3 +151,68 @@ class SamplerPosition:
 def parse_position(state: dict[str, Any]) -> str:
     """"seeded" or "sampler": which order saved `state` (a seeded position records its `base`)."""
     return "seeded" if "base" in state else "sampler"
+
+
+@dataclass(frozen=True)
+class EpochPosition:
+    """Where a sampler is in an epoch: `consumed` items (batches or indices, the sampler's unit)
+    yielded by rank `rank` of `world_size` in `epoch`, a sampler-specific `cursor` locating the
+    next item without replaying (empty when `consumed` alone does), and the `settings` a resume
+    must match. The rank is recorded, not checked: every rank of a world advances in lockstep, so
+    one rank's position continues any other's."""
+
+    epoch: int
+    consumed: int
+    rank: int
+    world_size: int
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    cursor: tuple[int, ...] = ()
+
+    def get_state(self) -> dict[str, Any]:
+        """The position as saved (`sampler.state_dict()`): plain ints, lists and dicts."""
+        return {
+            "order": ORDER_VERSION,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "cursor": list(self.cursor),
+            "settings": dict(self.settings),
+        }
+
+    @classmethod
+    def from_state(
+        cls, state: Mapping[str, Any], *, owner: str, world_size: int, settings: Mapping[str, Any]
+    ) -> EpochPosition:
+        """The saved position, checked against the current `world_size` and `settings`
+        (ValueError naming the version or every setting that differs). The flat form (settings
+        beside the position, the version under `order_version`, `batches_yielded` and `at` for the
+        token-budget sampler's count and cursor) is read too."""
+        state = dict(state)
+        if "settings" not in state:
+            state = {
+                "order": state.get("order_version", 1),
+                "epoch": state.get("epoch", 0),
+                "consumed": state.get("consumed", state.get("batches_yielded", 0)),
+                "rank": state.get("rank", 0),
+                "world_size": state.get("world_size", world_size),
+                "cursor": state.get("at", []),
+                "settings": {k: state[k] for k in settings if k in state},
+            }
+        check_version(state, key="order", owner=owner)
+        saved = state["settings"]
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"cannot resume {owner}: invalid settings={saved!r} in the saved position")
+        check_settings({**saved, "world_size": state.get("world_size")}, {**settings, "world_size": world_size},
+                       owner=owner)
+        cursor = state.get("cursor", [])
+        if not isinstance(cursor, (list, tuple)):
+            raise ValueError(f"cannot resume {owner}: invalid cursor={cursor!r} in the saved position")
+        return cls(
+            _count(state, "epoch", owner),
+            _count(state, "consumed", owner),
+            _count(state, "rank", owner),
+            _count(state, "world_size", owner, least=1),
+            dict(saved),
+            tuple(_count({"cursor": c}, "cursor", owner) for c in cursor),
+        )

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from fastload.order.index_shuffle import IndexShuffle
-from fastload.order.position import ORDER_VERSION, check_settings, check_version
+from fastload.order.position import EpochPosition
 from fastload.order.sampling import RankedSampler, RunRank
 
 __all__ = ["ShardWindowSampler", "randomness_report", "shards_in_order"]
@@ -245,32 +245,25 @@ class ShardWindowSampler(RankedSampler):
                 yield i
 
     # -- resume ---------------------------------------------------------------------------------
+    @property
+    def position(self) -> EpochPosition:
+        """Where this rank is: `consumed` = indices its iterator has yielded this epoch."""
+        settings = {k: getattr(self, k) for k in ("seed", "window", "shuffle", "num_samples", "drop_last")}
+        return EpochPosition(self.epoch, self._consumed, self.rank, self.world_size, settings)
+
     def state_dict(self) -> dict[str, Any]:
-        """The resume state: epoch, `consumed` (indices this rank's iterator has yielded so far) and the
-        settings `load_state_dict` checks against."""
-        return {
-            "order_version": ORDER_VERSION,
-            "epoch": self.epoch,
-            "consumed": self._consumed,
-            "seed": self.seed,
-            "window": self.window,
-            "shuffle": self.shuffle,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "num_samples": self.num_samples,
-            "drop_last": self.drop_last,
-        }
+        """`self.position.get_state()`: the epoch, indices consumed and the settings a resume must match."""
+        return self.position.get_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next `__iter__` continues `state["epoch"]` after `state["consumed"]` indices."""
-        check_version(state, key="order_version", owner="ShardWindowSampler")
-        settings = ("seed", "window", "shuffle", "world_size", "num_samples", "drop_last")
-        check_settings(state, {k: getattr(self, k) for k in settings}, owner="ShardWindowSampler")
-        consumed = int(state.get("consumed", 0))
-        if not 0 <= consumed <= self.per_rank:
-            raise ValueError(f"cannot resume at {consumed} of {self.per_rank} indices")
-        self.epoch = int(state.get("epoch", 0))
-        self._resume = self._consumed = consumed
+        """Resume: the next `__iter__` continues the saved epoch after its `consumed` indices."""
+        current = self.position
+        pos = EpochPosition.from_state(state, owner="ShardWindowSampler", world_size=self.world_size,
+                                       settings=current.settings)
+        if pos.consumed > self.per_rank:
+            raise ValueError(f"cannot resume ShardWindowSampler at {pos.consumed} of {self.per_rank} indices")
+        self.epoch = pos.epoch
+        self._resume = self._consumed = pos.consumed
 
 
 def randomness_report(order: np.ndarray | Sequence[int], labels: np.ndarray | Sequence[int], *,
