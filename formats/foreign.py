@@ -255,3 +255,11 @@ def _json_value(value: Any, kind: str, where: str) -> Any:
     if kind in ("ints", "floats"):
         return np.array(value, dtype=np.int64 if kind == "ints" else np.float64)
     return value
+
+
+def utf8_text(raw: bytes, what: str) -> str:
+    """`raw` decoded as UTF-8; a SchemaError naming `what` (a column or member) when it is not."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SchemaError(f"{what} is not UTF-8 text ({exc})") from None

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ChecksumError, FormatError, SchemaError
-from .foreign import INFER_SAMPLES, FileRanges, ForeignSource, JsonFields
+from .foreign import INFER_SAMPLES, FileRanges, ForeignSource, JsonFields, utf8_text
 from .image_folder import check_image
 from .manifest import check_relative_path
 from .schema import Field, Schema
@@ -390,7 +390,7 @@ class MDSDataset(ForeignSource):
             elif enc in ("str_int", "str_float"):
                 sample[c.name] = _number(raw, enc, c.column)
             elif enc in ("str", "str_decimal"):
-                sample[c.name] = _text(raw, c.column)
+                sample[c.name] = utf8_text(raw, f"column {c.column!r}")
             elif enc == "bytes":
                 sample[c.name] = raw
             elif enc in ("jpeg", "png"):
@@ -406,15 +406,9 @@ class MDSDataset(ForeignSource):
         return sample
 
 
-def _text(raw: bytes, column: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SchemaError(f"column {column!r} is not UTF-8 text ({exc})") from None
-
 
 def _number(raw: bytes, encoding: str, column: str) -> int | float:
-    text = _text(raw, column)
+    text = utf8_text(raw, f"column {column!r}")
     try:
         value: int | float = int(text) if encoding == "str_int" else float(text)
     except ValueError:

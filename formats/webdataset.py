@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError, SchemaError
-from .foreign import INFER_SAMPLES, FileRanges, ForeignSource, JsonFields, is_url
+from .foreign import INFER_SAMPLES, FileRanges, ForeignSource, JsonFields, is_url, utf8_text
 from .image_folder import IMAGE_EXTENSIONS, check_image
 from .schema import Field, Schema
 
@@ -332,19 +332,13 @@ class WebDataset(ForeignSource):
             elif spec == "int":
                 sample[ext] = _int(raw, ext)
             elif spec == "text":
-                sample[ext] = _text(raw, ext)
+                sample[ext] = utf8_text(raw, f"member {ext!r}")
             elif spec == "npy":
                 sample[ext] = _npy(raw, ext)
             else:
                 sample[ext] = raw
         return sample
 
-
-def _text(raw: bytes, ext: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SchemaError(f"member {ext!r} is not UTF-8 text ({exc})") from None
 
 
 def _int(raw: bytes, ext: str) -> int:
