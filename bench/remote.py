@@ -17,6 +17,7 @@ Run: `python -m bench.remote [--server nginx|moto] [--shards 12 --shard-size 32M
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -26,30 +27,117 @@ import sys
 import tempfile
 import time
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
 from fastload.benchmark import format_remote, run_remote
+from fastload.benchmark.remote_peers import format_peers
 from fastload.formats import write
 from fastload.formats.units import parse_size
 
-__all__ = ["Nginx", "main", "make_dataset", "write_json"]
+__all__ = ["Nginx", "main", "make_dataset", "peer_data", "per_shard", "run_peer_table", "sample",
+           "streaming_unavailable", "write_json", "write_litdata"]
 
 SAMPLE_BYTES = 8192
 
 
+@functools.lru_cache(maxsize=1)
+def _payloads() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 255, size=(64, SAMPLE_BYTES), dtype=np.uint8)
+
+
+def sample(i: int, per_shard: int) -> dict[str, Any]:
+    """Sample `i` of the bench dataset: 8 KiB of uint8 `x` (one of 64 payloads) and an int `label`."""
+    return {"x": _payloads()[i % 64], "label": i // per_shard}
+
+
+def per_shard(shard_size: int) -> int:
+    """Samples per shard of about `shard_size` bytes."""
+    return max(1, shard_size // (SAMPLE_BYTES + 64))
+
+
 def make_dataset(out: str, *, shards: int, shard_size: int) -> None:
     """`shards` shards of about `shard_size` bytes: 8 KiB uint8 records and an int label."""
-    per_shard = max(1, shard_size // (SAMPLE_BYTES + 64))
-    n = shards * per_shard
+    k = per_shard(shard_size)
+    write((sample(i, k) for i in range(shards * k)), out, shard_size=shard_size, progress=False)
 
-    def gen():
-        rng = np.random.default_rng(0)
-        base = rng.integers(0, 255, size=(64, SAMPLE_BYTES), dtype=np.uint8)
-        for i in range(n):
-            yield {"x": base[i % 64], "label": i // per_shard}
 
-    write(gen(), out, shard_size=shard_size, progress=False)
+def write_litdata(out: str, *, shards: int, shard_size: int) -> None:
+    """`make_dataset`'s samples, in order, as LitData chunks of about `shard_size` bytes (`litdata.optimize`,
+    one worker so that the order is kept)."""
+    import litdata
+
+    k = per_shard(shard_size)
+    litdata.optimize(fn=functools.partial(sample, per_shard=k), inputs=list(range(shards * k)), output_dir=out,
+                     chunk_bytes=shard_size, num_workers=1, start_method="fork", verbose=False)
+
+
+def peer_data(data_dir: str, *, shards: int, shard_size: int) -> dict[str, str]:
+    """The bench dataset in fastload's format and in each peer's (`write_litdata`), written once and kept
+    under `data_dir` per size: {"fastload": dir, "litdata": dir}."""
+    root = os.path.join(data_dir, f"remote-{shards}x{shard_size}")
+    paths = {"fastload": os.path.join(root, "fastload"), "litdata": os.path.join(root, "litdata")}
+    complete = os.path.join(root, "complete")
+    if not os.path.exists(complete):
+        shutil.rmtree(root, ignore_errors=True)
+        make_dataset(paths["fastload"], shards=shards, shard_size=shard_size)
+        write_litdata(paths["litdata"], shards=shards, shard_size=shard_size)
+        open(complete, "w").close()
+    return paths
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def streaming_unavailable() -> str | None:
+    """Why `import streaming` (MosaicML Streaming) fails in this environment, or None."""
+    proc = subprocess.run([sys.executable, "-c", "import streaming"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["no message"])[-1]
+
+
+def run_peer_table(data_dir: str, *, shards: int, shard_size: int, rounds: int, batch_size: int = 256,
+                   threads: int = 8, workers: tuple[int, ...] = (0, 2)) -> dict[str, Any]:
+    """fastload's and the peers' rows (`fastload.benchmark.remote_peers`) over the same samples, every
+    format served by one moto S3 server over HTTPS on 127.0.0.1 (LitData's obstore client refuses plain
+    HTTP endpoints); the clients trust its CA through `SSL_CERT_FILE` and `AWS_CA_BUNDLE`."""
+    import moto as moto_pkg
+
+    _tests_on_path()
+    from s3_fixtures import REGION, MotoServer, make_tls_files, storage_options, upload_dir
+
+    from fastload.benchmark.remote_peers import run_peers
+
+    paths = peer_data(data_dir, shards=shards, shard_size=shard_size)
+    work = tempfile.mkdtemp(prefix="fastload-bench-peers-")
+    try:
+        tls = make_tls_files(work)
+        with mock.patch.dict(os.environ, {"SSL_CERT_FILE": tls.ca, "AWS_CA_BUNDLE": tls.ca}):
+            server = MotoServer(tls=tls).start()
+            try:
+                client = server.client()
+                client.create_bucket(Bucket="bench")
+                for name, path in paths.items():
+                    upload_dir(client, path, "bench", name)
+                lit = {"endpoint_url": server.endpoint, "aws_access_key_id": "testing",
+                       "aws_secret_access_key": "testing", "region_name": REGION}
+                assert server.proc is not None
+                res = run_peers("s3://bench/fastload", storage_options=storage_options(server.endpoint, timeout=60),
+                                peers={"litdata": {"url": "s3://bench/litdata", "storage_options": lit,
+                                                   "bytes": _dir_bytes(paths["litdata"])}},
+                                rounds=rounds, workers=workers, batch_size=batch_size, threads=threads,
+                                server_pid=server.proc.pid)
+            finally:
+                server.kill()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["server"] = (f"moto {moto_pkg.__version__} (python -m moto.server, one process on 127.0.0.1, HTTPS) "
+                     "for every row, sharing the client's cores")
+    why = streaming_unavailable()
+    res["not_run"] = {"mosaicml-streaming": f"import streaming fails here: {why}" if why else "no row built"}
+    return res
 
 
 class Nginx:
@@ -97,12 +185,19 @@ class Nginx:
                 self.proc.wait()
 
 
+def _tests_on_path() -> None:
+    """Make tests/s3_fixtures importable (the moto server and its helpers)."""
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+
+
 def _serve(kind: str, root: str, work: str) -> tuple[str, dict[str, Any], int, Any]:
     """Serve `root/ds`: (URL, storage options, server pid, stop function)."""
     if kind == "nginx":
         server = Nginx(root, work)
         return f"{server.url}/ds", {}, server.proc.pid, server.stop
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    _tests_on_path()
     from s3_fixtures import MotoServer, storage_options, upload_dir
 
     moto = MotoServer().start()
@@ -126,7 +221,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", default=None)
     ap.add_argument("--transport", dest="transports", action="append", choices=("auto", "obstore", "fsspec"),
                     help="Loader rows per transport (repeatable; default: auto and fsspec)")
+    ap.add_argument("--peers", action="store_true",
+                    help="the peer table instead: fastload, the raw pipeline and LitData over one moto S3 server")
+    ap.add_argument("--data-dir", default=os.path.join("build", "bench-data"),
+                    help="--peers: where the dataset and its peer formats are written once and kept")
     args = ap.parse_args(argv)
+    if args.peers:
+        if args.url:
+            ap.error("--peers writes and serves its own data: no --url")
+        res = run_peer_table(args.data_dir, shards=args.shards, shard_size=parse_size(args.shard_size),
+                             rounds=args.rounds, batch_size=args.batch_size, threads=args.threads)
+        print(format_peers(res))
+        write_json(args.json, res)
+        return res
     args.transports = tuple(args.transports or ("auto", "fsspec"))
     opts = dict(kv.split("=", 1) for kv in args.storage_option)
     common = {"rounds": args.rounds, "threads": args.threads, "batch_size": args.batch_size}

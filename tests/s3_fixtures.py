@@ -1,6 +1,7 @@
 """Real S3 for tests: a `moto` server subprocess on 127.0.0.1 and a fault-injecting HTTP proxy.
 
-`MotoServer` runs `python -m moto.server` on a free port (`kill()` / `start()` for crash tests).
+`MotoServer` runs `python -m moto.server` on a free port (`kill()` / `start()` for crash tests), over
+HTTPS when given a certificate (`make_tls_files` writes a CA and a 127.0.0.1 certificate it signed).
 `FaultProxy` forwards HTTP to it and, for a fraction of requests, answers 503 SlowDown, drops the
 connection before answering, or cuts a response body short; it counts requests per method/path.
 Import the pytest fixtures from this module in a test file: `from s3_fixtures import moto, ...`.
@@ -19,11 +20,12 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
-__all__ = ["FaultProxy", "MotoServer", "free_port", "moto", "s3_bucket", "storage_options", "upload_dir"]
+__all__ = ["FaultProxy", "MotoServer", "TlsFiles", "free_port", "make_tls_files", "moto", "s3_bucket",
+           "storage_options", "upload_dir"]
 
 REGION = "us-east-1"
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
@@ -47,21 +49,70 @@ def _wait_port(port: int, *, timeout: float = 30.0) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
-class MotoServer:
-    """`moto.server` in a subprocess on 127.0.0.1 (state lives in that process)."""
+class TlsFiles(NamedTuple):
+    """PEM files: `ca` (trust it: `SSL_CERT_FILE`, `AWS_CA_BUNDLE`), the server's `cert` and `key`."""
 
-    def __init__(self, port: int | None = None) -> None:
+    ca: str
+    cert: str
+    key: str
+
+
+def make_tls_files(directory: str) -> TlsFiles:
+    """A CA valid for a day and a certificate for 127.0.0.1 it signed, written under `directory`
+    (a separate CA: rustls, obstore's TLS, refuses a CA certificate used as the server's own)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fastload test CA")])
+
+    def signed(subject: x509.Name, public_key: Any, *, ca: bool) -> x509.Certificate:
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(public_key)
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return builder.sign(ca_key, hashes.SHA256())
+
+    files = TlsFiles(*(os.path.join(directory, n) for n in ("ca.pem", "cert.pem", "key.pem")))
+    pem = serialization.Encoding.PEM
+    with open(files.ca, "wb") as f:
+        f.write(signed(ca_name, ca_key.public_key(), ca=True).public_bytes(pem))
+    with open(files.cert, "wb") as f:
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+        f.write(signed(name, key.public_key(), ca=False).public_bytes(pem))
+    with open(files.key, "wb") as f:
+        f.write(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return files
+
+
+class MotoServer:
+    """`moto.server` in a subprocess on 127.0.0.1 (state lives in that process); over HTTPS with
+    `tls` (clients must trust `tls.ca`)."""
+
+    def __init__(self, port: int | None = None, *, tls: TlsFiles | None = None) -> None:
         self.port = port or free_port()
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> MotoServer:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        tls = ["-c", self.tls.cert, "-k", self.tls.key] if self.tls else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port), *tls],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
         )
         _wait_port(self.port)
@@ -78,7 +129,8 @@ class MotoServer:
         import boto3
 
         return boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION,
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
+                            aws_access_key_id="testing", aws_secret_access_key="testing",
+                            verify=self.tls.ca if self.tls else None)
 
 
 class _ProxyHandler(BaseHTTPRequestHandler):
