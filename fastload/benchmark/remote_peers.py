@@ -7,16 +7,18 @@ Rows, each measured once per round with the row order rotated every round:
   transport) + xxh3 + write + rename per shard (`raw_pipeline`);
 - `fastload w<k> cold` / `warm`: `open_dataset(url, cache_dir=<empty>)` and a sequential `Loader`
   epoch with `k` thread workers, then the same dataset's second epoch;
-- `<peer> w<k> cold`: a peer's own dataset and DataLoader over its own format (`PEERS`), its local
-  cache emptied first, `k` DataLoader worker processes, in a fresh Python process (so that no
-  client state, such as obstore's runtime, crosses a fork into the peer's workers).
+- `<peer> w<k> cold` / `warm`: a peer's own dataset and DataLoader over its own format (`PEERS`), its
+  local cache emptied first, `k` DataLoader worker processes, then the same loader's second epoch,
+  in a fresh Python process (so that no client state, such as obstore's runtime, crosses a fork into
+  the peer's workers).
 
 Every cold row starts with the dataset's construction (index or manifest fetch included) and ends
 after the last batch; its CPU seconds are those of the process and of its worker processes over that
 span (imports excluded), per GB of the row's own format on the server; `first_batch_s` runs from the
 same start. Before the raw pass and each cold epoch (untimed) as many bytes as the dataset holds are
 written to a scratch file and deleted (`limits.recycle_page_cache`). The server's CPU seconds per GB
-(process and children, psutil) are taken around each row.
+(process and children, psutil) are taken around each row (around both epochs of a peer, given to its
+cold row).
 """
 
 from __future__ import annotations
@@ -75,9 +77,10 @@ def _iterate(loader: Iterable[Any], t0: float, c0: tuple[float, float], expected
 
 
 def peer_epoch(peer: str, url: str, storage_options: dict[str, Any], cache_dir: str, workers: int,
-               batch_size: int, samples: int) -> dict[str, float]:
-    """One cold epoch of `peer` (a key of `PEERS`) over its dataset at `url`, `cache_dir` emptied first:
-    wall seconds, seconds to the first batch, CPU and user CPU seconds of this process and its workers."""
+               batch_size: int, samples: int) -> dict[str, dict[str, float]]:
+    """A cold epoch of `peer` (a key of `PEERS`) over its dataset at `url`, `cache_dir` emptied first,
+    then a warm one of the same dataset (its chunks cached): per epoch {"cold", "warm"} the wall seconds,
+    seconds to the first batch, CPU and user CPU seconds of this process and its worker processes."""
     shutil.rmtree(cache_dir, ignore_errors=True)
     if peer != "litdata":
         raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
@@ -86,10 +89,12 @@ def peer_epoch(peer: str, url: str, storage_options: dict[str, Any], cache_dir: 
     t0, c0 = time.perf_counter(), _cpu_now()
     ds = litdata.StreamingDataset(url, storage_options=storage_options, cache_dir=cache_dir)
     loader = litdata.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers)
-    return _iterate(loader, t0, c0, samples, f"{peer} at {url}")
+    cold = _iterate(loader, t0, c0, samples, f"{peer} at {url}")
+    warm = _iterate(loader, time.perf_counter(), _cpu_now(), samples, f"{peer} at {url}, second epoch")
+    return {"cold": cold, "warm": warm}
 
 
-def _peer_epoch_in_child(args: dict[str, Any], work: str, timeout: float) -> dict[str, float]:
+def _peer_epoch_in_child(args: dict[str, Any], work: str, timeout: float) -> dict[str, dict[str, float]]:
     """`peer_epoch(**args)` in a fresh Python process (its result through a JSON file)."""
     out = os.path.join(work, "peer-result.json")
     code = ("import json, sys; from fastload.benchmark.remote_peers import peer_epoch; "
@@ -149,14 +154,15 @@ def run_peers(url: str, *, storage_options: dict[str, Any], peers: dict[str, dic
     res: dict[str, Any] = {"rows": {}, "cpu_s_per_GB": {}, "user_cpu_s_per_GB": {}, "first_batch_s": {},
                            "server_cpu_s_per_GB": {}}
 
-    def record(name: str, nbytes: int, m: dict[str, float], server_s: float) -> None:
+    def record(name: str, nbytes: int, m: dict[str, float], server_s: float | None) -> None:
         gb = nbytes / 1e9
         res["rows"].setdefault(name, []).append(nbytes / m["wall_s"])
         res["cpu_s_per_GB"].setdefault(name, []).append(m["cpu_s"] / gb)
         res["user_cpu_s_per_GB"].setdefault(name, []).append(m["user_s"] / gb)
         if "first_batch_s" in m:
             res["first_batch_s"].setdefault(name, []).append(m["first_batch_s"])
-        res["server_cpu_s_per_GB"].setdefault(name, []).append(server_s / gb)
+        if server_s is not None:
+            res["server_cpu_s_per_GB"].setdefault(name, []).append(server_s / gb)
 
     try:
         probe = open_dataset(url, storage_options=storage_options, cache_dir=os.path.join(work, "probe"),
@@ -200,7 +206,9 @@ def run_peers(url: str, *, storage_options: dict[str, Any], peers: dict[str, dic
             s0 = server.seconds()
             m = _peer_epoch_in_child(args, work, epoch_timeout)
             shutil.rmtree(args["cache_dir"], ignore_errors=True)
-            record(f"{name} w{w} cold", int(spec["bytes"]), m, server.seconds() - s0)
+            # the server's CPU over the child's whole run (both epochs) goes to the cold row
+            record(f"{name} w{w} cold", int(spec["bytes"]), m["cold"], server.seconds() - s0)
+            record(f"{name} w{w} warm", int(spec["bytes"]), m["warm"], None)
 
         groups: list[Callable[[], None]] = [raw]
         groups += [lambda w=w: fastload_rows(w) for w in workers]
