@@ -1,24 +1,23 @@
-"""Peer loaders on the same server: a table of fastload's cold and warm epochs, the raw pipeline and
-other streaming loaders' cold epochs over the same samples served by one object store.
+"""Peer loaders on the same server: a table of fastload's and other streaming loaders' cold and warm
+epochs and the raw pipeline, over the same samples served by one object store.
 
 Rows, each measured once per round with the row order rotated every round:
 
 - `raw obstore`: `threads` threads of whole-object GET (obstore, the client of fastload's default
-  transport) + xxh3 + write + rename per shard (`raw_pipeline`);
-- `fastload w<k> cold` / `warm`: `open_dataset(url, cache_dir=<empty>)` and a sequential `Loader`
-  epoch with `k` thread workers, then the same dataset's second epoch;
-- `<peer> w<k> cold` / `warm`: a peer's own dataset and DataLoader over its own format (`PEERS`), its
-  local cache emptied first, `k` DataLoader worker processes, then the same loader's second epoch,
-  in a fresh Python process (so that no client state, such as obstore's runtime, crosses a fork into
-  the peer's workers).
+  transport) + xxh3 + write + rename per shard (`raw_pipeline`), in this process;
+- `<loader> w<k> cold` / `warm`, for fastload and each peer (`LOADERS`): the loader's own dataset over
+  its own format, its local cache emptied first, and its own DataLoader (fastload: `Loader` with `k`
+  thread workers; a peer: `k` worker processes), then the same dataset's second epoch; each pair in a
+  fresh Python process (no client state, such as obstore's runtime, crosses a fork into a peer's
+  workers; no loader runs on another's warmed-up state).
 
-Every cold row starts with the dataset's construction (index or manifest fetch included) and ends
-after the last batch; its CPU seconds are those of the process and of its worker processes over that
-span (imports excluded), per GB of the row's own format on the server; `first_batch_s` runs from the
-same start. Before the raw pass and each cold epoch (untimed) as many bytes as the dataset holds are
-written to a scratch file and deleted (`limits.recycle_page_cache`). The server's CPU seconds per GB
-(process and children, psutil) are taken around each row (around both epochs of a peer, given to its
-cold row).
+A cold epoch's clock starts before the dataset is opened (index or manifest fetch and client set-up
+included; imports excluded) and stops after the last batch; its CPU seconds are those of the process
+and of the worker processes it waited for over that span, per GB of the loader's own format on the
+server; `first_batch_s` runs from the same start. Before the raw pass and each cold epoch (untimed) as
+many bytes as the dataset holds are written to a scratch file and deleted
+(`limits.recycle_page_cache`). The server's CPU seconds per GB (process and children, psutil) are
+taken around the raw pass and around each loader's process (both epochs: given to the cold row).
 """
 
 from __future__ import annotations
@@ -38,14 +37,18 @@ import psutil
 
 from fastload.benchmark.remote import _span, raw_pipeline
 
-__all__ = ["PEERS", "format_peers", "peer_epoch", "run_peers"]
+__all__ = ["LOADERS", "PEERS", "format_peers", "loader_epochs", "run_peers"]
 
-#: Peer name -> how its rows read (their defaults, apart from the cache location).
-PEERS = {
+#: Loader name -> how its rows read (their defaults, apart from the cache location).
+LOADERS = {
+    "fastload": "fastload.open_dataset(url, storage_options=..., cache_dir=<emptied>) (transport \"auto\": obstore "
+                "for s3) in fastload.Loader(batch_size, num_workers, worker_type=\"thread\"), sequential order",
     "litdata": "litdata.StreamingDataset(url, storage_options=..., cache_dir=<emptied>) with its defaults "
                "(shuffle=False, chunks fetched by its downloader) in "
                "litdata.StreamingDataLoader(batch_size, num_workers)",
 }
+#: The loaders other than fastload.
+PEERS = tuple(k for k in LOADERS if k != "fastload")
 
 
 def _cpu_now() -> tuple[float, float]:
@@ -76,38 +79,61 @@ def _iterate(loader: Iterable[Any], t0: float, c0: tuple[float, float], expected
     return {"wall_s": wall, "first_batch_s": first, **cpu}
 
 
-def peer_epoch(peer: str, url: str, storage_options: dict[str, Any], cache_dir: str, workers: int,
-               batch_size: int, samples: int) -> dict[str, dict[str, float]]:
-    """A cold epoch of `peer` (a key of `PEERS`) over its dataset at `url`, `cache_dir` emptied first,
-    then a warm one of the same dataset (its chunks cached): per epoch {"cold", "warm"} the wall seconds,
-    seconds to the first batch, CPU and user CPU seconds of this process and its worker processes."""
+def loader_epochs(loader: str, url: str, storage_options: dict[str, Any], cache_dir: str, workers: int,
+                  batch_size: int, samples: int) -> dict[str, dict[str, float]]:
+    """A cold epoch of `loader` (a key of `LOADERS`) over its dataset at `url`, `cache_dir` emptied first,
+    then a warm one of the same dataset and settings (its data cached): per epoch {"cold", "warm"} the
+    wall seconds, seconds to the first batch, CPU and user CPU seconds of this process and its worker
+    processes. The cold epoch's clock starts before the dataset is opened; imports come before it."""
+    if loader not in LOADERS:
+        raise ValueError(f"unknown loader {loader!r}; known: {', '.join(LOADERS)}")
     shutil.rmtree(cache_dir, ignore_errors=True)
-    if peer != "litdata":
-        raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    import obstore  # noqa: F401  both fetch chunks with it, importing it on first use
+    what = f"{loader} at {url}"
+    if loader == "fastload":
+        from fastload.dataset import open_dataset
+        from fastload.loader import Loader
+
+        t0, c0 = time.perf_counter(), _cpu_now()
+        ds = open_dataset(url, storage_options=storage_options, cache_dir=cache_dir, cache_limit="1TB")
+        out = {}
+        try:
+            for temp in ("cold", "warm"):
+                if temp == "warm":
+                    t0, c0 = time.perf_counter(), _cpu_now()
+                epoch = Loader(ds, batch_size=batch_size, num_workers=workers, worker_type="thread")
+                try:
+                    out[temp] = _iterate(epoch, t0, c0, samples, what)
+                finally:
+                    epoch.close()
+        finally:
+            ds.storage.close()
+        return out
+    import boto3  # noqa: F401  LitData's index and credentials go through boto3 clients
     import litdata
 
     t0, c0 = time.perf_counter(), _cpu_now()
     ds = litdata.StreamingDataset(url, storage_options=storage_options, cache_dir=cache_dir)
-    loader = litdata.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers)
-    cold = _iterate(loader, t0, c0, samples, f"{peer} at {url}")
-    warm = _iterate(loader, time.perf_counter(), _cpu_now(), samples, f"{peer} at {url}, second epoch")
-    return {"cold": cold, "warm": warm}
+    epochs = litdata.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers)
+    cold = _iterate(epochs, t0, c0, samples, what)
+    return {"cold": cold, "warm": _iterate(epochs, time.perf_counter(), _cpu_now(), samples, f"{what}, second epoch")}
 
 
-def _peer_epoch_in_child(args: dict[str, Any], work: str, timeout: float) -> dict[str, dict[str, float]]:
-    """`peer_epoch(**args)` in a fresh Python process (its result through a JSON file)."""
-    out = os.path.join(work, "peer-result.json")
-    code = ("import json, sys; from fastload.benchmark.remote_peers import peer_epoch; "
-            "a = json.load(open(sys.argv[1])); json.dump(peer_epoch(**a), open(sys.argv[2], 'w'))")
-    with open(os.path.join(work, "peer-args.json"), "w") as f:
+def _epochs_in_child(args: dict[str, Any], work: str, timeout: float) -> dict[str, dict[str, float]]:
+    """`loader_epochs(**args)` in a fresh Python process (its result through a JSON file)."""
+    out = os.path.join(work, "epochs-result.json")
+    code = ("import json, sys; from fastload.benchmark.remote_peers import loader_epochs; "
+            "a = json.load(open(sys.argv[1])); json.dump(loader_epochs(**a), open(sys.argv[2], 'w'))")
+    with open(os.path.join(work, "epochs-args.json"), "w") as f:
         json.dump(args, f)
     try:
         proc = subprocess.run([sys.executable, "-c", code, f.name, out], capture_output=True, text=True,
                               timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{args['peer']} w{args['workers']}: no result after {timeout:.0f} s") from None
+        raise RuntimeError(f"{args['loader']} w{args['workers']}: no result after {timeout:.0f} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"{args['peer']} w{args['workers']} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{args['loader']} w{args['workers']} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
     with open(out) as f:
         return json.load(f)
 
@@ -144,7 +170,6 @@ def run_peers(url: str, *, storage_options: dict[str, Any], peers: dict[str, dic
     CPU s/GB."""
     from fastload.benchmark.limits import recycle_page_cache
     from fastload.dataset import open_dataset
-    from fastload.loader import Loader
 
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
@@ -179,40 +204,21 @@ def run_peers(url: str, *, storage_options: dict[str, Any], peers: dict[str, dic
                                 storage_options=storage_options, client="obstore")
             record("raw obstore", nbytes, {"wall_s": nbytes / rate, **_cpu_since(c0)}, server.seconds() - s0)
 
-        def fastload_rows(w: int) -> None:
-            cache = os.path.join(work, f"fastload-cache-w{w}")
-            recycle_page_cache(work, nbytes)
-            s0, t0, c0 = server.seconds(), time.perf_counter(), _cpu_now()
-            ds = open_dataset(url, storage_options=storage_options, cache_dir=cache, cache_limit=2 * nbytes)
-            try:
-                for temp in ("cold", "warm"):
-                    if temp == "warm":
-                        s0, t0, c0 = server.seconds(), time.perf_counter(), _cpu_now()
-                    loader = Loader(ds, batch_size=batch_size, num_workers=w, worker_type="thread")
-                    try:
-                        m = _iterate(loader, t0, c0, samples, f"fastload at {url}")
-                    finally:
-                        loader.close()
-                    record(f"fastload w{w} {temp}", nbytes, m, server.seconds() - s0)
-            finally:
-                ds.storage.close()
-                shutil.rmtree(cache, ignore_errors=True)
-
-        def peer_row(name: str, spec: dict[str, Any], w: int) -> None:
+        def loader_rows(name: str, spec: dict[str, Any], w: int) -> None:
             recycle_page_cache(work, int(spec["bytes"]))
-            args = {"peer": name, "url": spec["url"], "storage_options": spec.get("storage_options") or {},
+            args = {"loader": name, "url": spec["url"], "storage_options": spec.get("storage_options") or {},
                     "cache_dir": os.path.join(work, f"{name}-cache"), "workers": w, "batch_size": batch_size,
                     "samples": samples}
             s0 = server.seconds()
-            m = _peer_epoch_in_child(args, work, epoch_timeout)
+            m = _epochs_in_child(args, work, epoch_timeout)
             shutil.rmtree(args["cache_dir"], ignore_errors=True)
             # the server's CPU over the child's whole run (both epochs) goes to the cold row
             record(f"{name} w{w} cold", int(spec["bytes"]), m["cold"], server.seconds() - s0)
             record(f"{name} w{w} warm", int(spec["bytes"]), m["warm"], None)
 
+        specs = {"fastload": {"url": url, "storage_options": storage_options, "bytes": nbytes}, **peers}
         groups: list[Callable[[], None]] = [raw]
-        groups += [lambda w=w: fastload_rows(w) for w in workers]
-        groups += [lambda n=n, s=s, w=w: peer_row(n, s, w) for n, s in peers.items() for w in workers]
+        groups += [lambda n=n, s=s, w=w: loader_rows(n, s, w) for n, s in specs.items() for w in workers]
         for r in range(rounds):
             for i in range(len(groups)):
                 groups[(i + r) % len(groups)]()
