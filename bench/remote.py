@@ -11,7 +11,14 @@ and second epoch per transport (`--transport`, default: "auto", which is obstore
 over the rounds of MB/s, user and total CPU s/GB of this process, seconds to the first batch.
 See `fastload.benchmark.run_remote` (also `fastload bench --remote URL`).
 
-Run: `python -m bench.remote [--server nginx|moto] [--shards 12 --shard-size 32MB --rounds 3]`.
+`--peers`: the peer table instead (`fastload.benchmark.remote_peers`): the same samples written once
+in fastload's format and LitData's (`litdata.optimize`), kept under `--data-dir`, all served by one
+moto S3 server over HTTPS; per row (raw obstore pipeline; fastload and LitData cold, cold again and
+warm, w0 and w2) MB/s, user and total CPU s/GB, first batch and the server's CPU s/GB. MosaicML
+Streaming is named with the reason it cannot run (`import streaming` fails in this environment).
+
+Run: `python -m bench.remote [--server nginx|moto] [--shards 12 --shard-size 32MB --rounds 3]`, or
+`python -m bench.remote --peers --shard-size 16MB --rounds 5`.
 """
 
 from __future__ import annotations
