@@ -24,6 +24,8 @@ taken around the raw pass and around each epoch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import resource
@@ -165,6 +167,8 @@ def loader_epochs(loader: str, url: str, storage_options: dict[str, Any], cache_
 def _epochs_in_child(args: dict[str, Any], work: str, timeout: float) -> dict[str, dict[str, float]]:
     """`loader_epochs(**args)` in a fresh Python process (its result through a JSON file)."""
     out = os.path.join(work, "epochs-result.json")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(out)  # a previous row's: never read as this one's
     code = ("import json, sys; from fastload.benchmark.remote_peers import loader_epochs; "
             "a = json.load(open(sys.argv[1])); json.dump(loader_epochs(**a), open(sys.argv[2], 'w'))")
     with open(os.path.join(work, "epochs-args.json"), "w") as f:
@@ -238,7 +242,7 @@ def run_peers(url: str, *, storage_options: dict[str, Any], peers: dict[str, dic
 
         specs = {"fastload": {"url": url, "storage_options": storage_options, "bytes": nbytes}, **peers}
         groups: list[Callable[[], None]] = [raw]
-        groups += [lambda n=n, s=s, w=w: loader_rows(n, s, w) for n, s in specs.items() for w in workers]
+        groups += [functools.partial(loader_rows, n, s, w) for n, s in specs.items() for w in workers]
         for r in range(rounds):
             for i in range(len(groups)):
                 groups[(i + r) % len(groups)]()
