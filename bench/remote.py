@@ -38,8 +38,7 @@ from unittest import mock
 
 import numpy as np
 
-from fastload.benchmark import format_remote, run_remote
-from fastload.benchmark.remote_peers import format_peers
+from fastload.benchmark import format_peers, format_remote, run_peers, run_remote
 from fastload.formats import write
 from fastload.formats.units import parse_size
 
@@ -114,8 +113,6 @@ def run_peer_table(data_dir: str, *, shards: int, shard_size: int, rounds: int, 
 
     _tests_on_path()
     from s3_fixtures import REGION, MotoServer, make_tls_files, storage_options, upload_dir
-
-    from fastload.benchmark.remote_peers import run_peers
 
     paths = peer_data(data_dir, shards=shards, shard_size=shard_size)
     work = tempfile.mkdtemp(prefix="fastload-bench-peers-")

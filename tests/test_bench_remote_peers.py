@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from fastload.benchmark.remote_peers import format_peers
+from fastload.benchmark import format_peers
 from fastload.formats import FastloadDataset
 
 litdata = pytest.importorskip("litdata")  # the Makefile installs it (--no-deps)

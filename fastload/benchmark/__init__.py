@@ -54,8 +54,9 @@ over the wall time after it; input-bound means a stall above `INPUT_BOUND_STALL`
 
 The scripts under `bench/` (`python -m bench.NAME`) use this engine through the names exported
 here: the synthetic datasets (`build`, `make_jpegs`), the raw limits (`dataset_files`, `evict`,
-`sequential_read`, `resident_fraction`), one loader run (`run_loader`, `bottleneck`) and the
-remote measurement (`run_remote`, `format_remote`).
+`sequential_read`, `resident_fraction`), one loader run (`run_loader`, `bottleneck`), the
+remote measurement (`run_remote`, `format_remote`) and the peer loaders on the same server
+(`run_peers`, `format_peers`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from fastload.benchmark.cli import add_arguments, config_from_args, run_cli
 from fastload.benchmark.limits import dataset_files, evict, resident_fraction, sequential_read
 from fastload.benchmark.loaders import LABELS, LOADER_KINDS, TORCH_KINDS, bottleneck, run_loader
 from fastload.benchmark.remote import format_remote, run_remote
+from fastload.benchmark.remote_peers import format_peers, run_peers
 from fastload.benchmark.runner import INPUT_BOUND_STALL, SCHEMA_VERSION, BenchConfig, run_benchmark
 from fastload.benchmark.synthetic import RawRanges, Synthetic, build, make_jpegs
 
@@ -83,6 +85,7 @@ __all__ = [
     "config_from_args",
     "dataset_files",
     "evict",
+    "format_peers",
     "format_remote",
     "make_jpegs",
     "release",
@@ -90,6 +93,7 @@ __all__ = [
     "run_benchmark",
     "run_cli",
     "run_loader",
+    "run_peers",
     "run_remote",
     "sequential_read",
 ]
