@@ -274,6 +274,10 @@ def _field_entry_offset(field_index: int) -> int:
         (40, (10**9).to_bytes(8, "little"), "blob_bytes 1000000000 exceed the file"),  # larger than the file
         (8, (1 << 63).to_bytes(8, "little"), "fixed_offset is .* the layout puts it"),  # huge ("negative")
         (8, (4096 + 4).to_bytes(8, "little"), "fixed_offset is 4100, the layout puts it at 4096"),  # moved by 4
+        (0, (99).to_bytes(4, "little"), "kind code 99 does not match schema kind"),
+        (4, (3).to_bytes(4, "little"), "fixed column size does not match"),
+        (56, b"\x01", "reserved bytes are not zero"),
+        (48, b"\x01", "written for another definition of this field"),
     ],
 )
 def test_out_of_range_section_offsets(small_ds, entry_byte, value, message):
@@ -281,7 +285,7 @@ def test_out_of_range_section_offsets(small_ds, entry_byte, value, message):
     raw = bytearray(shard.read_bytes())
     field = 2 if entry_byte in (24, 40) else 0  # tokens (variable) / x (fixed)
     pos = _field_entry_offset(field) + entry_byte
-    raw[pos : pos + 8] = value
+    raw[pos : pos + len(value)] = value
     shard.write_bytes(bytes(raw))
     _structure_and_checksum_errors(small_ds, shard.name, message)
 
