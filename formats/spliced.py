@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ColumnPart", "SplicedColumn", "advise_huge", "hold_while_mapped", "splice_available", "splice_column"]
+__all__ = [
+    "ColumnPart", "OpenFiles", "SplicedColumn", "advise_huge", "hold_while_mapped", "splice_available", "splice_column",
+]
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # placements congruent modulo this let the kernel map large page-cache folios whole
@@ -203,12 +205,47 @@ def hold_while_mapped(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
 
+class OpenFiles:
+    """Files opened read-only (and held, `hold_while_mapped`) once each for several mappings;
+    `close()` closes them (the mappings keep what they need)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        """The descriptor of `path`, opened on first use."""
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            hold_while_mapped(fd)
+        return fd
+
+    def close(self) -> None:
+        """Close every descriptor opened here."""
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def splice_column(
-    parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...], *, table: bool = True, huge: bool = False
+    parts: list[ColumnPart],
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    *,
+    table: bool = True,
+    huge: bool = False,
+    files: OpenFiles | None = None,
 ) -> SplicedColumn | None:
     """Map the parts of a fixed column as one `SplicedColumn`, or None where that is not possible.
     `table`: as for `SplicedColumn` (a variable field's blob, spliced as items of shape (), passes False);
-    `huge`: `advise_huge` on each part's mapping.
+    `huge`: `advise_huge` on each part's mapping; `files`: map from these descriptors (a caller
+    splicing several columns of the same files opens each once), else each file is opened here.
 
     Each part's file must hold `num_rows` rows of `dtype` x `shape` from `offset` on (callers pass
     columns of shards they have validated). Raises OSError when the kernel refuses a mapping.
@@ -221,18 +258,15 @@ def splice_column(
     if plan is None:
         return None
     places, base, total = plan
+    opened = OpenFiles() if files is None else files
     try:
         for part, place in zip(parts, places):
             lead = part.offset % PAGE
             length = lead + part.num_rows * row_bytes
             if length == lead:
                 continue
-            fd = os.open(part.path, os.O_RDONLY)
-            try:
-                hold_while_mapped(fd)
-                got = libc.mmap(start + place, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, part.offset - lead)
-            finally:
-                os.close(fd)
+            fd = opened.fd(part.path)
+            got = libc.mmap(start + place, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, part.offset - lead)
             if got != start + place:
                 err = ctypes.get_errno()
                 raise OSError(err, f"{part.path}: mapping its column failed: {os.strerror(err)}")
@@ -241,6 +275,9 @@ def splice_column(
     except BaseException:
         libc.munmap(start, total)
         raise
+    finally:
+        if files is None:
+            opened.close()
     owner = (ctypes.c_char * total).from_address(start)
     weakref.finalize(owner, libc.munmap, start, total)  # runs once no array views the range
     num_virtual = (total - base) // row_bytes
