@@ -19,6 +19,13 @@
  * Item i is values[offsets[i]:offsets[i + 1]] as bytes (utf8 false) or str decoded as UTF-8
  * (utf8 true; UnicodeDecodeError for invalid UTF-8). ValueError for bad offsets.
  *
+ *   offsets_match(offsets, lengths, total) -> bool
+ *
+ * offsets: a C-contiguous 8-byte integer buffer of n + 1 entries, read as unsigned; lengths: None
+ * or a C-contiguous int64 buffer of n entries. True when offsets run from 0 to `total`, never
+ * decrease, and (with lengths) offsets[i + 1] - offsets[i] == lengths[i] for every i; False
+ * otherwise, or when the sizes differ (a caller finds out what is wrong itself).
+ *
  *   spans(buffers, addresses, lengths) -> None
  *
  * buffers: a sequence of buffer objects (e.g. memoryviews into a mapped file); addresses, lengths:
@@ -157,6 +164,35 @@ fail_values:
     return result;
 }
 
+static PyObject *offsets_match(PyObject *self, PyObject *args) {
+    PyObject *offsets_obj, *lengths_obj;
+    long long total;
+    if (!PyArg_ParseTuple(args, "OOL", &offsets_obj, &lengths_obj, &total)) return NULL;
+    Py_buffer offsets, lengths;
+    if (get_i64(offsets_obj, &offsets, "offsets") < 0) return NULL;
+    int has_lengths = lengths_obj != Py_None, match = 1;
+    if (has_lengths && get_i64(lengths_obj, &lengths, "lengths") < 0) {
+        PyBuffer_Release(&offsets);
+        return NULL;
+    }
+    Py_ssize_t n = offsets.len / 8 - 1;
+    const uint64_t *o = (const uint64_t *)offsets.buf;
+    const int64_t *l = has_lengths ? (const int64_t *)lengths.buf : NULL;
+    if (n < 0 || (has_lengths && lengths.len / 8 != n) || total < 0 || o[0] != 0 || o[n] != (uint64_t)total) {
+        match = 0;
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (o[i + 1] < o[i] || (l != NULL && (l[i] < 0 || o[i + 1] - o[i] != (uint64_t)l[i]))) {
+                match = 0;
+                break;
+            }
+        }
+    }
+    if (has_lengths) PyBuffer_Release(&lengths);
+    PyBuffer_Release(&offsets);
+    return PyBool_FromLong(match);
+}
+
 static PyObject *spans(PyObject *self, PyObject *args) {
     PyObject *seq_obj, *addr_obj, *len_obj, *result = NULL;
     if (!PyArg_ParseTuple(args, "OOO", &seq_obj, &addr_obj, &len_obj)) return NULL;
@@ -194,6 +230,8 @@ static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
     {"split", split, METH_VARARGS, "split(values, offsets, utf8): the items of a ragged byte buffer as a list."},
+    {"offsets_match", offsets_match, METH_VARARGS,
+     "offsets_match(offsets, lengths, total): whether an offsets table is sound and agrees with lengths."},
     {"spans", spans, METH_VARARGS, "spans(buffers, addresses, lengths): each buffer's address and size."},
     {NULL, NULL, 0, NULL},
 };

@@ -6,6 +6,7 @@ import bisect
 import os
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -93,12 +94,16 @@ def _raise(err: BaseException, *args: Any) -> None:
     raise err
 
 
-def _guarded(column: SplicedColumn | SplicedRagged, guard: ColumnGuard, *rows: np.ndarray) -> None:
+def _guarded(column: weakref.ref, guard: ColumnGuard, *rows: np.ndarray) -> None:
     """A spliced column's check: verify the blocks under `rows` (and counts, for a variable field's
-    item runs); drop the check once all are verified."""
+    item runs); drop the check once all are verified. The column is held weakly: a check the column
+    holds must not keep it alive (a cycle would leave its mapping in place until a garbage
+    collection, which then unmaps it in the middle of whatever runs)."""
     guard(*rows)
     if guard.done:
-        column.check = None
+        owner = column()
+        if owner is not None:
+            owner.check = None
 
 
 def sample_from_columns(schema: Schema, batch: dict[str, Any], i: int, *, where: str = "") -> dict[str, Any]:
@@ -571,7 +576,7 @@ class FastloadDataset:
                 f.item_bytes,
             )
             if not guard.done:
-                column.check = partial(_guarded, column, guard)
+                column.check = partial(_guarded, weakref.ref(column), guard)
         return column
 
     def _splice_ragged(self, files: OpenFiles) -> dict[str, SplicedRagged]:
@@ -601,7 +606,7 @@ class FastloadDataset:
                     f.dtype.itemsize,
                 )
                 if not guard.done:
-                    column.check = partial(_guarded, column, guard)
+                    column.check = partial(_guarded, weakref.ref(column), guard)
             out[f.name] = column
         return out
 
