@@ -244,7 +244,7 @@ def splice_column(
 ) -> SplicedColumn | None:
     """Map the parts of a fixed column as one `SplicedColumn`, or None where that is not possible.
     `table`: as for `SplicedColumn` (a variable field's blob, spliced as items of shape (), passes False);
-    `huge`: `advise_huge` on each part's mapping; `files`: map from these descriptors (a caller
+    `huge`: `advise_huge` on the parts' mappings; `files`: map from these descriptors (a caller
     splicing several columns of the same files opens each once), else each file is opened here.
 
     Each part's file must hold `num_rows` rows of `dtype` x `shape` from `offset` on (callers pass
@@ -270,8 +270,8 @@ def splice_column(
             if got != start + place:
                 err = ctypes.get_errno()
                 raise OSError(err, f"{part.path}: mapping its column failed: {os.strerror(err)}")
-            if huge:
-                advise_huge((start + place, length))
+        if huge:  # one call for every part (and the gaps between them, which are never read)
+            advise_huge((start, total))
     except BaseException:
         libc.munmap(start, total)
         raise
