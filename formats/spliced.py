@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import buffers as batch_buffers
+
 __all__ = [
     "ColumnPart", "OpenFiles", "SplicedColumn", "advise_huge", "hold_while_mapped", "splice_available", "splice_column",
 ]
@@ -136,11 +138,14 @@ class SplicedColumn:
         return int(self.part_starts[-1])
 
     def take(self, indices: np.ndarray) -> np.ndarray:
-        """Rows at `indices` (int64, negative ones counted from the end), in that order.
+        """Rows at `indices` (int64, negative ones counted from the end), in that order, in a new
+        (recycled, `buffers.empty`) array.
 
         Raises IndexError for an index out of range.
         """
-        return self.rows.take(self.row_numbers(indices), axis=0)
+        rows = self.row_numbers(indices)  # in bounds: "clip" changes nothing, and spares take's buffered copy
+        out = batch_buffers.empty((len(rows), *self.rows.shape[1:]), self.rows.dtype)
+        return self.rows.take(rows, axis=0, out=out, mode="clip")
 
     def row_numbers(self, indices: np.ndarray) -> np.ndarray:
         """Where the rows at `indices` are in `rows` (`take` is `rows.take(row_numbers(indices), axis=0)`),
