@@ -325,6 +325,33 @@ def test_symlinked_shard_outside_root_is_refused(small_ds, tmp_path):
         _read_all(small_ds)
 
 
+def test_local_paths_resolve_as_realpath_does(tmp_path):
+    """`LocalStorage.path` resolves links (to files, directories, chains, dangling ones, missing
+    names) exactly as `os.path.realpath`, and refuses the ones that leave the root."""
+    from fastload.formats.storage import LocalStorage
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "dir").mkdir(parents=True)
+    outside.mkdir()
+    (root / "file").write_bytes(b"x")
+    (root / "dir" / "inner").write_bytes(b"y")
+    (outside / "secret").write_bytes(b"z")
+    (root / "to_file").symlink_to(root / "file")
+    (root / "relative").symlink_to("dir/inner")
+    (root / "chain").symlink_to("relative")
+    (root / "to_dir").symlink_to(root / "dir")
+    (root / "dangling").symlink_to(root / "missing")
+    (root / "escape").symlink_to(outside / "secret")
+    (root / "escape_dir").symlink_to(outside)
+    storage = LocalStorage(root)
+    inside = ["file", "dir/inner", "to_file", "relative", "chain", "to_dir/inner", "dangling", "missing", "dir/none"]
+    for name in inside:
+        assert storage.path(name) == os.path.realpath(root / name), name
+    for name in ("escape", "escape_dir/secret"):
+        with pytest.raises(FormatError, match="outside the dataset root"):
+            storage.path(name)
+
+
 def test_edited_manifest_fails_its_checksum(small_ds):
     body = _manifest(small_ds)
     body["shards"][0]["num_samples"] += 1
