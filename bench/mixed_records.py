@@ -15,7 +15,10 @@ CPU time (`time.thread_time`: the work, which load from other processes changes 
   LMDB, both raw rows and fastload's variable fields copy through the same C gather
   (`fastload.formats._ranges`, which reads the next ranges ahead);
 - the first batch after an open (`--opens` fresh opens of each, after one untimed open so the
-  code paths are warm; blocks this process verified already stay verified, see formats/blocks.py).
+  code paths are warm; blocks this process verified already stay verified, see formats/blocks.py);
+- `fastload bench`'s loader rows with 0 workers (everything in this thread): the Loader with
+  `BatchViews()` and torch's DataLoader (`__getitems__`, and per sample) over the fastload copy,
+  shuffled epochs in CPU time (`--loader-epochs`; 0 skips them).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from fastload import open_dataset
+from fastload.benchmark.loaders import make_loader
 from fastload.benchmark.synthetic import build
 from fastload.formats.lmdb_dataset import LMDBDataset
 from fastload.formats.ragged import gather_ranges
@@ -86,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", default="192MiB", help="embedded default size (default 192MiB, as fastload bench)")
     ap.add_argument("--epochs", type=int, default=8, help="epochs per reader; 2.. are timed (default 8)")
     ap.add_argument("--opens", type=int, default=15, help="fresh opens timed for the first batch (default 15)")
+    ap.add_argument("--loader-epochs", type=int, default=5, help="epochs per loader row, 0 workers (default 5)")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.workdir) as root:
@@ -136,7 +142,30 @@ def main(argv: list[str] | None = None) -> None:
                     close()
             print(f"  {name:9s} open {_ms(opens)}, first batch {_ms(firsts)}")
         _first_batch_steps(data.fastload, n, args.opens)
+        if args.loader_epochs:
+            _loader_rows(fl, args.loader_epochs)
         fl.close()
+
+
+def _loader_rows(ds: Any, epochs: int) -> None:
+    """CPU ms per shuffled epoch of `fastload bench`'s loaders with 0 workers, interleaved epoch by epoch."""
+    kinds = {"fastload (batch views)": "fastload-views", "torch, __getitems__": "torch-batched", "torch": "torch"}
+    loaders = {
+        name: make_loader(kind, ds, batch_size=BATCH, num_workers=0, device=torch.device("cpu"), seed=0)
+        for name, kind in kinds.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in loaders}
+    for epoch in range(epochs + 1):
+        for name, loader in loaders.items():
+            t0 = time.thread_time()
+            for _ in loader:
+                pass
+            if epoch:  # the first epoch warms the code paths
+                times[name].append(time.thread_time() - t0)
+    best_torch = min(float(np.median(times[name])) for name in loaders if name != "fastload (batch views)")
+    print(f"loaders, 0 workers: CPU ms per shuffled epoch, median (min-max) of {epochs}; best torch row / row")
+    for name, ts in times.items():
+        print(f"  {name:24s} {_ms(ts):>22s}  {best_torch / float(np.median(ts)):.2f}")
 
 
 def _first_batch_steps(path: str, n: int, opens: int) -> None:
