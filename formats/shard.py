@@ -30,14 +30,14 @@ from .layout import (
     section_table,
 )
 from .ragged import Ragged
+from .schema import KIND_CODES, Schema
+from .shapes import check_shapes
+from .spliced import advise_huge, hold_while_mapped
 
 try:  # optional C extension (setup.py): an offsets table checked in one pass
     from ._ranges import offsets_match as _offsets_match
 except ImportError:  # pragma: no cover - built everywhere CI runs; the numpy checks below
     _offsets_match = None
-from .schema import KIND_CODES, Schema
-from .shapes import check_shapes
-from .spliced import advise_huge, hold_while_mapped
 
 __all__ = ["ShardIdentity", "ShardInfo", "ShardReader", "file_xxh3", "write_shard"]
 
