@@ -165,6 +165,12 @@ class ColumnGuard:
         shift = ledger.shift
         self.shards = [k for k, _, _, _ in parts]
         self.bits = [ledger.shard_bits(k) for k in self.shards]
+        # each part's column spans local blocks [first, stop) of its shard
+        spans = [(off >> shift, ((off + n * row_bytes - 1) >> shift) + 1) if n * row_bytes else (0, 0)
+                 for _, off, _, n in parts]
+        self.done = all(bits[a:b].all() for bits, (a, b) in zip(self.bits, spans))
+        if self.done:  # every block verified already (by this process): nothing to keep
+            return
         self.base = np.zeros(len(parts) + 1, dtype=np.int64)  # part p's blocks: [base[p], base[p + 1])
         np.cumsum([len(b) for b in self.bits], out=self.base[1:])
         self.seen = np.zeros(int(self.base[-1]), dtype=bool)
@@ -174,10 +180,10 @@ class ColumnGuard:
             [(int(self.base[p]) << shift) + off - vstart * row_bytes for p, (_, off, vstart, _) in enumerate(parts)],
             dtype=np.int64,
         )
-        lo = np.array([(int(self.base[p]) << shift) + off for p, (_, off, _, _) in enumerate(parts)], dtype=np.int64)
-        hi = lo + np.array([n * row_bytes for _, _, _, n in parts], dtype=np.int64)
-        self.needed = np.unique(block_ids(lo, hi, shift))
-        self.done = False
+        base = self.base.tolist()
+        self.needed = np.concatenate(  # ascending and unique: the parts' block numbers do not overlap
+            [np.zeros(0, dtype=np.int64)] + [np.arange(base[p] + a, base[p] + b) for p, (a, b) in enumerate(spans)]
+        )
         self._calls = 0
         self._recount()
 

@@ -8,6 +8,7 @@ and the blob sizes, and readers require a shard's field table to equal it.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 
@@ -83,8 +84,10 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+@functools.lru_cache(maxsize=4096)
 def field_xxh3(f: Field) -> int:
-    """The checksum of a field's schema entry that version-2 shards record (name, kind, dtype, shape)."""
+    """The checksum of a field's schema entry that version-2 shards record (name, kind, dtype, shape);
+    kept per field definition (every shard of a dataset repeats it)."""
     return xxhash.xxh3_64_intdigest(json.dumps(f.to_json(), sort_keys=True, separators=(",", ":")).encode())
 
 
@@ -102,21 +105,20 @@ def section_table(schema: Schema, num_samples: int, blob_bytes: Sequence[int]) -
     blob), each on a 64-byte boundary, fixed `ndarray` columns on a page.
     """
     n = num_samples
-    table = np.zeros(len(schema), dtype=ENTRY_DTYPE)
+    rows = []
     pos = align_up(HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema))
     for k, f in enumerate(schema):
-        entry = table[k]
-        entry["kind"] = KIND_CODES[f.kind]
-        entry["field_xxh3"] = field_xxh3(f)
+        item_bytes = fixed_offset = fixed_bytes = offsets_offset = blob_offset = blob = 0
         if f.has_fixed_column:
             if f.kind == "ndarray":
                 pos = align_up(pos, COLUMN_ALIGN)
-            entry["item_bytes"] = f.item_bytes
-            entry["fixed_offset"], entry["fixed_bytes"] = pos, n * f.item_bytes
+            item_bytes, fixed_offset, fixed_bytes = f.item_bytes, pos, n * f.item_bytes
             pos = align_up(pos + n * f.item_bytes)
         if not f.is_fixed:
-            entry["offsets_offset"] = pos
+            offsets_offset = pos
             pos = align_up(pos + 8 * (n + 1))
-            entry["blob_offset"], entry["blob_bytes"] = pos, int(blob_bytes[k])
-            pos = align_up(pos + int(blob_bytes[k]))
-    return table, pos
+            blob_offset, blob = pos, int(blob_bytes[k])
+            pos = align_up(pos + blob)
+        rows.append((KIND_CODES[f.kind], item_bytes, fixed_offset, fixed_bytes, offsets_offset, blob_offset, blob,
+                     field_xxh3(f), bytes(8)))
+    return np.array(rows, dtype=ENTRY_DTYPE), pos

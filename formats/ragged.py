@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from . import buffers as batch_buffers
 from .errors import FormatError
 
 try:  # optional C extension (setup.py): ranged copies with the GIL released, lists of bytes/str
@@ -111,8 +112,8 @@ class Ragged:
 def gather_ranges(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`source[starts[i] : starts[i] + lengths[i]]` for every i, joined -> (values, offsets).
 
-    `source` is 1-D; one copy of each range into one new buffer, by the `_ranges` extension with
-    the GIL released (else by `bytearray.join` over memoryview slices). Raises IndexError for a
+    `source` is 1-D; one copy of each range into one new buffer (recycled, `buffers.empty`), by the
+    `_ranges` extension with the GIL released (else by `bytearray.join` over memoryview slices). Raises IndexError for a
     range outside `source` before copying anything.
     """
     starts = np.ascontiguousarray(starts, dtype=np.int64)
@@ -120,7 +121,7 @@ def gather_ranges(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     if _c_gather is not None and source.flags.c_contiguous:
-        values = np.empty(max(int(offsets[-1]), 0), dtype=source.dtype)  # the C call checks the lengths
+        values = batch_buffers.empty(max(int(offsets[-1]), 0), source.dtype)  # the C call checks the lengths
         _c_gather(source, starts, lengths, source.itemsize, values)
         return values, offsets
     n = len(source)

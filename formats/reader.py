@@ -6,6 +6,7 @@ import bisect
 import os
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -23,7 +24,7 @@ from .ragged import Ragged
 from .schema import Schema
 from .shapes import ShapedBatch
 from .shard import ShardIdentity, ShardReader
-from .spliced import ColumnPart, SplicedColumn, splice_available, splice_column
+from .spliced import ColumnPart, OpenFiles, SplicedColumn, splice_available, splice_column
 from .spliced_ragged import SplicedRagged
 from .storage import LocalStorage, Storage
 
@@ -93,12 +94,16 @@ def _raise(err: BaseException, *args: Any) -> None:
     raise err
 
 
-def _guarded(column: SplicedColumn | SplicedRagged, guard: ColumnGuard, *rows: np.ndarray) -> None:
+def _guarded(column: weakref.ref, guard: ColumnGuard, *rows: np.ndarray) -> None:
     """A spliced column's check: verify the blocks under `rows` (and counts, for a variable field's
-    item runs); drop the check once all are verified."""
+    item runs); drop the check once all are verified. The column is held weakly: a check the column
+    holds must not keep it alive (a cycle would leave its mapping in place until a garbage
+    collection, which then unmaps it in the middle of whatever runs)."""
     guard(*rows)
     if guard.done:
-        column.check = None
+        owner = column()
+        if owner is not None:
+            owner.check = None
 
 
 def sample_from_columns(schema: Schema, batch: dict[str, Any], i: int, *, where: str = "") -> dict[str, Any]:
@@ -507,7 +512,7 @@ class FastloadDataset:
         """Shard k's whole column of fixed field `name`, its blocks verified."""
         reader = self.shard(k)
         column = reader.fixed[name]
-        reader.ensure_rows(name, np.arange(len(column), dtype=np.int64))
+        reader.ensure_column(name)
         return column
 
     def spliced_columns(self) -> Mapping[str, SplicedColumn]:
@@ -526,14 +531,15 @@ class FastloadDataset:
             return {}
         with self._direct_lock:
             if self._spliced is None:
-                spliced = {}
+                spliced, ragged = {}, {}
                 if splice_available() and len(self):
-                    for f in self.schema:
-                        if f.is_fixed and f.name not in resident:
-                            column = self._splice(f)
-                            if column is not None:
-                                spliced[f.name] = column
-                ragged = self._splice_ragged() if splice_available() and len(self) else {}
+                    with OpenFiles() as files:  # each shard file opened once for all its columns
+                        for f in self.schema:
+                            if f.is_fixed and f.name not in resident:
+                                column = self._splice(f, files)
+                                if column is not None:
+                                    spliced[f.name] = column
+                        ragged = self._splice_ragged(files)
                 takes: dict[str, Callable[[np.ndarray], Any]] = {
                     name: partial(col.take, axis=0) for name, col in resident.items()
                 }
@@ -552,13 +558,13 @@ class FastloadDataset:
         cache: a budget that holds the dataset, from the end of the first epoch on)."""
         return isinstance(self.storage, LocalStorage) or len(self._open) == self.num_shards
 
-    def _splice(self, f: Any) -> SplicedColumn | None:
+    def _splice(self, f: Any, files: OpenFiles) -> SplicedColumn | None:
         parts = []
         for k, info in enumerate(self.manifest.shards):
             reader = self.shard(k)
             parts.append(ColumnPart(reader.path, reader.fixed_offset[f.name], info.num_samples))
         try:
-            column = splice_column(parts, f.dtype, f.shape, huge=self._huge)
+            column = splice_column(parts, f.dtype, f.shape, huge=self._huge, files=files)
         except OSError as exc:  # e.g. the kernel's limit on mappings: gather shard by shard instead
             warnings.warn(f"{self.root}: field {f.name!r} read shard by shard ({exc})", RuntimeWarning, stacklevel=3)
             return None
@@ -570,10 +576,10 @@ class FastloadDataset:
                 f.item_bytes,
             )
             if not guard.done:
-                column.check = partial(_guarded, column, guard)
+                column.check = partial(_guarded, weakref.ref(column), guard)
         return column
 
-    def _splice_ragged(self) -> dict[str, SplicedRagged]:
+    def _splice_ragged(self, files: OpenFiles) -> dict[str, SplicedRagged]:
         """Each variable field whose blobs splice into one array, as a `SplicedRagged` (verified
         through the ledger like the fixed columns)."""
         out = {}
@@ -583,7 +589,7 @@ class FastloadDataset:
                 continue
             parts = [ColumnPart(r.path, r.blob_offset[f.name], len(r.ragged[f.name][1])) for r in readers]
             try:
-                items = splice_column(parts, f.dtype, (), table=False, huge=self._huge)
+                items = splice_column(parts, f.dtype, (), table=False, huge=self._huge, files=files)
             except OSError as exc:
                 warnings.warn(f"{self.root}: field {f.name!r} read by shard ({exc})", RuntimeWarning, stacklevel=4)
                 items = None
@@ -600,7 +606,7 @@ class FastloadDataset:
                     f.dtype.itemsize,
                 )
                 if not guard.done:
-                    column.check = partial(_guarded, column, guard)
+                    column.check = partial(_guarded, weakref.ref(column), guard)
             out[f.name] = column
         return out
 

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ColumnPart", "SplicedColumn", "advise_huge", "hold_while_mapped", "splice_available", "splice_column"]
+from . import buffers as batch_buffers
+
+__all__ = [
+    "ColumnPart", "OpenFiles", "SplicedColumn", "advise_huge", "hold_while_mapped", "splice_available", "splice_column",
+]
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # placements congruent modulo this let the kernel map large page-cache folios whole
@@ -134,11 +138,14 @@ class SplicedColumn:
         return int(self.part_starts[-1])
 
     def take(self, indices: np.ndarray) -> np.ndarray:
-        """Rows at `indices` (int64, negative ones counted from the end), in that order.
+        """Rows at `indices` (int64, negative ones counted from the end), in that order, in a new
+        (recycled, `buffers.empty`) array.
 
         Raises IndexError for an index out of range.
         """
-        return self.rows.take(self.row_numbers(indices), axis=0)
+        rows = self.row_numbers(indices)  # in bounds: "clip" changes nothing, and spares take's buffered copy
+        out = batch_buffers.empty((len(rows), *self.rows.shape[1:]), self.rows.dtype)
+        return self.rows.take(rows, axis=0, out=out, mode="clip")
 
     def row_numbers(self, indices: np.ndarray) -> np.ndarray:
         """Where the rows at `indices` are in `rows` (`take` is `rows.take(row_numbers(indices), axis=0)`),
@@ -203,12 +210,47 @@ def hold_while_mapped(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
 
+class OpenFiles:
+    """Files opened read-only (and held, `hold_while_mapped`) once each for several mappings;
+    `close()` closes them (the mappings keep what they need)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        """The descriptor of `path`, opened on first use."""
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            hold_while_mapped(fd)
+        return fd
+
+    def close(self) -> None:
+        """Close every descriptor opened here."""
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def splice_column(
-    parts: list[ColumnPart], dtype: np.dtype, shape: tuple[int, ...], *, table: bool = True, huge: bool = False
+    parts: list[ColumnPart],
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    *,
+    table: bool = True,
+    huge: bool = False,
+    files: OpenFiles | None = None,
 ) -> SplicedColumn | None:
     """Map the parts of a fixed column as one `SplicedColumn`, or None where that is not possible.
     `table`: as for `SplicedColumn` (a variable field's blob, spliced as items of shape (), passes False);
-    `huge`: `advise_huge` on each part's mapping.
+    `huge`: `advise_huge` on the parts' mappings; `files`: map from these descriptors (a caller
+    splicing several columns of the same files opens each once), else each file is opened here.
 
     Each part's file must hold `num_rows` rows of `dtype` x `shape` from `offset` on (callers pass
     columns of shards they have validated). Raises OSError when the kernel refuses a mapping.
@@ -221,26 +263,26 @@ def splice_column(
     if plan is None:
         return None
     places, base, total = plan
+    opened = OpenFiles() if files is None else files
     try:
         for part, place in zip(parts, places):
             lead = part.offset % PAGE
             length = lead + part.num_rows * row_bytes
             if length == lead:
                 continue
-            fd = os.open(part.path, os.O_RDONLY)
-            try:
-                hold_while_mapped(fd)
-                got = libc.mmap(start + place, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, part.offset - lead)
-            finally:
-                os.close(fd)
+            fd = opened.fd(part.path)
+            got = libc.mmap(start + place, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, part.offset - lead)
             if got != start + place:
                 err = ctypes.get_errno()
                 raise OSError(err, f"{part.path}: mapping its column failed: {os.strerror(err)}")
-            if huge:
-                advise_huge((start + place, length))
+        if huge:  # one call for every part (and the gaps between them, which are never read)
+            advise_huge((start, total))
     except BaseException:
         libc.munmap(start, total)
         raise
+    finally:
+        if files is None:
+            opened.close()
     owner = (ctypes.c_char * total).from_address(start)
     weakref.finalize(owner, libc.munmap, start, total)  # runs once no array views the range
     num_virtual = (total - base) // row_bytes

@@ -21,6 +21,28 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+_O_PATH = getattr(os, "O_PATH", None)
+
+
+def _real_path(path: str) -> str:
+    """`os.path.realpath(path)`. On Linux, an existing file's in three system calls (opened with
+    O_PATH, its /proc/self/fd link read) instead of one `lstat` per component of the path."""
+    if _O_PATH is not None:
+        try:
+            fd = os.open(path, _O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return os.path.realpath(path)  # missing, or not reachable: realpath says what it can
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = ""
+        finally:
+            os.close(fd)
+        if real.startswith("/") and not real.endswith(" (deleted)"):
+            return real
+    return os.path.realpath(path)
+
+
 @runtime_checkable
 class Storage(Protocol):
     """What `FastloadDataset` needs from a place that holds a dataset."""
@@ -60,7 +82,7 @@ class LocalStorage:
     def path(self, name: str) -> str:
         """The local path of a relative name; refuses names (or symlinks) that leave the root."""
         rel = check_relative_path(name, self.root)
-        full = os.path.realpath(os.path.join(self.root, rel))
+        full = _real_path(os.path.join(self.root, rel))
         if os.path.commonpath([full, self.root]) != self.root:
             raise FormatError(f"{self.root}: {name!r} resolves outside the dataset root")
         return full

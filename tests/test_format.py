@@ -274,6 +274,10 @@ def _field_entry_offset(field_index: int) -> int:
         (40, (10**9).to_bytes(8, "little"), "blob_bytes 1000000000 exceed the file"),  # larger than the file
         (8, (1 << 63).to_bytes(8, "little"), "fixed_offset is .* the layout puts it"),  # huge ("negative")
         (8, (4096 + 4).to_bytes(8, "little"), "fixed_offset is 4100, the layout puts it at 4096"),  # moved by 4
+        (0, (99).to_bytes(4, "little"), "kind code 99 does not match schema kind"),
+        (4, (3).to_bytes(4, "little"), "fixed column size does not match"),
+        (56, b"\x01", "reserved bytes are not zero"),
+        (48, b"\x01", "written for another definition of this field"),
     ],
 )
 def test_out_of_range_section_offsets(small_ds, entry_byte, value, message):
@@ -281,7 +285,7 @@ def test_out_of_range_section_offsets(small_ds, entry_byte, value, message):
     raw = bytearray(shard.read_bytes())
     field = 2 if entry_byte in (24, 40) else 0  # tokens (variable) / x (fixed)
     pos = _field_entry_offset(field) + entry_byte
-    raw[pos : pos + 8] = value
+    raw[pos : pos + len(value)] = value
     shard.write_bytes(bytes(raw))
     _structure_and_checksum_errors(small_ds, shard.name, message)
 
@@ -319,6 +323,33 @@ def test_symlinked_shard_outside_root_is_refused(small_ds, tmp_path):
     shard.symlink_to(target)
     with pytest.raises(FormatError, match="outside the dataset root"):
         _read_all(small_ds)
+
+
+def test_local_paths_resolve_as_realpath_does(tmp_path):
+    """`LocalStorage.path` resolves links (to files, directories, chains, dangling ones, missing
+    names) exactly as `os.path.realpath`, and refuses the ones that leave the root."""
+    from fastload.formats.storage import LocalStorage
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "dir").mkdir(parents=True)
+    outside.mkdir()
+    (root / "file").write_bytes(b"x")
+    (root / "dir" / "inner").write_bytes(b"y")
+    (outside / "secret").write_bytes(b"z")
+    (root / "to_file").symlink_to(root / "file")
+    (root / "relative").symlink_to("dir/inner")
+    (root / "chain").symlink_to("relative")
+    (root / "to_dir").symlink_to(root / "dir")
+    (root / "dangling").symlink_to(root / "missing")
+    (root / "escape").symlink_to(outside / "secret")
+    (root / "escape_dir").symlink_to(outside)
+    storage = LocalStorage(root)
+    inside = ["file", "dir/inner", "to_file", "relative", "chain", "to_dir/inner", "dangling", "missing", "dir/none"]
+    for name in inside:
+        assert storage.path(name) == os.path.realpath(root / name), name
+    for name in ("escape", "escape_dir/secret"):
+        with pytest.raises(FormatError, match="outside the dataset root"):
+            storage.path(name)
 
 
 def test_edited_manifest_fails_its_checksum(small_ds):

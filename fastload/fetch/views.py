@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fastload.fetch.collate import columns_to_torch
+from fastload.formats.buffers import is_batch_buffer
 from fastload.formats.ragged import Ragged
 from fastload.run import RunContext
 
@@ -41,12 +42,13 @@ def accepts_batch_views(collate_fn: Any) -> bool:
 
 
 def _owned_tensor(a: Any) -> torch.Tensor:
-    """`a` as a CPU tensor: zero copy when it is a writable native numpy array owning its memory
-    (what a batch gather allocates), else a copy (a slice of memory the dataset keeps)."""
+    """`a` as a CPU tensor: zero copy when it is a writable native numpy array owning its memory or
+    over a batch buffer (what a batch gather allocates), else a copy (a slice of memory the dataset keeps)."""
     if isinstance(a, torch.Tensor):
         return a
     arr = np.asarray(a)
-    if not (arr.flags.owndata and arr.flags.writeable and arr.dtype.isnative and arr.flags.c_contiguous):
+    owned = arr.flags.owndata or is_batch_buffer(arr)
+    if not (owned and arr.flags.writeable and arr.dtype.isnative and arr.flags.c_contiguous):
         arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")).copy()
     return torch.from_numpy(arr)
 

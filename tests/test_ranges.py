@@ -1,0 +1,179 @@
+"""The `_ranges` extension's gather (which reads ranges ahead) and offsets check, and what a
+dataset's first batch after an open relies on: guards that know what this process verified,
+and mappings that go when the dataset is closed."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import weakref
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastload.formats import FastloadDataset, Field, Schema, write
+from fastload.formats.ragged import gather_ranges
+
+_ranges = pytest.importorskip("fastload.formats._ranges", reason="the C extension is built by `make install`")
+
+DTYPES = [np.uint8, np.int32, np.float64]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(DTYPES),
+    size=st.integers(0, 300),
+    count=st.integers(0, 9),  # around the read-ahead distance: fewer ranges than it, as many, more
+)
+def test_gather_copies_every_range_in_order(data, dtype, size, count):
+    source = np.arange(size, dtype=dtype)
+    starts = data.draw(st.lists(st.integers(0, size), min_size=count, max_size=count))
+    lengths = [data.draw(st.integers(0, size - s)) for s in starts]
+    values, offsets = gather_ranges(source, np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    want = [source[s : s + n] for s, n in zip(starts, lengths)]
+    assert values.dtype == source.dtype
+    assert values.tobytes() == b"".join(w.tobytes() for w in want)
+    assert offsets.tolist() == np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
+
+
+def _offsets_sound(offsets: np.ndarray, lengths: np.ndarray | None, total: int) -> bool:
+    """The checks `ShardReader` makes of an offsets table, in numpy."""
+    unsigned = offsets.view(np.uint64)
+    if unsigned[0] != 0 or unsigned[-1] != total or np.any(unsigned[1:] < unsigned[:-1]):
+        return False
+    if lengths is None:
+        return True
+    diff = np.diff(offsets)
+    return lengths.shape == diff.shape and bool(np.array_equal(diff, lengths))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 50), max_size=12),
+    edits=st.lists(st.tuples(st.integers(0, 12), st.integers(-(2**63), 2**63 - 1)), max_size=2),
+    meta_edit=st.none() | st.tuples(st.integers(0, 11), st.integers(-5, 60)),
+    total_shift=st.sampled_from([0, 0, 0, 1, -1]),
+    with_lengths=st.booleans(),
+)
+def test_offsets_match_agrees_with_the_numpy_checks(lengths, edits, meta_edit, total_shift, with_lengths):
+    """Sound tables, tables with entries overwritten (huge, negative as int64), meta lengths that
+    disagree (negative ones too), a wrong total: the one-pass check says what the numpy checks say."""
+    meta = np.array(lengths, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(meta)]).astype(np.int64)
+    for pos, value in edits:
+        if pos < len(offsets):
+            offsets[pos] = value
+    if meta_edit is not None and meta_edit[0] < len(meta):
+        meta[meta_edit[0]] = meta_edit[1]
+    total = int(sum(lengths)) + total_shift
+    if total < 0:
+        return
+    expected = meta if with_lengths else None
+    assert _ranges.offsets_match(offsets, expected, total) == _offsets_sound(offsets, expected, total)
+
+
+def test_offsets_match_refuses_a_table_of_another_size():
+    offsets = np.array([0, 1, 3], dtype=np.int64)
+    assert _ranges.offsets_match(offsets, np.array([1, 2], dtype=np.int64), 3)
+    assert not _ranges.offsets_match(offsets, np.array([1, 2, 0], dtype=np.int64), 3)
+    assert not _ranges.offsets_match(offsets, np.array([1], dtype=np.int64), 3)
+
+
+SCHEMA = Schema(
+    (
+        Field("record", "ndarray", np.dtype(np.uint8), (2, 40, 40)),
+        Field("label", "scalar", np.dtype(np.int64)),
+        Field("jpeg", "bytes"),
+        Field("tokens", "varray", np.dtype(np.int32)),
+    )
+)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    path = tmp_path_factory.mktemp("first") / "ds"
+    rng = np.random.default_rng(3)
+    samples = [
+        {
+            "record": rng.integers(0, 256, (2, 40, 40), dtype=np.uint8),
+            "label": i,
+            "jpeg": rng.bytes(int(rng.integers(0, 5000))),
+            "tokens": rng.integers(0, 2**31, int(rng.integers(0, 300)), dtype=np.int32),
+        }
+        for i in range(400)
+    ]
+    write(samples, str(path), schema=SCHEMA, shard_size=256 << 10, progress=False, workers=1)
+    return path, samples
+
+
+def _check_batch(ds: FastloadDataset, samples: list[dict], idx: np.ndarray) -> None:
+    batch = ds.get_batch(idx)
+    for pos, i in enumerate(idx.tolist()):
+        want = samples[i]
+        assert batch["record"][pos].tobytes() == want["record"].tobytes()
+        assert int(batch["label"][pos]) == want["label"]
+        assert batch["jpeg"][pos] == want["jpeg"]
+        assert batch["tokens"][pos].tobytes() == want["tokens"].tobytes()
+
+
+def test_a_reopened_dataset_reads_what_this_process_verified_without_checks(mixed, tmp_path):
+    """After one full read, a fresh open's spliced columns have nothing left to verify (their checks
+    are unset from the start) and read the same bytes; a copy of the files (other inodes) is
+    verified anew."""
+    path, samples = mixed
+    ds = FastloadDataset(path)
+    assert ds.num_shards >= 3
+    for start in range(0, len(samples), 64):
+        ds.get_batch(np.arange(start, min(len(samples), start + 64)))
+    ds.close()
+    again = FastloadDataset(path)
+    idx = np.random.default_rng(0).permutation(len(samples))[:100]
+    _check_batch(again, samples, idx)
+    assert again.spliced_columns()["record"].check is None
+    again.close()
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    fresh = FastloadDataset(copy)
+    fresh.get_batch([0])
+    assert fresh.spliced_columns()["record"].check is not None  # blocks of the copy not verified yet
+    _check_batch(fresh, samples, idx)
+    fresh.close()
+
+
+def test_close_unmaps_the_spliced_columns_without_a_garbage_collection(mixed, tmp_path):
+    """A spliced column's check must not hold the column in a reference cycle: its mapping goes
+    when the dataset is closed, not at a later collection in the middle of another read."""
+    path, _ = mixed
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)  # files this process has not verified: the checks are set
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        ds = FastloadDataset(copy)
+        ds.get_batch(np.arange(3))
+        spliced = ds.spliced_columns()
+        assert spliced and all(column.check is not None for column in spliced.values())
+        columns = [weakref.ref(column) for column in spliced.values()]
+        del spliced
+        ds.close()
+        assert all(ref() is None for ref in columns)
+    finally:
+        if was:
+            gc.enable()
+
+
+@pytest.mark.parametrize("verify", ["auto", "none"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16))
+def test_first_batch_after_an_open_is_exact(mixed, verify, seed):
+    path, samples = mixed
+    ds = FastloadDataset(path, verify=verify)
+    idx = np.random.default_rng(seed).integers(-len(samples), len(samples), 64)
+    batch = ds.get_batch(idx)
+    for pos, i in enumerate(idx.tolist()):
+        assert batch["jpeg"][pos] == samples[i]["jpeg"]
+        assert batch["record"][pos].tobytes() == samples[i]["record"].tobytes()
+    ds.close()
