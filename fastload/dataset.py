@@ -57,10 +57,18 @@ def _open_in_place(
 
 
 def _check_protocol(url: str) -> None:
-    """Raise naming the package (and fastload's extra) when the URL's fsspec protocol is not installed."""
+    """Raise naming the package (and fastload's extra) when the URL's fsspec protocol is not installed.
+
+    The backend's packages are looked up, not imported: s3fs and its async stack cost about 200
+    modules, which a read through obstore never needs (process workers import them on fallback).
+    """
     import fsspec
+    from fsspec.registry import known_implementations, registry
 
     protocol = url.split("://", 1)[0]
+    known = known_implementations.get(protocol)
+    if protocol in registry or (known is not None and _backend_present(known["class"], protocol)):
+        return
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError as exc:
@@ -69,6 +77,18 @@ def _check_protocol(url: str) -> None:
         raise ImportError(f"reading {url!r} needs the fsspec backend for {protocol}://: {hint}") from exc
     except ValueError as exc:
         raise ValueError(f"{url!r}: unknown storage protocol {protocol!r} ({exc})") from exc
+
+
+# fsspec's own implementations whose third-party packages its registry does not name
+_BACKEND_NEEDS = {"http": ("aiohttp",), "https": ("aiohttp",)}
+
+
+def _backend_present(class_path: str, protocol: str) -> bool:
+    """Whether the modules an fsspec backend imports are installed, found without importing them."""
+    import importlib.util
+
+    modules = (class_path.split(".", 1)[0], *_BACKEND_NEEDS.get(protocol, ()))
+    return all(importlib.util.find_spec(name) is not None for name in modules)
 
 
 def open_dataset(

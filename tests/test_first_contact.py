@@ -134,14 +134,23 @@ def test_open_dataset_on_files_says_what_to_do(tmp_path, small_ds):
 
 
 def test_missing_s3_backend_names_the_extra(monkeypatch):
-    import fsspec
+    import importlib.util
+    import sys
 
-    def missing(protocol):
-        raise ImportError("Install s3fs to access S3")
-
-    monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "s3fs" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # importing it raises ImportError, as when it is absent
     with pytest.raises(ImportError, match=r"pip install 'fastload\[s3\]'"):
         fastload.open_dataset("s3://bucket/ds")
+
+
+def test_installed_backend_is_found_without_importing_it():
+    import subprocess
+    import sys
+
+    code = "import sys, fastload.dataset as d; d._check_protocol('s3://b/x'); print('s3fs' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_unknown_protocol():
