@@ -15,7 +15,7 @@ _PIECE = 64 << 10
 
 class ArrivalServer:
     """`url` serves `root`. Faults apply to requests under `shards/` whose range holds the byte `at`:
-    `pause(at)` holds it at byte `at` until `release()`; `drop(at, times)` closes its connection there
+    `pause(at)` holds a body GET (from byte 0) at byte `at` until `release()`; `drop(at, times)` closes its connection there
     (the first `times` such requests of each shard); `corrupt(at, times)` flips the byte at `at`
     (`times` None: every time). `body_requests` counts, per shard path, the requests that held the
     byte to drop or flip."""
@@ -106,7 +106,7 @@ class ArrivalServer:
                 n = self.body_requests[rel] = self.body_requests.get(rel, 0) + 1
             drop = self.drop_at if hits(self.drop_at) and n <= self.drops else None
             flip = self.corrupt_at if hits(self.corrupt_at) and (self.corrupts is None or n <= self.corrupts) else None
-        pause = self.pause_at if hits(self.pause_at) else None
+        pause = self.pause_at if hits(self.pause_at) and start == 0 else None  # the body GET, not side GETs
         pos = start
         while pos < end:
             if pause is not None and pos == pause and self.pause_at is not None:

@@ -86,6 +86,12 @@ class Arrival:
         with self._cond:
             self._last = time.monotonic()
 
+    def move(self, rename: Callable[[], None], final_path: str) -> None:
+        """Run `rename` (the temp file to `final_path`) and record it in one step: `path` is never stale."""
+        with self._cond:
+            rename()
+            self._path = final_path
+
     def finish(self, final_path: str) -> None:
         """Every block was verified and the file was renamed to `final_path`."""
         with self._cond:

@@ -284,7 +284,10 @@ class CacheFill:
             finally:
                 sink.close()
             t0 = time.perf_counter()
-            os.replace(tmp_path, final)
+            if arrival is not None:  # readers of the arriving file see the new path with the rename
+                arrival.move(partial(os.replace, tmp_path, final), final)
+            else:
+                os.replace(tmp_path, final)
             info = os.stat(final)
             vouch_file(info)  # every byte was hashed against the manifest above: readers here skip their block hashes
             st = stamp(info)
