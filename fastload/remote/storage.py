@@ -69,8 +69,9 @@ __all__ = [
 ]
 
 ARRIVING_MIN_BYTES = 8 << 20  # shards from this size on are read while they arrive (`acquire_arriving`)
-WANT_RUN_BLOCKS = 16  # blocks of an arriving shard fetched in one out-of-order GET for a waiting reader
-SIDE_GETS = 4  # out-of-order GETs in flight at once per process
+WANT_RUN_BLOCKS = 64  # at most this many blocks of an arriving shard in one out-of-order GET for a reader
+WANT_GAP_BLOCKS = 8  # wanted blocks this close share a GET (fetching the gap costs less than another GET)
+SIDE_GETS = 8  # out-of-order GETs in flight at once per process
 log = logging.getLogger("fastload.remote.storage")
 MIN_OPEN_SHARDS = 1  # the least a reader with max_open_shards=None keeps open (it pins one more to swap)
 MAX_OPEN_SHARDS = 64  # the most it keeps open
@@ -664,20 +665,24 @@ class RemoteStorage:
         return False
 
     def _want(self, rpath: str, sink: Download, ids: np.ndarray) -> None:
-        """A reader waits for blocks `ids` of the arriving `sink`: fetch each run of them (up to
-        `WANT_RUN_BLOCKS` blocks a GET) in ranged GETs on this process's side threads."""
+        """A reader waits for blocks `ids` (sorted) of the arriving `sink`: fetch them in ranged GETs on
+        this process's side threads, one GET per run of blocks less than `WANT_GAP_BLOCKS` apart (the
+        blocks between come along), of at most `WANT_RUN_BLOCKS` blocks."""
         arrival = sink.arrival
         assert arrival is not None
         shift, end = arrival.spec.shift, arrival.sections_end
-        cuts = np.flatnonzero(np.diff(ids) != 1) + 1
         with self._receive_lock:
             if self._side is None:
                 self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
             pool = self._side
-        for run in np.split(ids, cuts):
-            for a in range(0, len(run), WANT_RUN_BLOCKS):
-                first, last = int(run[a]), int(run[min(len(run), a + WANT_RUN_BLOCKS) - 1])
-                pool.submit(self._side_fetch, rpath, sink, first << shift, min((last + 1) << shift, end))
+        first = last = int(ids[0])
+        for j in [*ids[1:].tolist(), None]:
+            if j is not None and j - last <= WANT_GAP_BLOCKS and j - first < WANT_RUN_BLOCKS:
+                last = j
+                continue
+            pool.submit(self._side_fetch, rpath, sink, first << shift, min((last + 1) << shift, end))
+            if j is not None:
+                first = last = j
 
     def _side_fetch(self, rpath: str, sink: Download, start: int, end: int) -> None:
         """One ranged GET for `_want`; failures are left to the download itself (it brings every block)."""
