@@ -174,7 +174,9 @@ class FastloadDataset:
     64 KiB block of a version-2 shard against its checksum when a read first touches it (once per
     process), a version-1 shard whole when it is opened; "full" also hashes every shard whole when
     opened; "none" checks structure only. A mismatch raises `ChecksumError` naming the file and
-    byte range; no data is returned.
+    byte range; no data is returned. With "auto", a storage that offers `acquire_arriving` (a
+    remote cache) may hand over a shard that is still arriving: reads wait for the verified blocks
+    they touch (`Arrival`); the other modes wait for whole shards.
     """
 
     def __init__(

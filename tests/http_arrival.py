@@ -15,10 +15,10 @@ _PIECE = 64 << 10
 
 class ArrivalServer:
     """`url` serves `root`. Faults apply to requests under `shards/` whose range holds the byte `at`:
-    `pause(at)` holds a body GET (from byte 0) at byte `at` until `release()`; `drop(at, times)` closes its connection there
-    (the first `times` such requests of each shard); `corrupt(at, times)` flips the byte at `at`
-    (`times` None: every time). `body_requests` counts, per shard path, the requests that held the
-    byte to drop or flip."""
+    `pause(at)` holds a body GET (from byte 0) at byte `at` until `release()`; `drop(at, times)`
+    closes its connection there (the first `times` such requests of each shard); `corrupt(at, times)`
+    flips the byte at `at` (`times` None: every time). `body_requests` counts, per shard path, the
+    requests that held the byte to drop or flip."""
 
     def __init__(self, root: str) -> None:
         self.root = root

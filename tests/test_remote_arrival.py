@@ -136,7 +136,8 @@ def test_a_block_corrupted_in_transit_is_fetched_again(dataset, server, tmp_path
     ds.close()
     ds.storage.close()
     for name in _cached(ds):
-        data = open(os.path.join(ds.storage.cache.data_dir, name), "rb").read()
+        with open(os.path.join(ds.storage.cache.data_dir, name), "rb") as fh:
+            data = fh.read()
         assert xxhash.xxh3_64_hexdigest(data) in {s.xxh3 for s in local.manifest.shards}
 
 
@@ -178,7 +179,6 @@ def test_a_frozen_server_wakes_the_reader_with_the_download_error(dataset, tmp_p
 def test_loader_epochs_over_arriving_shards_are_exact(dataset, server, tmp_path, workers, worker_type):
     """Threads stream from the arriving files; process workers read what their own process downloads
     as it arrives, and wait for shards other processes download whole."""
-    _, local = dataset
     ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
     for _ in range(2):  # cold, then warm
         seen = []

@@ -1,8 +1,9 @@
 """`RemoteStorage`: a fastload dataset at any fsspec URL, read through a local `ShardCache`.
 
 Shards are fetched whole (one large GET each, several in parallel by prefetch threads), verified
-against the manifest's xxh3 while they are written, renamed into the cache and mmapped from there
-by the reader. Transient errors (HTTP 5xx, resets, timeouts, truncated bodies) are retried with
+against the manifest while they are written (whole, or block by block for shards read while they
+arrive: `acquire_arriving`), renamed into the cache and mmapped from there by the reader.
+Transient errors (HTTP 5xx, resets, timeouts, truncated bodies) are retried with
 exponential backoff and full jitter; when retries run out the error names the URL.
 
 Every wait is bounded (defaults in `RetryPolicy` and `network_options`): each request has a connect
@@ -129,6 +130,12 @@ class RemoteStorage:
 
     `verify`: see `ShardCache` ("once" by default: every cached shard is hashed
     against the manifest before its first use in each process).
+
+    `arriving_min_bytes` (default `ARRIVING_MIN_BYTES`, 8 MiB; None: never): shards of a version-2
+    dataset from this size on are read while they arrive (`acquire_arriving`): the download fetches
+    the shard's block checksum table first and publishes each block once it matched, a reader waits
+    only for the blocks it reads, and blocks a reader waits for ahead of the download come in ranged
+    GETs of their own (`WANT_GAP_BLOCKS`, `WANT_RUN_BLOCKS`, `SIDE_GETS`). See docs/remote.md.
     """
 
     def __init__(
