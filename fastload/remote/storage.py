@@ -72,7 +72,7 @@ __all__ = [
 ARRIVING_MIN_BYTES = 8 << 20  # shards from this size on are read while they arrive (`acquire_arriving`)
 WANT_RUN_BLOCKS = 64  # at most this many blocks of an arriving shard in one out-of-order GET for a reader
 WANT_GAP_BLOCKS = 8  # wanted blocks this close share a GET (fetching the gap costs less than another GET)
-SIDE_GETS = 8  # out-of-order GETs in flight at once per process
+SIDE_GETS = 32  # out-of-order GETs in flight at once per process
 log = logging.getLogger("fastload.remote.storage")
 MIN_OPEN_SHARDS = 1  # the least a reader with max_open_shards=None keeps open (it pins one more to swap)
 MAX_OPEN_SHARDS = 64  # the most it keeps open
@@ -696,6 +696,7 @@ class RemoteStorage:
         try:
             self.cache.transfer.add("side_gets", 1)
             data = self._get_range(rpath, start, end)
+            self.cache.transfer.add("side_bytes", len(data))
             if len(data) == end - start:
                 sink.write_blocks(start, data)
         except Exception as exc:  # noqa: BLE001 - the download's own GET brings these blocks too
