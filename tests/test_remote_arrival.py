@@ -191,6 +191,65 @@ def test_loader_epochs_over_arriving_shards_are_exact(dataset, server, tmp_path,
     ds.storage.close()
 
 
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_a_server_that_ignores_ranges_serves_whole_shards(dataset, tmp_path, transport):
+    """Python's http.server answers a ranged GET with the whole body: the block table cannot come first,
+    so shards are awaited whole (the first one from that very answer), byte for byte."""
+    import functools
+    import http.server
+    import threading
+
+    root, local = dataset
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=root)
+    handler.log_message = lambda *a: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.handle_error = lambda *a: None
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        ds = _open(f"http://127.0.0.1:{srv.server_address[1]}/ds", str(tmp_path / "c"), transport=transport)
+        _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
+        assert ds.storage.stats()["remote_side_gets"] == 0
+        ds.close()
+        ds.storage.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join()
+
+
+def _child_reads(ds: FastloadDataset, rows: np.ndarray, out) -> None:
+    try:
+        batch = ds.get_batch(rows)
+        out.put((xxhash.xxh3_64_hexdigest(batch["x"].tobytes()), batch["label"].tolist()))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        out.put(repr(exc))
+
+
+def test_a_forked_child_reads_an_inherited_arriving_shard_once_it_is_whole(dataset, server, tmp_path):
+    """A child forked while a shard arrives cannot be woken by its parent's download: it waits for the
+    file renamed into the cache, then hashes the blocks it reads itself."""
+    import multiprocessing
+
+    _, local = dataset
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), prefetch_depth=0)
+    _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))  # shard 0 open, still arriving
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    rows = np.arange(local.manifest.shards[0].num_samples)
+    child = ctx.Process(target=_child_reads, args=(ds, rows, out))
+    child.start()
+    time.sleep(0.3)  # the child polls for the whole file meanwhile
+    server.release()
+    got = out.get(timeout=60)
+    child.join(10)
+    want = local.get_batch(rows)
+    assert got == (xxhash.xxh3_64_hexdigest(want["x"].tobytes()), want["label"].tolist()), got
+    ds.close()
+    ds.storage.close()
+
+
 # -- Download over arbitrary arrival orders -----------------------------------------------------
 @pytest.fixture(scope="module")
 def shard_bytes(dataset):
