@@ -5,9 +5,10 @@ Writes `--shards` shards of `--shard-size` (8 KiB records and a label, as `bench
 them with nginx on 127.0.0.1 and, per round and mode, opens the dataset with an empty cache (page
 cache recycled first, as `bench.remote` does), times the open and the first batch of a Loader
 (`num_workers=0`, shuffled by `ShardWindowSampler` and sequential; the modes' order alternates by
-round), then drains the epoch (so no
-download runs into the next pass). Also per round: one 64 KiB ranged GET of a shard (obstore), the
-bound's other part. Prints medians and ranges over the rounds.
+round), then drains the epoch (so no download runs into the next pass), timing it too with this
+process's user CPU and the MB fetched ahead of the downloads for waiting readers. Also per round:
+one 64 KiB ranged GET of a shard (obstore), the bound's other part. Prints medians and ranges over
+the rounds.
 
 Run: `python -m bench.remote_first_batch [--shards 3 --shard-size 256MB --rounds 5]`; on code
 without `arriving_min_bytes` only the whole mode runs.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -39,8 +41,10 @@ def _modes() -> dict[str, dict[str, Any]]:
     return {"whole": {}}
 
 
-def _first_batch(url: str, cache: str, kw: dict[str, Any], *, shuffled: bool, batch_size: int) -> tuple[float, float]:
-    """(seconds to open the dataset, seconds from the epoch's start to its first batch) on an empty cache."""
+def _first_batch(url: str, cache: str, kw: dict[str, Any], *, shuffled: bool, batch_size: int) -> dict[str, float]:
+    """On an empty cache: seconds to open the dataset (`open`), from the epoch's start to its first batch
+    (`first batch`) and to its end (`epoch`), this process's user CPU seconds over the epoch (`user
+    CPU`), and MB fetched ahead of the downloads for waiting readers (`side MB`, received twice)."""
     from fastload.loader import Loader
     from fastload.order.shard_shuffle import ShardWindowSampler
 
@@ -51,19 +55,22 @@ def _first_batch(url: str, cache: str, kw: dict[str, Any], *, shuffled: bool, ba
     opened = time.perf_counter() - t0
     sampler = ShardWindowSampler.from_dataset(ds, window=2, seed=0) if shuffled else None
     loader = Loader(ds, batch_size=batch_size, sampler=sampler, num_workers=0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
     first = 0.0
     n = 0
     for batch in loader:
         if not n:
             first = time.perf_counter() - t0
         n += len(batch["label"])
+    took = time.perf_counter() - t0
+    user = resource.getrusage(resource.RUSAGE_SELF).ru_utime - c0
     if n != len(ds):
         raise RuntimeError(f"epoch saw {n} samples of {len(ds)}")
+    side = storage.stats().get("remote_side_bytes", 0.0) / 1e6
     loader.close()
     ds.close()
     storage.close()
-    return opened, first
+    return {"open": opened, "first batch": first, "epoch": took, "user CPU": user, "side MB": side}
 
 
 def _block_get_s(url: str, name: str) -> float:
@@ -106,10 +113,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for order in ("sequential", "shuffled"):
                     for mode, kw in modes[:: 1 if r % 2 else -1]:  # alternating which mode goes first
                         recycle_page_cache(work, nbytes)
-                        opened, first = _first_batch(url, os.path.join(work, "cache"), kw,
-                                                     shuffled=order == "shuffled", batch_size=args.batch_size)
-                        res.setdefault(f"{mode} {order} first batch", []).append(first)
-                        res.setdefault(f"{mode} {order} open", []).append(opened)
+                        got = _first_batch(url, os.path.join(work, "cache"), kw,
+                                           shuffled=order == "shuffled", batch_size=args.batch_size)
+                        for what, value in got.items():
+                            res.setdefault(f"{mode} {order} {what}", []).append(value)
         finally:
             server.stop()
     finally:
