@@ -303,3 +303,44 @@ def test_download_publishes_only_verified_blocks_in_any_order(shard_bytes, tmp_p
     assert arrival.published.all()
     with open(path, "rb") as fh:
         assert fh.read() == data
+
+
+def test_arrival_waits_ask_once_wake_on_publish_fail_and_time_out(shard_bytes, tmp_path):
+    import threading
+
+    _, info, shift = shard_bytes
+    spec = BlockSpec(info.blocks_xxh3, shift)
+
+    def new(stall_s: float) -> Arrival:
+        return Arrival(str(tmp_path / "t"), str(tmp_path / "f"), size=info.bytes, spec=spec, where="ds/shard-0",
+                       stall_s=stall_s)
+
+    arrival, asked, got = new(5), [], []
+    waiter = threading.Thread(target=lambda: got.append(arrival.wait(np.array([3, 7]))))
+    waiter.start()
+    time.sleep(0.1)  # waiting before the block table arrived: nothing to ask yet
+    arrival.set_want(lambda ids: asked.append(ids.tolist()))
+    assert asked == [[3, 7]]
+    arrival.publish([3, 7])
+    waiter.join(5)
+    assert got == [True]
+    assert arrival.wait(np.array([3])) is True and asked == [[3, 7]]  # published: asked for nothing more
+
+    failing, errors = new(5), []
+
+    def wait_for_failure() -> None:
+        try:
+            failing.wait(np.array([1]))
+        except RemoteFetchError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait_for_failure)
+    waiter.start()
+    failing.fail(RemoteFetchError("ds/shard-0: giving up after 3 attempts"))
+    waiter.join(5)
+    assert "giving up after 3 attempts" in str(errors[0])
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ds/shard-0: block 2 .*did not arrive"):
+        new(0.2).wait(np.array([2]))
+    assert time.monotonic() - t0 < 2

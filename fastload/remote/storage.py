@@ -662,7 +662,7 @@ class RemoteStorage:
         if len(data) == end - start:
             sink.put_table(data)
             assert sink.arrival is not None
-            sink.arrival.on_want = partial(self._want, rpath, sink)
+            sink.arrival.set_want(partial(self._want, rpath, sink))
             return False
         self._ranges_ok = False  # the store ignores ranges: whole-object GETs, whole shards from now on
         sink.skip_table()
@@ -678,6 +678,7 @@ class RemoteStorage:
         arrival = sink.arrival
         assert arrival is not None
         shift, end = arrival.spec.shift, arrival.sections_end
+        ids = np.unique(ids)
         with self._receive_lock:
             if self._side is None:
                 self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")

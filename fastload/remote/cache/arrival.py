@@ -64,8 +64,9 @@ class Arrival:
         self._error: BaseException | None = None
         self._last = time.monotonic()  # the last sign of life: a block published, an attempt started
         self.requested = np.zeros(count, dtype=bool)  # blocks handed to `on_want` already
-        # set by the fetcher: called (outside the lock) with blocks a reader waits for and nobody asked
-        # for yet, to fetch them ahead of the download's order (ranged GETs)
+        self._wanted = np.zeros(count, dtype=bool)  # blocks readers waited for before `on_want` was set
+        # set by the fetcher (`set_want`): called (outside the lock) with blocks a reader waits for and
+        # nobody asked for yet, to fetch them ahead of the download's order (ranged GETs)
         self.on_want: Callable[[np.ndarray], None] | None = None
 
     # -- the download's side -----------------------------------------------------------------------
@@ -80,6 +81,17 @@ class Arrival:
             self.published[ids] = True
             self._last = time.monotonic()
             self._cond.notify_all()
+
+    def set_want(self, want: Callable[[np.ndarray], None]) -> None:
+        """Install `on_want` (once the block table is known) and hand it the blocks readers already wait for."""
+        with self._cond:
+            if self._state != "running":
+                return
+            self.on_want = want
+            new = np.flatnonzero(self._wanted & ~self.published & ~self.requested)
+            self.requested[new] = True
+        if len(new):
+            want(new)
 
     def progress(self) -> None:
         """The download is alive (an attempt started): restarts the readers' stall clock."""
@@ -98,6 +110,7 @@ class Arrival:
             self._path = final_path
             self.published[:] = True
             self._state = "complete"
+            self.on_want = None  # nothing left to fetch (and the finished download is let go)
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -105,6 +118,7 @@ class Arrival:
         with self._cond:
             if self._state == "running":
                 self._state, self._error = "failed", error
+            self.on_want = None
             self._cond.notify_all()
 
     # -- the readers' side -------------------------------------------------------------------------
@@ -150,10 +164,13 @@ class Arrival:
 
     def _ask(self, ids: np.ndarray) -> None:
         """Hand the blocks of `ids` that nobody asked for yet to `on_want` (fetched out of order)."""
-        want = self.on_want
-        if want is None:
-            return
         with self._cond:
+            want = self.on_want
+            if self._state != "running":
+                return
+            if want is None:  # the block table has not arrived: `set_want` asks for these
+                self._wanted[ids] = True
+                return
             new = ids[~(self.published[ids] | self.requested[ids])]
             self.requested[new] = True
         if len(new):
