@@ -99,6 +99,24 @@ def test_a_batch_is_served_while_its_shard_is_held_mid_body(dataset, server, tmp
     assert os.listdir(ds.storage.cache.tmp_dir) == []  # nothing left behind
 
 
+@pytest.mark.parametrize(("workers", "worker_type"), [(0, "thread"), (2, "thread")])
+def test_a_loaders_first_batch_comes_while_the_shard_is_held(dataset, server, tmp_path, workers, worker_type):
+    _, local = dataset
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    it = iter(Loader(ds, batch_size=16, num_workers=workers, worker_type=worker_type, shuffle=False))
+    batch = next(it)
+    assert server.paused.is_set() and server.pause_at == HELD
+    assert not any(name.endswith("shard-00000.fls") for name in _cached(ds))
+    want = local.get_batch(np.arange(16))
+    assert np.array_equal(batch["x"].numpy(), want["x"]) and batch["label"].tolist() == list(range(16))
+    server.release()
+    seen = 16 + sum(len(b["label"]) for b in it)
+    assert seen == N
+    ds.close()
+    ds.storage.close()
+
+
 @pytest.mark.parametrize("transport", ["obstore", "fsspec"])
 def test_a_connection_dropped_mid_shard_is_retried_in_place(dataset, server, tmp_path, transport):
     """The retry rewrites the file in place: bytes a reader mapped before the drop stay what they were."""

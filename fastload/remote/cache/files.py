@@ -72,6 +72,7 @@ class Download:
         self._hashed = 0  # whole mode: bytes [0, _hashed) are in the running xxh3
         self._parts: dict[int, int] = {}  # whole mode: start -> end of parts written past `_hashed`
         self._table: np.ndarray | None = None  # by-block mode: the authenticated checksum table
+        self._sums: list[int] = []
         self._no_table = arrival is None
         self._filled = np.zeros(0 if arrival is None else len(arrival.published), dtype=np.int64)
         self._running: dict[int, list] = {}  # block -> [xxh3 state, next offset] of a block filled in order
@@ -103,6 +104,7 @@ class Download:
             raise ChecksumError(f"{self.where}: the block checksum table received does not match the manifest")
         _pwrite_all(self._fd, view, start)
         self._table = np.frombuffer(bytes(view), dtype="<u8")
+        self._sums = self._table.tolist()  # plain ints: compared once per block
 
     def skip_table(self) -> None:
         """No table for this download (the store cannot send a range): verified whole, published at the end."""
@@ -179,8 +181,8 @@ class Download:
 
     def _put_blocks(self, offset: int, view: memoryview) -> None:
         """By-block mode: write the bytes of unpublished blocks, verify each block they complete, publish it."""
-        arrival, table = self.arrival, self._table
-        assert arrival is not None and table is not None
+        arrival = self.arrival
+        assert arrival is not None and self._table is not None
         sections_end, shift = arrival.sections_end, arrival.spec.shift
         stop = min(offset + view.nbytes, sections_end)  # the table's own bytes are in place already
         if offset >= stop:
@@ -197,8 +199,9 @@ class Download:
                     _pwrite_all(self._fd, view[lo - offset : hi - offset], lo)
         t1 = time.perf_counter()
         done: list[int] = []
-        for j in range(first, last + 1):
-            if published[j]:
+        sums = self._sums
+        for j, seen in zip(range(first, last + 1), published[first : last + 1].tolist()):
+            if seen:
                 continue
             a, b = j << shift, min((j + 1) << shift, sections_end)
             lo, hi = max(offset, a), min(stop, b)
@@ -208,7 +211,7 @@ class Download:
                 digest = self._partial(j, a, b, lo, hi, view[lo - offset : hi - offset])
                 if digest is None:
                     continue
-            if digest != int(table[j]):
+            if digest != sums[j]:
                 raise ChecksumError(
                     f"{self.where}: bytes [{a}, {b}) (block {j}) received do not match their checksum"
                 )
