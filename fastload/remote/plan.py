@@ -145,12 +145,17 @@ class PrefetchPlan:
             self._cond.notify_all()
 
     def close(self, timeout: float = 10.0) -> None:
-        """`stop`, then wait up to `timeout` for each prefetch thread."""
+        """`stop`, then wait up to `timeout` for each prefetch thread, and up to `timeout` for the
+        readers' own fetches still running (a shard read while it arrives downloads on a thread of its own)."""
         self.stop()
         with self.lock:
             workers = list(self._workers)
         for t in workers:
             t.join(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self._demand and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.1)
 
     # -- threads --------------------------------------------------------------------------------
     def _start_threads(self) -> None:

@@ -538,7 +538,8 @@ class RemoteStorage:
         self.planner.replace(names, known)
 
     def close(self) -> None:
-        """Stop prefetch threads and drop soft pins (pins taken by `acquire` stay until `release`)."""
+        """Stop prefetch threads, let the downloads under way end (each wait bounded), close the
+        clients and drop soft pins (pins taken by `acquire` stay until `release`)."""
         if self._pid != os.getpid():
             return
         if self._planner is not None:
