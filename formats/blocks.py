@@ -17,8 +17,8 @@ import xxhash
 
 from .errors import ChecksumError
 
-__all__ = ["BlockLedger", "ColumnGuard", "block_ids", "file_identity", "share_verified", "verify_blocks", "vouch_file",
-           "vouched"]
+__all__ = ["BlockLedger", "ColumnGuard", "block_ids", "file_identity", "share_verified", "table_span", "verify_blocks",
+           "vouch_file", "vouched"]
 
 
 _SEEN: dict[tuple, np.ndarray] = {}  # file identity + table checksum -> the latest ledger bits of that file
@@ -71,6 +71,18 @@ def vouched(key: tuple) -> bool:
     """Whether `vouch_file` recorded the file whose `file_identity` is `key`."""
     with _SEEN_LOCK:
         return key in _WHOLE
+
+
+def table_span(size: int, shift: int) -> tuple[int, int] | None:
+    """(where the checksummed sections end, number of blocks) of a version-2 shard of `size` bytes
+    with blocks of `2**shift` bytes: its checksum table (8 bytes a block) ends the file, so
+    `end + 8 * ceil(end / 2**shift) == size` (at most one `end` fits); None when none does."""
+    block = 1 << shift
+    count = -(-size // (block + 8))  # size <= count * (block + 8) < size + block
+    end = size - 8 * count
+    if count < 1 or end < 1 or -(-end // block) != count:
+        return None
+    return end, count
 
 
 def block_ids(lo: np.ndarray, hi: np.ndarray, shift: int) -> np.ndarray:

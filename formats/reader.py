@@ -26,7 +26,7 @@ from .shapes import ShapedBatch
 from .shard import ShardIdentity, ShardReader
 from .spliced import ColumnPart, OpenFiles, SplicedColumn, splice_available, splice_column
 from .spliced_ragged import SplicedRagged
-from .storage import LocalStorage, Storage
+from .storage import Arrival, LocalStorage, Storage
 
 __all__ = [
     "RESIDENT_ITEM_BYTES",
@@ -179,7 +179,9 @@ class FastloadDataset:
     64 KiB block of a version-2 shard against its checksum when a read first touches it (once per
     process), a version-1 shard whole when it is opened; "full" also hashes every shard whole when
     opened; "none" checks structure only. A mismatch raises `ChecksumError` naming the file and
-    byte range; no data is returned.
+    byte range; no data is returned. With "auto", a storage that offers `acquire_arriving` (a
+    remote cache) may hand over a shard that is still arriving: reads wait for the verified blocks
+    they touch (`Arrival`); the other modes wait for whole shards.
     """
 
     def __init__(
@@ -333,12 +335,17 @@ class FastloadDataset:
             info = self.manifest.shards[k]
             where = f"{self.root}/{info.file} (shard {k})"
             self._close_beyond(self._open_cap())  # a share that shrank: pin no more than it holds, + 1
+            # checked per block: a storage may hand over a shard that is still arriving
+            arriving = getattr(self.storage, "acquire_arriving", None) if self.verify == "auto" else None
             try:
-                path = self.storage.acquire(info.file, size=info.bytes, xxh3=info.xxh3)
+                if arriving is not None and self._ledger is not None:
+                    path, arrival = arriving(info.file, size=info.bytes, xxh3=info.xxh3)
+                else:
+                    path, arrival = self.storage.acquire(info.file, size=info.bytes, xxh3=info.xxh3), None
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
                 raise FormatError(f"{where}: cannot open the shard file ({exc.strerror or exc})") from exc
             try:
-                reader = self._open_shard(k, path, where)
+                reader = self._open_shard(k, path, where, arrival)
             except BaseException:
                 self.storage.release(info.file)
                 raise
@@ -373,13 +380,21 @@ class FastloadDataset:
             finally:
                 self._lock.release()
 
-    def _open_shard(self, k: int, path: str, where: str) -> ShardReader:
+    def _open_shard(self, k: int, path: str, where: str, arrival: Arrival | None = None) -> ShardReader:
         try:
-            reader = self._map_shard(k, path, where)
+            reader = self._map_shard(k, path, where, arrival)
         except ChecksumError as exc:
             raise self._local_damage(k, exc, opened=False) from exc
         reader.on_corrupt = partial(self._local_damage, k)
+        if arrival is not None:
+            reader.on_lost = partial(self._lost_arrival, k)
         return reader
+
+    def _lost_arrival(self, k: int, exc: BaseException) -> BaseException:
+        """Shard k's download failed while it was read as it arrived: its reader goes (the next read
+        acquires it again, which fetches it anew); `exc`, the download's error, is raised."""
+        self._forget_shard(k, exc)
+        return exc
 
     def _local_damage(self, k: int, exc: ChecksumError, *, opened: bool = True) -> ChecksumError:
         """The error to raise for a checksum mismatch in shard k: a storage that keeps local copies
@@ -401,7 +416,7 @@ class FastloadDataset:
             self._forget_shard(k, err)
         return err
 
-    def _forget_shard(self, k: int, err: ChecksumError) -> None:
+    def _forget_shard(self, k: int, err: BaseException) -> None:
         """Close shard k's reader and drop the columns spliced over its old copy (a take still holding
         one raises `err` from now on, rather than read the damaged bytes unchecked)."""
         columns: list[SplicedColumn | SplicedRagged] = [*(self._spliced or {}).values(), *(self._ragged or {}).values()]
@@ -414,7 +429,7 @@ class FastloadDataset:
                 reader.close()
                 self.storage.release(self.manifest.shards[k].file)
 
-    def _map_shard(self, k: int, path: str, where: str) -> ShardReader:
+    def _map_shard(self, k: int, path: str, where: str, arrival: Arrival | None = None) -> ShardReader:
         info, m = self.manifest.shards[k], self.manifest
         start, stop = self._starts_list[k], self._starts_list[k + 1]
         lengths = {f.name: self._meta[f"{f.name}.length"][start:stop] for f in self.schema if not f.is_fixed}
@@ -431,6 +446,7 @@ class FastloadDataset:
             bits=None if self._ledger is None else partial(self._ledger.shard_bits, k),
             huge=self._huge,
             version=m.version,
+            arrival=arrival,
         )
         # a version-1 shard (the manifest's version, which the reader checked the shard repeats) has
         # no block checksums: by default it is hashed whole here, before any of its bytes is returned

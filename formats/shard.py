@@ -11,7 +11,7 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import xxhash
@@ -38,6 +38,9 @@ try:  # optional C extension (setup.py): an offsets table checked in one pass
     from ._ranges import offsets_match as _offsets_match
 except ImportError:  # pragma: no cover - built everywhere CI runs; the numpy checks below
     _offsets_match = None
+
+if TYPE_CHECKING:
+    from .storage import Arrival
 
 __all__ = ["ShardIdentity", "ShardInfo", "ShardReader", "file_xxh3", "write_shard"]
 
@@ -210,6 +213,7 @@ class ShardReader:
     """
 
     on_corrupt: Callable[[ChecksumError], BaseException] | None = None  # set by the opener (see verify_blocks)
+    on_lost: Callable[[BaseException], BaseException] | None = None  # set by the opener: an arrival that failed
 
     def __init__(
         self,
@@ -226,6 +230,7 @@ class ShardReader:
         bits: Callable[[int], np.ndarray] | None = None,
         huge: bool = False,
         version: int | None = None,
+        arrival: Arrival | None = None,
     ) -> None:
         """`identity`, `blocks_xxh3`, `block_log2`: what the manifest says this shard is (checked
         when given, for version-2 shards); `version`: the manifest's format version, which the
@@ -233,11 +238,18 @@ class ShardReader:
         version-2 manifest); `lengths`: this shard's per-sample lengths of each variable field from
         meta.bin (the offsets tables must agree); `bits`: called with the shard's number of checksum
         blocks once its table is located, returns this shard's verified-block bits (a version-2
-        shard is then read verified); `huge`: read the file in huge-page units (`spliced.advise_huge`)."""
-        self.path, self.schema = path, schema
+        shard is then read verified); `huge`: read the file in huge-page units (`spliced.advise_huge`);
+        `arrival` (with `bits`): the file is still arriving: every block is awaited before it is
+        verified or read (`verify_blocks`), block 0 and the checksum table before opening."""
+        self._path, self.schema = path, schema
         where = where or path
         self.where = where
-        self._mmap, st = _open_map(path, nbytes, where, huge)
+        self.arrival = arrival
+        if arrival is not None:
+            arrival.wait(np.zeros(1, dtype=np.int64))  # the header's block (the table arrives before any block)
+            self._mmap, st = self._open_arriving(arrival, nbytes, where, huge)
+        else:
+            self._mmap, st = _open_map(path, nbytes, where, huge)
         # the mapped file's identity: a file rewritten or replaced since has another
         self.file_key = file_identity(st)
         size = nbytes
@@ -348,6 +360,22 @@ class ShardReader:
                 if f.kind == "vndarray":
                     check_shapes(self.shapes[f.name], np.diff(offsets.view(np.int64)), f, fw)
 
+    @property
+    def path(self) -> str:
+        """The mapped file's path (where an arriving file is now: it moves once, when it completes)."""
+        return self._path if self.arrival is None else self.arrival.path
+
+    @staticmethod
+    def _open_arriving(arrival: Arrival, nbytes: int, where: str, huge: bool) -> tuple[mmap.mmap, os.stat_result]:
+        """Map an arriving file: at its temp path, or where the download renamed it meanwhile."""
+        path = arrival.path
+        try:
+            return _open_map(path, nbytes, where, huge)
+        except FormatError:
+            if arrival.path == path:
+                raise
+            return _open_map(arrival.path, nbytes, where, huge)
+
     def _checksum_table(
         self, buf: np.ndarray, header: dict[str, Any], size: int, blocks_xxh3: str | None, block_log2: int | None,
         where: str,
@@ -406,6 +434,7 @@ class ShardReader:
 
     def content_xxh3(self) -> str:
         """xxh3-64 (hex) of the whole mapped file, as the manifest records it."""
+        self._await_all()
         return xxhash.xxh3_64_hexdigest(self._bytes)
 
     # -- verified reads ----------------------------------------------------------------------------
@@ -416,8 +445,13 @@ class ShardReader:
 
     def verify_blocks(self, ids: np.ndarray) -> None:
         """Verify the blocks `ids` (unique, local) now, whatever their bits say. A mismatch raises
-        `on_corrupt(error)` when the opener set that hook (a cached copy: it says so), else the error."""
+        `on_corrupt(error)` when the opener set that hook (a cached copy: it says so), else the error.
+        An arriving file's blocks are awaited first; those its download verified in this process are
+        taken as verified (a failed download raises `on_lost(error)`, or the error)."""
         assert self.table is not None and self.bits is not None
+        arrival = self.arrival
+        if arrival is not None and self._arrived(arrival, ids):
+            return
         try:
             verify_blocks(self._bytes[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
         except ChecksumError as exc:
@@ -425,8 +459,35 @@ class ShardReader:
                 raise
             raise self.on_corrupt(exc) from exc
 
+    def _arrived(self, arrival: Arrival, ids: np.ndarray) -> bool:
+        """Wait for blocks `ids` of the arriving file; True when its download verified them here (their
+        bits are set: every bit, and the file is no longer arriving, once the download completed)."""
+        assert self.bits is not None
+        try:
+            trusted = arrival.wait(ids)
+        except Exception as exc:
+            lost = exc if self.on_lost is None else self.on_lost(exc)
+            if lost is exc:
+                raise
+            raise lost from exc
+        if not trusted:
+            return False
+        if arrival.complete:
+            self.bits[:] = True
+            self._path, self.arrival = arrival.path, None
+        else:
+            self.bits[ids] = True
+        return True
+
+    def _await_all(self) -> None:
+        """Wait until an arriving file is complete (whole-file reads)."""
+        arrival = self.arrival
+        if arrival is not None and self.table is not None:
+            arrival.wait(np.arange(len(self.table)))
+
     def verify_all_blocks(self) -> None:
         """Verify every block of a version-2 shard (whatever this process verified before)."""
+        self._await_all()
         if self.table is not None:
             scratch = np.zeros(len(self.table), dtype=bool)
             ids = np.arange(len(self.table))

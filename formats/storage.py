@@ -2,6 +2,9 @@
 
 The reader asks a storage object for small files (manifest, meta) as bytes and for shards as
 local paths it can mmap; `acquire` pins a shard (a cache must not evict it) until `release`.
+A storage may also offer `acquire_arriving(name, *, size, xxh3) -> (path, Arrival | None)`: the
+path of a shard that may still be arriving, with an `Arrival` the reader waits on for the blocks
+it reads (a remote cache: `fastload.remote.storage.RemoteStorage`).
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ from __future__ import annotations
 import os
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from .errors import FormatError
 from .manifest import check_relative_path
 
-__all__ = ["LocalStorage", "Storage", "is_url"]
+__all__ = ["Arrival", "LocalStorage", "Storage", "is_url"]
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -65,6 +70,29 @@ class Storage(Protocol):
     def prefetch(self, names: list[str]) -> None:
         """A hint: the shards to be acquired next, in order (replacing any earlier hint); storage may
         start fetching them in the background, or ignore it. Returns without waiting for downloads."""
+        ...
+
+
+@runtime_checkable
+class Arrival(Protocol):
+    """A version-2 shard file still being written by a download that verifies each block against the
+    shard's checksum table before publishing it (`acquire_arriving`). The file has its full size
+    from the start; blocks not yet published hold no data to read."""
+
+    @property
+    def path(self) -> str:
+        """Where the file is now (it may move once, when the download completes)."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """Whether every block has arrived."""
+        ...
+
+    def wait(self, ids: np.ndarray) -> bool:
+        """Block until blocks `ids` (the shard's local block numbers) have arrived; True when the download
+        verified them in this process (the reader takes them as verified), False when the reader
+        must hash them itself. Raises the download's error if it failed, or `TimeoutError` (bounded)."""
         ...
 
 

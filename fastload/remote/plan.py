@@ -1,5 +1,8 @@
 """`PrefetchPlan`: which shards a `RemoteStorage` fetches ahead of its reader, and the threads that do it.
 
+Prefetches of shards read while they arrive (`blocks_of`) are verified by block, so a reader can
+start on a shard a prefetch thread is still downloading.
+
 The plan is the upcoming shard order (handed over by a sampler, or read-ahead in manifest order).
 Prefetch threads take plan entries in order and fetch them into the `ShardCache` as soft-pinned
 entries, keeping at most `depth` shards fetched-but-not-acquired or in flight, and at most
@@ -22,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
-from fastload.remote.cache.shard_cache import Download, ShardCache
+from fastload.remote.cache.shard_cache import BlockSpec, Download, ShardCache
 from fastload.remote.get_window import GetWindow
 
 __all__ = ["PrefetchPlan"]
@@ -44,9 +47,11 @@ class PrefetchPlan:
         threads: int,
         depth: int,
         window: GetWindow,
+        blocks_of: Callable[[str, int], BlockSpec | None] | None = None,
     ) -> None:
         self.cache, self.url = cache, url
         self._fetch_ref, self._key_ref = weakref.WeakMethod(fetch), weakref.WeakMethod(key_of)
+        self._blocks_ref = None if blocks_of is None else weakref.WeakMethod(blocks_of)
         self.threads, self.depth, self.window = threads, depth, window
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
@@ -140,12 +145,17 @@ class PrefetchPlan:
             self._cond.notify_all()
 
     def close(self, timeout: float = 10.0) -> None:
-        """`stop`, then wait up to `timeout` for each prefetch thread."""
+        """`stop`, then wait up to `timeout` for each prefetch thread, and up to `timeout` for the
+        readers' own fetches still running (a shard read while it arrives downloads on a thread of its own)."""
         self.stop()
         with self.lock:
             workers = list(self._workers)
         for t in workers:
             t.join(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self._demand and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.1)
 
     # -- threads --------------------------------------------------------------------------------
     def _start_threads(self) -> None:
@@ -188,6 +198,7 @@ class PrefetchPlan:
     def _prefetch_one(self, name: str) -> bool:
         """Prefetch `name`; False when the storage is gone (strong references live only in this call)."""
         fetch, key_of = self._fetch_ref(), self._key_ref()
+        blocks_of = None if self._blocks_ref is None else self._blocks_ref()
         if fetch is None or key_of is None:
             self._done(name, True)
             return False
@@ -196,7 +207,9 @@ class PrefetchPlan:
             key = self.keys.setdefault(name, key_of(name, size, xxh3))
         ok = False
         try:
-            ok = self.cache.prefetch(key, size=size, xxh3=xxh3, fetch=partial(fetch, name), where=f"{self.url}/{name}")
+            blocks = None if blocks_of is None else blocks_of(name, size)
+            ok = self.cache.prefetch(key, size=size, xxh3=xxh3, fetch=partial(fetch, name), where=f"{self.url}/{name}",
+                                     blocks=blocks)
         except Exception as exc:  # noqa: BLE001 - a hint only; the demand fetch reports errors
             log.warning("prefetch of %s/%s failed: %r", self.url, name, exc)
             ok = True  # do not retry it in a loop; acquire will fetch and raise

@@ -1,8 +1,9 @@
 """`RemoteStorage`: a fastload dataset at any fsspec URL, read through a local `ShardCache`.
 
 Shards are fetched whole (one large GET each, several in parallel by prefetch threads), verified
-against the manifest's xxh3 while they are written, renamed into the cache and mmapped from there
-by the reader. Transient errors (HTTP 5xx, resets, timeouts, truncated bodies) are retried with
+against the manifest while they are written (whole, or block by block for shards read while they
+arrive: `acquire_arriving`), renamed into the cache and mmapped from there by the reader.
+Transient errors (HTTP 5xx, resets, timeouts, truncated bodies) are retried with
 exponential backoff and full jitter; when retries run out the error names the URL.
 
 Every wait is bounded (defaults in `RetryPolicy` and `network_options`): each request has a connect
@@ -15,23 +16,28 @@ A server that accepts connections and never answers, or one that is gone, theref
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Self
 
 import fsspec
+import numpy as np
 import xxhash
 from fsspec.asyn import AsyncFileSystem
 
+from fastload.formats.blocks import table_span
 from fastload.formats.errors import FormatError
 from fastload.formats.forksafe import reset_in_child
 from fastload.formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from fastload.formats.units import format_size
 from fastload.remote.cache.files import file_xxh3
-from fastload.remote.cache.shard_cache import CacheBudgetError, Download, ShardCache
+from fastload.remote.cache.shard_cache import Arrival, BlockSpec, CacheBudgetError, Download, ShardCache
 from fastload.remote.get import (
     CONNECT_TIMEOUT_S,
     PART_BYTES,
@@ -50,9 +56,10 @@ from fastload.remote.plan import PrefetchPlan
 from fastload.remote.receive_loops import ReceiveLoops
 from fastload.remote.retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
 from fastload.remote.transfer_stats import TransferStats
-from fastload.remote.transport_obstore import ObstoreTransport, choose_transport, usable_here
+from fastload.remote.transport_obstore import ObstoreTransport, choose_transport, translate, usable_here
 
 __all__ = [
+    "ARRIVING_MIN_BYTES",
     "CONNECT_TIMEOUT_S",
     "READ_TIMEOUT_S",
     "RemoteFetchError",
@@ -62,6 +69,11 @@ __all__ = [
     "network_options",
 ]
 
+ARRIVING_MIN_BYTES = 8 << 20  # shards from this size on are read while they arrive (`acquire_arriving`)
+WANT_RUN_BLOCKS = 64  # at most this many blocks of an arriving shard in one out-of-order GET for a reader
+WANT_GAP_BLOCKS = 8  # wanted blocks this close share a GET (fetching the gap costs less than another GET)
+SIDE_GETS = 32  # out-of-order GETs in flight at once per process
+log = logging.getLogger("fastload.remote.storage")
 MIN_OPEN_SHARDS = 1  # the least a reader with max_open_shards=None keeps open (it pins one more to swap)
 MAX_OPEN_SHARDS = 64  # the most it keeps open
 _READERS: weakref.WeakSet[RemoteStorage] = weakref.WeakSet()  # this process's storages (`_trim_readers`)
@@ -118,6 +130,12 @@ class RemoteStorage:
 
     `verify`: see `ShardCache` ("once" by default: every cached shard is hashed
     against the manifest before its first use in each process).
+
+    `arriving_min_bytes` (default `ARRIVING_MIN_BYTES`, 8 MiB; None: never): shards of a version-2
+    dataset from this size on are read while they arrive (`acquire_arriving`): the download fetches
+    the shard's block checksum table first and publishes each block once it matched, a reader waits
+    only for the blocks it reads, and blocks a reader waits for ahead of the download come in ranged
+    GETs of their own (`WANT_GAP_BLOCKS`, `WANT_RUN_BLOCKS`, `SIDE_GETS`). See docs/remote.md.
     """
 
     def __init__(
@@ -139,8 +157,10 @@ class RemoteStorage:
         connect_timeout: float = CONNECT_TIMEOUT_S,
         read_timeout: float = READ_TIMEOUT_S,
         transport: str = "auto",
+        arriving_min_bytes: int | None = ARRIVING_MIN_BYTES,
     ) -> None:
         self.url = url.rstrip("/")
+        self.arriving_min_bytes = None if arriving_min_bytes is None else int(arriving_min_bytes)
         self.root = self.url
         self._user_options = dict(storage_options or {})
         self.transport = choose_transport(self.url, transport, self._user_options)
@@ -157,6 +177,12 @@ class RemoteStorage:
         self._reset_process_state()
         manifest = Manifest.loads(self.read_small(MANIFEST_NAME), where=f"{self.url}/{MANIFEST_NAME}")
         self._biggest = max((s.bytes for s in manifest.shards), default=0)
+        # name -> how to verify it by block while it arrives (version-2 shards)
+        self._blocks = {
+            s.file: BlockSpec(s.blocks_xxh3, manifest.block_log2)
+            for s in manifest.shards
+            if manifest.version >= 2 and s.blocks_xxh3 and table_span(s.bytes, manifest.block_log2) is not None
+        }
         self._num_shards = len(manifest.shards)
         self._shard_bytes = self.cache.footprint(self._biggest)  # what one shard takes from the budget
         self._auto = max_open_shards is None
@@ -269,6 +295,8 @@ class RemoteStorage:
             "_shard_bytes",
             "_biggest",
             "_num_shards",
+            "arriving_min_bytes",
+            "_blocks",
         )
         return {k: self.__dict__[k] for k in keep}
 
@@ -285,6 +313,7 @@ class RemoteStorage:
         self._fs_root = ""
         self._obstore: ObstoreTransport | None = None
         self._obstore_lock = threading.Lock()
+        self._side: ThreadPoolExecutor | None = None  # out-of-order GETs for readers of arriving shards
         self._planner: PrefetchPlan | None = None
         self._receivers: ReceiveLoops | None = None
         self._receivers_final: Any = None
@@ -308,7 +337,8 @@ class RemoteStorage:
         if self._planner is None:
             window = GetWindow(floor=2, ceiling=self.fetch_threads, adaptive=self._adaptive)
             self._planner = PrefetchPlan(cache=self.cache, fetch=self._fetch, key_of=self._key, url=self.url,
-                                         threads=self.fetch_threads, depth=self.prefetch_depth, window=window)
+                                         threads=self.fetch_threads, depth=self.prefetch_depth, window=window,
+                                         blocks_of=self._block_spec)
             weakref.finalize(self, self._planner.stop)  # dropped without close(): the threads end
         return self._planner
 
@@ -392,6 +422,38 @@ class RemoteStorage:
 
     def acquire(self, name: str, *, size: int, xxh3: str) -> str:
         """Local path of shard `name` (fetched and verified if needed), pinned until `release`."""
+        key, demand = self._before_acquire(name, size, xxh3)
+        t0 = time.perf_counter()
+        path = self.cache.acquire(key, size=size, xxh3=xxh3, fetch=demand, where=f"{self.url}/{name}")
+        self._waited(time.perf_counter() - t0)
+        return path
+
+    def acquire_arriving(self, name: str, *, size: int, xxh3: str) -> tuple[str, Arrival | None]:
+        """Like `acquire`, but a shard that is missing, or downloading in this process, is returned at
+        once as (path of the file as it arrives, its `Arrival`): the reader waits in `Arrival.wait`
+        for the verified blocks it reads (see `arriving_min_bytes`). (path, None) when the shard is
+        cached, too small or not a version-2 shard, or downloading in another process (then it
+        returns once the shard is whole)."""
+        spec = self._block_spec(name, size)
+        if spec is None:
+            return self.acquire(name, size=size, xxh3=xxh3), None
+        key, demand = self._before_acquire(name, size, xxh3)
+        t0 = time.perf_counter()
+        got = self.cache.acquire_arriving(key, size=size, xxh3=xxh3, fetch=demand, blocks=spec,
+                                          where=f"{self.url}/{name}")
+        self._waited(time.perf_counter() - t0)
+        return got
+
+    def _block_spec(self, name: str, size: int) -> BlockSpec | None:
+        """How to verify shard `name` by block while it arrives; None when it is read whole only (see
+        `arriving_min_bytes`; a store that ignores ranges cannot send its block table first)."""
+        least = self.arriving_min_bytes
+        if least is None or size < least or not self._ranges_ok:
+            return None
+        return self._blocks.get(name)
+
+    def _before_acquire(self, name: str, size: int, xxh3: str) -> tuple[str, Callable[[Download], None]]:
+        """Claim the budget, take `name` off the read-ahead plan: its cache key and its demand fetch."""
         self._check_pid()
         self.remote_path(name)
         if not self._claimed:
@@ -407,12 +469,11 @@ class RemoteStorage:
             with planner.demand():
                 self._fetch(name, sink)
 
-        t0 = time.perf_counter()
-        path = self.cache.acquire(key, size=size, xxh3=xxh3, fetch=demand, where=f"{self.url}/{name}")
-        took = time.perf_counter() - t0
+        return key, demand
+
+    def _waited(self, took: float) -> None:
         if took > 1e-3:  # the shard was not ready (fetched, waited for, or hashed now)
             self.cache.transfer.add_many(wait_s=took, waits=1)
-        return path
 
     def release(self, name: str) -> None:
         """Unpin a shard returned by `acquire`."""
@@ -477,11 +538,15 @@ class RemoteStorage:
         self.planner.replace(names, known)
 
     def close(self) -> None:
-        """Stop prefetch threads and drop soft pins (pins taken by `acquire` stay until `release`)."""
+        """Stop prefetch threads, let the downloads under way end (each wait bounded), close the
+        clients and drop soft pins (pins taken by `acquire` stay until `release`)."""
         if self._pid != os.getpid():
             return
         if self._planner is not None:
             self._planner.close()
+        if self._side is not None:
+            self._side.shutdown(wait=True, cancel_futures=True)
+            self._side = None
         if self._receivers_final is not None:
             self._receivers_final()  # closes the receive loops' sessions, stops and joins their threads
             self._receivers = self._receivers_final = None
@@ -567,6 +632,78 @@ class RemoteStorage:
                 sink.reset()
         self.obstore.stream_into(rpath, sink, stats)
 
+    def _get_range(self, rpath: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of `rpath` in one ranged GET (a store that ignores `Range` may send the
+        whole object; one that refuses ranges gives b"")."""
+        if self._via_obstore():
+            import obstore
+            import obstore.exceptions as oe
+
+            try:
+                return bytes(obstore.get_range(self.obstore.store, rpath, start=start, end=end))
+            except oe.NotSupportedError:
+                return b""
+            except Exception as exc:
+                raise translate(exc, f"{self.url}/{rpath}") from exc
+        loops = self._receivers_now()
+        if loops is not None:
+            return loops.run(lambda fs, path: fs._cat_file(path, start=start, end=end), rpath)
+        return self.fs.cat_file(rpath, start=start, end=end)
+
+    def _table_into(self, rpath: str, sink: Download) -> bool:
+        """Fetch the shard's block checksum table (its last bytes) into `sink` before its body, so that
+        its blocks are verified and published as they arrive, and blocks a reader waits for can be
+        fetched out of order (`_want`). True when that one GET brought the whole object (a store that
+        ignores `Range`: ranged GETs are off from then on, and nothing is published before the end)."""
+        start, end = sink.table_range()
+        self.cache.transfer.add("requests", 1)
+        t0 = time.perf_counter()
+        data = self._get_range(rpath, start, end)
+        self.cache.transfer.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
+        if len(data) == end - start:
+            sink.put_table(data)
+            assert sink.arrival is not None
+            sink.arrival.set_want(partial(self._want, rpath, sink))
+            return False
+        self._ranges_ok = False  # the store ignores ranges: whole-object GETs, whole shards from now on
+        sink.skip_table()
+        if len(data) == sink.size:
+            sink.write(data)
+            return True
+        return False
+
+    def _want(self, rpath: str, sink: Download, ids: np.ndarray) -> None:
+        """A reader waits for blocks `ids` (sorted) of the arriving `sink`: fetch them in ranged GETs on
+        this process's side threads, one GET per run of blocks less than `WANT_GAP_BLOCKS` apart (the
+        blocks between come along), of at most `WANT_RUN_BLOCKS` blocks."""
+        arrival = sink.arrival
+        assert arrival is not None
+        shift, end = arrival.spec.shift, arrival.sections_end
+        ids = np.unique(ids)
+        with self._receive_lock:
+            if self._side is None:
+                self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
+            pool = self._side
+        first = last = int(ids[0])
+        for j in [*ids[1:].tolist(), None]:
+            if j is not None and j - last <= WANT_GAP_BLOCKS and j - first < WANT_RUN_BLOCKS:
+                last = j
+                continue
+            pool.submit(self._side_fetch, rpath, sink, first << shift, min((last + 1) << shift, end))
+            if j is not None:
+                first = last = j
+
+    def _side_fetch(self, rpath: str, sink: Download, start: int, end: int) -> None:
+        """One ranged GET for `_want`; failures are left to the download itself (it brings every block)."""
+        try:
+            self.cache.transfer.add("side_gets", 1)
+            data = self._get_range(rpath, start, end)
+            self.cache.transfer.add("side_bytes", len(data))
+            if len(data) == end - start:
+                sink.write_blocks(start, data)
+        except Exception as exc:  # noqa: BLE001 - the download's own GET brings these blocks too
+            log.debug("out-of-order GET of %s [%d, %d) failed: %r", rpath, start, end, exc)
+
     def _fetch(self, name: str, sink: Download) -> None:
         """Whole-object GET of `name` into `sink`, retried on transient errors (bad checksums too)."""
         rpath = self.remote_path(name)
@@ -579,7 +716,8 @@ class RemoteStorage:
             attempts[0] += 1
             sink.reset()
             with self.cache.transfer.get(sink.size):
-                self._get_into(rpath, sink)
+                if not (sink.wants_table and self._table_into(rpath, sink)):
+                    self._get_into(rpath, sink)
             sink.check()
 
         retry_call(once, url=url, policy=self.retry)

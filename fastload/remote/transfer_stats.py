@@ -18,7 +18,9 @@ Counts: `requests` (shard downloads started, retries included; a ranged one coun
 `ranged_parts` (its ranged GETs; each part's whole time counts as `receive_s`), `bytes` (body
 bytes received), `fetched` / `fetched_bytes` (downloads verified and committed), `demand_fetches`
 (downloads a reader ran itself because no prefetch had started them), `prefetched`, `retries`,
-`waits` (acquires that took over 1 ms).
+`waits` (acquires that took over 1 ms), `side_gets` and `side_bytes` (ranged GETs of blocks a
+reader of an arriving shard waited for, ahead of the download's order, and their bytes, which are
+not in `bytes`: the download receives those blocks again).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = ["TransferStats"]
 
 _TIMES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s")
 _COUNTS = ("requests", "ranged_parts", "bytes", "fetched", "fetched_bytes", "demand_fetches", "prefetched", "retries",
-           "waits")
+           "waits", "side_gets", "side_bytes")
 
 
 class TransferStats:

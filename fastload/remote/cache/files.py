@@ -2,7 +2,8 @@
 verification stamp of a cached file, and key checks.
 
 A download is hashed while it is written, so verifying it costs no second pass; `ShardCache`
-renames it into `data/` only after `check` passed.
+renames it into `data/` only after `check` passed. A download with an `Arrival` publishes each
+verified block as it arrives, for readers of the shard while it is still downloading.
 """
 
 from __future__ import annotations
@@ -11,85 +12,245 @@ import contextlib
 import errno
 import fcntl
 import os
+import threading
 import time
 
+import numpy as np
 import xxhash
 
 from fastload.formats.errors import ChecksumError
+from fastload.remote.cache.arrival import Arrival
 from fastload.remote.transfer_stats import TransferStats
 
 __all__ = ["Download", "check_key", "file_xxh3", "footprint", "in_use", "stamp"]
 
 
 class Download:
-    """Sink for one download: writes to the temp file and hashes the same bytes.
+    """Sink for one download: writes to the temp file and verifies the same bytes.
 
-    A fetch callback writes the whole object with `write` in order, or in parts with `write_at`
-    (ranged GETs arriving in any order; one mode per attempt, `reset` before a retry); `check`
-    raises `ChecksumError` on a size or checksum mismatch. Bytes are hashed in file order as soon
-    as they are contiguous from the start: a part that arrives in order is hashed from its buffer,
-    later parts are read back from the page cache when the gap before them fills.
+    The temp file is created at its full size and every byte is written in place (`pwrite`), so a
+    retry rewrites ranges and never shrinks a file a reader may map. A fetch callback writes the
+    whole object with `write` in order, or in parts with `write_at` (ranged GETs arriving in any
+    order; one mode per attempt, `reset` before a retry); `check` raises `ChecksumError` on a size
+    or checksum mismatch.
+
+    Two ways to verify:
+    - whole (no `arrival`, or no table installed): bytes are hashed in file order as soon as they
+      are contiguous from the start (a part that arrives in order is hashed from its buffer, later
+      parts are read back from the page cache when the gap before them fills), and `check`
+      compares the manifest's xxh3;
+    - by block (an `arrival`, after `put_table` installed the shard's block checksum table, which
+      must match the manifest's `blocks_xxh3`): each block is hashed as it completes and checked
+      against the table, then published to `arrival` (readers may read it from then on). A block
+      that does not match fails the attempt. A published block is never written again: a retry
+      skips its bytes. `check` passes once every block is published: every byte then matched a
+      checksum the manifest authenticates (the same guarantee as the whole-file xxh3, and one hash
+      pass over the bytes, not two).
     """
 
-    def __init__(self, path: str, *, size: int, xxh3: str, where: str, stats: TransferStats | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        size: int,
+        xxh3: str,
+        where: str,
+        stats: TransferStats | None = None,
+        arrival: Arrival | None = None,
+    ) -> None:
         self.path, self.size, self.xxh3, self.where = path, size, xxh3.lower(), where
-        self._fh = open(path, "w+b")  # noqa: SIM115 - closed in close(); read back by `write_at`
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(self._fd, size)  # full size up front: written in place from here on
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.arrival = arrival
         self._hash = xxhash.xxh3_64()
-        self.written = 0
-        self._hashed = 0  # bytes [0, _hashed) are in the running xxh3
-        self._parts: dict[int, int] = {}  # start -> end of parts written past `_hashed`
+        self.written = 0  # bytes received in this attempt
+        self._pos = 0  # where the next `write` goes
+        self._hashed = 0  # whole mode: bytes [0, _hashed) are in the running xxh3
+        self._parts: dict[int, int] = {}  # whole mode: start -> end of parts written past `_hashed`
+        self._table: np.ndarray | None = None  # by-block mode: the authenticated checksum table
+        self._sums: list[int] = []
+        self._no_table = arrival is None
+        self._filled = np.zeros(0 if arrival is None else len(arrival.published), dtype=np.int64)
+        self._running: dict[int, list] = {}  # block -> [xxh3 state, next offset] of a block filled in order
         self.stats = stats if stats is not None else TransferStats()
+        self._lock = threading.Lock()  # by-block mode: the download's writes and `write_blocks` from other threads
+        if arrival is not None:
+            arrival.created(os.fstat(self._fd))
 
+    # -- the block checksum table ------------------------------------------------------------------
+    @property
+    def wants_table(self) -> bool:
+        """Whether the fetcher should hand over the block checksum table (`table_range`) before the body."""
+        return not self._no_table and self._table is None
+
+    def table_range(self) -> tuple[int, int]:
+        """[start, end) of the shard's block checksum table (its last bytes)."""
+        assert self.arrival is not None
+        return self.arrival.sections_end, self.size
+
+    def put_table(self, data: bytes | bytearray | memoryview) -> None:
+        """Install the block checksum table (`ChecksumError` unless it matches the manifest's
+        `blocks_xxh3`): blocks are verified and published as they arrive from now on."""
+        assert self.arrival is not None
+        start, end = self.table_range()
+        view = memoryview(data).cast("B")
+        if view.nbytes != end - start:
+            raise ChecksumError(f"{self.where}: block table of {view.nbytes} bytes, expected {end - start}")
+        if xxhash.xxh3_64_hexdigest(view) != self.arrival.spec.blocks_xxh3.lower():
+            raise ChecksumError(f"{self.where}: the block checksum table received does not match the manifest")
+        _pwrite_all(self._fd, view, start)
+        self._table = np.frombuffer(bytes(view), dtype="<u8")
+        self._sums = self._table.tolist()  # plain ints: compared once per block
+
+    def skip_table(self) -> None:
+        """No table for this download (the store cannot send a range): verified whole, published at the end."""
+        self._no_table = True
+
+    # -- writes ------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Discard what was written (before a retry)."""
-        self._fh.seek(0)
-        self._fh.truncate()
+        """Discard this attempt's progress (before a retry); the file keeps its size and what was published."""
+        with self._lock:
+            self._reset()
+
+    def _reset(self) -> None:
         self._hash.reset()
-        self.written = self._hashed = 0
+        self.written = self._hashed = self._pos = 0
         self._parts.clear()
+        self._running.clear()
+        if self.arrival is not None:
+            self._filled[~self.arrival.published] = 0
+            self.arrival.progress()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append `data` to the temp file and to the running xxh3 (`ChecksumError` past `size`)."""
+        """Write `data` after the previous `write` (`ChecksumError` past `size`)."""
         view = memoryview(data).cast("B")
-        if self.written + view.nbytes > self.size:
+        offset = self._pos
+        if offset + view.nbytes > self.size:
             raise ChecksumError(f"{self.where}: more than the {self.size} bytes the manifest records")
-        t0 = time.perf_counter()
-        self._fh.write(view)
-        t1 = time.perf_counter()
-        self._hash.update(view)  # verified while received: `check` only compares the digest
-        self.stats.add_many(write_s=t1 - t0, verify_s=time.perf_counter() - t1)
-        self.written += view.nbytes
-        self._hashed = self.written
+        self._pos += view.nbytes
+        self._put(offset, view)
 
     def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
-        """Write one part at `offset` (parts must not overlap; any order) and hash what became contiguous."""
+        """Write one part at `offset` (parts must not overlap; any order)."""
         view = memoryview(data).cast("B")
         end = offset + view.nbytes
-        if offset < self._hashed or end > self.size or offset in self._parts:
+        if (self._table is None and (offset < self._hashed or offset in self._parts)) or end > self.size or offset < 0:
             raise ChecksumError(f"{self.where}: part [{offset}, {end}) overlaps another or passes {self.size} bytes")
-        t0 = time.perf_counter()
-        done = 0
-        while done < view.nbytes:
-            done += os.pwrite(self._fh.fileno(), view[done:], offset + done)
-        t1 = time.perf_counter()
+        self._put(offset, view)
+
+    def write_blocks(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """By-block mode, from any thread: whole blocks from `offset` (a block boundary; the last may end
+        at the sections' end) fetched out of order for a waiting reader; verified and published like
+        the download's own bytes. Ignored once the download ended; a mismatch raises `ChecksumError`."""
+        view = memoryview(data).cast("B")
+        assert self.arrival is not None and self._table is not None
+        if offset % (1 << self.arrival.spec.shift) or offset + view.nbytes > self.arrival.sections_end:
+            raise ValueError(f"{self.where}: [{offset}, {offset + view.nbytes}) is not a run of whole blocks")
+        with self._lock:
+            if self._fd >= 0:
+                self._put_blocks(offset, view)
+
+    def _put(self, offset: int, view: memoryview) -> None:
         self.written += view.nbytes
+        if self._table is not None:
+            with self._lock:
+                self._put_blocks(offset, view)
+            return
+        t0 = time.perf_counter()
+        _pwrite_all(self._fd, view, offset)
+        t1 = time.perf_counter()
+        end = offset + view.nbytes
         if offset == self._hashed:
-            self._hash.update(view)
+            self._hash.update(view)  # verified while received: `check` only compares the digest
             self._hashed = end
         else:
             self._parts[offset] = end
         while self._hashed in self._parts:  # parts that arrived early, now contiguous: read back and hash
             stop = self._parts.pop(self._hashed)
             while self._hashed < stop:
-                piece = os.pread(self._fh.fileno(), min(8 << 20, stop - self._hashed), self._hashed)
+                piece = os.pread(self._fd, min(8 << 20, stop - self._hashed), self._hashed)
                 if not piece:
                     raise ChecksumError(f"{self.where}: temp file shorter than the parts written to it")
                 self._hash.update(piece)
                 self._hashed += len(piece)
         self.stats.add_many(write_s=t1 - t0, verify_s=time.perf_counter() - t1)
 
+    def _put_blocks(self, offset: int, view: memoryview) -> None:
+        """By-block mode: write the bytes of unpublished blocks, verify each block they complete, publish it."""
+        arrival = self.arrival
+        assert arrival is not None and self._table is not None
+        sections_end, shift = arrival.sections_end, arrival.spec.shift
+        stop = min(offset + view.nbytes, sections_end)  # the table's own bytes are in place already
+        if offset >= stop:
+            return
+        published = arrival.published
+        first, last = offset >> shift, (stop - 1) >> shift
+        t0 = time.perf_counter()
+        if not published[first : last + 1].any():
+            _pwrite_all(self._fd, view[: stop - offset], offset)
+        else:  # a retry: published blocks keep their verified bytes
+            for j in range(first, last + 1):
+                if not published[j]:
+                    lo, hi = max(offset, j << shift), min(stop, (j + 1) << shift)
+                    _pwrite_all(self._fd, view[lo - offset : hi - offset], lo)
+        t1 = time.perf_counter()
+        done: list[int] = []
+        sums = self._sums
+        for j, seen in zip(range(first, last + 1), published[first : last + 1].tolist()):
+            if seen:
+                continue
+            a, b = j << shift, min((j + 1) << shift, sections_end)
+            lo, hi = max(offset, a), min(stop, b)
+            if lo == a and hi == b:  # the whole block is in this piece
+                digest = xxhash.xxh3_64_intdigest(view[a - offset : b - offset])
+            else:
+                digest = self._partial(j, a, b, lo, hi, view[lo - offset : hi - offset])
+                if digest is None:
+                    continue
+            if digest != sums[j]:
+                raise ChecksumError(
+                    f"{self.where}: bytes [{a}, {b}) (block {j}) received do not match their checksum"
+                )
+            done.append(j)
+        if done:
+            arrival.publish(done)
+        self.stats.add_many(write_s=t1 - t0, verify_s=time.perf_counter() - t1)
+
+    def _partial(self, j: int, a: int, b: int, lo: int, hi: int, piece: memoryview) -> int | None:
+        """Bytes [lo, hi) of block j ([a, b)) arrived: the block's digest once all of it did, else None.
+        A block filled in order is hashed from the pieces; otherwise it is read back when complete."""
+        run = self._running.get(j)
+        if lo == a:
+            run = self._running[j] = [xxhash.xxh3_64(), a]
+        if run is not None and run[1] == lo:
+            run[0].update(piece)
+            run[1] = hi
+        else:
+            self._running.pop(j, None)
+        self._filled[j] += hi - lo
+        if self._filled[j] > b - a:
+            raise ChecksumError(f"{self.where}: parts overlap in bytes [{a}, {b}) (block {j})")
+        if self._filled[j] < b - a:
+            return None
+        run = self._running.pop(j, None)
+        if run is not None and run[1] == b:
+            return int(run[0].intdigest())
+        return xxhash.xxh3_64_intdigest(os.pread(self._fd, b - a, a))
+
     def check(self) -> None:
-        """Raise `ChecksumError` unless exactly `size` bytes with the manifest's xxh3 were written."""
+        """Raise `ChecksumError` unless every byte arrived and matched the manifest (see the class)."""
+        if self._table is not None:
+            assert self.arrival is not None
+            missing = np.flatnonzero(~self.arrival.published)
+            if missing.size:
+                raise ChecksumError(
+                    f"{self.where}: {missing.size} blocks did not arrive (the first: block {int(missing[0])})"
+                )
+            return
         if self.written != self.size or self._hashed != self.size:
             raise ChecksumError(f"{self.where}: got {self.written} bytes, the manifest records {self.size}")
         got = self._hash.hexdigest()
@@ -97,18 +258,25 @@ class Download:
             raise ChecksumError(f"{self.where}: xxh3 {got} != {self.xxh3} recorded in the manifest")
 
     def finish(self, *, fsync: bool) -> None:
-        """Flush and close the temp file; `fsync` forces it to the device first (timed as `fsync_s`)."""
-        self._fh.flush()
+        """Close the temp file; `fsync` forces it to the device first (timed as `fsync_s`)."""
         if fsync:
             t0 = time.perf_counter()
-            os.fsync(self._fh.fileno())
+            os.fsync(self._fd)
             self.stats.add("fsync_s", time.perf_counter() - t0)
-        self._fh.close()
+        self.close()
 
     def close(self) -> None:
         """Close the temp file (idempotent)."""
-        if not self._fh.closed:
-            self._fh.close()
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def file_xxh3(path: str) -> str:

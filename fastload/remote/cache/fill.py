@@ -9,30 +9,37 @@ in this process, so a second thread waits for the first instead of downloading a
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastload.formats.blocks import vouch_file
 from fastload.formats.units import format_size
-from fastload.remote.cache.files import Download, file_xxh3, stamp
+from fastload.remote.cache.arrival import Arrival, BlockSpec
+from fastload.remote.cache.files import Download, file_xxh3, in_use, stamp
 from fastload.remote.cache.policy import LruPolicy, Room
 from fastload.remote.cache.state import CacheBudgetError, CacheState, unlink
 from fastload.remote.transfer_stats import TransferStats
 
 __all__ = ["CacheFill"]
 
+log = logging.getLogger("fastload.remote.storage")
+
 _POLL_S = 0.02
 
 
 class _Flight:
-    """A download running in this process: `done` is set when it ends, `error` says how it failed."""
+    """A download running in this process: `done` is set when it ends, `error` says how it failed;
+    `arrival` (a download verified by block) is what readers of the arriving shard wait on."""
 
-    def __init__(self) -> None:
+    def __init__(self, arrival: Arrival | None = None) -> None:
         self.done = threading.Event()
         self.error: Exception | None = None
+        self.arrival = arrival
 
     def wait(self) -> None:
         """Wait for the download; raise its error when it failed (its retries were spent: a thread
@@ -76,10 +83,38 @@ class CacheFill:
         return os.path.join(self._store.data_dir, key)
 
     def obtain(
-        self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str, soft: bool
+        self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str, soft: bool,
+        blocks: BlockSpec | None = None,
     ) -> str | None:
         """Pin `key` (a soft pin when `soft`) and return its verified path, downloading it with `fetch`
-        when missing or corrupt; a prefetch (`soft`) returns None when there is no room now."""
+        when missing or corrupt; a prefetch (`soft`) returns None when there is no room now. With
+        `blocks`, a download it starts is verified by block (its `Arrival` lets readers in while it runs)."""
+        got = self._obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft, blocks=blocks)
+        return None if got is None else got[0]
+
+    def obtain_arriving(
+        self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str, blocks: BlockSpec
+    ) -> tuple[str, Arrival | None]:
+        """Pin `key` and return its path at once when a download verified by block is (or is now) under
+        way in this process: (temp path, its `Arrival`), the download running in the background;
+        otherwise as `obtain`: (verified path, None)."""
+        got = self._obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=False, blocks=blocks,
+                           arriving=True)
+        assert got is not None
+        return got
+
+    def _obtain(
+        self,
+        key: str,
+        *,
+        size: int,
+        xxh3: str,
+        fetch: Callable[[Download], None],
+        where: str,
+        soft: bool,
+        blocks: BlockSpec | None,
+        arriving: bool = False,
+    ) -> tuple[str, Arrival | None] | None:
         if self._policy.occupied({"entries": {}, "reserved": {}, "retired": {}}) + size > self.limit:
             raise CacheBudgetError(
                 f"{where}: a {format_size(size)} shard does not fit in cache_limit={format_size(self.limit)} "
@@ -87,17 +122,27 @@ class CacheFill:
             )
         while True:
             flight = self._wait_inflight(key)
-            if flight is not None:
+            if flight is not None and not (arriving and flight.arrival is not None):
                 flight.wait()
                 continue
-            kind, value = self._find_or_reserve(key, size=size, where=where, soft=soft)
+            kind, value = self._find_or_reserve(
+                key, size=size, where=where, soft=soft, blocks=blocks, arriving=arriving
+            )
             if kind == "none":
                 return None
             if kind == "soft":
-                return value
+                return value, None
+            if kind == "attach":  # this process downloads it, by block: pinned now, read while it arrives
+                return value.arrival.path, value.arrival
             if kind == "download":
                 tmp, flight = value
-                return self._download(key, tmp, flight, size=size, xxh3=xxh3, fetch=fetch, where=where, soft=soft)
+                run = partial(self._download, key, tmp, flight, size=size, xxh3=xxh3, fetch=fetch, where=where,
+                              soft=soft)
+                if not (arriving and flight.arrival is not None):
+                    return run(), None
+                run.keywords["detached"] = True
+                threading.Thread(target=_quietly, args=(run,), name="fastload-download", daemon=True).start()
+                return flight.arrival.path, flight.arrival  # the pin taken with the reservation is the reader's
             path = self._path(key)  # "entry": cached, pinned now; verify before its first use here
             try:
                 ok = self._verify_cached(key, path, size=size, xxh3=xxh3, recorded=value)
@@ -108,16 +153,19 @@ class CacheFill:
             if ok:
                 with self._mutex:
                     self._store.usable.add(key)
-                return path
+                return path, None
             self._drop_corrupt(key)
 
-    def _find_or_reserve(self, key: str, *, size: int, where: str, soft: bool) -> tuple[str, Any]:
+    def _find_or_reserve(
+        self, key: str, *, size: int, where: str, soft: bool, blocks: BlockSpec | None = None, arriving: bool = False
+    ) -> tuple[str, Any]:
         """Wait until one `_step` decides; raises `CacheBudgetError` on a deadlock or past `wait_timeout`."""
         wait_since: float | None = None
         stuck_since: float | None = None
         while True:
             with self._store.locked() as state:
-                kind, value = self._step(state, key, size=size, soft=soft)
+                kind, value = self._step(state, key, size=size, soft=soft, blocks=blocks, arriving=arriving,
+                                         where=where)
             if kind == "event":
                 value.wait()
                 continue
@@ -142,9 +190,13 @@ class CacheFill:
                 self._on_wait()
             time.sleep(_POLL_S)
 
-    def _step(self, state: dict[str, Any], key: str, *, size: int, soft: bool) -> tuple[str, Any]:
+    def _step(
+        self, state: dict[str, Any], key: str, *, size: int, soft: bool, blocks: BlockSpec | None = None,
+        arriving: bool = False, where: str = "",
+    ) -> tuple[str, Any]:
         """One look at the state (under its lock): ("entry", stamp) cached and pinned now; ("soft", path)
         cached, for a prefetch; ("download", (tmp, flight)) reserved for a download by this thread;
+        ("attach", flight) pinned now, this process's download by block is under way (`arriving`);
         ("event", flight) wait for this process's download (its error is raised); ("wait", (room,
         deadlocked)); ("none", None) a prefetch finds no room or another download in flight."""
         me = self._store.owner
@@ -164,6 +216,9 @@ class CacheFill:
             if soft:
                 return "none", None
             flight = self._wait_inflight(key) if res["owner"] == me else None
+            if flight is not None and arriving and flight.arrival is not None:
+                self._store.hold(state, key)  # the reader's pin, before the download can end
+                return "attach", flight
             if flight is not None:  # another thread of this owner downloads it
                 return "event", flight
             return "wait", (Room(False, waiting_on=f"download of {key} by process {res['owner']}"), False)
@@ -174,7 +229,11 @@ class CacheFill:
             state["waiting"].pop(me, None)
             if not soft:
                 self._store.hold(state, key)
-            flight = _Flight()
+            arrival = None
+            if blocks is not None:
+                arrival = Arrival(os.path.join(self._store.tmp_dir, tmp), self._path(key), size=size, spec=blocks,
+                                  where=where or key, stall_s=self.wait_timeout)
+            flight = _Flight(arrival)
             self._inflight[key] = flight  # under the mutex, with the reservation
             return "download", (tmp, flight)
         if soft:
@@ -203,12 +262,16 @@ class CacheFill:
         fetch: Callable[[Download], None],
         where: str,
         soft: bool,
+        detached: bool = False,
     ) -> str:
+        """Download into `tmp`, verify, rename in. `detached`: run in a thread of its own for a reader
+        that was handed the arriving file (that reader owns the pin taken with the reservation)."""
         tmp_path = os.path.join(self._store.tmp_dir, tmp)
         final = self._path(key)
+        arrival = flight.arrival
         ok = False
         try:
-            sink = Download(tmp_path, size=size, xxh3=xxh3, where=where, stats=self._transfer)
+            sink = Download(tmp_path, size=size, xxh3=xxh3, where=where, stats=self._transfer, arrival=arrival)
             try:
                 fetch(sink)
                 sink.check()
@@ -221,33 +284,45 @@ class CacheFill:
             finally:
                 sink.close()
             t0 = time.perf_counter()
-            os.replace(tmp_path, final)
+            if arrival is not None:  # readers of the arriving file see the new path with the rename
+                arrival.move(partial(os.replace, tmp_path, final), final)
+            else:
+                os.replace(tmp_path, final)
             info = os.stat(final)
             vouch_file(info)  # every byte was hashed against the manifest above: readers here skip their block hashes
             st = stamp(info)
             with self._store.locked() as state:
                 state["reserved"].pop(key, None)
                 state["entries"][key] = {"size": size, "used": time.time(), "stamp": st}
-                if soft:
+                held = key in self._store.held  # a reader of the arriving file pins it
+                if soft and not held:
                     state["soft"][key] = self._store.owner
                 self._verified[key] = st
-                if not soft:
+                if held:
                     self._store.usable.add(key)
+            if arrival is not None:
+                arrival.finish(final)
             self._transfer.add("commit_s", time.perf_counter() - t0)
             ok = True
             return final
-        except Exception as exc:
-            flight.error = exc
+        except BaseException as exc:
+            flight.error = exc if isinstance(exc, Exception) else OSError(f"{where}: download interrupted ({exc!r})")
+            if arrival is not None:
+                arrival.fail(flight.error)
             raise
         finally:
             if not ok:
-                unlink(tmp_path)
                 with self._store.locked() as state:
                     state["reserved"].pop(key, None)
-                    if not soft:
+                    if arrival is not None and in_use(tmp_path):  # a reader maps it: counted until it lets go
+                        state["retired"][tmp] = size
+                    else:
+                        unlink(tmp_path)
+                    if not soft and not detached:
                         self._store.unhold(state, key)
             with self._mutex:
-                self._inflight.pop(key, None)
+                if self._inflight.get(key) is flight:
+                    del self._inflight[key]
             flight.done.set()
 
     def _verify_cached(self, key: str, path: str, *, size: int, xxh3: str, recorded: list[int | str] | None) -> bool:
@@ -290,3 +365,11 @@ class CacheFill:
         with self._mutex:
             self._verified.pop(key, None)
             self._store.usable.discard(key)
+
+
+def _quietly(run: Callable[[], object]) -> None:
+    """Run a background download: its error reaches the readers through its `Arrival`."""
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - reported to the readers, logged here
+        log.debug("background download failed: %r", exc)

@@ -42,6 +42,7 @@ from typing import Any
 
 from fastload.formats.forksafe import reset_in_child
 from fastload.formats.units import format_size, parse_size
+from fastload.remote.cache.arrival import Arrival, BlockSpec
 from fastload.remote.cache.files import Download, check_key, footprint
 from fastload.remote.cache.fill import CacheFill
 from fastload.remote.cache.policy import LruPolicy, split_budget
@@ -49,6 +50,8 @@ from fastload.remote.cache.state import CacheBudgetError, CacheState, CacheState
 from fastload.remote.transfer_stats import TransferStats
 
 __all__ = [
+    "Arrival",
+    "BlockSpec",
     "CacheBudgetError",
     "CacheStateError",
     "Download",
@@ -242,13 +245,31 @@ class ShardCache:
         assert path is not None
         return path
 
-    def prefetch(self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str = "") -> bool:
-        """Download `key` into the cache under a soft pin if it fits without evicting pinned or soft-pinned files.
+    def acquire_arriving(
+        self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], blocks: BlockSpec, where: str = ""
+    ) -> tuple[str, Arrival | None]:
+        """Pin `key` like `acquire`, but when the file is missing, or downloading in this process, return
+        at once: (path of the file as it arrives, its `Arrival`), the download verified by block
+        (`blocks`) and running in the background; a reader waits in `Arrival.wait` for the blocks it
+        reads. (path, None) when the file is cached, or downloading in another process (waited for whole)."""
+        check_key(key)
+        self._check_pid()
+        if self._store.repin(key):
+            return self.path(key), None
+        return self._fill.obtain_arriving(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, blocks=blocks)
+
+    def prefetch(
+        self, key: str, *, size: int, xxh3: str, fetch: Callable[[Download], None], where: str = "",
+        blocks: BlockSpec | None = None,
+    ) -> bool:
+        """Download `key` into the cache under a soft pin if it fits without evicting pinned or soft-pinned files
+        (verified by block with `blocks`, so that `acquire_arriving` can read it while it arrives).
 
         Returns False (nothing done) when there is no room now; never waits for room.
         """
         check_key(key)
-        return self._fill.obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=True) is not None
+        got = self._fill.obtain(key, size=size, xxh3=xxh3, fetch=fetch, where=where or key, soft=True, blocks=blocks)
+        return got is not None
 
     def release(self, key: str) -> None:
         """Drop one pin taken by `acquire` in this process (none held, e.g. taken before a fork: nothing)."""

@@ -1,0 +1,364 @@
+"""Shards read while they arrive: a reader waits only for the verified blocks it reads (issue 35).
+
+An HTTP server with `Range` support holds every shard body at a byte offset (`ArrivalServer`): a
+batch is served while the shards are held there, byte for byte; a connection dropped mid-shard, or
+a block corrupted in transit, ends in the exact bytes after a retry, a block corrupt at the source in
+an error naming the shard and the block, a frozen server in the download's error. `Download` is
+checked over arbitrary arrival orders, retries and out-of-order block fetches (hypothesis).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import xxhash
+from http_arrival import ArrivalServer
+from http_faults import ShardServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastload import Loader
+from fastload.formats import FastloadDataset, write
+from fastload.formats.errors import ChecksumError
+from fastload.remote.cache.arrival import Arrival, BlockSpec
+from fastload.remote.cache.files import Download
+from fastload.remote.storage import RemoteFetchError, RemoteStorage, RetryPolicy
+
+N = 600
+HELD = 1_500_000  # the byte each shard body is held at (of about 2 MB)
+
+
+def _sample(i: int) -> dict:
+    return {"x": np.full(8000, i % 251, np.uint8), "b": bytes([i % 256]) * (i % 97), "label": i}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("arrival") / "root"
+    write((_sample(i) for i in range(N)), str(root / "ds"), shard_size=2_000_000, progress=False)
+    return str(root), FastloadDataset(str(root / "ds"))
+
+
+@pytest.fixture()
+def server(dataset):
+    srv = ArrivalServer(dataset[0])
+    yield srv
+    srv.stop()
+
+
+def _open(url: str, cache_dir: str, **kw) -> FastloadDataset:
+    storage = RemoteStorage(url, cache_dir=cache_dir, cache_limit="64MB", arriving_min_bytes=0, **kw)
+    return FastloadDataset(storage=storage, max_open_shards=storage.max_open_shards)
+
+
+def _same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        a, b = got[name], want[name]
+        if hasattr(b, "offsets"):
+            assert np.array_equal(a.offsets, b.offsets) and np.array_equal(a.values, b.values), name
+        else:
+            assert np.array_equal(a, b), name
+
+
+def _cached(ds: FastloadDataset) -> list[str]:
+    return os.listdir(ds.storage.cache.data_dir)
+
+
+def _wait_cached(ds: FastloadDataset, name: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(n.endswith(name) for n in _cached(ds)):
+        assert time.monotonic() < deadline, f"{name} never arrived"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+@pytest.mark.parametrize("prefetch_depth", [0, None])
+def test_a_batch_is_served_while_its_shard_is_held_mid_body(dataset, server, tmp_path, transport, prefetch_depth):
+    _, local = dataset
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=prefetch_depth)
+    first, n0 = np.arange(16), local.manifest.shards[0].num_samples
+    shuffled = np.random.default_rng(0).permutation(n0)[:32]  # samples from all over shard 0
+    for rows in (first, shuffled):
+        _same(ds.get_batch(rows), local.get_batch(rows))
+    assert server.paused.is_set() and server.pause_at == HELD  # still held: shard 0 has not arrived whole
+    assert not any(name.endswith("shard-00000.fls") for name in _cached(ds))
+    assert ds.storage.stats()["remote_side_gets"] >= 1  # the label column lies at the end of the shard
+    server.release()
+    everything = np.arange(N)
+    _same(ds.get_batch(everything), local.get_batch(everything))
+    ds.close()
+    ds.storage.close()
+    for s in local.manifest.shards:  # the downloads finish in the background
+        _wait_cached(ds, s.file.rsplit("/", 1)[-1])
+    assert ds.storage.cache.pinned_keys() == {} and ds.storage.cache.usage()["retired"] == 0
+    assert os.listdir(ds.storage.cache.tmp_dir) == []  # nothing left behind
+
+
+@pytest.mark.parametrize(("workers", "worker_type"), [(0, "thread"), (2, "thread")])
+def test_a_loaders_first_batch_comes_while_the_shard_is_held(dataset, server, tmp_path, workers, worker_type):
+    _, local = dataset
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    it = iter(Loader(ds, batch_size=16, num_workers=workers, worker_type=worker_type, shuffle=False))
+    batch = next(it)
+    assert server.paused.is_set() and server.pause_at == HELD
+    assert not any(name.endswith("shard-00000.fls") for name in _cached(ds))
+    want = local.get_batch(np.arange(16))
+    assert np.array_equal(batch["x"].numpy(), want["x"]) and batch["label"].tolist() == list(range(16))
+    server.release()
+    seen = 16 + sum(len(b["label"]) for b in it)
+    assert seen == N
+    ds.close()
+    ds.storage.close()
+
+
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_a_connection_dropped_mid_shard_is_retried_in_place(dataset, server, tmp_path, transport):
+    """The retry rewrites the file in place: bytes a reader mapped before the drop stay what they were."""
+    _, local = dataset
+    server.pause(HELD)
+    server.drop(HELD + 100_000, times=1)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0)
+    view = ds.shard(0).fixed["x"][:16]  # zero-copy: the mapped temp file itself
+    _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))
+    server.release()  # the held body goes on to the drop; the retry brings the whole shard
+    _wait_cached(ds, "shard-00000.fls")
+    assert ds.storage.stats()["remote_retries"] >= 1
+    rows = np.arange(local.manifest.shards[0].num_samples)
+    _same(ds.get_batch(rows), local.get_batch(rows))
+    assert np.array_equal(view, local.get_batch(np.arange(16))["x"])
+    _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
+    ds.close()
+    ds.storage.close()
+
+
+def _block_of(local: FastloadDataset, sample: int) -> int:
+    """The block holding field x of `sample` (in shard 0)."""
+    reader = local.shard(0)
+    return (reader.fixed_offset["x"] + sample * 8000) >> 16
+
+
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_a_block_corrupted_in_transit_is_fetched_again(dataset, server, tmp_path, transport):
+    _, local = dataset
+    at = (_block_of(local, 200) << 16) + 5
+    server.corrupt(at, times=1)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0)
+    _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
+    assert ds.storage.stats()["remote_retries"] >= 1
+    ds.close()
+    ds.storage.close()
+    for name in _cached(ds):
+        with open(os.path.join(ds.storage.cache.data_dir, name), "rb") as fh:
+            data = fh.read()
+        assert xxhash.xxh3_64_hexdigest(data) in {s.xxh3 for s in local.manifest.shards}
+
+
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_a_block_corrupt_at_the_source_raises_naming_shard_and_block(dataset, server, tmp_path, transport):
+    _, local = dataset
+    j = _block_of(local, 200)
+    server.pause(HELD)
+    server.corrupt((j << 16) + 5, times=None)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0,
+               retry=RetryPolicy(attempts=2, base=0.01, cap=0.02, total=10))
+    _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))  # blocks before the bad one are fine
+    server.release()
+    with pytest.raises(RemoteFetchError) as info:
+        ds.get_batch(np.arange(190, 210))
+    msg = str(info.value)
+    assert "shards/shard-00000" in msg and f"(block {j})" in msg and "do not match their checksum" in msg, msg
+    ds.close()
+    ds.storage.close()
+
+
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_a_frozen_server_wakes_the_reader_with_the_download_error(dataset, tmp_path, transport):
+    srv = ShardServer(dataset[0])
+    try:
+        srv.freeze()
+        ds = _open(f"{srv.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0,
+                   connect_timeout=0.3, read_timeout=0.3, retry=RetryPolicy(attempts=3, base=0.01, cap=0.02, total=0.5))
+        t0 = time.monotonic()
+        with pytest.raises(RemoteFetchError, match="shard-00000.*giving up after"):
+            next(iter(Loader(ds, batch_size=16, num_workers=0, shuffle=False)))
+        assert time.monotonic() - t0 < 5
+        ds.storage.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(("workers", "worker_type"), [(0, "thread"), (2, "thread"), (2, "process")])
+def test_loader_epochs_over_arriving_shards_are_exact(dataset, server, tmp_path, workers, worker_type):
+    """Threads stream from the arriving files; process workers read what their own process downloads
+    as it arrives, and wait for shards other processes download whole."""
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    for _ in range(2):  # cold, then warm
+        seen = []
+        for batch in Loader(ds, batch_size=50, num_workers=workers, worker_type=worker_type, shuffle=True, seed=1):
+            labels = batch["label"].numpy()
+            assert (batch["x"][:, 0].numpy() == labels % 251).all()
+            seen += labels.tolist()
+        assert sorted(seen) == list(range(N))
+    ds.close()
+    ds.storage.close()
+
+
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_a_server_that_ignores_ranges_serves_whole_shards(dataset, tmp_path, transport):
+    """Python's http.server answers a ranged GET with the whole body: the block table cannot come first,
+    so shards are awaited whole (the first one from that very answer), byte for byte."""
+    import functools
+    import http.server
+    import threading
+
+    root, local = dataset
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=root)
+    handler.log_message = lambda *a: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.handle_error = lambda *a: None
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        ds = _open(f"http://127.0.0.1:{srv.server_address[1]}/ds", str(tmp_path / "c"), transport=transport)
+        _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
+        assert ds.storage.stats()["remote_side_gets"] == 0
+        ds.close()
+        ds.storage.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join()
+
+
+def _child_reads(ds: FastloadDataset, rows: np.ndarray, out) -> None:
+    try:
+        batch = ds.get_batch(rows)
+        out.put((xxhash.xxh3_64_hexdigest(batch["x"].tobytes()), batch["label"].tolist()))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        out.put(repr(exc))
+
+
+def test_a_forked_child_reads_an_inherited_arriving_shard_once_it_is_whole(dataset, server, tmp_path):
+    """A child forked while a shard arrives cannot be woken by its parent's download: it waits for the
+    file renamed into the cache, then hashes the blocks it reads itself."""
+    import multiprocessing
+
+    _, local = dataset
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), prefetch_depth=0)
+    _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))  # shard 0 open, still arriving
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    rows = np.arange(local.manifest.shards[0].num_samples)
+    child = ctx.Process(target=_child_reads, args=(ds, rows, out))
+    child.start()
+    time.sleep(0.3)  # the child polls for the whole file meanwhile
+    server.release()
+    got = out.get(timeout=60)
+    child.join(10)
+    want = local.get_batch(rows)
+    assert got == (xxhash.xxh3_64_hexdigest(want["x"].tobytes()), want["label"].tolist()), got
+    ds.close()
+    ds.storage.close()
+
+
+# -- Download over arbitrary arrival orders -----------------------------------------------------
+@pytest.fixture(scope="module")
+def shard_bytes(dataset):
+    root, local = dataset
+    info = local.manifest.shards[0]
+    with open(os.path.join(root, "ds", info.file), "rb") as fh:
+        data = fh.read()
+    return data, info, local.manifest.block_log2
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(1, 10**9), max_size=40), order=st.randoms(use_true_random=False),
+       corrupt=st.booleans(), side=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 8)), max_size=4))
+def test_download_publishes_only_verified_blocks_in_any_order(shard_bytes, tmp_path_factory, cuts, order, corrupt,
+                                                              side):
+    data, info, shift = shard_bytes
+    path = str(tmp_path_factory.mktemp("dl") / "tmp")
+    arrival = Arrival(path, path + ".final", size=info.bytes, spec=BlockSpec(info.blocks_xxh3, shift),
+                      where="shard", stall_s=5)
+    sink = Download(path, size=info.bytes, xxh3=info.xxh3, where="shard", arrival=arrival)
+    start, end = sink.table_range()
+    sink.put_table(data[start:end])
+    edges = sorted({0, len(data), *(c % len(data) for c in cuts)})
+    pieces = list(zip(edges[:-1], edges[1:]))
+    order.shuffle(pieces)
+
+    def agrees() -> None:  # every published block holds the shard's bytes
+        with open(path, "rb") as fh:
+            now = fh.read()
+        assert len(now) == len(data)
+        for j in np.flatnonzero(arrival.published):
+            a, b = j << shift, min((j + 1) << shift, arrival.sections_end)
+            assert now[a:b] == data[a:b], j
+
+    if corrupt:  # a first attempt with one bad piece fails on its block, then a retry
+        bad = bytearray(data)
+        bad[order.randrange(arrival.sections_end)] ^= 0xFF
+        with pytest.raises(ChecksumError, match="do not match their checksum"):
+            for a, b in pieces:
+                sink.write_at(a, bad[a:b])
+                agrees()
+        sink.reset()
+    for (a, b), (j, n) in zip(pieces, side + [(0, 0)] * len(pieces)):
+        sink.write_at(a, data[a:b])
+        if n and j < len(arrival.published):  # a reader's out-of-order GET of whole blocks
+            lo, hi = j << shift, min((j + n) << shift, arrival.sections_end)
+            sink.write_blocks(lo, data[lo:hi])
+        agrees()
+    sink.check()
+    sink.close()
+    assert arrival.published.all()
+    with open(path, "rb") as fh:
+        assert fh.read() == data
+
+
+def test_arrival_waits_ask_once_wake_on_publish_fail_and_time_out(shard_bytes, tmp_path):
+    import threading
+
+    _, info, shift = shard_bytes
+    spec = BlockSpec(info.blocks_xxh3, shift)
+
+    def new(stall_s: float) -> Arrival:
+        return Arrival(str(tmp_path / "t"), str(tmp_path / "f"), size=info.bytes, spec=spec, where="ds/shard-0",
+                       stall_s=stall_s)
+
+    arrival, asked, got = new(5), [], []
+    waiter = threading.Thread(target=lambda: got.append(arrival.wait(np.array([3, 7]))))
+    waiter.start()
+    time.sleep(0.1)  # waiting before the block table arrived: nothing to ask yet
+    arrival.set_want(lambda ids: asked.append(ids.tolist()))
+    assert asked == [[3, 7]]
+    arrival.publish([3, 7])
+    waiter.join(5)
+    assert got == [True]
+    assert arrival.wait(np.array([3])) is True and asked == [[3, 7]]  # published: asked for nothing more
+
+    failing, errors = new(5), []
+
+    def wait_for_failure() -> None:
+        try:
+            failing.wait(np.array([1]))
+        except RemoteFetchError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait_for_failure)
+    waiter.start()
+    failing.fail(RemoteFetchError("ds/shard-0: giving up after 3 attempts"))
+    waiter.join(5)
+    assert "giving up after 3 attempts" in str(errors[0])
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ds/shard-0: block 2 .*did not arrive"):
+        new(0.2).wait(np.array([2]))
+    assert time.monotonic() - t0 < 2
