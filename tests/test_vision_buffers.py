@@ -114,8 +114,9 @@ def test_batches_the_caller_holds_are_never_overwritten(dtype: torch.dtype) -> N
     assert torch.equal(again, want)  # the same keys: the same pixels
 
 
-def test_a_loaders_batches_kept_together_are_distinct(tmp_path) -> None:
-    """`list(loader)` holds every batch at once: each has its own memory and its own pixels."""
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_a_loaders_batches_kept_together_are_distinct(tmp_path, worker_type: str) -> None:
+    """Batches kept over two epochs: each has its own memory and its own pixels."""
     from fastload import Loader, open_dataset
     from fastload.formats import Field, Schema, write
     from fastload.vision import with_indices
@@ -124,9 +125,10 @@ def test_a_loaders_batches_kept_together_are_distinct(tmp_path) -> None:
     schema = Schema((Field("image", "image"), Field("label", "scalar", np.int64)))
     write(({"image": j, "label": i} for i, j in enumerate(images)), str(tmp_path / "ds"), schema=schema, progress=False)
     preset = ImagePreset(kind="eval", size=32, resize=None, backend="cpu", normalize=False)
-    loader = Loader(with_indices(open_dataset(str(tmp_path / "ds"))), batch_size=4, transform=preset, num_workers=2)
-    kept = [b["image"] for b in loader]
-    assert len({t.data_ptr() for t in kept}) == len(kept) == 4
+    dataset = with_indices(open_dataset(str(tmp_path / "ds")))
+    loader = Loader(dataset, batch_size=4, transform=preset, num_workers=2, worker_type=worker_type)
+    kept = [b["image"] for b in loader] + [b["image"] for b in loader]
+    assert len({t.data_ptr() for t in kept}) == len(kept) == 8
     alone = ImagePreset(kind="eval", size=32, resize=None, backend="cpu", normalize=False)
     want = alone({"image": Ragged.from_list(images, kind="image"), "__indices__": np.arange(16)})["image"]
-    assert torch.equal(torch.cat(kept), want)
+    assert torch.equal(torch.cat(kept[:4]), want) and torch.equal(torch.cat(kept[4:]), want)
