@@ -1,4 +1,4 @@
-"""Restart markers for JPEG image fields, so a window decoder can start at the window's rows.
+"""Restart markers for JPEG image fields, so a window decoder reads only the window's restart intervals.
 
 `add_restart_index` re-encodes a JPEG losslessly (its DCT coefficients are copied: every decoder
 gives the same pixels) as a baseline JPEG whose restart intervals cut every MCU row into equal
