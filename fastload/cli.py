@@ -265,8 +265,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--fields", default=None, metavar="A,B,...",
                    help="WebDataset, TFRecord, MDS: the fields to keep, comma-separated (default: all)")
     p.add_argument("--jpeg-restart", action=argparse.BooleanOptionalAction, default=True,
-                   help="image folder: store each JPEG re-encoded losslessly (same pixels) with a restart marker per "
-                   "MCU row and a restart index, so the image preset decodes crop windows from their first rows "
+                   help="image folder: store each JPEG re-encoded losslessly (same pixels) with restart markers (about "
+                   "64-pixel column groups in every MCU row) and a restart index, so the image preset decodes only "
+                   "the restart intervals a crop window covers "
                    "(default: on; --no-jpeg-restart stores the files' bytes as they are)")
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local processes (default) or Ray Data tasks on a cluster (needs fastload[ray])")

@@ -45,9 +45,10 @@ class ImageFolder:
     indices (`classes`, sorted); integer labels are kept as they are (`classes` is None). A folder
     without class subfolders (or with one) and no labels file warns that every label is 0.
     With `decode_check` (default) every image is decoded fully as it is read; errors name the file.
-    With `jpeg_restart` (default) each JPEG is stored re-encoded losslessly with a restart marker
-    per MCU row and a restart index (`jpeg_restart.add_restart_index`: same pixels), so the image
-    preset decodes a crop window from its first rows instead of from the top of the image.
+    With `jpeg_restart` (default) each JPEG is stored re-encoded losslessly with restart markers
+    (column groups of about 64 pixels in every MCU row) and a restart index
+    (`jpeg_restart.add_restart_index`: same pixels), so the image preset decodes only the restart
+    intervals a crop window covers instead of every row from the top of the image.
     """
 
     def __init__(

@@ -20,14 +20,15 @@ pytestmark = pytest.mark.skipif(
     reason="fastload.vision._jpegwin not built (libjpeg-turbo headers missing)",
 )
 
-# name -> (PIL save options, MCU row height in image rows)
+# name -> (PIL save options, MCU row height, MCU width in image pixels)
 KINDS = {
-    "4:2:0": ({"subsampling": 2}, 16),
-    "4:2:2": ({"subsampling": 1}, 8),
-    "4:4:4": ({"subsampling": 0}, 8),
-    "gray": ({"mode": "L"}, 8),
-    "progressive": ({"subsampling": 2, "progressive": True}, 16),
+    "4:2:0": ({"subsampling": 2}, 16, 16),
+    "4:2:2": ({"subsampling": 1}, 8, 16),
+    "4:4:4": ({"subsampling": 0}, 8, 8),
+    "gray": ({"mode": "L"}, 8, 8),
+    "progressive": ({"subsampling": 2, "progressive": True}, 16, 16),
 }
+H0, W0 = 203, 157  # the test images' size: partial MCUs on both edges
 
 
 def photo(
@@ -45,7 +46,7 @@ def photo(
     return buf.getvalue()
 
 
-def make(kind: str, h: int = 203, w: int = 157, seed: int = 0) -> bytes:
+def make(kind: str, h: int = H0, w: int = W0, seed: int = 0) -> bytes:
     opts = dict(KINDS[kind][0])
     return photo(h, w, seed=seed, **opts)
 
@@ -54,6 +55,31 @@ def make(kind: str, h: int = 203, w: int = 157, seed: int = 0) -> bytes:
 def pair(kind: str) -> tuple[bytes, bytes]:
     """(original, re-encoded) of `kind` at an odd size (partial MCUs on both edges)."""
     return make(kind), add_restart_index(make(kind))
+
+
+def index_head(buf: bytes) -> tuple[int, bytes]:
+    """(position of the APP9 restart-index segment, its head: `FLRST\\0`, version, rows, [interval])."""
+    (at,) = [p for p, m in markers(buf) if m == 0xE9]
+    return at, buf[at + 4 : at + 4 + (10 if buf[at + 10] == 2 else 8)]
+
+
+def group_width(buf: bytes, kind: str) -> int:
+    """Image columns per restart interval (column group) of a re-encoded JPEG."""
+    _, head = index_head(buf)
+    return KINDS[kind][2] * struct.unpack(">H", head[8:10])[0]
+
+
+@functools.cache
+def version_1(kind: str) -> bytes:
+    """The re-encoded JPEG with one restart interval per MCU row and a version 1 index (what
+    conversions wrote before column groups): the head's version 1 and no interval field."""
+    per_row = -(-W0 // KINDS[kind][2])
+    coded = add_restart_index(make(kind), interval=per_row)
+    at, head = index_head(coded)
+    seg = struct.unpack(">H", coded[at + 2 : at + 4])[0]
+    offsets = coded[at + 4 + len(head) : at + 2 + seg]
+    index = b"FLRST\x00\x01\x01" + offsets
+    return coded[:at] + b"\xff\xe9" + struct.pack(">H", 2 + len(index)) + index + coded[at + 2 + seg :]
 
 
 def window(buf: bytes, y0: int, x0: int, h: int, w: int, num: int = 8, flip: bool = False) -> np.ndarray:
@@ -88,7 +114,7 @@ def entropy_start(buf: bytes) -> int:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_reencode_is_lossless_baseline_with_a_marker_per_mcu_row(kind: str) -> None:
+def test_reencode_is_lossless_baseline_with_restart_intervals_in_column_groups(kind: str) -> None:
     original, coded = pair(kind)
     for decode in (lambda b: np.asarray(Image.open(io.BytesIO(b)).convert("RGB")), decode_rgb):
         assert np.array_equal(decode(original), decode(coded))
@@ -96,11 +122,13 @@ def test_reencode_is_lossless_baseline_with_a_marker_per_mcu_row(kind: str) -> N
     assert 0xC0 in seen and 0xC2 not in seen  # baseline, progressive input included
     found = markers(coded)
     assert found[0] == (2, 0xE0) and coded[6:11] == b"JFIF\x00"  # JFIF's APP0 stays first
-    (at,) = [p for p, m in found if m == 0xE9]
-    assert found[1] == (at, 0xE9) and coded[at + 4 : at + 12] == b"FLRST\x00\x01\x01"
-    mcu_h = KINDS[kind][1]
+    at, head = index_head(coded)
+    assert found[1] == (at, 0xE9) and head[:8] == b"FLRST\x00\x02\x01"
+    _, mcu_h, mcu_w = KINDS[kind]
+    per_row, interval = -(-W0 // mcu_w), struct.unpack(">H", head[8:10])[0]
+    assert per_row % interval == 0 and per_row // interval > 1  # equal column groups, more than one
     offsets = restart_index(coded)
-    assert offsets is not None and len(offsets) == -(-203 // mcu_h) - 1
+    assert offsets is not None and len(offsets) == -(-H0 // mcu_h) * (per_row // interval) - 1
     start = entropy_start(coded)
     for j, off in enumerate(offsets, start=1):
         assert coded[start + off - 2 : start + off] == bytes([0xFF, 0xD0 + (j - 1) % 8])
@@ -121,11 +149,12 @@ def test_window_pixels_equal_the_full_decode_cropped(kind: str, num: int, flip: 
     """Windows anywhere (any row, both image edges, every DCT scale) decode, through the restart
     path, to the full decode of the original cropped."""
     original, coded = pair(kind)
-    H, W = -(-203 * num // 8), -(-157 * num // 8)
+    H, W = -(-H0 * num // 8), -(-W0 * num // 8)
     y0, x0 = int(box[0] * (H - 1)), int(box[1] * (W - 1))
     h, w = 1 + int(box[2] * (H - y0 - 1)), 1 + int(box[3] * (W - x0 - 1))
     want = reference(original, y0, x0, h, w, num, flip)
     assert np.array_equal(window(coded, y0, x0, h, w, num, flip), want)
+    assert np.array_equal(window(version_1(kind), y0, x0, h, w, num, flip), want)  # one interval per row
     assert np.array_equal(window(original, y0, x0, h, w, num, flip), want)  # no index: the whole stream
 
 
@@ -135,13 +164,28 @@ def test_windows_starting_and_ending_on_every_row(kind: str, num: int) -> None:
     """Every first row, with heights that end just before, on and just after MCU row boundaries
     (where the restart path adds a row of chroma context) and at the image's bottom."""
     original, coded = pair(kind)
-    H, W = -(-203 * num // 8), -(-157 * num // 8)
+    H, W = -(-H0 * num // 8), -(-W0 * num // 8)
     step = KINDS[kind][1] * num // 8
     full = reference(original, 0, 0, H, W, num)
     for y0 in range(H):
         for h in {1, step - 1, step, step + 1, H - y0} - {0}:
             if y0 + h <= H:
                 assert np.array_equal(window(coded, y0, 1, h, W - 2, num), full[y0 : y0 + h, 1 : W - 1]), (y0, h)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num", [8, 2])
+def test_windows_starting_and_ending_on_every_column(kind: str, num: int) -> None:
+    """Every first column, with widths that end just before, on and just after column-group
+    boundaries (where the restart path adds a group of chroma context) and at the image's right."""
+    original, coded = pair(kind)
+    H, W = -(-H0 * num // 8), -(-W0 * num // 8)
+    step = group_width(coded, kind) * num // 8
+    full = reference(original, 0, 0, H, W, num)
+    for x0 in range(W):
+        for w in {1, 2, step - 1, step, step + 1, W - x0} - {0}:
+            if x0 + w <= W:
+                assert np.array_equal(window(coded, 1, x0, H - 2, w, num), full[1 : H - 1, x0 : x0 + w]), (x0, w)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -152,20 +196,53 @@ def test_rows_above_the_window_are_never_decoded(kind: str) -> None:
     original, coded = pair(kind)
     mcu_h = KINDS[kind][1]
     start, offsets = entropy_start(coded), restart_index(coded)
+    groups = (len(offsets) + 1) // -(-H0 // mcu_h)
     damaged = bytearray(coded)
     keep = {start + off - k for off in offsets for k in (1, 2)}  # the restart markers
-    for p in range(start + 4, start + offsets[2] - 8):
+    for p in range(start + 4, start + offsets[3 * groups - 1] - 8):
         if p not in keep:
             damaged[p] = 0x55
     damaged = bytes(damaged)
     assert restart_index(damaged) == offsets
     y0 = 5 * mcu_h
-    assert np.array_equal(window(damaged, y0, 3, 203 - y0, 150), reference(original, y0, 3, 203 - y0, 150))
+    assert np.array_equal(window(damaged, y0, 3, H0 - y0, 150), reference(original, y0, 3, H0 - y0, 150))
     try:
         whole = decode_rgb(damaged)
     except ValueError:
         return
     assert not np.array_equal(whole, decode_rgb(original))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_column_groups_beside_the_window_are_never_decoded(kind: str) -> None:
+    """Damage the entropy-coded data of every column group but the first, in every MCU row: a
+    window inside the first group (and its chroma context) still decodes to the clean pixels."""
+    original, coded = pair(kind)
+    start, offsets = entropy_start(coded), restart_index(coded)
+    groups = (len(offsets) + 1) // -(-H0 // KINDS[kind][1])
+    bounds = [0, *offsets, len(coded) - 2 - start]  # interval k: data from bounds[k] to its marker
+    damaged = bytearray(coded)
+    for k in range(len(bounds) - 1):
+        if k % groups != 0:
+            for p in range(start + bounds[k] + 2, start + bounds[k + 1] - 4):
+                damaged[p] = 0x55
+    damaged = bytes(damaged)
+    assert restart_index(damaged) == offsets
+    w = group_width(coded, kind) - 4
+    assert np.array_equal(window(damaged, 0, 1, H0, w), reference(original, 0, 1, H0, w))
+    assert np.array_equal(window(damaged, 40, 2, 100, w), reference(original, 40, 2, 100, w))
+    try:
+        whole = decode_rgb(damaged)
+    except ValueError:
+        return
+    assert not np.array_equal(whole, decode_rgb(original))
+
+
+def test_an_interval_that_does_not_divide_the_mcu_row_is_refused() -> None:
+    per_row = -(-W0 // 16)  # 4:2:0: 10 MCUs per row
+    with pytest.raises(ValueError, match="no restart interval of 3 MCUs"):
+        add_restart_index(make("4:2:0"), interval=3)
+    assert restart_index(add_restart_index(make("4:2:0"), interval=per_row)) is not None
 
 
 @settings(max_examples=40, deadline=None)
@@ -174,16 +251,18 @@ def test_a_tampered_index_is_never_trusted(kind: str, data) -> None:
     """Random offsets (or a wrong count) in the index: the decoder checks every one and, when any
     fails, decodes the whole stream; pixels stay the full decode's."""
     original, coded = pair(kind)
-    (at,) = [p for p, m in markers(coded) if m == 0xE9]
+    at, head = index_head(coded)
     seg = struct.unpack(">H", coded[at + 2 : at + 4])[0]
     listed = list(restart_index(coded))
     rows = data.draw(st.integers(0, len(listed) + 2))
     offsets = data.draw(st.lists(st.integers(0, 2**32 - 1) | st.sampled_from(listed), min_size=rows, max_size=rows))
-    index = b"FLRST\x00\x01\x01" + b"".join(struct.pack(">I", v) for v in offsets)
+    head = data.draw(st.sampled_from([head, head[:8] + struct.pack(">H", data.draw(st.integers(0, 65535)))]))
+    index = head + b"".join(struct.pack(">I", v) for v in offsets)
     tampered = coded[:at] + b"\xff\xe9" + struct.pack(">H", 2 + len(index)) + index + coded[at + 2 + seg :]
     assert restart_index(tampered) in (None, tuple(listed))
-    y0 = data.draw(st.integers(0, 200))
-    assert np.array_equal(window(tampered, y0, 0, 203 - y0, 157), reference(original, y0, 0, 203 - y0, 157))
+    y0, x0 = data.draw(st.integers(0, H0 - 3)), data.draw(st.integers(0, W0 - 3))
+    h, w = H0 - y0 - data.draw(st.integers(0, 2)), W0 - x0 - data.draw(st.integers(0, 2))
+    assert np.array_equal(window(tampered, y0, x0, h, w), reference(original, y0, x0, h, w))
 
 
 def test_markers_kept_index_replaced_and_non_jpegs_untouched() -> None:

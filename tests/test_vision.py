@@ -842,6 +842,7 @@ def test_threads_rule_and_results_independent_of_it(images: list[bytes]) -> None
         "layout": "NCHW",
         "normalized": True,
         "device": "cpu",
+        "memory": "blocks reused once the caller has dropped every reference to an earlier batch, else fresh ones",
     }
     torch.testing.assert_close(alone(batch)["image"], ref, atol=0, rtol=0)
     three.bind_run(RunContext(seed=6, epoch=0, rank=0, world_size=1, num_workers=4))  # an explicit threads= wins

@@ -8,14 +8,16 @@
  * call with the GIL released, each window straight into its place in the caller's output buffer
  * (optionally mirrored); its headers are read the same way. Corrupt-data warnings are errors.
  *
- * Restart index: a baseline JPEG with a restart marker after every MCU row and an APP9 "FLRST"
- * segment listing where each restart interval starts (written at conversion by transcode_restart,
- * a lossless re-encode of the DCT coefficients; layout in formats/FORMAT.md) is decoded from the
- * restart interval holding the window's first row: the decoder gets a stream made of the header
- * (SOF height cut to the rows kept) and the entropy-coded data of the window's intervals only,
- * restart markers renumbered from RST0, so the rows above the window are never entropy-decoded.
- * With vertically subsampled chroma, a window starting (ending) on an MCU row's first (last) row
- * also takes the MCU row above (below): fancy upsampling blends each chroma row with its
+ * Restart index: a baseline JPEG whose restart intervals tile the image (each MCU row cut into
+ * equal column groups of R MCUs: DRI = R, R dividing the MCUs per row; version 1 of the index: one
+ * interval per MCU row) and an APP9 "FLRST" segment listing where each restart interval starts
+ * (written at conversion by transcode_restart, a lossless re-encode of the DCT coefficients; layout
+ * in formats/FORMAT.md) is decoded from the intervals the window covers only: the decoder gets a
+ * stream made of the header (SOF height and width cut to the MCU rows and column groups kept) and
+ * the entropy-coded data of those intervals, restart markers renumbered from RST0, so neither the
+ * rows above the window nor the column groups beside it are entropy-decoded. With subsampled
+ * chroma, a window starting (ending) on an MCU row's or column group's first (last) pixel also
+ * takes the row or group before (after) it: fancy upsampling blends each chroma sample with its
  * neighbour. Every offset of the index is checked (inside the data, increasing, on a restart
  * marker of the expected number) before one is used; an index that fails any check, or an image
  * without one, takes the whole-stream path.
@@ -59,15 +61,18 @@ typedef struct {
 } fl_scratch;
 
 #define FL_INDEX_ID "FLRST" /* + NUL: the APP9 restart-index segment (formats/FORMAT.md) */
-#define FL_INDEX_HEAD 8     /* "FLRST\0", version 1, MCU rows per restart interval (1) */
-#define FL_MAX_INDEX 16381  /* uint32 offsets that fit one segment (65533 - 8 bytes) */
+#define FL_INDEX_HEAD_V1 8  /* "FLRST\0", version 1, MCU rows per restart interval (1) */
+#define FL_INDEX_HEAD 10    /* "FLRST\0", version 2, MCU rows per interval (1), u16 MCUs per interval */
+#define FL_MAX_INDEX 16380  /* uint32 offsets that fit one segment (65533 - 10 bytes) */
+#define FL_GROUP_PIXELS 64  /* the column group the transcoder aims at, in image pixels */
 
 /* Where a JPEG's parts are: the SOF0/SOF1 segment, the restart index, the entropy-coded data. */
 typedef struct {
     size_t sof;               /* offset of the SOF marker (FF C0 / FF C1); 0: none */
     size_t entropy;           /* first byte after the SOS segment */
-    const unsigned char *idx; /* the APP9 FLRST payload (after the identifier), or NULL */
+    const unsigned char *idx; /* the APP9 FLRST offsets (after the index's head), or NULL */
     size_t idx_len;
+    long interval;            /* MCUs per restart interval the index states; 0: one MCU row (version 1) */
 } fl_layout;
 
 static unsigned long fl_be32(const unsigned char *p) {
@@ -95,11 +100,21 @@ static int fl_scan_layout(const unsigned char *s, size_t len, fl_layout *lay) {
             lay->sof = p;
         } else if (m >= 0xC2 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC) {
             return 0; /* progressive, lossless, arithmetic-coded or hierarchical */
-        } else if (m == 0xE9 && seg >= 2 + FL_INDEX_HEAD && memcmp(s + p + 4, FL_INDEX_ID, 6) == 0) {
-            if (lay->idx != NULL) return 0;
-            lay->idx = s + p + 4 + FL_INDEX_HEAD;
-            lay->idx_len = seg - 2 - FL_INDEX_HEAD;
-            if (s[p + 4 + 6] != 1 || s[p + 4 + 7] != 1 || lay->idx_len % 4 != 0) return 0; /* version, rows */
+        } else if (m == 0xE9 && seg >= 2 + FL_INDEX_HEAD_V1 && memcmp(s + p + 4, FL_INDEX_ID, 6) == 0) {
+            const unsigned char *head = s + p + 4;
+            if (lay->idx != NULL || head[7] != 1) return 0; /* one index; one MCU row per interval (row) */
+            size_t at = FL_INDEX_HEAD_V1;
+            if (head[6] == 2) {
+                if (seg < 2 + FL_INDEX_HEAD) return 0;
+                lay->interval = ((long)head[8] << 8) | head[9];
+                if (lay->interval < 1) return 0;
+                at = FL_INDEX_HEAD;
+            } else if (head[6] != 1) {
+                return 0;
+            }
+            lay->idx = head + at;
+            lay->idx_len = seg - 2 - at;
+            if (lay->idx_len % 4 != 0) return 0;
         } else if (m == 0xDA) {
             lay->entropy = p + 2 + seg;
             return lay->sof != 0;
@@ -109,30 +124,40 @@ static int fl_scan_layout(const unsigned char *s, size_t len, fl_layout *lay) {
     return 0;
 }
 
-/* The MCU geometry of the image's one scan: image rows per MCU row (mcu_h) and MCU rows. Returns 0
- * unless the scan is Huffman-coded, sequential and holds every component, and restarts come once
- * per MCU row. Needs jpeg_read_header's fields. */
-static int fl_mcu_rows(const struct jpeg_decompress_struct *cinfo, long *mcu_h, long *rows) {
-    if (cinfo->progressive_mode || cinfo->arith_code || cinfo->comps_in_scan != cinfo->num_components) return 0;
-    long w = (long)cinfo->image_width, h = (long)cinfo->image_height, per_row;
-    if (cinfo->num_components == 1) {
-        *mcu_h = 8;
-        per_row = (w + 7) / 8;
-    } else {
-        *mcu_h = 8L * cinfo->max_v_samp_factor;
-        per_row = (w + 8L * cinfo->max_h_samp_factor - 1) / (8L * cinfo->max_h_samp_factor);
-    }
-    *rows = (h + *mcu_h - 1) / *mcu_h;
-    return per_row > 0 && cinfo->restart_interval == (unsigned int)per_row;
+/* The MCU grid of an image's one interleaved scan. */
+typedef struct {
+    long mcu_h, mcu_w; /* image rows and columns per MCU */
+    long rows, per_row; /* MCU rows; MCUs per row */
+} fl_grid;
+
+/* The MCU grid from the image's size and sampling (before any scan is read). */
+static void fl_grid_of(const struct jpeg_decompress_struct *cinfo, fl_grid *g) {
+    int gray = cinfo->num_components == 1;
+    g->mcu_h = gray ? 8 : 8L * cinfo->max_v_samp_factor;
+    g->mcu_w = gray ? 8 : 8L * cinfo->max_h_samp_factor;
+    g->rows = ((long)cinfo->image_height + g->mcu_h - 1) / g->mcu_h;
+    g->per_row = ((long)cinfo->image_width + g->mcu_w - 1) / g->mcu_w;
 }
 
-/* Checks a restart index against the data: one offset per restart marker (rows - 1 of them),
+/* The MCU grid and the column groups of an image with a restart index: MCUs per restart interval
+ * (*interval, the index's; one MCU row for a version 1 index). Returns 0 unless the scan is
+ * Huffman-coded, sequential and holds every component, and the restart intervals tile the MCU
+ * rows as the index says. Needs jpeg_read_header's fields. */
+static int fl_restart_grid(const struct jpeg_decompress_struct *cinfo, const fl_layout *lay, fl_grid *g,
+                           long *interval) {
+    if (cinfo->progressive_mode || cinfo->arith_code || cinfo->comps_in_scan != cinfo->num_components) return 0;
+    fl_grid_of(cinfo, g);
+    *interval = lay->interval > 0 ? lay->interval : g->per_row;
+    return g->per_row > 0 && g->per_row % *interval == 0 && cinfo->restart_interval == (unsigned int)*interval;
+}
+
+/* Checks a restart index against the data: one offset per restart marker (intervals - 1 of them),
  * increasing, each the byte after a marker FF D0+((j-1) % 8) inside the entropy-coded data.
  * Returns 1 if every offset is sound. */
-static int fl_check_index(const unsigned char *s, size_t len, const fl_layout *lay, long rows) {
-    if (lay->idx == NULL || (long)(lay->idx_len / 4) != rows - 1) return 0;
+static int fl_check_index(const unsigned char *s, size_t len, const fl_layout *lay, long intervals) {
+    if (lay->idx == NULL || (long)(lay->idx_len / 4) != intervals - 1) return 0;
     unsigned long prev = 1;
-    for (long j = 1; j < rows; j++) {
+    for (long j = 1; j < intervals; j++) {
         unsigned long off = fl_be32(lay->idx + 4 * (j - 1));
         if (off < prev + 2 || off > len - lay->entropy) return 0;
         const unsigned char *at = s + lay->entropy + off;
@@ -142,29 +167,38 @@ static int fl_check_index(const unsigned char *s, size_t len, const fl_layout *l
     return 1;
 }
 
+/* The first and end (exclusive) of the n cells of `step` output pixels that hold pixels
+ * [a, a + len); with subsampled chroma (sub), a range starting (ending) on a cell's first (last)
+ * pixel also takes the cell before (after): fancy upsampling blends each chroma sample with its
+ * neighbour. */
+static void fl_cells(long a, long len, long step, int sub, long n, long *first, long *end) {
+    *first = a / step - (sub && a % step == 0);
+    *end = (a + len - 1) / step + 1 + (sub && (a + len) % step == 0);
+    if (*first < 0) *first = 0;
+    if (*end > n) *end = n;
+}
+
 /* The restart path: if the image carries a sound restart index and starting at a later restart
- * interval skips rows, builds in scratch->stream the cut stream for output rows [y0, y0 + h) at
- * scale num/8 (see the top of this file) and returns 1 with *stream_len and *row_shift (output
- * rows dropped above); else 0 (decode the whole stream). */
+ * interval, or leaving column groups out, skips data, builds in scratch->stream the cut stream for
+ * output window (y0, x0, h, w) at scale num/8 (see the top of this file) and returns 1 with
+ * *stream_len and the output rows (*row_shift) and columns (*col_shift) dropped above and left of
+ * it; else 0 (decode the whole stream). */
 static int fl_cut_stream(const unsigned char *s, size_t len, const struct jpeg_decompress_struct *cinfo, long y0,
-                         long h, int num, fl_scratch *scratch, size_t *stream_len, long *row_shift) {
+                         long x0, long h, long w, int num, fl_scratch *scratch, size_t *stream_len, long *row_shift,
+                         long *col_shift) {
     fl_layout lay;
-    long mcu_h, rows;
-    if (!fl_scan_layout(s, len, &lay) || lay.idx == NULL || !fl_mcu_rows(cinfo, &mcu_h, &rows)) return 0;
-    long step = mcu_h * num / 8; /* output rows per MCU row: mcu_h is a multiple of 8 */
-    /* Vertically subsampled chroma, fancy-upsampled: an output row blends its chroma row with the
-     * one above (the upper row of a pair) or below (the lower one), so a window starting on the
-     * first row of an MCU row needs the MCU row above, one ending on the last row the one below. */
-    int vsub = cinfo->max_v_samp_factor > 1;
-    long first = y0 / step - (vsub && y0 % step == 0);
-    long end = (y0 + h - 1) / step + 1 + (vsub && (y0 + h) % step == 0);
-    if (first < 1) return 0;
-    if (end > rows) end = rows;
-    if (!fl_check_index(s, len, &lay, rows)) return 0;
+    fl_grid g;
+    long interval;
+    if (!fl_scan_layout(s, len, &lay) || lay.idx == NULL || !fl_restart_grid(cinfo, &lay, &g, &interval)) return 0;
+    long groups = g.per_row / interval, total = g.rows * groups;
+    long step = g.mcu_h * num / 8, stepx = interval * g.mcu_w * num / 8; /* mcu_h, mcu_w: multiples of 8 */
+    long first, end, g0, g1;
+    fl_cells(y0, h, step, cinfo->max_v_samp_factor > 1, g.rows, &first, &end);
+    fl_cells(x0, w, stepx, cinfo->max_h_samp_factor > 1, groups, &g0, &g1);
+    if (first == 0 && g0 == 0 && g1 == groups) return 0; /* nothing above or beside: the whole stream */
+    if (!fl_check_index(s, len, &lay, total)) return 0;
     const unsigned char *idx = lay.idx;
-    size_t from = lay.entropy + fl_be32(idx + 4 * (first - 1));
-    size_t to = end == rows ? len : lay.entropy + fl_be32(idx + 4 * (end - 1)) - 2;
-    size_t need = lay.entropy + (to - from) + 2;
+    size_t need = lay.entropy + (len - lay.entropy) + 2 * (size_t)((end - first) * (g1 - g0)) + 2;
     if (scratch->stream_cap < need) {
         unsigned char *grown = realloc(scratch->stream, need);
         if (grown == NULL) return 0;
@@ -173,21 +207,37 @@ static int fl_cut_stream(const unsigned char *s, size_t len, const struct jpeg_d
     }
     unsigned char *out = scratch->stream;
     memcpy(out, s, lay.entropy);
-    memcpy(out + lay.entropy, s + from, to - from);
-    size_t n = lay.entropy + (to - from);
-    if (end < rows) { /* the data stops before the next restart marker: end the image there */
+    size_t n = lay.entropy;
+    long written = 0, last = 0;
+    for (long r = first; r < end; r++) {
+        for (long c = g0; c < g1; c++) {
+            long k = r * groups + c; /* interval k: from the byte after marker k - 1 to its own marker */
+            size_t from = k == 0 ? lay.entropy : lay.entropy + fl_be32(idx + 4 * (k - 1));
+            size_t to = k == total - 1 ? len : lay.entropy + fl_be32(idx + 4 * k) - 2;
+            if (written > 0) { /* markers numbered from RST0 again */
+                out[n++] = 0xFF;
+                out[n++] = (unsigned char)(0xD0 + ((written - 1) & 7));
+            }
+            memcpy(out + n, s + from, to - from);
+            n += to - from;
+            written++;
+            last = k;
+        }
+    }
+    if (last != total - 1) { /* the data stops before the next restart marker: end the image there */
         out[n++] = 0xFF;
         out[n++] = 0xD9;
     }
-    long kept = (end * mcu_h < (long)cinfo->image_height ? end * mcu_h : (long)cinfo->image_height) - first * mcu_h;
-    out[lay.sof + 5] = (unsigned char)(kept >> 8);
-    out[lay.sof + 6] = (unsigned char)(kept & 0xFF);
-    for (long j = first + 1; j < end; j++) { /* markers numbered from RST0 again */
-        size_t at = lay.entropy + (fl_be32(idx + 4 * (j - 1)) - 1) - (from - lay.entropy) ;
-        out[at] = (unsigned char)(0xD0 + ((j - first - 1) & 7));
-    }
+    long bottom = end * g.mcu_h < (long)cinfo->image_height ? end * g.mcu_h : (long)cinfo->image_height;
+    long right = g1 * interval * g.mcu_w < (long)cinfo->image_width ? g1 * interval * g.mcu_w : (long)cinfo->image_width;
+    long kept_h = bottom - first * g.mcu_h, kept_w = right - g0 * interval * g.mcu_w;
+    out[lay.sof + 5] = (unsigned char)(kept_h >> 8);
+    out[lay.sof + 6] = (unsigned char)(kept_h & 0xFF);
+    out[lay.sof + 7] = (unsigned char)(kept_w >> 8);
+    out[lay.sof + 8] = (unsigned char)(kept_w & 0xFF);
     *stream_len = n;
     *row_shift = first * step;
+    *col_shift = g0 * stepx;
     return 1;
 }
 
@@ -227,8 +277,8 @@ static int fl_decode_one(const unsigned char *src, size_t len, long y0, long x0,
         return ERR_DECODE;
     }
     size_t cut_len = 0;
-    long row_shift = 0;
-    if (fl_cut_stream(src, len, &cinfo, y0, h, num, scratch, &cut_len, &row_shift)) {
+    long row_shift = 0, col_shift = 0;
+    if (fl_cut_stream(src, len, &cinfo, y0, x0, h, w, num, scratch, &cut_len, &row_shift, &col_shift)) {
         jpeg_abort_decompress(&cinfo); /* the same object reads the cut stream */
         jpeg_mem_src(&cinfo, scratch->stream, (unsigned long)cut_len);
         jpeg_read_header(&cinfo, TRUE);
@@ -236,6 +286,7 @@ static int fl_decode_one(const unsigned char *src, size_t len, long y0, long x0,
         cinfo.scale_num = (unsigned int)num;
         cinfo.scale_denom = 8;
         y0 -= row_shift;
+        x0 -= col_shift;
         *started = 1;
     }
     jpeg_start_decompress(&cinfo);
@@ -462,11 +513,27 @@ static long fl_find_restarts(const unsigned char *s, size_t len, size_t entropy,
     return -1;
 }
 
+/* MCUs per restart interval for an image of grid g: a divisor of the MCUs per row (so the intervals
+ * tile each MCU row in equal column groups), the one nearest FL_GROUP_PIXELS image columns (the
+ * larger on a tie), coarser while the index would not fit its segment. 0 if none fits. */
+static long fl_pick_interval(const fl_grid *g) {
+    long target = FL_GROUP_PIXELS / g->mcu_w > 0 ? FL_GROUP_PIXELS / g->mcu_w : 1, best = 0, best_bad = 0;
+    for (long d = 1; d <= g->per_row; d++) {
+        if (g->per_row % d != 0 || g->rows * (g->per_row / d) - 1 > FL_MAX_INDEX) continue;
+        long bad = d >= target ? 1000 * d / target : 1000 * target / d; /* ratio to the target, x1000 */
+        if (best == 0 || bad <= best_bad) best = d, best_bad = bad;
+    }
+    return best;
+}
+
 /* Re-encodes src losslessly (its DCT coefficients, quantisation tables and sampling copied;
  * Huffman tables optimised; progressive input written as baseline) with a restart marker after
- * every MCU row, APPn/COM markers kept (an old restart index dropped), and the APP9 restart index
- * written after the APPn segments that follow SOI. Returns 0 with out and out_len set (malloc), else -1 with a message in msg. */
-static int fl_transcode(const unsigned char *src, size_t len, unsigned char **out, size_t *out_len, char *msg) {
+ * every `interval` MCUs (0: fl_pick_interval's; it must divide the MCUs per row), APPn/COM markers
+ * kept (an old restart index dropped), and the APP9 restart index (version 2) written after the
+ * APPn segments that follow SOI. Returns 0 with out and out_len set (malloc), else -1 with a
+ * message in msg. */
+static int fl_transcode(const unsigned char *src, size_t len, long interval, unsigned char **out, size_t *out_len,
+                        char *msg) {
     struct jpeg_decompress_struct din;
     struct jpeg_compress_struct cout;
     fl_error err;
@@ -491,12 +558,22 @@ static int fl_transcode(const unsigned char *src, size_t len, unsigned char **ou
     jpeg_save_markers(&din, JPEG_COM, 0xFFFF);
     for (int m = 0; m < 16; m++) jpeg_save_markers(&din, JPEG_APP0 + m, 0xFFFF);
     jpeg_read_header(&din, TRUE);
+    fl_grid g;
+    fl_grid_of(&din, &g);
+    if (interval == 0) interval = fl_pick_interval(&g);
+    if (interval < 1 || interval > 65535 || g.per_row % interval != 0 || g.rows * (g.per_row / interval) - 1 > FL_MAX_INDEX) {
+        snprintf(msg, JMSG_LENGTH_MAX, "no restart interval of %ld MCUs fits a %ldx%ld-MCU image", interval, g.rows,
+                 g.per_row);
+        jpeg_destroy_decompress(&din);
+        return -1;
+    }
+    long intervals = g.rows * (g.per_row / interval);
     jvirt_barray_ptr *coefs = jpeg_read_coefficients(&din);
     jpeg_create_compress(&cout);
     made_out = 1;
     jpeg_mem_dest(&cout, &enc, &enc_len);
     jpeg_copy_critical_parameters(&din, &cout);
-    cout.restart_in_rows = 1;
+    cout.restart_interval = (unsigned int)interval;
     cout.optimize_coding = TRUE;
     jpeg_write_coefficients(&cout, coefs);
     for (jpeg_saved_marker_ptr m = din.marker_list; m != NULL; m = m->next) {
@@ -508,8 +585,6 @@ static int fl_transcode(const unsigned char *src, size_t len, unsigned char **ou
         jpeg_write_marker(&cout, m->marker, d, n);
     }
     jpeg_finish_compress(&cout);
-    long mcu_h = din.num_components == 1 ? 8 : 8L * din.max_v_samp_factor;
-    long rows = ((long)din.image_height + mcu_h - 1) / mcu_h;
     jpeg_destroy_compress(&cout);
     made_out = 0;
     jpeg_finish_decompress(&din);
@@ -520,8 +595,9 @@ static int fl_transcode(const unsigned char *src, size_t len, unsigned char **ou
     long count = -1;
     offs = malloc(sizeof(unsigned long) * FL_MAX_INDEX);
     if (offs != NULL && fl_scan_layout(enc, enc_len, &lay)) count = fl_find_restarts(enc, enc_len, lay.entropy, offs);
-    if (count != rows - 1) {
-        snprintf(msg, JMSG_LENGTH_MAX, "the re-encoded image has %ld restart markers, expected %ld", count, rows - 1);
+    if (count != intervals - 1) {
+        snprintf(msg, JMSG_LENGTH_MAX, "the re-encoded image has %ld restart markers, expected %ld", count,
+                 intervals - 1);
         free(offs);
         free(enc);
         return -1;
@@ -543,10 +619,11 @@ static int fl_transcode(const unsigned char *src, size_t len, unsigned char **ou
     unsigned char *o = *out + at;
     o[0] = 0xFF, o[1] = 0xE9, o[2] = (unsigned char)(seg >> 8), o[3] = (unsigned char)seg;
     memcpy(o + 4, FL_INDEX_ID, 6);
-    o[10] = 1; /* version */
-    o[11] = 1; /* MCU rows per restart interval */
+    o[10] = 2; /* version */
+    o[11] = 1; /* MCU rows per restart interval: one, cut into column groups */
+    o[12] = (unsigned char)(interval >> 8), o[13] = (unsigned char)interval; /* MCUs per restart interval */
     for (long j = 0; j < count; j++) {
-        unsigned char *q = o + 12 + 4 * j;
+        unsigned char *q = o + 4 + FL_INDEX_HEAD + 4 * j;
         q[0] = (unsigned char)(offs[j] >> 24), q[1] = (unsigned char)(offs[j] >> 16);
         q[2] = (unsigned char)(offs[j] >> 8), q[3] = (unsigned char)offs[j];
     }
@@ -557,22 +634,25 @@ static int fl_transcode(const unsigned char *src, size_t len, unsigned char **ou
 }
 
 PyDoc_STRVAR(transcode_restart_doc,
-             "transcode_restart(data) -> bytes\n\n"
+             "transcode_restart(data, interval=0) -> bytes\n\n"
              "A JPEG re-encoded losslessly (same DCT coefficients: a decoder gives the same pixels) as a\n"
-             "baseline JPEG with a restart marker after every MCU row and the APP9 'FLRST' restart index\n"
-             "(formats/FORMAT.md); Huffman tables optimised, APPn/COM markers kept. Raises ValueError with\n"
-             "libjpeg's message when the data is not a JPEG it can re-encode (corrupt data included).\n"
+             "baseline JPEG with a restart marker after every `interval` MCUs (a divisor of the MCUs per\n"
+             "row: each MCU row cut into equal column groups; 0: the divisor nearest 64 image columns) and\n"
+             "the APP9 'FLRST' restart index, version 2 (formats/FORMAT.md); Huffman tables optimised,\n"
+             "APPn/COM markers kept. Raises ValueError with libjpeg's message when the data is not a JPEG\n"
+             "it can re-encode (corrupt data included), or when `interval` does not divide the MCU rows.\n"
              "Runs without the GIL.");
 
 static PyObject *transcode_restart(PyObject *self, PyObject *args) {
     Py_buffer data;
-    if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
+    long interval = 0;
+    if (!PyArg_ParseTuple(args, "y*|l", &data, &interval)) return NULL;
     unsigned char *out = NULL;
     size_t out_len = 0;
     char msg[JMSG_LENGTH_MAX];
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = fl_transcode((const unsigned char *)data.buf, (size_t)data.len, &out, &out_len, msg);
+    rc = fl_transcode((const unsigned char *)data.buf, (size_t)data.len, interval, &out, &out_len, msg);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
     if (rc != 0) {
@@ -589,8 +669,8 @@ PyDoc_STRVAR(restart_index_doc,
              "The restart-interval offsets a JPEG's APP9 'FLRST' index lists (each the byte after a restart\n"
              "marker, counted from the start of the entropy-coded data), if the index passes every check the\n"
              "window decoder makes before using it (offsets inside the data, increasing, each on the restart\n"
-             "marker expected, one per MCU row but the first); None otherwise (the decoder then reads the\n"
-             "whole stream).");
+             "marker expected, one per restart interval but the first); None otherwise (the decoder then\n"
+             "reads the whole stream).");
 
 static PyObject *restart_index(PyObject *self, PyObject *args) {
     Py_buffer data;
@@ -601,7 +681,8 @@ static PyObject *restart_index(PyObject *self, PyObject *args) {
     struct jpeg_decompress_struct cinfo;
     fl_error err;
     volatile int created = 0, sound = 0;
-    long mcu_h = 0, rows = 0;
+    fl_grid g;
+    long interval = 0, intervals = 0;
     cinfo.err = jpeg_std_error(&err.pub);
     err.pub.error_exit = fl_error_exit;
     err.pub.emit_message = fl_emit_message;
@@ -612,15 +693,17 @@ static PyObject *restart_index(PyObject *self, PyObject *args) {
         created = 1;
         jpeg_mem_src(&cinfo, s, (unsigned long)len);
         jpeg_read_header(&cinfo, TRUE);
-        sound = fl_mcu_rows(&cinfo, &mcu_h, &rows) && fl_check_index(s, len, &lay, rows);
+        sound = fl_restart_grid(&cinfo, &lay, &g, &interval);
+        if (sound) intervals = g.rows * (g.per_row / interval);
+        sound = sound && fl_check_index(s, len, &lay, intervals);
     }
     if (created) jpeg_destroy_decompress(&cinfo);
     PyObject *result;
     if (!sound) {
         result = Py_NewRef(Py_None);
     } else {
-        result = PyTuple_New(rows - 1);
-        for (long j = 0; result != NULL && j < rows - 1; j++) {
+        result = PyTuple_New(intervals - 1);
+        for (long j = 0; result != NULL && j < intervals - 1; j++) {
             PyObject *v = PyLong_FromUnsignedLong(fl_be32(lay.idx + 4 * j));
             if (v == NULL) Py_CLEAR(result);
             else PyTuple_SET_ITEM(result, j, v);

@@ -87,9 +87,19 @@ def _restart_path(preset: Any) -> str | None:
     if preset.backend != "cpu" or cpu_decode.decode_windows is None:
         return None
     return (
-        "a JPEG with a restart index (fastload convert's default) is decoded from the restart interval "
-        "holding its window's first row; one without, from its first row"
+        "a JPEG with a restart index (fastload convert's default) is decoded from the restart intervals its "
+        "window covers only: no MCU row above or below it, no column group beside it (an index of one interval "
+        "per MCU row: rows only); one without, from its first row down to the window's last"
     )
+
+
+def _output_memory(preset: Any) -> str | None:
+    """Where the CPU stage's returned batches live; None where no CPU stage returns them."""
+    if preset.backend != "cpu":
+        return None
+    if preset.device.type != "cpu":
+        return "a fresh page-locked uint8 block per batch, copied to the device without waiting"
+    return "blocks reused once the caller has dropped every reference to an earlier batch, else fresh ones"
 
 
 def _crop(preset: Any) -> dict[str, Any]:
@@ -128,6 +138,7 @@ def describe(preset: Any) -> dict[str, Any]:
             "layout": preset.layout,
             "normalized": preset.normalize_output,
             "device": str(preset.device),
+            "memory": _output_memory(preset),
         },
     }
 
