@@ -1,4 +1,4 @@
-"""The CPU image stage's returned batches: blocks reused only once the caller let go of them."""
+"""The CPU image stage's returned batches: in `formats.buffers`, reused only once the caller let go of them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastload.formats import buffers
 from fastload.formats.ragged import Ragged
 from fastload.vision import ImagePreset
-from fastload.vision.cpu_stage import ReturnedBlocks
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -37,19 +37,17 @@ def held_bytes(held) -> np.ndarray:
 @settings(max_examples=60, deadline=None)
 @given(
     steps=st.lists(
-        st.tuples(st.sampled_from([64, 64, 64, 128]), st.sampled_from(list(HOLDS)), st.booleans()),
+        st.tuples(st.sampled_from([1, 1, 1, 2]), st.sampled_from(list(HOLDS)), st.booleans()),
         min_size=1,
         max_size=30,
     ),
-    keep=st.integers(1, 4),
 )
-def test_a_block_is_never_handed_out_while_anything_refers_to_it(steps, keep: int) -> None:
-    """Every block taken is filled with its own number; whatever still holds one (the tensor, a
+def test_a_buffer_is_never_handed_out_while_anything_refers_to_it(steps) -> None:
+    """Every buffer taken is filled with its own number; whatever still holds one (the tensor, a
     view, a numpy array, its storage) sees that number after every later take."""
-    pool = ReturnedBlocks(keep=keep)
     held: list[tuple[int, object]] = []
-    for number, (nbytes, how, drop_oldest) in enumerate(steps):
-        block = torch.from_numpy(pool.take(nbytes).reshape(8, -1))
+    for number, (size, how, drop_oldest) in enumerate(steps):
+        block = torch.from_numpy(buffers.empty((8, size * buffers.MIN_BYTES // 8), np.uint8))
         block.fill_(number % 256)
         held.append((number % 256, HOLDS[how](block)))
         del block
@@ -57,26 +55,6 @@ def test_a_block_is_never_handed_out_while_anything_refers_to_it(steps, keep: in
             held.pop(0)
         for value, h in held:
             assert (held_bytes(h) == value).all()
-
-
-def test_a_block_is_reused_once_every_holder_is_gone() -> None:
-    pool = ReturnedBlocks(keep=2)
-    first = torch.from_numpy(pool.take(256))
-    address = first.data_ptr()
-    view = first.numpy()[10:]
-    del first
-    assert torch.from_numpy(pool.take(256)).data_ptr() != address  # the numpy view still holds it
-    del view
-    assert torch.from_numpy(pool.take(256)).data_ptr() == address and pool.reused == 1
-
-
-def test_a_full_pool_of_blocks_in_use_hands_out_fresh_ones() -> None:
-    pool = ReturnedBlocks(keep=2)
-    kept = [pool.take(100) for _ in range(5)]
-    assert len({b.ctypes.data for b in kept}) == 5 and pool.reused == 0
-    kept.clear()
-    again = [pool.take(100) for _ in range(2)]
-    assert pool.reused == 2 and len({b.ctypes.data for b in again}) == 2
 
 
 def jpegs(n: int) -> list[bytes]:
@@ -98,7 +76,7 @@ def test_batches_the_caller_holds_are_never_overwritten(dtype: torch.dtype) -> N
         {"image": Ragged.from_list(images[s : s + 4], kind="image"), "__indices__": np.arange(s, s + 4)}
         for s in (0, 4, 8)
     ]
-    preset = ImagePreset(kind="train", size=32, backend="cpu", threads=1, dtype=dtype, seed=3)
+    preset = ImagePreset(kind="train", size=256, backend="cpu", threads=1, dtype=dtype, seed=3)
     first = preset(batches[0])["image"]
     want = first.clone()
     addresses = {first.data_ptr()}
