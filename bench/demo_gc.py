@@ -1,6 +1,7 @@
 """`make demo`'s run (`fastload bench`) with each loader row's garbage collections and CPU time.
 
     python -m bench.demo_gc [--root CHECKOUT] [--out ROWS.json] [--calls] [fastload bench options]
+    python -m bench.demo_gc [--root CHECKOUT] --batches N DATASET [--loaders KIND] [--workers W]
 
 Runs `fastload bench` as `make demo` does and, around every loader-row repeat, records what a
 loaded machine does not distort: the collections of each generation the row triggered and the
@@ -12,7 +13,9 @@ checkout (its C extensions built in place: `python setup.py build_ext --inplace`
 commits compare with one interpreter and one set of packages. `--calls` counts instead the
 Python and C function calls per batch of each row, in the consumer thread and in the Loader's
 threads (`fastload-*`): how much work a batch costs, whatever the load (the profiler slows the
-rows, so their samples/s then mean nothing).
+rows, so their samples/s then mean nothing). `--batches N DATASET` only iterates N batches of one
+row (the first of `--loaders` and `--workers`, default batch views with 1 worker) over DATASET and
+exits: under `valgrind --tool=callgrind`, runs of two N give the instructions per batch.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help="import fastload from this checkout")
     parser.add_argument("--out", default=None, help="write the per-row records as JSON")
     parser.add_argument("--calls", action="store_true", help="count function calls per batch instead")
+    parser.add_argument("--batches", type=int, default=None, help="only iterate this many batches of one row")
     args, rest = parser.parse_known_args(argv)
     if args.root:
         sys.meta_path.insert(0, _CheckoutFinder(os.path.abspath(args.root)))
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = argparse.ArgumentParser()
     cli.add_arguments(bench)
+    if args.batches is not None:
+        return _iterate(cli.config_from_args(bench.parse_args(rest)), args.batches)
     rows: list[dict[str, Any]] = []
     runner.run_loader = (_counted if args.calls else _timed)(runner.run_loader, rows)  # type: ignore[attr-defined]
     res = runner.run_benchmark(cli.config_from_args(bench.parse_args(rest)))
@@ -145,6 +151,33 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"fastload": os.path.dirname(fastload.__file__), "rows": rows,
                        "summary": res.get("summary")}, f, indent=1)
+    return 0
+
+
+def _iterate(cfg: Any, batches: int) -> int:
+    """`batches` batches of one loader row over `cfg.dataset` (epoch after epoch), nothing else."""
+    import torch
+
+    from fastload.benchmark.backends import open_backend
+    from fastload.benchmark.loaders import make_loader
+
+    if cfg.dataset is None:
+        raise SystemExit("--batches needs a fastload DATASET (e.g. a copy of the demo's: --keep)")
+    kind = cfg.loaders[0] if len(cfg.loaders) == 1 else "fastload-views"
+    workers = cfg.workers[0] if len(cfg.workers) == 1 else 1
+    ds = open_backend("fastload", cfg.dataset).open()
+    loader = make_loader(kind, ds, batch_size=cfg.batch_size, num_workers=workers, device=torch.device("cpu"),
+                         seed=cfg.seed)
+    got = 0
+    while got < batches:
+        for _ in loader:
+            got += 1
+            if got >= batches:
+                break
+    close = getattr(loader, "close", None)
+    if callable(close):
+        close()
+    print(f"{kind}, {workers} workers: {got} batches")
     return 0
 
 
