@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._nvrtc import cache_dir, compile_kernel, kernel_launcher
+from ._nvrtc import Launcher, cache_dir, compile_kernel, kernel_launcher
 from ._registry import ENTRY_POINTS
 from .normalize import (
     IMAGENET_MEAN,
@@ -23,6 +23,7 @@ from .ragged import pad_ragged, pad_ragged_reference
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "Launcher",
     "cache_dir",
     "compile_kernel",
     "normalize_batch",

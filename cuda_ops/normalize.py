@@ -118,7 +118,8 @@ def _launch_normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[
 
 
 def normalize_batch(images: torch.Tensor, *, mean: Stats, std: Stats, flip: torch.Tensor | None = None,
-                    layout: str = "NCHW", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    layout: str = "NCHW", dtype: torch.dtype = torch.float32,
+                    launcher: _nvrtc.Launcher | None = None) -> torch.Tensor:
     """Flip, normalize and lay out a uint8 image batch in one pass.
 
     images: (B, H, W, C) uint8 (decoder output, HWC per image).
@@ -130,11 +131,15 @@ def normalize_batch(images: torch.Tensor, *, mean: Stats, std: Stats, flip: torc
         `out.permute(0, 3, 1, 2)` of an NHWC result is a free channels_last NCHW view.
     dtype: torch.float32, torch.float16 or torch.bfloat16.
 
+    launcher: runs the kernel instead of NVRTC on the images' device, wherever they are (the
+        `Launcher` contract: `(kernel, function, grid, block, args, device)`), e.g. a host
+        emulator of the kernel source or a profiling wrapper; the output is allocated as usual.
+
     CUDA tensors run the fused kernel on the current stream; CPU tensors (or CUDA without the
     `[cuda]` extra, with a one-time warning) run `normalize_batch_reference`.
     """
     mean_t, std_t, flip_t = _validate(images, mean, std, flip, layout, dtype)
-    launch = _nvrtc.kernel_launcher("normalize", images)
+    launch = launcher if launcher is not None else _nvrtc.kernel_launcher("normalize", images)
     if launch is None:
         return normalize_batch_reference(images, mean=mean_t, std=std_t, flip=flip_t, layout=layout, dtype=dtype)
     return _launch_normalize(images, mean_t, std_t, flip_t, layout, dtype, launch)

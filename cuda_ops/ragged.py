@@ -161,7 +161,8 @@ def _launch_pad_ragged(values: torch.Tensor, offsets: torch.Tensor, length: int,
 
 def pad_ragged(values: Array, offsets: Array, *, pad_value: int = 0, pad_to_multiple_of: int = 1,
                max_len: int | None = None, labels_pad_value: int | None = None,
-               mask_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               mask_dtype: torch.dtype = torch.int64,
+               launcher: _nvrtc.Launcher | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Right-pad a ragged token buffer into a (B, L) batch. Stable API used by `fastload.order.bucketing`.
 
     values: flat 1-D integer tensor (any int dtype, signed or unsigned) or numpy array.
@@ -175,13 +176,16 @@ def pad_ragged(values: Array, offsets: Array, *, pad_value: int = 0, pad_to_mult
     labels_pad_value: if given, also return int64 labels = tokens widened to int64 (unsigned types
         zero-extended) with padding set to this value (e.g. -100 for cross-entropy's ignore_index).
     mask_dtype: attention mask dtype, torch.int64 (default, Hugging Face convention) or torch.bool.
+    launcher: runs the kernel instead of NVRTC on values' device, wherever they are (the `Launcher`
+        contract: `(kernel, function, grid, block, args, device)`), e.g. a host emulator of the
+        kernel source or a profiling wrapper.
 
     Returns (padded [B, L] values.dtype, attention_mask [B, L] mask_dtype with 1/True on tokens,
     labels [B, L] int64 or None), all on values' device. B = 0 gives (0, 0) tensors.
     """
     values, offsets, length = _validate(values, offsets, pad_value, pad_to_multiple_of, max_len, labels_pad_value,
                                         mask_dtype)
-    launch = _nvrtc.kernel_launcher("pad_ragged", values)
+    launch = launcher if launcher is not None else _nvrtc.kernel_launcher("pad_ragged", values)
     if launch is None:
         return _reference(values, offsets, length, pad_value, labels_pad_value, mask_dtype)
     return _launch_pad_ragged(values, offsets, length, pad_value, labels_pad_value, mask_dtype, launch)

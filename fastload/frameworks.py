@@ -27,7 +27,7 @@ _COUNTING_CALLERS = {
     "lightning.pytorch.utilities.combined_loader": "PyTorch Lightning",
     "pytorch_lightning.utilities.combined_loader": "PyTorch Lightning",
 }
-_CALLER_DEPTH = 4  # frames above `Loader.load_state_dict` looked at
+_CALLER_DEPTH = 5  # frames above `Loader.set_state` looked at (the first: its `load_state_dict` entry point)
 
 
 def gradient_state() -> Any:

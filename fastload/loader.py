@@ -44,9 +44,10 @@ and — given the same sampler / generator / global RNG — the same batches in 
   samplers with only `set_epoch` (`DistributedSampler`) get the epoch through it. While a batch is
   fetched, `fastload.run.current_batch()` gives its dataset indices, so `ImagePreset`'s crops and
   flips are a function of (seed, epoch, sample index) whatever the workers or a resume.
-* `state_dict()` / `load_state_dict()`: exact mid-epoch resume, counted in batches the consumer
-  received (prefetched batches in flight are not counted); a different world size re-deals the
-  unseen rest of a seeded epoch; a state that cannot apply raises `ValueError`.
+* `get_state()` / `set_state()` (torch's names: `state_dict()` / `load_state_dict()`): exact
+  mid-epoch resume, counted in batches the consumer received (prefetched batches in flight are
+  not counted); a different world size re-deals the unseen rest of a seeded epoch; a state that
+  cannot apply raises `ValueError`.
 * Frameworks (docs/frameworks/): a Loader pickles its configuration and position (not its workers),
   so `ddp_spawn` works; under Hugging Face Accelerate its iterator reports `end_of_dataloader`
   (`fastload.frameworks`). It is not a `DataLoader` subclass: Accelerate's `prepare` would replace
@@ -81,7 +82,15 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
 from fastload.loader_views import BatchRelay, EpochBatchSampler, torch_collate
-from fastload.order.choice import STATE_VERSION, RankedOrder, batches_from, check_state, dealt_world, order_kind
+from fastload.order.choice import (
+    STATE_VERSION,
+    RankedOrder,
+    batches_from,
+    check_state,
+    check_state_version,
+    dealt_world,
+    order_kind,
+)
 from fastload.order.record import Order
 from fastload.order.sampling import SamplerOrder, SeededOrder
 from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
@@ -382,11 +391,11 @@ class Loader(Generic[T_co]):
         if not self._iterable:
             self._bind_run(announce=True)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where the consumer is: epoch + batches received + (sampler) order state, and what the
-        order depends on (world size, batch size, dataset length), checked by `load_state_dict`."""
+    def get_state(self) -> dict[str, Any]:
+        """Where the consumer is: epoch + batches received + the order's position (`fastload.order.position`),
+        and what the order depends on (world size, batch size, dataset length), checked by `set_state`."""
         if self._iterable:
-            raise TypeError("state_dict() is not supported for IterableDataset")
+            raise TypeError("get_state() / state_dict() is not supported for IterableDataset")
         pos = self._progress.saved()
         return {
             "version": STATE_VERSION,
@@ -400,18 +409,22 @@ class Loader(Generic[T_co]):
             "run_seed": self.run.seed,
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        """`get_state()`, under the name torch's stateful protocol uses (Lightning, Accelerate, torchdata)."""
+        return self.get_state()
+
     def _dealt_world(self) -> int:
         return dealt_world(self.sampler, self.batch_sampler, self._orders.rank_world()[1])
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next `iter()` continues exactly after the last batch received. A state
-        this Loader cannot continue exactly (another dataset length; a sampler order saved at
-        another world or batch size, which only a seeded order can re-deal; the other kind of
-        order) raises `ValueError`: nothing is replayed or skipped silently."""
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resume from a `get_state()`: the next `iter()` continues exactly after the last batch
+        received. A state this Loader cannot continue exactly (another state or order version;
+        another dataset length; a sampler order saved at another world or batch size, which only a
+        seeded order can re-deal; the other kind of order) raises `ValueError` naming what differs:
+        nothing is replayed or skipped silently."""
         if self._iterable:
-            raise TypeError("load_state_dict() is not supported for IterableDataset")
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported Loader state version {state.get('version')!r}")
+            raise TypeError("set_state() / load_state_dict() is not supported for IterableDataset")
+        check_state_version(state)
         check_state(state, self._order, num_samples=len(self.dataset), world=self._dealt_world(),
                     batch_size=self.batch_size)
         self._progress.stop_active()
@@ -431,6 +444,10 @@ class Loader(Generic[T_co]):
                                     world=self._dealt_world())
         self._progress.restore(epoch, position, received)
         self._bind_run(announce=True)  # the components get the restored epoch (the position stays)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`set_state(state)`, under the name torch's stateful protocol uses (Lightning, Accelerate, torchdata)."""
+        self.set_state(state)
 
     def __getstate__(self) -> dict[str, Any]:
         """Configuration and position only (no threads, pools or buffers): the copy is rebuilt

@@ -86,6 +86,13 @@ class LMDBDataset:
         stays open); a later read maps it again."""
         self._spans.close()
 
+    @property
+    def learnt_values(self) -> int:
+        """How many records' places in the data file are known for the snapshot the last batch read
+        (learnt as values are first read; a commit by another process resets them): a batch of
+        only those records is one ranged copy out of the file, without per-key lookups."""
+        return self._spans.known()
+
     def keys(self) -> list[bytes]:
         """Every key in key order (sample i's key is `keys()[i]`), as a new list."""
         return list(self._keys)

@@ -111,6 +111,11 @@ class ValueSpans:
         self.starts.fill(-1)
         self.txnid = txnid
 
+    def known(self) -> int:
+        """How many records' spans are known for snapshot `txnid`."""
+        with self._lock:
+            return int(np.count_nonzero(self.starts >= 0))
+
     def learn(self, env: Any, txnid: int, indices: np.ndarray, addresses: np.ndarray, lengths: np.ndarray) -> None:
         """Record where the values of records `indices` lie in the file, from `view_spans` of their
         views (read in transaction `txnid` with buffers=True, still open); nothing is recorded where

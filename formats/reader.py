@@ -354,6 +354,13 @@ class FastloadDataset:
             return reader
 
     @property
+    def verified_blocks(self) -> int:
+        """How many blocks this process has checked against the manifest's checksums so far (each
+        is checked once per process, on its first read; 0 with `verify="none"` or a version-1
+        dataset): once every block under a column is, its reads skip the check."""
+        return 0 if self._ledger is None else self._ledger.verified_blocks()
+
+    @property
     def open_shards(self) -> int:
         """How many shards are mapped now (at most `max_open_shards`)."""
         return len(self._open)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastload.fetch.text_collate import TextCollate
@@ -218,29 +218,38 @@ collate_args = st.fixed_dictionaries(
 )
 
 
-@setting
+class _HostStaging:
+    """`PinnedStaging`'s `transfer` without a GPU: the parts as CPU tensors, so a collate built for a
+    CUDA device runs its device-side layout on the CPU."""
+
+    def transfer(self, parts, device) -> list[torch.Tensor]:
+        return [torch.from_numpy(np.array(p)) for p in parts]
+
+
+@pytest.fixture
+def device_layout_on_cpu(monkeypatch):
+    """A `TextCollate(device="cuda")` stages its batches through `_HostStaging` (no GPU needed)."""
+    from fastload.fetch import text_collate
+
+    monkeypatch.setattr(text_collate, "PinnedStaging", _HostStaging)
+
+
+@settings(setting, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture's patch is constant
 @given(collate_args, st.sampled_from(["padded", "packed"]))
-def test_collate_matches_reference(a: dict, mode: str) -> None:
+def test_collate_matches_reference(device_layout_on_cpu, a: dict, mode: str) -> None:
     seqs = [np.array(s, dtype=np.int32) for s in a["seqs"]]
     kw = {"pad": a["pad"], "multiple": a["multiple"], "max_len": a["max_len"], "label_pad": -100}
     ref = (_reference_padded if mode == "padded" else _reference_packed)(seqs, **kw)
-    collate = TextCollate(
-        mode=mode, labels=True, pad_value=a["pad"], pad_to_multiple_of=a["multiple"], max_len=a["max_len"]
-    )
+    args = dict(mode=mode, labels=True, pad_value=a["pad"], pad_to_multiple_of=a["multiple"], max_len=a["max_len"])
+    collate = TextCollate(**args)
     ragged = Ragged.from_list(seqs, kind="varray", dtype=np.int32)
     columnar = collate({"input_ids": ragged, "label": np.arange(len(seqs))})
     _assert_same(columnar, ref)
     assert torch.equal(columnar["label"], torch.arange(len(seqs)))
     samples = collate([{"input_ids": s, "label": i} for i, s in enumerate(seqs)])
     _assert_same(samples, ref)
-    # the device path (what runs after the single H2D copy) gives the same result on CPU tensors
-    values, offsets = torch.from_numpy(ragged.values), torch.from_numpy(ragged.offsets)
-    if a["max_len"] is None:
-        if mode == "padded":
-            length = _pad_up(int(ragged.lengths.max()), a["multiple"])
-            _assert_same(collate._padded_device(values, offsets, length), ref)
-        else:
-            _assert_same(collate._packed_device(values, offsets, ragged.lengths), ref)
+    # the device path (what runs after the single H2D copy) gives the same result, here on CPU tensors
+    _assert_same(TextCollate(**args, device="cuda")({"input_ids": ragged}), ref)
 
 
 def test_collate_stats_and_offsets_not_starting_at_zero() -> None:
@@ -265,8 +274,9 @@ def test_cuda_ops_reference_matches_host_padding() -> None:
     ragged = Ragged.from_list(seqs, kind="varray", dtype=np.int32)
     collate = TextCollate(labels=True, pad_to_multiple_of=8, pad_value=1)
     want = collate({"input_ids": ragged})
-    got = collate._padded_device(torch.from_numpy(ragged.values), torch.from_numpy(ragged.offsets), 24)
-    _assert_same(got, want)
+    ids, mask, labels = pad_ragged(torch.from_numpy(ragged.values), torch.from_numpy(ragged.offsets), pad_value=1,
+                                   pad_to_multiple_of=8, labels_pad_value=-100)
+    _assert_same({"input_ids": ids.long(), "attention_mask": mask.long(), "labels": labels}, want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

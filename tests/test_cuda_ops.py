@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastload import cuda_ops
-from fastload.cuda_ops import _nvrtc, normalize, ragged
+from fastload.cuda_ops import _nvrtc
 from fastload.cuda_ops._registry import ENTRY_POINTS
 
 KERNELS = sorted(_nvrtc.KERNEL_DIR.glob("*.cu"))
@@ -306,8 +306,8 @@ def test_normalize_kernel_source_matches_reference(host_emulator, variant, batch
     launch = host_emulator() if variant is None else host_emulator(*variant)
     images = torch.from_numpy(img)
     flip_t = None if flip is None else torch.from_numpy(flip)
-    out = normalize._launch_normalize(images, tuple(np.float32(mean).tolist()), tuple(np.float32(std).tolist()),
-                                      flip_t, layout, dtype, launch)
+    out = cuda_ops.normalize_batch(images, mean=mean, std=std, flip=flip_t, layout=layout, dtype=dtype,
+                                   launcher=launch)
     ref = cuda_ops.normalize_batch_reference(images, mean=mean, std=std, flip=flip_t, layout=layout, dtype=dtype)
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
     np.testing.assert_array_equal(_bits(out), _bits(ref))  # bit-exact: IEEE division, RNE rounding
@@ -320,9 +320,9 @@ def test_normalize_kernel_source_matches_reference(host_emulator, variant, batch
 def test_pad_ragged_kernel_source_matches_reference(host_emulator, variant, batch):
     values, offsets, pad_value, multiple, max_len, labels_pad, mask_dtype = batch
     launch = host_emulator() if variant is None else host_emulator(*variant)
-    v, o, length = ragged._validate(torch.from_numpy(values), torch.from_numpy(offsets), pad_value, multiple, max_len,
-                                    labels_pad, mask_dtype)
-    out = ragged._launch_pad_ragged(v, o, length, pad_value, labels_pad, mask_dtype, launch)
+    out = cuda_ops.pad_ragged(torch.from_numpy(values), torch.from_numpy(offsets), pad_value=pad_value,
+                              pad_to_multiple_of=multiple, max_len=max_len, labels_pad_value=labels_pad,
+                              mask_dtype=mask_dtype, launcher=launch)
     _check_pad(out, np_pad_ragged(values, offsets, pad_value, multiple, max_len, labels_pad), mask_dtype, labels_pad)
 
 
@@ -333,16 +333,16 @@ def test_emulated_kernels_cover_wide_rows_and_many_rows(host_emulator):
     img = rng.integers(0, 256, size=(5, 7, 600, 3), dtype=np.uint8)
     flip = torch.tensor([True, True, False, False, True, False, True, True, False, True])[::2]  # non-contiguous
     for layout in ("NCHW", "NHWC"):
-        _, _, flip_arg = normalize._validate(torch.from_numpy(img), 0, 1, flip, layout, torch.float32)
-        out = normalize._launch_normalize(torch.from_numpy(img), (1.0, 2.0, 3.0), (4.0, 5.0, 6.0), flip_arg, layout,
-                                          torch.float32, launch)
+        out = cuda_ops.normalize_batch(torch.from_numpy(img), mean=(1.0, 2.0, 3.0), std=(4.0, 5.0, 6.0), flip=flip,
+                                       layout=layout, launcher=launch)
         np.testing.assert_array_equal(out.numpy(), np_normalize(img, (1, 2, 3), (4, 5, 6), flip.numpy(), layout,
                                                                 torch.float32))
     lengths = [700, 0, 3, 513, 1]
     values = rng.integers(-5, 5, size=sum(lengths), dtype=np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    out = ragged._launch_pad_ragged(torch.from_numpy(values), torch.from_numpy(offsets), 704, -1, -100, torch.bool,
-                                    launch)
+    out = cuda_ops.pad_ragged(torch.from_numpy(values), torch.from_numpy(offsets), pad_value=-1, pad_to_multiple_of=8,
+                              labels_pad_value=-100, mask_dtype=torch.bool, launcher=launch)
+    assert out[0].shape == (5, 704)
     _check_pad(out, np_pad_ragged(values, offsets, -1, 8, None, -100), torch.bool, -100)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -168,14 +169,17 @@ def test_text_collate_unknown_field_names_the_fields(tmp_path):
     assert "TextCollate(field='tokens'): no such field in the batch (fields: ['input_ids', 'y'])" in str(err.value)
 
 
-def test_inspect_quantiles_match_numpy():
-    from fastload.cli import _quantile
-
+def test_inspect_quantiles_match_numpy(tmp_path, capsys):
     rng = np.random.default_rng(0)
     for n in (1, 2, 3, 10, 101, 5000):
-        v = rng.integers(0, 10**6, n)
-        for q in (0.5, 0.99):
-            assert _quantile(v, q) == int(np.percentile(v, 100 * q))
+        lengths = rng.integers(0, 300, n)
+        out = tmp_path / f"ds{n}"
+        write(({"t": bytes(int(k))} for k in lengths), str(out), progress=False)
+        assert main(["inspect", str(out)]) == 0
+        text = capsys.readouterr().out
+        shown = re.search(r"length: min \d+, mean [\d.]+, p50 (\d+), p99 (\d+), max", text)
+        assert shown is not None, text
+        assert [int(x) for x in shown.groups()] == [int(np.percentile(lengths, 100 * q)) for q in (0.5, 0.99)]
 
 
 @pytest.mark.parametrize("package", ["fastload", "fastload.formats"])

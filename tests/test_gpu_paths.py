@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastload.fetch.text_collate import TextCollate, _PinnedStaging
+from fastload.fetch.text_collate import PinnedStaging, TextCollate
 from fastload.formats.ragged import Ragged
 from fastload.transfer.ring import BufferRing
 from fastload.transfer.side_stream import use_worker_stream, worker_stream
@@ -51,12 +51,13 @@ class FakeStream:
 
 
 class FakeCuda:
-    """Records which device is current when each call happens."""
+    """Records which device is current when each call happens; an event's `synchronize` calls
+    `on_sync()` (when set) and records what it returns."""
 
-    def __init__(self, lock_free) -> None:
+    def __init__(self) -> None:
         self.current: torch.device | None = None
         self.calls: list[tuple[str, object, object]] = []
-        self.lock_free = lock_free
+        self.on_sync = None
         fake = self
 
         class Event:
@@ -64,7 +65,8 @@ class FakeCuda:
                 fake.calls.append(("record", stream.device, fake.current))
 
             def synchronize(self) -> None:
-                fake.calls.append(("synchronize", fake.lock_free(), fake.current))
+                on_sync, fake.on_sync = fake.on_sync, None
+                fake.calls.append(("synchronize", on_sync() if on_sync else None, fake.current))
 
         self.Event = Event
 
@@ -81,25 +83,17 @@ class FakeCuda:
         return FakeStream(torch.device(device))
 
 
-def _free_from_another_thread(cond: threading.Condition) -> bool:
-    got: list[bool] = []
-
-    def probe() -> None:
-        ok = cond.acquire(timeout=0.5)
-        got.append(ok)
-        if ok:
-            cond.release()
-
-    t = threading.Thread(target=probe)
+def _finishes_in_another_thread(fn) -> bool:
+    """Whether `fn()` run by another thread returns within 2 s (it would block on a lock held here)."""
+    t = threading.Thread(target=fn, daemon=True)
     t.start()
-    t.join()
-    return got[0]
+    t.join(2.0)
+    return not t.is_alive()
 
 
 def test_staging_guards_the_device_records_on_its_stream_and_waits_outside_the_lock(monkeypatch):
-    staging = _PinnedStaging(slots=1, pin=False, cuda=None)
-    fake = FakeCuda(lambda: _free_from_another_thread(staging._cond))
-    staging._cuda = fake
+    fake = FakeCuda()
+    staging = PinnedStaging(slots=2, pin=False, cuda=fake)
     allocated_under: list[object] = []
     real_empty = torch.empty
 
@@ -113,17 +107,23 @@ def test_staging_guards_the_device_records_on_its_stream_and_waits_outside_the_l
     out = staging.transfer(parts, target)
     assert [t.device for t in out] == [target, target] and [t.shape for t in out] == [(3,), (5,)]
     assert out[1].dtype == torch.uint16
-    staging.transfer(parts, target)  # the one slot again: its first copy is waited for
-    assert allocated_under == [target]  # the pinned allocation ran under the target device's guard
+    staging.transfer(parts, target)  # the second slot
+    # the first slot again: while its copy is waited for, another thread transfers through the second
+    fake.on_sync = lambda: _finishes_in_another_thread(lambda: staging.transfer(parts, target))
+    staging.transfer(parts, target)
+    assert allocated_under == [target, target]  # the pinned allocations ran under the target device's guard
     records = [c for c in fake.calls if c[0] == "record"]
-    assert records == [("record", target, target)] * 2  # on the target device's stream, under its guard
+    assert records == [("record", target, target)] * 4  # on the target device's stream, under its guard
     syncs = [c for c in fake.calls if c[0] == "synchronize"]
-    assert syncs == [("synchronize", True, None)]  # outside the lock, before any device guard
+    # outside the lock (the other thread's transfer finished meanwhile) and before any device guard;
+    # then the other thread's own wait for the second slot's copy
+    assert syncs == [("synchronize", None, None), ("synchronize", True, None)]
 
 
 def test_staging_round_trips_bytes_on_cpu():
-    staging = _PinnedStaging(slots=2, pin=False, cuda=FakeCuda(lambda: True))
-    staging._cuda.device = lambda d: contextlib.nullcontext()
+    fake = FakeCuda()
+    fake.device = lambda d: contextlib.nullcontext()
+    staging = PinnedStaging(slots=2, pin=False, cuda=fake)
     parts = [np.array([0, 5, 9], dtype=np.int64), np.arange(9, dtype=np.int32) * 7]
     for _ in range(3):
         out = staging.transfer(parts, torch.device("cpu"))
@@ -132,16 +132,18 @@ def test_staging_round_trips_bytes_on_cpu():
 
 # -- the buffer ring waits on a fence outside its lock --------------------------------------------------
 def test_ring_waits_on_a_fence_outside_its_lock():
-    ring = BufferRing(1, pin=False)
+    ring = BufferRing(2, pin=False)
     seen: list[bool] = []
+    first, slot = ring.write({"x": torch.arange(4)})
+    second, other = ring.write({"x": torch.arange(4)})
+    del first, second  # dropped by the user: the slots may be rewritten once their fences complete
 
     class Fence:
-        def synchronize(self) -> None:
-            seen.append(_free_from_another_thread(ring._cond))
+        def synchronize(self) -> None:  # while it is waited for, another thread takes the other slot
+            seen.append(_finishes_in_another_thread(lambda: ring.write({"x": torch.arange(4)})))
 
-    first, slot = ring.write({"x": torch.arange(4)})
-    del first  # dropped by the user: the slot may be rewritten once its fence completes
     ring.release(slot, Fence())
+    ring.release(other)
     out, again = ring.write({"x": torch.arange(4) + 1})
     assert seen == [True] and again is slot and out["x"].tolist() == [1, 2, 3, 4]
 
@@ -204,13 +206,23 @@ def test_cuda_collate_equals_cpu_and_checks_pad_value(mode):
 @cuda_only
 def test_cuda_staging_on_the_last_gpu_records_on_its_stream():
     last = torch.device("cuda", torch.cuda.device_count() - 1)
-    staging = _PinnedStaging(slots=1)
+    recorded: list[object] = []
+
+    class Cuda:  # torch.cuda, noting the stream each copy's event is recorded on
+        device, current_stream = staticmethod(torch.cuda.device), staticmethod(torch.cuda.current_stream)
+
+        class Event(torch.cuda.Event):
+            def record(self, stream=None) -> None:
+                recorded.append(stream)
+                super().record(stream)
+
+    staging = PinnedStaging(slots=1, cuda=Cuda)
     side = torch.cuda.Stream(last)
     with torch.cuda.device(last), torch.cuda.stream(side):
         for i in range(4):
             out = staging.transfer([np.full(1000, i, dtype=np.int64)], last)
             assert out[0].device == last and int(out[0].sum()) == 1000 * i
-    assert staging._free[0].event is not None
+    assert recorded == [side] * 4
 
 
 @cuda_only

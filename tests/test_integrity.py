@@ -378,10 +378,12 @@ def test_warm_reads_skip_verification(pristine, tmp_path):
 def test_process_workers_verify_on_their_own(pristine):
     ds = FastloadDataset(pristine["fixed"][0])
     ds.get_batch(np.arange(len(ds)))
+    assert ds.verified_blocks > 0
     import pickle
 
     clone = pickle.loads(pickle.dumps(ds))
-    assert clone._ledger.verified_blocks() == 0  # a fresh ledger per process
+    assert clone.verified_blocks == 0  # a fresh ledger per process
+    assert FastloadDataset(pristine["fixed"][0], verify="none").verified_blocks == 0
 
 
 def _downgrade_to_v1(src, dst) -> None:

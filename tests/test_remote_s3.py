@@ -370,23 +370,28 @@ def test_loader_epochs_and_resume_over_s3(remote, local_ds, proxy, tmp_path, wor
 
 
 def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the_get(
-    remote, local_ds, proxy, tmp_path, monkeypatch
+    remote, local_ds, proxy, tmp_path
 ):
-    """The fsspec transport (the one with event loops) streams bodies in pieces on its loop threads."""
-    import fastload.remote.storage as remote_mod
+    """The fsspec transport's streamed GET (`stream_into` on `ReceiveLoops`, what `RemoteStorage` runs
+    on s3fs) writes bodies in pieces on its loop threads, one request per object."""
     from fastload.formats import ChecksumError
+    from fastload.remote.get import stream_into
+    from fastload.remote.receive_loops import ReceiveLoops
+    from fastload.remote.transfer_stats import TransferStats
 
-    monkeypatch.setattr(remote_mod, "STREAM_CHUNK", 16 << 10)
     before = _threads("fastload-receive")
     ds = open_remote(remote, proxy.endpoint, cache_dir=tmp_path, cache_limit="10MB", transport="fsspec")
     st: RemoteStorage = ds.storage
     info = ds.manifest.shards[0]
+    loops = ReceiveLoops(url=st.url, storage_options=st.storage_options, count=1)
+    chunk = 16 << 10
 
     class Sink:
         def __init__(self, fail_after: int | None = None) -> None:
             self.parts: list[bytes] = []
             self.threads: set[str] = set()
             self.fail_after = fail_after
+            self.size = info.bytes
 
         def write(self, b: bytes) -> None:
             self.threads.add(threading.current_thread().name)
@@ -394,22 +399,28 @@ def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the
             if self.fail_after is not None and len(self.parts) >= self.fail_after:
                 raise ChecksumError("more bytes than the manifest records")
 
+    def get(sink: Sink) -> TransferStats:
+        stats = TransferStats()
+        loops.run(stream_into, st.remote_path(info.file), sink, chunk, stats)  # NoStream if it could not stream
+        return stats
+
     sink = Sink()
-    st._get_into(st.remote_path(info.file), sink)
+    stats = get(sink)
     with open(os.path.join(local_ds, info.file), "rb") as fh:
         assert b"".join(sink.parts) == fh.read()
-    assert len(sink.parts) >= info.bytes // (16 << 10)  # streamed in pieces, not one buffer
+    assert len(sink.parts) >= info.bytes // chunk  # streamed in pieces, not one buffer
     assert sink.threads == {"fastload-receive"}  # written by a receive loop's thread, not the caller
-    assert st._stream_ok and shard_gets(proxy) == 1
+    assert stats.received() == info.bytes and shard_gets(proxy) == 1  # one GET, no HEAD before it
     # an error raised by a write reaches the caller and the half-read response is dropped
     with pytest.raises(ChecksumError):
-        st._get_into(st.remote_path(info.file), Sink(fail_after=2))
+        get(Sink(fail_after=2))
     full = Sink()
-    st._get_into(st.remote_path(info.file), full)  # the connection pool still works
+    get(full)  # the connection pool still works
     assert sum(map(len, full.parts)) == info.bytes
+    loops.close()
     ds.close()
     st.close()
-    assert _threads("fastload-receive") <= before  # this storage's receive loops ended
+    assert _threads("fastload-receive") <= before  # the receive loops ended
 
 
 # -- budget: bytes on disk, readers sharing one cache --------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from fastload.formats.ragged import Ragged
 from fastload.run import RunContext
 
-__all__ = ["TextCollate"]
+__all__ = ["PinnedStaging", "TextCollate"]
 
 _MODES = ("padded", "packed")
 
@@ -73,13 +73,16 @@ class _Slot:
         self.event: Any = None  # the H2D copy out of `buf` (recorded on the copying stream)
 
 
-class _PinnedStaging:
-    """A ring of pinned host buffers: pack several arrays, copy them to the device in one transfer.
+class PinnedStaging:
+    """A ring of `slots` pinned host buffers: `transfer(parts, device)` packs several arrays into one
+    and copies them to the device in one transfer (what `TextCollate` does with a batch's tokens and
+    offsets), returning a device tensor per array.
 
     Every CUDA call runs under `cuda.device(device)` (the pinned allocation too: no context lands
     on GPU 0), the copy and its event go on `device`'s current stream, and a slot's previous copy
-    is waited for outside the ring's lock (the slot is off the free list meanwhile). `cuda` and
-    `pin` are injectable for tests without a GPU.
+    is waited for outside the ring's lock (the slot is off the free list meanwhile), so other
+    threads keep transferring through the other slots. `cuda` (default `torch.cuda`: `device`,
+    `current_stream`, `Event`) and `pin` can be replaced, e.g. to run it without a GPU.
     """
 
     def __init__(self, *, slots: int = 4, cuda: Any = None, pin: bool = True) -> None:
@@ -199,7 +202,7 @@ class TextCollate:
 
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()
-        self._staging: _PinnedStaging | None = None
+        self._staging: PinnedStaging | None = None
         self._counts = {"batches": 0, "real_tokens": 0, "padded_tokens": 0}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -353,7 +356,7 @@ class TextCollate:
                 out = self._packed_numpy(values, offsets, lens)
         else:
             if self._staging is None:
-                self._staging = _PinnedStaging()
+                self._staging = PinnedStaging()
             dev_offsets, dev_values = self._staging.transfer([offsets, values], self.device)
             if self.mode == "padded":
                 out = self._padded_device(dev_values, dev_offsets, length)

@@ -74,8 +74,8 @@ class TokenBudgetBatchSampler(RankedSampler):
 
     Yields lists of sample indices. A Loader holding it hands it the epoch (`bind_run`); used
     alone, call `set_epoch(e)` every epoch. `rank` / `world_size`: None takes the Loader's (see
-    the module docstring). `state_dict()` / `load_state_dict()` resume mid-epoch exactly (same
-    world size, seed and lengths).
+    the module docstring). `get_state()` / `set_state()` (and torch's names for them, `state_dict()` /
+    `load_state_dict()`) resume mid-epoch exactly (same world size, seed and lengths).
     """
 
     def __init__(
@@ -325,7 +325,7 @@ class TokenBudgetBatchSampler(RankedSampler):
             self._at = (0, 0)
 
     def _settings(self) -> dict[str, Any]:
-        # cheap: the Loader snapshots `state_dict()` after every batch it pulls
+        # cheap: the Loader snapshots `state_dict()` (`get_state()`) after every batch it pulls
         return {
             "seed": self.seed,
             "num_samples": len(self.lengths),
@@ -345,12 +345,8 @@ class TokenBudgetBatchSampler(RankedSampler):
         of the next batch."""
         return EpochPosition(self.epoch, self._yielded, self.rank, self.world_size, self._settings(), self._at)
 
-    def state_dict(self) -> dict[str, Any]:
-        """`self.position.get_state()`: enough to continue after the last yielded batch."""
-        return self.position.get_state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`: the next `__iter__` starts after its last yielded batch."""
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a `get_state()`): the next `__iter__` starts after its last yielded batch."""
         pos = EpochPosition.from_state(state, owner="TokenBudgetBatchSampler", world_size=self.world_size,
                                        settings=self._settings())
         if len(pos.cursor) != 2:

@@ -2,7 +2,7 @@
 
 The order is an iterator of `(indices, position)`; `position` (a few integers, plus the
 sampler's RNG state for a sampler order) is the stage's resume state: the Loader keeps the
-position of the last batch the consumer received and `state_dict()` saves it.
+position of the last batch the consumer received and `Loader.get_state()` saves it.
 """
 
 from __future__ import annotations
@@ -12,9 +12,28 @@ from typing import Any
 from fastload.order.position import SamplerPosition, parse_position
 from fastload.order.sampling import RunRank, SamplerOrder, SeededOrder, batches_left
 
-__all__ = ["STATE_VERSION", "RankedOrder", "batches_from", "check_state", "dealt_world", "make_order", "order_kind"]
+__all__ = [
+    "STATE_VERSION",
+    "RankedOrder",
+    "batches_from",
+    "check_state",
+    "check_state_version",
+    "dealt_world",
+    "make_order",
+    "order_kind",
+]
 
-STATE_VERSION = 1
+STATE_VERSION = 1  # the layout of `Loader.get_state()` (its position's own version is `position.ORDER_VERSION`)
+
+
+def check_state_version(state: dict[str, Any]) -> None:
+    """Raise ValueError unless `state` is a Loader state of `STATE_VERSION` (its `version` key)."""
+    version = state.get("version") if isinstance(state, dict) else None
+    if version != STATE_VERSION:
+        raise ValueError(
+            f"cannot resume the Loader: the state's 'version' is {version!r}, this fastload reads Loader states "
+            f"of version {STATE_VERSION} (what Loader.get_state() / state_dict() returns)"
+        )
 
 
 def make_order(

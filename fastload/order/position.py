@@ -1,8 +1,9 @@
 """Resume state: one versioned position per order, checked in one place, re-dealt by one rule.
 
 Every order fastload runs and every sampler it ships saves where an epoch is as a plain dict
-(what `state_dict()` stores) and reads it back through the types here, so a state is validated
-once, by the same rules, with errors that say what differs:
+(what `get_state()` returns, and torch's `state_dict()` with it) and reads it back through the
+types here (`set_state()`), so a state is validated once, by the same rules, with errors that
+say what differs:
 
 * `ORDER_VERSION`: the algorithm behind every seeded order fastload computes (the Loader's
   `SeededOrder`, `TokenBudgetBatchSampler`, `ShardWindowSampler`: `IndexShuffle`). A state of
@@ -13,7 +14,7 @@ once, by the same rules, with errors that say what differs:
   size; `SamplerPosition`: a replayed sampler's (batches yielded, the sampler's own state, the
   RNG states of the epoch's start). `parse_position` tells the two apart.
 * `EpochPosition`: where a sampler fastload ships (`TokenBudgetBatchSampler`,
-  `ShardWindowSampler`) is in its epoch: the one state shape both save through `state_dict()`.
+  `ShardWindowSampler`) is in its epoch: the one state shape both save through `get_state()`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class SeededPosition:
     batches: int
 
     def get_state(self) -> dict[str, Any]:
-        """The position as saved (`Loader.state_dict()["position"]`)."""
+        """The position as saved (`Loader.get_state()["position"]`)."""
         return self.state(self.n, self.shuffle, self.base, self.world_size, self.batch_size, self.batches)
 
     @staticmethod
@@ -137,7 +138,7 @@ class SamplerPosition:
     base_seed: int | None
 
     def get_state(self) -> dict[str, Any]:
-        """The position as saved (`Loader.state_dict()["position"]`)."""
+        """The position as saved (`Loader.get_state()["position"]`)."""
         return {"batches": self.batches, "sampler_state": self.sampler_state, "rng": self.rng,
                 "base_seed": self.base_seed}
 
@@ -169,7 +170,7 @@ class EpochPosition:
     cursor: tuple[int, ...] = ()
 
     def get_state(self) -> dict[str, Any]:
-        """The position as saved (`sampler.state_dict()`): plain ints, lists and dicts."""
+        """The position as saved (`sampler.get_state()`): plain ints, lists and dicts."""
         return {
             "order": ORDER_VERSION,
             "epoch": self.epoch,

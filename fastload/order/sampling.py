@@ -31,7 +31,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from fastload.fetch.plan import PLAN_MAX_BYTES, PlanSlice
 from fastload.order.ahead import Ahead
 from fastload.order.index_shuffle import IndexShuffle
-from fastload.order.position import SamplerPosition, SeededPosition
+from fastload.order.position import EpochPosition, SamplerPosition, SeededPosition
 from fastload.order.record import BatchRecord, Planner
 from fastload.run import RunContext
 
@@ -131,10 +131,37 @@ class RunRank:
 
 class RankedSampler:
     """What fastload's samplers share: `rank` / `world_size` by the `RunRank` rule (`_ranks`, set by
-    the subclass), and `bind_run` (`fastload.run.RunAware`): the Loader's rank and world size
-    where none were given (ValueError if given ones contradict it) and its epoch, as `set_epoch`."""
+    the subclass), `bind_run` (`fastload.run.RunAware`): the Loader's rank and world size where
+    none were given (ValueError if given ones contradict it) and its epoch, as `set_epoch`; and
+    resume state: `get_state()` is `position.get_state()` (the subclass's `EpochPosition`),
+    `set_state(state)` (the subclass's) continues from one, and torch's `state_dict()` /
+    `load_state_dict()` (what the Loader, Lightning and torchdata's `StatefulDataLoader` call)
+    are those two."""
 
     _ranks: RunRank
+
+    @property
+    def position(self) -> EpochPosition:
+        """Where this rank is in its epoch."""
+        raise NotImplementedError
+
+    def get_state(self) -> dict[str, Any]:
+        """`self.position.get_state()`: enough to continue after the last item yielded."""
+        return self.position.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a `get_state()`, or an older flat one): the next `__iter__`
+        resumes after its last yielded item. A state of another order version, or saved with
+        other settings or at another world size, raises ValueError naming what differs."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """`get_state()`, under the name torch's stateful protocol uses."""
+        return self.get_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`set_state(state)`, under the name torch's stateful protocol uses."""
+        self.set_state(state)
 
     @property
     def rank(self) -> int:

@@ -47,9 +47,9 @@ class ShardWindowSampler(RankedSampler):
 
     `shard_sizes` are the sample counts per shard, in dataset order. `window` is the number of
     shards whose samples are shuffled together. `rank` / `world_size`: None takes the Loader's
-    (or, alone, the run's: see the module docstring). `state_dict()` records the epoch and how
-    many indices this rank's iterator has yielded; a Loader that reads ahead should store the
-    number it actually delivered as `consumed` instead.
+    (or, alone, the run's: see the module docstring). `get_state()` (torch's name: `state_dict()`)
+    records the epoch and how many indices this rank's iterator has yielded; a Loader that reads
+    ahead should store the number it actually delivered as `consumed` instead.
     """
 
     def __init__(
@@ -251,12 +251,9 @@ class ShardWindowSampler(RankedSampler):
         settings = {k: getattr(self, k) for k in ("seed", "window", "shuffle", "num_samples", "drop_last")}
         return EpochPosition(self.epoch, self._consumed, self.rank, self.world_size, settings)
 
-    def state_dict(self) -> dict[str, Any]:
-        """`self.position.get_state()`: the epoch, indices consumed and the settings a resume must match."""
-        return self.position.get_state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next `__iter__` continues the saved epoch after its `consumed` indices."""
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a `get_state()`): the next `__iter__` continues its epoch after its
+        `consumed` indices."""
         current = self.position
         pos = EpochPosition.from_state(state, owner="ShardWindowSampler", world_size=self.world_size,
                                        settings=current.settings)
