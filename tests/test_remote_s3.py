@@ -424,14 +424,24 @@ def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the
 
 
 # -- budget: bytes on disk, readers sharing one cache --------------------------------------------------
+def _sizes(folder: str) -> dict[str, int]:
+    sizes = {}
+    with os.scandir(folder) as it:
+        for de in it:
+            with contextlib.suppress(FileNotFoundError):
+                sizes[de.name] = de.stat().st_size
+    return sizes
+
+
 def _dir_bytes(root: str) -> int:
-    total = 0
-    for sub in ("data", "tmp"):
-        with os.scandir(os.path.join(root, sub)) as it:
-            for de in it:
-                with contextlib.suppress(FileNotFoundError):
-                    total += de.stat().st_size
-    return total
+    """Bytes of the files in data/ and tmp/ that exist together: data/ is listed before and after tmp/,
+    and a data file counts only when in both lists (one evicted while tmp/ was listed never coexisted
+    with a download created meanwhile at its full size; one renamed in from tmp/ is counted there)."""
+    data = os.path.join(root, "data")
+    before = _sizes(data)
+    tmp = _sizes(os.path.join(root, "tmp"))
+    after = _sizes(data)
+    return sum(tmp.values()) + sum(n for name, n in before.items() if name in after)
 
 
 def test_disk_bytes_stay_within_budget_at_every_moment(remote, local_ds, proxy, tmp_path):
@@ -459,7 +469,7 @@ def test_disk_bytes_stay_within_budget_at_every_moment(remote, local_ds, proxy, 
     finally:
         stop.set()
         sampler_thread.join()
-    assert samples[0] > 100 and 0 < peak[0] <= limit, (peak[0] / biggest, samples[0])
+    assert samples[0] > 50 and 0 < peak[0] <= limit, (peak[0] / biggest, samples[0])
     assert ds.storage.stats()["remote_fetched"] > local.num_shards  # evictions happened: the budget was tight
 
 
