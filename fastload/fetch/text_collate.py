@@ -92,6 +92,7 @@ class PinnedStaging:
         self._cond = threading.Condition()
 
     def transfer(self, parts: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+        """Copy `parts` to `device` in one transfer through a free slot; one device tensor per part."""
         spans, total = [], 0
         for p in parts:
             spans.append((total, p.nbytes))
