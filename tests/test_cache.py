@@ -446,6 +446,32 @@ def test_download_parts_in_any_order_are_hashed_in_file_order(tmp_path):
     dl.close()
 
 
+def test_download_reset_discards_what_was_written_and_leaves_a_fresh_file_alone(tmp_path):
+    """`reset` of an empty file leaves it untouched (no truncation: its times stay as they were); a
+    file holding any bytes is emptied, and the download then verifies from scratch."""
+    data = bytes(range(256)) * 8
+    path = tmp_path / "t"
+    dl = Download(str(path), size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data), where="s0")
+    os.utime(path, ns=(10**9, 10**9))
+    dl.reset()
+    assert os.stat(path).st_mtime_ns == 10**9 and os.stat(path).st_ctime_ns > 10**9  # ctime: from the utime
+    ctime = os.stat(path).st_ctime_ns
+    time.sleep(0.01)
+    dl.reset()
+    assert os.stat(path).st_ctime_ns == ctime and os.stat(path).st_mtime_ns == 10**9
+    with open(path, "r+b") as f:  # bytes that reached the file without being counted (a write that failed)
+        f.write(b"left over")
+    dl.reset()
+    assert path.stat().st_size == 0
+    dl.write(b"junk")
+    dl.reset()
+    assert path.stat().st_size == 0 and dl.written == 0
+    dl.write(data)
+    dl.check()
+    dl.finish(fsync=False)
+    assert path.read_bytes() == data
+
+
 # -- a verified download vouches for its file -------------------------------------------------------
 
 

@@ -41,9 +41,12 @@ class Download:
         self.stats = stats if stats is not None else TransferStats()
 
     def reset(self) -> None:
-        """Discard what was written (before a retry)."""
-        self._fh.seek(0)
-        self._fh.truncate()
+        """Discard what was written (before a retry). An empty file is not truncated: on ext4,
+        truncating a file to zero length (even an empty one) makes its `close` start the writeback of
+        everything written after, which the downloading thread then waits on."""
+        self._fh.seek(0)  # writes a failed write left buffered reach the file first
+        if self.written or os.fstat(self._fh.fileno()).st_size:
+            self._fh.truncate()
         self._hash.reset()
         self.written = self._hashed = 0
         self._parts.clear()
