@@ -43,7 +43,7 @@ class Download:
     def reset(self) -> None:
         """Discard what was written (before a retry). An empty file is not truncated: on ext4,
         truncating a file to zero length (even an empty one) makes its `close` start the writeback of
-        everything written after, which the downloading thread then waits on."""
+        everything written after it (block allocation and I/O submission in the downloading thread)."""
         self._fh.seek(0)  # writes a failed write left buffered reach the file first
         if self.written or os.fstat(self._fh.fileno()).st_size:
             self._fh.truncate()
