@@ -446,6 +446,28 @@ def test_download_parts_in_any_order_are_hashed_in_file_order(tmp_path):
     dl.close()
 
 
+def test_download_reset_never_truncates_and_the_retry_verifies_from_scratch(tmp_path):
+    """The temp file is made at full size and `reset` never truncates it (a reader may map it, and a
+    truncate makes ext4 write the whole file back at close): size and times stay; what the failed
+    attempt wrote is overwritten by the retry, which verifies from scratch."""
+    data = bytes(range(256)) * 8
+    path = tmp_path / "t"
+    dl = Download(str(path), size=len(data), xxh3=xxhash.xxh3_64_hexdigest(data), where="s0")
+    assert path.stat().st_size == len(data)
+    os.utime(path, ns=(10**9, 10**9))
+    ctime = os.stat(path).st_ctime_ns
+    time.sleep(0.01)
+    dl.reset()
+    assert os.stat(path).st_ctime_ns == ctime and os.stat(path).st_mtime_ns == 10**9
+    dl.write(b"junk" * 100)
+    dl.reset()
+    assert path.stat().st_size == len(data) and dl.written == 0
+    dl.write(data)
+    dl.check()
+    dl.finish(fsync=False)
+    assert path.read_bytes() == data
+
+
 # -- a verified download vouches for its file -------------------------------------------------------
 
 

@@ -107,8 +107,44 @@ def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
     assert set(res["user_cpu_s_per_GB"]) == set(res["cpu_s_per_GB"])
     assert all(0 <= res["user_cpu_s_per_GB"][k][0] <= v[0] for k, v in res["cpu_s_per_GB"].items())
     assert "\nof which user-mode: raw=" in text
+    user = res["user_cpu_s_per_GB"]
+    assert res["fetch_cost_s_per_GB"] == {  # per round: cold minus warm user CPU of the same Loader and order
+        row: [user[f"{row} cold"][0] - user[f"{row} warm"][0]] for row in ("w0 shuffled", "w0 sequential")
+    }
+    assert "\nfetch cost, user CPU s/GB of the cold epoch minus the warm one" in text and "w0 shuffled=" in text
     cold = res["stages"]["w0 shuffled cold"][0]
     assert cold["receive_s"] > 0 and cold["write_s"] > 0 and cold["gets_in_flight_mean"] >= 1
+
+
+def test_prefetch_threads_look_for_consumed_shards_once_per_interval(served, tmp_path, monkeypatch):
+    """While prefetched shards wait, the prefetch threads together read the cache's shared state at most
+    once per `CONSUMED_POLL_S`, however often acquires and releases wake them."""
+    from fastload.formats.manifest import MANIFEST_NAME, Manifest
+    from fastload.remote.plan import CONSUMED_POLL_S
+    from fastload.remote.storage import RemoteStorage
+
+    url, _ = served
+    st = RemoteStorage(url, cache_dir=str(tmp_path / "cache"), cache_limit="8MB", fetch_threads=4, prefetch_depth=2)
+    try:
+        names = [s.file for s in Manifest.loads(st.read_small(MANIFEST_NAME), where=url).shards]
+        assert len(names) >= 4
+        looks = []
+        real = st.cache.soft_keys
+        monkeypatch.setattr(st.cache, "soft_keys", lambda: looks.append(time.monotonic()) or real())
+        st.prefetch(names)  # 2 of them fetched ahead (the depth), the rest wait in the plan
+        deadline = time.monotonic() + 10
+        while st.stats()["remote_prefetched"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert st.stats()["remote_prefetched"] == 2
+        looks.clear()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.5:  # wake every thread, 500 times
+            st.planner.released(names[-1])
+            time.sleep(0.001)
+        took = time.monotonic() - t0
+        assert 1 <= len(looks) <= took / CONSUMED_POLL_S + 2, looks
+    finally:
+        st.close()
 
 
 def _ranged_epoch(url: str, cache_dir: str, n: int) -> dict:

@@ -457,7 +457,7 @@ def test_disk_bytes_stay_within_budget_at_every_moment(remote, local_ds, proxy, 
         while not stop.is_set():
             peak[0] = max(peak[0], _dir_bytes(str(tmp_path)))
             samples[0] += 1
-            time.sleep(0.0005)
+            time.sleep(0.0001)
 
     sampler_thread = threading.Thread(target=sample)
     sampler_thread.start()

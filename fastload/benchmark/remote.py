@@ -14,7 +14,9 @@ epoch added to `loader.stats()`, and each raw and cold pass the CPU seconds per 
 (all its threads: a cost that the machine's load changes far less than it changes wall time), and
 the user-mode part of it alone: system time includes the page faults of writing new page-cache
 pages, which on a VM that hands free memory back to its host swings with the host, while user time
-(receiving, hashing, bookkeeping, the Loader's batches) is the loader's own.
+(receiving, hashing, bookkeeping, the Loader's batches) is the loader's own. A Loader row's fetch
+cost is its cold epoch's user CPU minus its warm epoch's, per round (`fetch_costs`), printed beside
+the raw pipeline's user CPU.
 Every epoch reads the whole dataset: point it at a small one (a few hundred MB). `watch_pids`:
 processes (a local server) whose CPU share is reported. Before each raw pass and each cold epoch
 (untimed) as many bytes as the dataset holds are written to a scratch file and deleted
@@ -38,7 +40,7 @@ import fsspec
 import psutil
 import xxhash
 
-__all__ = ["STAGES", "format_remote", "raw_pipeline", "run_remote"]
+__all__ = ["STAGES", "fetch_costs", "format_remote", "raw_pipeline", "run_remote"]
 
 STAGES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s", "get_busy_s")
 
@@ -251,7 +253,14 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
         shutil.rmtree(work, ignore_errors=True)
     return {"url": url, "bytes": nbytes, "shards": len(shards), "rounds": rounds, "threads": threads,
             "rows": rows, "cpu_s_per_GB": cost, "user_cpu_s_per_GB": user, "stages": stages, "server_cpu_share": shares,
-            "first_batch_s": first}
+            "first_batch_s": first, "fetch_cost_s_per_GB": fetch_costs(user)}
+
+
+def fetch_costs(user: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per Loader row (its name without " cold"), per round: the user CPU s/GB of its cold epoch
+    minus its warm epoch's (the same Loader and order, every shard cached): what fetching cost."""
+    return {k[: -len(" cold")]: [c - w for c, w in zip(v, user[k[: -len("cold")] + "warm"], strict=True)]
+            for k, v in user.items() if k.endswith(" cold") and k[: -len("cold")] + "warm" in user}
 
 
 def _med(v: list[float]) -> float:
@@ -288,6 +297,13 @@ def format_remote(res: dict[str, Any]) -> str:
     if res.get("user_cpu_s_per_GB"):
         lines.append("of which user-mode: " + " ".join(
             f"{k}={_med(v):.2f}" for k, v in res["user_cpu_s_per_GB"].items()))
+    raw_user = res.get("user_cpu_s_per_GB", {}).get("raw")
+    if res.get("fetch_cost_s_per_GB") and raw_user:
+        base = _med(raw_user)
+        lines.append("fetch cost, user CPU s/GB of the cold epoch minus the warm one, median [min-max] (x raw's "
+                     f"median user CPU, {base:.3f} s/GB): " + "; ".join(
+                         f"{k}={_span(v, 1, 3)}" + (f" ({_med(v) / base:.1f}x)" if base > 0 else "")
+                         for k, v in res["fetch_cost_s_per_GB"].items()))
     lines.append(f"{'medians [min-max] over rounds':40s} {'MB/s':>15s} {'user s/GB':>17s} {'CPU s/GB':>17s} "
                  f"{'first batch s':>17s}")
     for k, v in rows.items():

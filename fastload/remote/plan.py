@@ -28,7 +28,9 @@ from functools import partial
 from fastload.remote.cache.shard_cache import BlockSpec, Download, ShardCache
 from fastload.remote.get_window import GetWindow
 
-__all__ = ["PrefetchPlan"]
+__all__ = ["CONSUMED_POLL_S", "PrefetchPlan"]
+
+CONSUMED_POLL_S = 0.1  # while prefetched shards wait, how often the threads (together) look for ones used elsewhere
 
 log = logging.getLogger("fastload.remote.storage")
 
@@ -63,6 +65,7 @@ class PrefetchPlan:
         self._inflight: set[str] = set()
         self._taken: set[str] = set()  # plan entries acquired since the plan was set
         self._demand = 0  # fetches run by readers themselves (GETs in flight beside the prefetches)
+        self._polled = float("-inf")  # when a thread last looked for prefetched shards consumed elsewhere
         self._workers: list[threading.Thread] = []
         self._stop = threading.Event()
 
@@ -175,9 +178,14 @@ class PrefetchPlan:
                         continue
                     self._inflight.add(name)
                     return name
-                self._cond.wait(timeout=0.1)
-                full = bool(self._plan) and bool(self._ready)
-            if full:
+                self._cond.wait(timeout=CONSUMED_POLL_S)
+                now = time.monotonic()
+                # one look at the shared state per interval for all threads: every acquire and release
+                # wakes each of them, and a look reads (and rewrites) the cache's state under its lock
+                poll = bool(self._plan) and bool(self._ready) and now - self._polled >= CONSUMED_POLL_S
+                if poll:
+                    self._polled = now
+            if poll:
                 self._forget_consumed()
         return None
 

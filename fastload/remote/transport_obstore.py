@@ -43,7 +43,10 @@ OBSTORE_SCHEMES = {
     "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "azure": "azure", "abfs": "azure",
     "abfss": "azure", "http": "http", "https": "http",
 }
-STREAM_CHUNK = 1 << 20  # body bytes handed to the sink per Python call
+# Body bytes handed to the sink per Python call. obstore hands each piece over as a new `bytes`, zero-filled
+# and then filled (two passes in user mode); a piece that fits the CPU's L2 beside the received chunks is
+# still cached when it is written and hashed: 256 KiB cost about 15% less user CPU per GB than 1 MiB here.
+STREAM_CHUNK = 256 << 10
 _PARTS_IN_FLIGHT = 4  # ranged GETs of one shard outstanding at once
 
 # fsspec options that configure fsspec's own instance bookkeeping, not the connection: ignored here
