@@ -154,8 +154,9 @@ def _epoch(ds: Any, *, shuffled: bool, workers: int, batch_size: int, window: in
     return took, stages
 
 
-class _Cpu:
-    """CPU seconds of some processes (and their children) since construction."""
+class ProcessCpu:
+    """CPU seconds of some processes and their children at construction: `seconds()` so far, `share()`
+    since construction."""
 
     def __init__(self, pids: tuple[int, ...]) -> None:
         self.procs = []
@@ -164,9 +165,10 @@ class _Cpu:
             with_children += with_children[0].children(recursive=True)
             self.procs += with_children
         self.t0 = time.perf_counter()
-        self.c0 = self._now()
+        self.c0 = self.seconds()
 
-    def _now(self) -> float:
+    def seconds(self) -> float:
+        """User + system seconds of the processes so far (those that ended count no more)."""
         total = 0.0
         for p in self.procs:
             try:
@@ -181,7 +183,7 @@ class _Cpu:
         from fastload.system import usable_cores
 
         wall = time.perf_counter() - self.t0
-        return (self._now() - self.c0) / (wall * usable_cores()) if wall > 0 else 0.0
+        return (self.seconds() - self.c0) / (wall * usable_cores()) if wall > 0 else 0.0
 
 
 def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, rounds: int = 3, threads: int = 8,
@@ -212,7 +214,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
         del probe
         local_ds = FastloadDataset(local) if local else None
         for r in range(rounds):
-            cpu = _Cpu(watch_pids) if watch_pids else None
+            cpu = ProcessCpu(watch_pids) if watch_pids else None
             for client in raw_clients:
                 name = "raw" if client == "plain" else f"raw {client}"
                 recycle_page_cache(work, nbytes)

@@ -37,9 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import psutil
-
-from fastload.benchmark.remote import _span, raw_pipeline
+from fastload.benchmark.remote import ProcessCpu, _span, raw_pipeline
 
 __all__ = ["LOADERS", "PEERS", "format_peers", "loader_epochs", "run_peers"]
 
@@ -68,28 +66,8 @@ def _cpu_since(c0: tuple[float, float]) -> dict[str, float]:
     return {"cpu_s": (user - c0[0]) + (system - c0[1]), "user_s": user - c0[0]}
 
 
-class _ServerCpu:
-    """CPU seconds of a process and its children (psutil), read on demand."""
-
-    def __init__(self, pid: int | None) -> None:
-        self.procs: list[psutil.Process] = []
-        if pid is not None:
-            root = psutil.Process(pid)
-            self.procs = [root, *root.children(recursive=True)]
-
-    def seconds(self) -> float:
-        total = 0.0
-        for p in self.procs:
-            try:
-                t = p.cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-        return total
-
-
 def _iterate(loader: Iterable[Any], t0: float, c0: tuple[float, float], expected: int, what: str,
-             server: _ServerCpu) -> dict[str, float]:
+             server: ProcessCpu) -> dict[str, float]:
     """Run one epoch of `loader`, counting samples; seconds and CPU since `t0` / `c0`, and the server's
     CPU seconds over the epoch."""
     s0 = server.seconds()
@@ -121,7 +99,7 @@ def loader_epochs(loader: str, url: str, storage_options: dict[str, Any], cache_
     from fastload.benchmark.limits import recycle_page_cache
 
     what = f"{loader} at {url}"
-    server = _ServerCpu(server_pid)
+    server = ProcessCpu(() if server_pid is None else (server_pid,))
     if loader == "fastload":
         import fastload
 
@@ -202,7 +180,7 @@ def run_peers(url: str, *, storage_options: dict[str, Any], peers: dict[str, dic
     if unknown:
         raise ValueError(f"unknown peers {unknown}; known: {', '.join(PEERS)}")
     work = tempfile.mkdtemp(prefix="fastload-bench-peers-", dir=workdir)
-    server = _ServerCpu(server_pid)
+    server = ProcessCpu(() if server_pid is None else (server_pid,))
     res: dict[str, Any] = {"rows": {}, "cpu_s_per_GB": {}, "user_cpu_s_per_GB": {}, "first_batch_s": {},
                            "server_cpu_s_per_GB": {}}
 
