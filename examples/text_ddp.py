@@ -18,6 +18,7 @@ logged to `OUT/log.rank{R}.jsonl` (epoch, step, loss, a checksum of the batch's 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import zlib
@@ -132,6 +133,11 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 print(f"epoch {epoch}: batches per rank {[int(c) for c in counts]}, loss {loss.item():.4f}", flush=True)
     dist.barrier()
+    # DDP's reducer and the loader let go of their tensors and the process group while Python still
+    # runs: left to interpreter shutdown, a gloo thread freeing a tensor that references a Python
+    # object can abort the process ("terminate called without an active exception").
+    del model, opt, loader, batch, logits, loss
+    gc.collect()
     dist.destroy_process_group()
 
 
