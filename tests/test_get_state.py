@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from index_data import IdxDS
 
 from fastload.loader import Loader
 from fastload.order.bucketing import TokenBudgetBatchSampler
@@ -15,22 +16,6 @@ from fastload.order.position import ORDER_VERSION
 from fastload.order.shard_shuffle import ShardWindowSampler
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class IdxDS:
-    """Sample i is i, read in batches."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return int(i)
-
-    def get_batch(self, idx) -> dict:
-        return {"i": np.asarray(idx, dtype=np.int64)}
 
 
 def _ids(batch) -> list[int]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from index_data import IdxDS
 from probe_clock import use_step_clock
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -17,22 +18,6 @@ from fastload.loader import Loader
 from fastload.order.sampling import epoch_permutation, rank_indices, resolve_rank_world
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class IdxDS:
-    """Sample i is i; the batched protocol, so every worker kind applies."""
-
-    def __init__(self, n: int = 103) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return int(i)
-
-    def get_batch(self, idx) -> dict:
-        return {"i": np.asarray(idx, dtype=np.int64)}
 
 
 class DirectIdxDS(IdxDS):
