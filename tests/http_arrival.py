@@ -15,7 +15,8 @@ _PIECE = 64 << 10
 
 class ArrivalServer:
     """`url` serves `root`. Faults apply to requests under `shards/` whose range holds the byte `at`:
-    `pause(at)` holds a body GET (from byte 0) at byte `at` until `release()`; `drop(at, times)`
+    `pause(at)` holds the first GET of each shard whose range holds byte `at` (the download's own GET;
+    the readers' GETs that follow pass) at byte `at` until `release()`; `drop(at, times)`
     closes its connection there (the first `times` such requests of each shard); `corrupt(at, times)`
     flips the byte at `at` (`times` None: every time). `body_requests` counts, per shard path, the
     requests that held the byte to drop or flip."""
@@ -30,6 +31,7 @@ class ArrivalServer:
         self.corrupt_at: int | None = None
         self.corrupts: int | None = None
         self.body_requests: dict[str, int] = {}
+        self.held: set[str] = set()  # shards whose GET was held at `pause_at` already
         self._lock = threading.Lock()
         server = self
 
@@ -106,7 +108,12 @@ class ArrivalServer:
                 n = self.body_requests[rel] = self.body_requests.get(rel, 0) + 1
             drop = self.drop_at if hits(self.drop_at) and n <= self.drops else None
             flip = self.corrupt_at if hits(self.corrupt_at) and (self.corrupts is None or n <= self.corrupts) else None
-        pause = self.pause_at if hits(self.pause_at) and start == 0 else None  # the body GET, not side GETs
+        pause = None
+        if hits(self.pause_at):
+            with self._lock:
+                if rel not in self.held:  # the first GET over the byte: the download's own
+                    self.held.add(rel)
+                    pause = self.pause_at
         pos = start
         while pos < end:
             if pause is not None and pos == pause and self.pause_at is not None:

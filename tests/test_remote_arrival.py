@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from fastload import Loader
 from fastload.formats import FastloadDataset, write
 from fastload.formats.errors import ChecksumError
-from fastload.remote.cache.arrival import Arrival, BlockSpec
+from fastload.remote.cache.arrival import STEAL_AHEAD, Arrival, BlockSpec
 from fastload.remote.cache.files import Download
 from fastload.remote.storage import RemoteFetchError, RemoteStorage, RetryPolicy
 
@@ -106,7 +106,8 @@ def test_a_loaders_first_batch_comes_while_the_shard_is_held(dataset, server, tm
     ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
     it = iter(Loader(ds, batch_size=16, num_workers=workers, worker_type=worker_type, shuffle=False))
     batch = next(it)
-    assert server.paused.is_set() and server.pause_at == HELD
+    # the download's GET reaches the held byte (it may after the batch came) and stays there
+    assert server.paused.wait(10) and server.pause_at == HELD
     assert not any(name.endswith("shard-00000.fls") for name in _cached(ds))
     want = local.get_batch(np.arange(16))
     assert np.array_equal(batch["x"].numpy(), want["x"]) and batch["label"].tolist() == list(range(16))
@@ -137,6 +138,28 @@ def test_a_connection_dropped_mid_shard_is_retried_in_place(dataset, server, tmp
     ds.storage.close()
 
 
+def test_blocks_a_reader_fetched_ahead_are_not_received_again(dataset, server, tmp_path):
+    """The download's GET is held near the start of shard 0 while a reader reads all of it: the
+    reader's own GETs take over the blocks the held GET has not brought, and once released the held
+    GET stops where its blocks were taken, so every byte of the shard is received about once (not
+    the reader's blocks twice), and the shard lands whole. (obstore streams GETs; fsspec's come whole.)"""
+    _, local = dataset
+    server.pause(100_000)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport="obstore", prefetch_depth=0)
+    info = local.manifest.shards[0]
+    rows = np.arange(info.num_samples)
+    _same(ds.get_batch(rows), local.get_batch(rows))
+    assert server.paused.is_set() and server.pause_at == 100_000  # served while the download's GET is held
+    server.release()
+    _wait_cached(ds, "shard-00000.fls")
+    stats = ds.storage.stats()
+    assert stats["remote_side_bytes"] > info.bytes // 2
+    # one piece of body (256 KiB) may be in flight in the held GET when it learns its blocks were taken
+    assert stats["remote_bytes"] <= info.bytes + (512 << 10), stats
+    ds.close()
+    ds.storage.close()
+
+
 def _block_of(local: FastloadDataset, sample: int) -> int:
     """The block holding field x of `sample` (in shard 0)."""
     reader = local.shard(0)
@@ -144,11 +167,14 @@ def _block_of(local: FastloadDataset, sample: int) -> int:
 
 
 @pytest.mark.parametrize("transport", ["obstore", "fsspec"])
-def test_a_block_corrupted_in_transit_is_fetched_again(dataset, server, tmp_path, transport):
+@pytest.mark.parametrize("part_bytes", [None, 200_000])
+def test_a_block_corrupted_in_transit_is_fetched_again(dataset, server, tmp_path, transport, part_bytes):
+    """Also with the shard in parts of 200 kB, four GETs at once (`part_bytes`)."""
     _, local = dataset
     at = (_block_of(local, 200) << 16) + 5
     server.corrupt(at, times=1)
-    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0,
+               **({"part_bytes": part_bytes} if part_bytes else {}))
     _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
     assert ds.storage.stats()["remote_retries"] >= 1
     ds.close()
@@ -193,11 +219,12 @@ def test_a_frozen_server_wakes_the_reader_with_the_download_error(dataset, tmp_p
         srv.stop()
 
 
-@pytest.mark.parametrize(("workers", "worker_type"), [(0, "thread"), (2, "thread"), (2, "process")])
-def test_loader_epochs_over_arriving_shards_are_exact(dataset, server, tmp_path, workers, worker_type):
+@pytest.mark.parametrize(("workers", "worker_type", "part_bytes"),
+                         [(0, "thread", None), (2, "thread", None), (2, "process", None), (0, "thread", 200_000)])
+def test_loader_epochs_over_arriving_shards_are_exact(dataset, server, tmp_path, workers, worker_type, part_bytes):
     """Threads stream from the arriving files; process workers read what their own process downloads
     as it arrives, and wait for shards other processes download whole."""
-    ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), **({"part_bytes": part_bytes} if part_bytes else {}))
     for _ in range(2):  # cold, then warm
         seen = []
         for batch in Loader(ds, batch_size=50, num_workers=workers, worker_type=worker_type, shuffle=True, seed=1):
@@ -280,9 +307,14 @@ def shard_bytes(dataset):
 
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(1, 10**9), max_size=40), order=st.randoms(use_true_random=False),
-       corrupt=st.booleans(), side=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 8)), max_size=4))
+       corrupt=st.booleans(), wants=st.lists(st.lists(st.integers(0, 40), max_size=6), max_size=4),
+       part=st.integers(1, 40), received=st.integers(0, 4))
 def test_download_publishes_only_verified_blocks_in_any_order(shard_bytes, tmp_path_factory, cuts, order, corrupt,
-                                                              side):
+                                                              wants, part, received):
+    """Claims from the download (`claim_next`) and from readers (`claim_wanted`, which also takes over the
+    download's blocks well ahead of where its GETs got to), their bytes in pieces in any order, a
+    claim that fails on a corrupt piece given back and fetched again: every published block holds
+    the shard's bytes all along, each block is written by one claim, and the file ends whole."""
     data, info, shift = shard_bytes
     path = str(tmp_path_factory.mktemp("dl") / "tmp")
     arrival = Arrival(path, path + ".final", size=info.bytes, spec=BlockSpec(info.blocks_xxh3, shift),
@@ -290,9 +322,8 @@ def test_download_publishes_only_verified_blocks_in_any_order(shard_bytes, tmp_p
     sink = Download(path, size=info.bytes, xxh3=info.xxh3, where="shard", arrival=arrival)
     start, end = sink.table_range()
     sink.put_table(data[start:end])
-    edges = sorted({0, len(data), *(c % len(data) for c in cuts)})
-    pieces = list(zip(edges[:-1], edges[1:]))
-    order.shuffle(pieces)
+    arrival.set_want(lambda runs: None, gap=2, run=8)
+    blocks = len(arrival.published)
 
     def agrees() -> None:  # every published block holds the shard's bytes
         with open(path, "rb") as fh:
@@ -302,20 +333,53 @@ def test_download_publishes_only_verified_blocks_in_any_order(shard_bytes, tmp_p
             a, b = j << shift, min((j + 1) << shift, arrival.sections_end)
             assert now[a:b] == data[a:b], j
 
-    if corrupt:  # a first attempt with one bad piece fails on its block, then a retry
+    def pieces(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """(claim, start, end) pieces of the runs' bytes, cut at `cuts`, shuffled."""
+        out = []
+        for claim, first, stop in runs:
+            lo, hi = first << shift, min(stop << shift, arrival.sections_end)
+            edges = sorted({lo, hi, *(lo + c % (hi - lo) for c in cuts)})
+            out += [(claim, a, b) for a, b in zip(edges[:-1], edges[1:])]
+        order.shuffle(out)
+        return out
+
+    runs = []  # the download's first GET got `received` blocks in, then readers claim
+    first = arrival.claim_next(0, part)
+    assert first is not None
+    claim, a, b = first
+    got = min(b, a + received)
+    if got > a:
+        sink.write_claimed(claim, a << shift, data[a << shift : min(got << shift, arrival.sections_end)])
+    for ids in wants:
+        taken = arrival.claim_wanted(np.array([i % blocks for i in ids], dtype=np.int64))
+        for _, lo, hi in taken:  # a reader's claim never holds a published block or the download's near ones
+            assert not arrival.published[lo:hi].any()
+            assert lo >= got + STEAL_AHEAD or not (a <= lo < b)
+        runs += taken
+    runs.append(first)
+    while (more := arrival.claim_next(0, part)) is not None:
+        runs.append(more)
+    if corrupt:  # one claim's bytes come with a flipped byte: it fails on that block and is given back
+        open_blocks = {c: lo + np.flatnonzero(arrival.owned(c, lo, hi) & ~arrival.published[lo:hi])
+                       for c, lo, hi in runs}
+        victim = order.choice([r for r in runs if len(open_blocks[r[0]])])
+        j = int(order.choice(open_blocks[victim[0]].tolist()))
         bad = bytearray(data)
-        bad[order.randrange(arrival.sections_end)] ^= 0xFF
+        bad[order.randrange(j << shift, min((j + 1) << shift, arrival.sections_end))] ^= 0xFF
         with pytest.raises(ChecksumError, match="do not match their checksum"):
-            for a, b in pieces:
-                sink.write_at(a, bad[a:b])
+            for c, p, q in pieces([victim]):
+                sink.write_claimed(c, p, bad[p:q])
                 agrees()
-        sink.reset()
-    for (a, b), (j, n) in zip(pieces, side + [(0, 0)] * len(pieces)):
-        sink.write_at(a, data[a:b])
-        if n and j < len(arrival.published):  # a reader's out-of-order GET of whole blocks
-            lo, hi = j << shift, min((j + n) << shift, arrival.sections_end)
-            sink.write_blocks(lo, data[lo:hi])
+        sink.release(victim[0])
         agrees()
+        while (more := arrival.claim_next(0, part)) is not None:
+            runs.append(more)
+    for c, p, q in pieces(runs):
+        sink.write_claimed(c, p, data[p:q])  # blocks a claim lost to another are dropped
+        agrees()
+    for c, _, _ in runs:
+        sink.release(c)
+    assert arrival.claim_next(0, part) is None
     sink.check()
     sink.close()
     assert arrival.published.all()
@@ -337,12 +401,12 @@ def test_arrival_waits_ask_once_wake_on_publish_fail_and_time_out(shard_bytes, t
     waiter = threading.Thread(target=lambda: got.append(arrival.wait(np.array([3, 7]))))
     waiter.start()
     time.sleep(0.1)  # waiting before the block table arrived: nothing to ask yet
-    arrival.set_want(lambda ids: asked.append(ids.tolist()))
-    assert asked == [[3, 7]]
+    arrival.set_want(lambda runs: asked.append([(a, b) for _, a, b in runs]), gap=0, run=1)
+    assert asked == [[(3, 4), (7, 8)]]
     arrival.publish([3, 7])
     waiter.join(5)
     assert got == [True]
-    assert arrival.wait(np.array([3])) is True and asked == [[3, 7]]  # published: asked for nothing more
+    assert arrival.wait(np.array([3])) is True and asked == [[(3, 4), (7, 8)]]  # published: nothing more asked
 
     failing, errors = new(5), []
 

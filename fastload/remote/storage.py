@@ -27,7 +27,6 @@ from functools import partial
 from typing import Any, Self
 
 import fsspec
-import numpy as np
 import xxhash
 from fsspec.asyn import AsyncFileSystem
 
@@ -41,6 +40,7 @@ from fastload.remote.cache.shard_cache import Arrival, BlockSpec, CacheBudgetErr
 from fastload.remote.get import (
     CONNECT_TIMEOUT_S,
     PART_BYTES,
+    PARTS_IN_FLIGHT,
     READ_TIMEOUT_S,
     STREAM_CHUNK,
     NoRanges,
@@ -70,6 +70,7 @@ __all__ = [
 ]
 
 ARRIVING_MIN_BYTES = 8 << 20  # shards from this size on are read while they arrive (`acquire_arriving`)
+FSSPEC_PART_BYTES = 8 << 20  # an arriving shard's GETs through fsspec (each comes whole)
 WANT_RUN_BLOCKS = 64  # at most this many blocks of an arriving shard in one out-of-order GET for a reader
 WANT_GAP_BLOCKS = 8  # wanted blocks this close share a GET (fetching the gap costs less than another GET)
 SIDE_GETS = 32  # out-of-order GETs in flight at once per process
@@ -663,7 +664,7 @@ class RemoteStorage:
         if len(data) == end - start:
             sink.put_table(data)
             assert sink.arrival is not None
-            sink.arrival.set_want(partial(self._want, rpath, sink))
+            sink.arrival.set_want(partial(self._want, rpath, sink), gap=WANT_GAP_BLOCKS, run=WANT_RUN_BLOCKS)
             return False
         self._ranges_ok = False  # the store ignores ranges: whole-object GETs, whole shards from now on
         sink.skip_table()
@@ -672,37 +673,105 @@ class RemoteStorage:
             return True
         return False
 
-    def _want(self, rpath: str, sink: Download, ids: np.ndarray) -> None:
-        """A reader waits for blocks `ids` (sorted) of the arriving `sink`: fetch them in ranged GETs on
-        this process's side threads, one GET per run of blocks less than `WANT_GAP_BLOCKS` apart (the
-        blocks between come along), of at most `WANT_RUN_BLOCKS` blocks."""
+    def _range_into(self, rpath: str, sink: Download, claim: int, start: int, end: int) -> None:
+        """Bytes [start, end) of an arriving shard for claim `claim`, handed to `sink.write_claimed` as
+        they arrive (obstore streams the range; fsspec brings it in one piece)."""
+        stats = self.cache.transfer
+        stats.add("requests", 1)
+
+        def write(offset: int, data: Any) -> bool:
+            return sink.write_claimed(claim, offset, data)
+
+        if self._via_obstore():
+            self.obstore.range_into(rpath, start, end, write, stats)
+            return
+        t0 = time.perf_counter()
+        data = self._get_range(rpath, start, end)
+        stats.add_many(receive_s=time.perf_counter() - t0, bytes=len(data), ranged_parts=1)
+        if len(data) != end - start:
+            raise ConnectionError(f"{self.url}/{rpath}: range [{start}, {end}) came back with {len(data)} bytes")
+        write(start, data)
+
+    def _blocks_into(self, rpath: str, sink: Download) -> None:
+        """An arriving shard's own download: ranged GETs of the runs of blocks nobody claimed, in file
+        order, skipping what readers' GETs claimed; it ends when every block is published. Through
+        obstore one GET runs to the next claimed block (a reader's GET that takes over blocks ahead
+        of it ends it there), through fsspec GETs of up to `FSSPEC_PART_BYTES`; shards over
+        4 x `part_bytes` come in GETs of `part_bytes`, `PARTS_IN_FLIGHT` at once.
+        Readers' GETs that bring nothing for `connect_timeout + read_timeout` are taken back and
+        fetched here."""
+        arrival = sink.arrival
+        assert arrival is not None
+        shift, sections_end = arrival.spec.shift, arrival.sections_end
+        lanes = PARTS_IN_FLIGHT if self.part_bytes and sink.size > 4 * self.part_bytes else 1
+        if lanes > 1:
+            part = max(1, self.part_bytes >> shift)
+        elif self._via_obstore():
+            part = len(arrival.published)  # a streamed GET stops where a reader took its blocks over
+        else:  # fsspec brings a range whole: blocks a reader takes over in it arrive twice
+            part = max(1, FSSPEC_PART_BYTES >> shift)
+        mine: set[int] = set()  # claims of this download's own GETs in flight
+        lock = threading.Lock()
+        failed = threading.Event()
+        patience = sum(self._timeouts)
+
+        def lane() -> None:
+            cursor = 0
+            while not failed.is_set():
+                got = arrival.claim_next(cursor, part)
+                if got is None:
+                    with lock:
+                        others = [c for c in arrival.outstanding() if c not in mine]
+                    if not others:
+                        return  # every block is published, or in another lane's GET
+                    if not arrival.wait_free(patience):
+                        for c in set(others) & set(arrival.outstanding()):
+                            sink.release(c)  # a reader's GET that brought nothing for that long
+                    continue
+                claim, first, stop = got
+                with lock:
+                    mine.add(claim)
+                try:
+                    self._range_into(rpath, sink, claim, first << shift, min(stop << shift, sections_end))
+                except BaseException:
+                    failed.set()
+                    raise
+                finally:
+                    sink.release(claim)  # only what did not arrive is given back
+                    with lock:
+                        mine.discard(claim)
+                cursor = stop
+
+        if lanes == 1:
+            lane()
+            return
+        with ThreadPoolExecutor(lanes, thread_name_prefix="fastload-part") as pool:
+            futures = [pool.submit(lane) for _ in range(lanes)]
+        for f in futures:
+            f.result()
+
+    def _want(self, rpath: str, sink: Download, runs: list[tuple[int, int, int]]) -> None:
+        """A reader waits for blocks nobody fetched yet: `runs` (claim, first block, end block) claimed for
+        it (see `Arrival.set_want`), each fetched in one ranged GET on this process's side threads."""
         arrival = sink.arrival
         assert arrival is not None
         shift, end = arrival.spec.shift, arrival.sections_end
-        ids = np.unique(ids)
         with self._receive_lock:
             if self._side is None:
                 self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
             pool = self._side
-        first = last = int(ids[0])
-        for j in [*ids[1:].tolist(), None]:
-            if j is not None and j - last <= WANT_GAP_BLOCKS and j - first < WANT_RUN_BLOCKS:
-                last = j
-                continue
-            pool.submit(self._side_fetch, rpath, sink, first << shift, min((last + 1) << shift, end))
-            if j is not None:
-                first = last = j
+        for claim, first, stop in runs:
+            pool.submit(self._side_fetch, rpath, sink, claim, first << shift, min(stop << shift, end))
 
-    def _side_fetch(self, rpath: str, sink: Download, start: int, end: int) -> None:
-        """One ranged GET for `_want`; failures are left to the download itself (it brings every block)."""
+    def _side_fetch(self, rpath: str, sink: Download, claim: int, start: int, end: int) -> None:
+        """One ranged GET for `_want`; on a failure its blocks go back to the ledger (the download takes them)."""
         try:
-            self.cache.transfer.add("side_gets", 1)
-            data = self._get_range(rpath, start, end)
-            self.cache.transfer.add("side_bytes", len(data))
-            if len(data) == end - start:
-                sink.write_blocks(start, data)
-        except Exception as exc:  # noqa: BLE001 - the download's own GET brings these blocks too
+            self.cache.transfer.add_many(side_gets=1, side_bytes=end - start)
+            self._range_into(rpath, sink, claim, start, end)
+        except Exception as exc:  # noqa: BLE001 - the download's own GETs bring these blocks
             log.debug("out-of-order GET of %s [%d, %d) failed: %r", rpath, start, end, exc)
+        finally:
+            sink.release(claim)
 
     def _fetch(self, name: str, sink: Download) -> None:
         """Whole-object GET of `name` into `sink`, retried on transient errors (bad checksums too)."""
@@ -716,7 +785,11 @@ class RemoteStorage:
             attempts[0] += 1
             sink.reset()
             with self.cache.transfer.get(sink.size):
-                if not (sink.wants_table and self._table_into(rpath, sink)):
+                if sink.wants_table and self._table_into(rpath, sink):
+                    pass  # the store ignored the range: that GET brought the whole object
+                elif sink.by_block:
+                    self._blocks_into(rpath, sink)
+                else:
                     self._get_into(rpath, sink)
             sink.check()
 

@@ -253,6 +253,41 @@ class ObstoreTransport:
             raise translate(exc, f"{self.url}/{path}") from exc
         stats.add_many(request_s=t1 - t0, receive_s=recv)
 
+    def range_into(self, path: str, start: int, end: int, write: Any, stats: TransferStats,
+                   chunk: int = STREAM_CHUNK) -> None:
+        """Bytes [start, end) of `path` in one ranged GET, each `chunk` of body handed to
+        `write(offset, piece)` as it arrives; a `write` that returns False ends the GET there (the
+        response is dropped). A body of another length raises `ConnectionError`."""
+        import obstore
+
+        t0 = time.perf_counter()
+        recv = 0.0
+        pos = start
+        more = True
+        try:
+            result = obstore.get(self.store, path, options={"range": (start, end)})
+            t1 = time.perf_counter()
+            stream = result.stream(min_chunk_size=chunk)
+            while True:
+                t = time.perf_counter()
+                try:
+                    b = next(stream)
+                except StopIteration:
+                    break
+                recv += time.perf_counter() - t
+                stats.add("bytes", len(b))
+                if pos + len(b) > end:
+                    raise ConnectionError(f"{self.url}/{path}: more than the {end - start} bytes of [{start}, {end})")
+                more = write(pos, b)
+                pos += len(b)
+                if not more:
+                    break
+        except Exception as exc:
+            raise translate(exc, f"{self.url}/{path}") from exc
+        stats.add_many(request_s=t1 - t0, receive_s=recv, ranged_parts=1)
+        if more and pos != end:
+            raise ConnectionError(f"{self.url}/{path}: range [{start}, {end}) ended after {pos - start} bytes")
+
     def ranged_into(self, path: str, sink: Any, part: int, stats: TransferStats) -> None:
         """The object in ranged GETs of `part` bytes, `_PARTS_IN_FLIGHT` at a time on threads of
         this call, each handed to `sink.write_at` as it arrives. A part of the wrong length (or a

@@ -6,11 +6,15 @@ manifest, then verifies each 64 KiB block against it as the block arrives (`Down
 publishes the block here only then. A published block is never written again (a retry rewrites
 only what is not published), so a reader that maps the temp file may read it at once.
 
-Readers wait in `wait(ids)` for the blocks a read needs; blocks the download has not reached are
-handed to `on_want` (the fetcher gets them in ranged GETs of their own, ahead of the download's
-order: a batch needs a few blocks of every column, spread over the shard). Every wait is bounded: a download that
-fails wakes its waiters with that download's error, and a wait that sees no block arrive for
-`stall_s` seconds raises `TimeoutError`.
+Every byte of the shard is received once: each block is fetched by one claim at a time, and this
+record is the ledger of claims. The download claims the next runs of unclaimed blocks in file order
+(`claim_next`); readers wait in `wait(ids)` for the blocks a read needs, and blocks nobody claimed
+yet are claimed for them (`claim_wanted`) and handed to `on_want` (the fetcher gets them in ranged
+GETs of their own, ahead of the download's order: a batch needs a few blocks of every column,
+spread over the shard). The download skips what readers' GETs claimed. A claim that fails gives its
+blocks back (`unclaim`) for the download to take. Every wait is bounded: a download that fails wakes
+its waiters with that download's error, and a wait that sees no block arrive for `stall_s` seconds
+raises `TimeoutError`.
 
 The record lives in the process that downloads. A forked child that inherited a reader of an
 arriving shard cannot be woken by its parent's download: it takes the blocks published before the
@@ -33,6 +37,12 @@ from fastload.formats.blocks import table_span
 __all__ = ["Arrival", "BlockSpec"]
 
 _POLL_S = 0.02  # a forked child's poll for its parent's download
+# A reader's GET may take over the download's blocks from this many blocks past where the download's GET
+# has got to: the bytes between arrive sooner in that GET (the GET then stops where it lost its blocks).
+# From a GET that received nothing for `STALLED_S`, a reader may take every block it has not finished.
+STEAL_AHEAD = 16
+STALLED_S = 0.1
+ASK_AGAIN_S = 0.05  # a waiting reader asks again for its blocks this often (a stalled GET's become free)
 
 
 @dataclass(frozen=True)
@@ -63,11 +73,18 @@ class Arrival:
         self._state = "running"  # "complete" or "failed" once it ended
         self._error: BaseException | None = None
         self._last = time.monotonic()  # the last sign of life: a block published, an attempt started
-        self.requested = np.zeros(count, dtype=bool)  # blocks handed to `on_want` already
+        # the claim fetching each block: 0 = none; set by `claim_*`, cleared by `unclaim` (unpublished blocks)
+        self.claimed = np.zeros(count, dtype=np.int64)
+        self._claims = 0  # the last claim id handed out
+        # the download's own claims (`claim_next`) -> (the first block not received yet, when it last
+        # received): their blocks from there on may be claimed again for a waiting reader (`STEAL_AHEAD`)
+        self._fronts: dict[int, tuple[int, float]] = {}
         self._wanted = np.zeros(count, dtype=bool)  # blocks readers waited for before `on_want` was set
-        # set by the fetcher (`set_want`): called (outside the lock) with blocks a reader waits for and
-        # nobody asked for yet, to fetch them ahead of the download's order (ranged GETs)
-        self.on_want: Callable[[np.ndarray], None] | None = None
+        self._waiting: dict[int, np.ndarray] = {}  # waiting thread -> the blocks it waits for
+        self._gap, self._run = 0, 1  # how `claim_wanted` groups blocks into GETs (`set_want`)
+        # set by the fetcher (`set_want`): called (outside the lock) with runs (claim, first block, end
+        # block) claimed for blocks readers wait for, to fetch them ahead of the download's order
+        self.on_want: Callable[[list[tuple[int, int, int]]], None] | None = None
 
     # -- the download's side -----------------------------------------------------------------------
     def created(self, st: os.stat_result) -> None:
@@ -76,22 +93,127 @@ class Arrival:
             self._ident = (st.st_dev, st.st_ino)
 
     def publish(self, ids: list[int]) -> None:
-        """Blocks `ids` are in the file and matched their checksums: readers may read them."""
+        """Blocks `ids` are in the file and matched their checksums: readers may read them (a reader
+        is woken once all the blocks it waits for are here, not for each block)."""
         with self._cond:
             self.published[ids] = True
             self._last = time.monotonic()
-            self._cond.notify_all()
+            if any(bool(self.published[want].all()) for want in self._waiting.values()):
+                self._cond.notify_all()
 
-    def set_want(self, want: Callable[[np.ndarray], None]) -> None:
-        """Install `on_want` (once the block table is known) and hand it the blocks readers already wait for."""
+    def set_want(self, want: Callable[[list[tuple[int, int, int]]], None], *, gap: int, run: int) -> None:
+        """Install `on_want` (once the block table is known) and hand it runs claimed for the blocks
+        readers already wait for. Wanted blocks less than `gap` apart share a run (the unclaimed blocks
+        between come along), of at most `run` blocks."""
         with self._cond:
             if self._state != "running":
                 return
-            self.on_want = want
-            new = np.flatnonzero(self._wanted & ~self.published & ~self.requested)
-            self.requested[new] = True
-        if len(new):
-            want(new)
+            self.on_want, self._gap, self._run = want, int(gap), max(1, int(run))
+            runs = self._claim_wanted(np.flatnonzero(self._wanted))
+        if runs:
+            want(runs)
+
+    # -- the ledger of claims ----------------------------------------------------------------------
+    def _free(self) -> np.ndarray:
+        return ~self.published & (self.claimed == 0)
+
+    def _free_for_readers(self) -> np.ndarray:
+        """Blocks a reader's GET may claim: free ones, and the download's blocks well ahead of its GETs."""
+        free = self._free()
+        now = time.monotonic()
+        for claim, (front, seen) in self._fronts.items():
+            start = front if now - seen > STALLED_S else front + STEAL_AHEAD
+            ahead = np.flatnonzero(self.claimed[start:] == claim)
+            free[start + ahead] = ~self.published[start + ahead]
+        return free
+
+    def _claim(self, first: int, end: int) -> tuple[int, int, int]:
+        self._claims += 1
+        self.claimed[first:end] = self._claims
+        return self._claims, first, end
+
+    def claim_next(self, start: int, most: int) -> tuple[int, int, int] | None:
+        """Claim the next run of at most `most` blocks nobody published or claimed, from block `start`
+        on (then from block 0): (claim id, first block, end block), or None when there is none."""
+        with self._cond:
+            free = self._free()
+            after = np.flatnonzero(free[start:])
+            if len(after):
+                first = start + int(after[0])
+            else:
+                before = np.flatnonzero(free[:start])
+                if not len(before):
+                    return None
+                first = int(before[0])
+            stop = np.flatnonzero(~free[first : first + most])
+            got = self._claim(first, first + (int(stop[0]) if len(stop) else min(most, len(free) - first)))
+            self._fronts[got[0]] = (first, time.monotonic())
+            return got
+
+    def advance(self, claim: int, received_to: int) -> bool:
+        """The download's claim `claim` received the bytes before block `received_to` (block numbers; the
+        blocks before it are complete). Returns whether the claim still holds block `received_to` (False:
+        a reader's GET took it over: the download stops this GET)."""
+        with self._cond:
+            if claim in self._fronts:
+                self._fronts[claim] = (received_to, time.monotonic())
+            return received_to < len(self.claimed) and int(self.claimed[received_to]) == claim
+
+    def claim_wanted(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
+        """Claim runs (claim id, first block, end block) covering the blocks of `ids` that nobody holds
+        (or that the download's GETs hold well ahead of where they got to: `STEAL_AHEAD`), grouped as
+        `set_want` says."""
+        with self._cond:
+            return self._claim_wanted(ids)
+
+    def _claim_wanted(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
+        free = self._free_for_readers()
+        ids = np.unique(ids)
+        ids = ids[free[ids]]
+        runs: list[tuple[int, int, int]] = []
+        if not len(ids):
+            return runs
+        first = last = int(ids[0])
+        for j in [*ids[1:].tolist(), None]:
+            if (j is not None and j - last <= self._gap and j - first < self._run
+                    and bool(free[last + 1 : j + 1].all())):
+                last = j
+                continue
+            runs.append(self._claim(first, last + 1))
+            if j is not None:
+                first = last = j
+        return runs
+
+    def owned(self, claim: int, first: int, end: int) -> np.ndarray:
+        """Which of blocks [first, end) claim `claim` holds (bools)."""
+        with self._cond:
+            return self.claimed[first:end] == claim
+
+    def unclaim(self, claim: int) -> None:
+        """Claim `claim` ended without bringing all its blocks: the unpublished ones are free again."""
+        with self._cond:
+            self._fronts.pop(claim, None)
+            lost = (self.claimed == claim) & ~self.published
+            self.claimed[lost] = 0
+            if lost.any():
+                self._cond.notify_all()
+
+    def outstanding(self) -> list[int]:
+        """Claims that hold unpublished blocks."""
+        with self._cond:
+            return sorted(set(self.claimed[~self.published].tolist()) - {0})
+
+    def wait_free(self, timeout: float) -> bool:
+        """Wait (up to `timeout` s) until every block is published (True) or some block is unclaimed
+        and unpublished (True); False when neither happened in time."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not (self.published.all() or self._free().any()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 1.0))
+            return True
 
     def progress(self) -> None:
         """The download is alive (an attempt started): restarts the readers' stall clock."""
@@ -146,9 +268,13 @@ class Arrival:
             return True  # published blocks are final (a forked child inherited these bits too)
         if os.getpid() != self._pid:
             return self._wait_foreign()
-        self._ask(ids)
-        with self._cond:
-            while True:
+        ask = True
+        me = threading.get_ident()
+        while True:
+            if ask:  # first, then after each quiet `ASK_AGAIN_S`: a stalled GET's blocks become free to claim
+                self._ask(ids)
+            with self._cond:
+                self._waiting.pop(me, None)
                 if self._state == "failed":
                     raise _again(self._error, self.where)
                 if self._state == "complete" or bool(self.published[ids].all()):
@@ -160,10 +286,11 @@ class Arrival:
                         f"{self.where}: block {int(missing[0])} (bytes from {int(missing[0]) << self.spec.shift}) "
                         f"did not arrive: no block of the download arrived for {self.stall_s:g}s"
                     )
-                self._cond.wait(timeout=min(left, 1.0))
+                self._waiting[me] = ids
+                ask = not self._cond.wait(timeout=min(left, ASK_AGAIN_S))
 
     def _ask(self, ids: np.ndarray) -> None:
-        """Hand the blocks of `ids` that nobody asked for yet to `on_want` (fetched out of order)."""
+        """Claim the blocks of `ids` that nobody claimed yet and hand them to `on_want` (fetched out of order)."""
         with self._cond:
             want = self.on_want
             if self._state != "running":
@@ -171,10 +298,9 @@ class Arrival:
             if want is None:  # the block table has not arrived: `set_want` asks for these
                 self._wanted[ids] = True
                 return
-            new = ids[~(self.published[ids] | self.requested[ids])]
-            self.requested[new] = True
-        if len(new):
-            want(new)
+            runs = self._claim_wanted(ids)
+        if runs:
+            want(runs)
 
     def wait_all(self) -> bool:
         """`wait` for every block."""

@@ -40,10 +40,12 @@ class Download:
       parts are read back from the page cache when the gap before them fills), and `check`
       compares the manifest's xxh3;
     - by block (an `arrival`, after `put_table` installed the shard's block checksum table, which
-      must match the manifest's `blocks_xxh3`): each block is hashed as it completes and checked
-      against the table, then published to `arrival` (readers may read it from then on). A block
-      that does not match fails the attempt. A published block is never written again: a retry
-      skips its bytes. `check` passes once every block is published: every byte then matched a
+      must match the manifest's `blocks_xxh3`): bytes come in runs of whole blocks claimed in the
+      arrival's ledger (`Arrival.claim_next`, `Arrival.claim_wanted`) and are written with
+      `write_claimed`, from any thread; only the claim that holds a block writes it. Each block is
+      hashed as it completes and checked against the table, then published to `arrival` (readers may
+      read it from then on). A block that does not match fails its claim. A published block is never
+      written again. `check` passes once every block is published: every byte then matched a
       checksum the manifest authenticates (the same guarantee as the whole-file xxh3, and one hash
       pass over the bytes, not two).
     """
@@ -76,8 +78,9 @@ class Download:
         self._no_table = arrival is None
         self._filled = np.zeros(0 if arrival is None else len(arrival.published), dtype=np.int64)
         self._running: dict[int, list] = {}  # block -> [xxh3 state, next offset] of a block filled in order
+        self._filler: dict[int, int] = {}  # block -> the claim whose bytes `_filled` counts
         self.stats = stats if stats is not None else TransferStats()
-        self._lock = threading.Lock()  # by-block mode: the download's writes and `write_blocks` from other threads
+        self._lock = threading.Lock()  # by-block mode: writes and claim releases from several threads
         if arrival is not None:
             arrival.created(os.fstat(self._fd))
 
@@ -86,6 +89,11 @@ class Download:
     def wants_table(self) -> bool:
         """Whether the fetcher should hand over the block checksum table (`table_range`) before the body."""
         return not self._no_table and self._table is None
+
+    @property
+    def by_block(self) -> bool:
+        """Whether the block checksum table is installed: bytes come through claims (`write_claimed`)."""
+        return self._table is not None
 
     def table_range(self) -> tuple[int, int]:
         """[start, end) of the shard's block checksum table (its last bytes)."""
@@ -120,9 +128,7 @@ class Download:
         self._hash.reset()
         self.written = self._hashed = self._pos = 0
         self._parts.clear()
-        self._running.clear()
         if self.arrival is not None:
-            self._filled[~self.arrival.published] = 0
             self.arrival.progress()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -142,24 +148,55 @@ class Download:
             raise ChecksumError(f"{self.where}: part [{offset}, {end}) overlaps another or passes {self.size} bytes")
         self._put(offset, view)
 
-    def write_blocks(self, offset: int, data: bytes | bytearray | memoryview) -> None:
-        """By-block mode, from any thread: whole blocks from `offset` (a block boundary; the last may end
-        at the sections' end) fetched out of order for a waiting reader; verified and published like
-        the download's own bytes. Ignored once the download ended; a mismatch raises `ChecksumError`."""
+    def write_claimed(self, claim: int, offset: int, data: bytes | bytearray | memoryview) -> bool:
+        """By-block mode, from any thread: bytes of claim `claim` at `offset` (pieces of a claim in any
+        order, not overlapping). Only the blocks the claim still holds are written; verified and published
+        as they complete. Ignored once the download ended; a mismatch raises `ChecksumError` (the
+        caller then `release`s the claim). Returns whether the claim still holds the block after these
+        bytes (False: the GET may stop here)."""
         view = memoryview(data).cast("B")
-        assert self.arrival is not None and self._table is not None
-        if offset % (1 << self.arrival.spec.shift) or offset + view.nbytes > self.arrival.sections_end:
-            raise ValueError(f"{self.where}: [{offset}, {offset + view.nbytes}) is not a run of whole blocks")
+        arrival = self.arrival
+        assert arrival is not None and self._table is not None
+        end = offset + view.nbytes
+        if offset < 0 or end > arrival.sections_end:
+            raise ValueError(f"{self.where}: [{offset}, {end}) passes the blocks' end ({arrival.sections_end} bytes)")
+        shift = arrival.spec.shift
+        if not view.nbytes:
+            return arrival.advance(claim, offset >> shift)
         with self._lock:
-            if self._fd >= 0:
-                self._put_blocks(offset, view)
+            if self._fd < 0:
+                return False
+            self.written += view.nbytes
+            first, last = offset >> shift, (end - 1) >> shift
+            mine = arrival.owned(claim, first, last + 1)
+            if mine.all():
+                self._put_blocks(claim, offset, view)
+            else:
+                for j in np.flatnonzero(mine).tolist():  # blocks taken over by another claim are left alone
+                    lo, hi = max(offset, (first + j) << shift), min(end, (first + j + 1) << shift)
+                    self._put_blocks(claim, lo, view[lo - offset : hi - offset])
+        return arrival.advance(claim, end >> shift)
+
+    def release(self, claim: int) -> None:
+        """Claim `claim` ended (failed, cut short or taken back): its unpublished blocks' partial bytes
+        are forgotten and the blocks are free in the ledger for another claim."""
+        arrival = self.arrival
+        assert arrival is not None
+        with self._lock:
+            held = np.flatnonzero(arrival.owned(claim, 0, len(arrival.published)) & ~arrival.published)
+            for j in held.tolist():
+                self._forget_partial(j)
+            arrival.unclaim(claim)
+
+    def _forget_partial(self, j: int) -> None:
+        self._filled[j] = 0
+        self._running.pop(j, None)
+        self._filler.pop(j, None)
 
     def _put(self, offset: int, view: memoryview) -> None:
-        self.written += view.nbytes
         if self._table is not None:
-            with self._lock:
-                self._put_blocks(offset, view)
-            return
+            raise ValueError(f"{self.where}: a download verified by block is written through claims (`write_claimed`)")
+        self.written += view.nbytes
         t0 = time.perf_counter()
         _pwrite_all(self._fd, view, offset)
         t1 = time.perf_counter()
@@ -179,8 +216,9 @@ class Download:
                 self._hashed += len(piece)
         self.stats.add_many(write_s=t1 - t0, verify_s=time.perf_counter() - t1)
 
-    def _put_blocks(self, offset: int, view: memoryview) -> None:
-        """By-block mode: write the bytes of unpublished blocks, verify each block they complete, publish it."""
+    def _put_blocks(self, claim: int, offset: int, view: memoryview) -> None:
+        """By-block mode: write claim `claim`'s bytes of unpublished blocks, verify each block they
+        complete, publish it."""
         arrival = self.arrival
         assert arrival is not None and self._table is not None
         sections_end, shift = arrival.sections_end, arrival.spec.shift
@@ -208,7 +246,7 @@ class Download:
             if lo == a and hi == b:  # the whole block is in this piece
                 digest = xxhash.xxh3_64_intdigest(view[a - offset : b - offset])
             else:
-                digest = self._partial(j, a, b, lo, hi, view[lo - offset : hi - offset])
+                digest = self._partial(claim, j, a, b, lo, hi, view[lo - offset : hi - offset])
                 if digest is None:
                     continue
             if digest != sums[j]:
@@ -220,9 +258,13 @@ class Download:
             arrival.publish(done)
         self.stats.add_many(write_s=t1 - t0, verify_s=time.perf_counter() - t1)
 
-    def _partial(self, j: int, a: int, b: int, lo: int, hi: int, piece: memoryview) -> int | None:
-        """Bytes [lo, hi) of block j ([a, b)) arrived: the block's digest once all of it did, else None.
-        A block filled in order is hashed from the pieces; otherwise it is read back when complete."""
+    def _partial(self, claim: int, j: int, a: int, b: int, lo: int, hi: int, piece: memoryview) -> int | None:
+        """Bytes [lo, hi) of block j ([a, b)) arrived for `claim`: the block's digest once all of it did,
+        else None. A block filled in order is hashed from the pieces; otherwise it is read back when
+        complete. Bytes an earlier claim left in the block (it was taken over) no longer count."""
+        if self._filler.get(j, claim) != claim:
+            self._forget_partial(j)
+        self._filler[j] = claim
         run = self._running.get(j)
         if lo == a:
             run = self._running[j] = [xxhash.xxh3_64(), a]
@@ -237,6 +279,7 @@ class Download:
         if self._filled[j] < b - a:
             return None
         run = self._running.pop(j, None)
+        self._filler.pop(j, None)
         if run is not None and run[1] == b:
             return int(run[0].intdigest())
         return xxhash.xxh3_64_intdigest(os.pread(self._fd, b - a, a))
