@@ -58,6 +58,11 @@ __all__ = ["Nginx", "label_sum", "main", "make_dataset", "peer_data", "per_shard
            "write_json", "write_litdata", "write_mds", "write_mds_here"]
 
 SAMPLE_BYTES = 8192
+#: How the Streaming rows run (the module docstring says more).
+STREAMING_NOTE = ("mosaicml-streaming 0.13.0's StreamingDataset (streaming.base.dataset; the __init__ files of "
+                  "streaming and streaming.base not run, as they import torchvision and transformers, which "
+                  "StreamingDataset does not use) in a torch DataLoader, over uncompressed MDS shards; boto3 "
+                  "pointed at moto by S3_ENDPOINT_URL and AWS_CA_BUNDLE")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -184,6 +189,7 @@ def run_peer_table(data_dir: str, *, shards: int, shard_size: int, rounds: int, 
         shutil.rmtree(work, ignore_errors=True)
     res["server"] = (f"moto {moto_pkg.__version__} (python -m moto.server, one process on 127.0.0.1, HTTPS) "
                      "for every row, sharing the client's cores")
+    res["notes"] = {"streaming": STREAMING_NOTE}
     return res
 
 

@@ -326,7 +326,8 @@ def run_peers(url: str, *, storage_options: dict[str, Any], peers: dict[str, dic
 
 def format_peers(res: dict[str, Any]) -> str:
     """The table: per row, median [min-max] over the rounds of MB/s, user and total CPU s/GB of the
-    client, seconds to the first batch and the server's CPU s/GB."""
+    client, seconds to the first batch and the server's CPU s/GB; then `res["notes"]` and
+    `res["not_run"]` (name -> text), when given."""
     lines = [f"{res['url']}: {res['samples']} samples, fastload {res['bytes'] / 1e6:.0f} MB in {res['shards']} shards"
              + "".join(f"; {n} {p['bytes'] / 1e6:.0f} MB at {p['url']}" for n, p in res["peers"].items())
              + f"; {res['rounds']} rounds, rows in rotated order"]
@@ -339,6 +340,8 @@ def format_peers(res: dict[str, Any]) -> str:
         cells = [_span(v, 1e-6, 0)] + [_span(res[f].get(k), 1, 2) for f in (
             "user_cpu_s_per_GB", "cpu_s_per_GB", "first_batch_s", "server_cpu_s_per_GB")]
         lines.append(f"{k:{width}s} " + " ".join(f"{c:>17s}" for c in cells))
+    for name, note in (res.get("notes") or {}).items():
+        lines.append(f"note: {name}: {note}")
     for name, why in (res.get("not_run") or {}).items():
         lines.append(f"not run: {name}: {why}")
     return "\n".join(lines)
