@@ -15,8 +15,8 @@ See `fastload.benchmark.run_remote` (also `fastload bench --remote URL`).
 in fastload's format, LitData's (`litdata.optimize`) and MosaicML Streaming's MDS (its `MDSWriter`, no
 compression), kept under `--data-dir`, all served by one moto S3 server over HTTPS; per row (raw
 obstore pipeline; fastload, LitData and Streaming cold, cold again and warm, w0 and w2) MB/s, user
-and total CPU s/GB, first batch and the server's CPU s/GB. Every epoch is checked to yield each
-sample once (sample count and label sum).
+and total CPU s/GB, first batch and the server's CPU s/GB. Every epoch is checked against the
+dataset's sample count and label sum.
 
 Streaming (mosaicml-streaming 0.13.0, installed by the Makefile with --no-deps, plus `catalogue` from
 `fastload[migrate-test]`) runs `streaming.base.dataset.StreamingDataset` in a torch DataLoader, in

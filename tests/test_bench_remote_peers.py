@@ -1,7 +1,7 @@
 """`bench.remote --peers`: fastload's format, LitData's chunks and Streaming's MDS shards hold the same
 samples, and every row of the peer table (raw pipeline, fastload, LitData and MosaicML Streaming cold,
-warm and cold again, w0 and w2) runs end to end against a local moto S3 server over HTTPS, checks that
-each epoch yields every sample once (count and label sum), fills each field of the table (no timing is
+warm and cold again, w0 and w2) runs end to end against a local moto S3 server over HTTPS, checks
+each epoch's sample count and label sum, fills each field of the table (no timing is
 checked) and leaves no shared memory or process behind."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Rows, each measured once per round with the row order rotated every round:
   loader runs on another's warmed-up state), so "cold" includes what a first epoch pays once (lazy
   imports, client set-up) and "cold again" does not.
 
-Every epoch must yield each sample exactly once: its sample count, and the sum of its labels when the
-caller gives it (`label_sum`), are checked.
+Every epoch is checked against the dataset: its sample count, and the sum of its labels when the
+caller gives it (`label_sum`).
 
 MosaicML Streaming runs from `streaming.base.dataset` with the package `__init__` files of `streaming`
 and `streaming.base` left unrun (`import_streaming_base`, in its own process only): those two files
