@@ -91,10 +91,11 @@ setup(
         # chunks are read without their own libraries
         "migrate": ["pylance", "pyarrow", "array-record", "crc32c>=2.4", "zstandard>=0.22", "braceexpand>=0.1.7"],
         # the writers tests/test_migrate.py converts from (webdataset's ShardWriter, the tfrecord
-        # package's TFRecordWriter) and what MosaicML Streaming's MDSWriter imports: its compressors.
+        # package's TFRecordWriter), what MosaicML Streaming's MDSWriter imports (its compressors) and
+        # what its StreamingDataset imports (catalogue; the `bench.remote --peers` Streaming rows).
         # mosaicml-streaming and litdata themselves are installed by the Makefile with --no-deps: their
         # own pins (numpy, transformers, torchvision) do not install beside torch 2.13.
-        "migrate-test": ["webdataset>=1.0", "tfrecord>=1.14", "brotli", "python-snappy", "zstd"],
+        "migrate-test": ["webdataset>=1.0", "tfrecord>=1.14", "brotli", "python-snappy", "zstd", "catalogue>=2"],
         # `make docs`: the API reference (mkdocs + mkdocstrings, strict); `make test` builds it and type-checks.
         "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26", "mypy>=1.10"],
         "dev": [

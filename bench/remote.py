@@ -12,10 +12,22 @@ over the rounds of MB/s, user and total CPU s/GB of this process, seconds to the
 See `fastload.benchmark.run_remote` (also `fastload bench --remote URL`).
 
 `--peers`: the peer table instead (`fastload.benchmark.remote_peers`): the same samples written once
-in fastload's format and LitData's (`litdata.optimize`), kept under `--data-dir`, all served by one
-moto S3 server over HTTPS; per row (raw obstore pipeline; fastload and LitData cold, cold again and
-warm, w0 and w2) MB/s, user and total CPU s/GB, first batch and the server's CPU s/GB. MosaicML
-Streaming is named with the reason it cannot run (`import streaming` fails in this environment).
+in fastload's format, LitData's (`litdata.optimize`) and MosaicML Streaming's MDS (its `MDSWriter`, no
+compression), kept under `--data-dir`, all served by one moto S3 server over HTTPS; per row (raw
+obstore pipeline; fastload, LitData and Streaming cold, cold again and warm, w0 and w2) MB/s, user
+and total CPU s/GB, first batch and the server's CPU s/GB. Every epoch is checked against the
+dataset's sample count and label sum.
+
+Streaming (mosaicml-streaming 0.13.0, installed by the Makefile with --no-deps, plus `catalogue` from
+`fastload[migrate-test]`) runs `streaming.base.dataset.StreamingDataset` in a torch DataLoader, in
+processes of its own that import `streaming.base.*` without running the `__init__` files of
+`streaming` and `streaming.base` (`remote_peers.import_streaming_base`). Those two files are what
+makes `import streaming` fail here: they import `streaming.vision`, which imports torchvision at module
+level (the torchvision build for torch 2.13 links CUDA libraries the CPU torch wheel lacks), and
+`StreamingDataLoader`, which imports transformers; the dataset, its boto3 S3 downloader and
+`MDSWriter` use neither, and none of streaming's modules is replaced. Its boto3 client reads moto's
+endpoint from `S3_ENDPOINT_URL`, the credentials from `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`
+and the CA from `AWS_CA_BUNDLE`.
 
 Run: `python -m bench.remote [--server nginx|moto] [--shards 12 --shard-size 32MB --rounds 3]`, or
 `python -m bench.remote --peers --shard-size 16MB --rounds 5`.
@@ -42,10 +54,16 @@ from fastload.benchmark import format_peers, format_remote, run_peers, run_remot
 from fastload.formats import write
 from fastload.formats.units import parse_size
 
-__all__ = ["Nginx", "main", "make_dataset", "peer_data", "per_shard", "run_peer_table", "sample",
-           "streaming_unavailable", "write_json", "write_litdata"]
+__all__ = ["Nginx", "label_sum", "main", "make_dataset", "peer_data", "per_shard", "run_peer_table", "sample",
+           "write_json", "write_litdata", "write_mds", "write_mds_here"]
 
 SAMPLE_BYTES = 8192
+#: How the Streaming rows run (the module docstring says more).
+STREAMING_NOTE = ("mosaicml-streaming 0.13.0's StreamingDataset (streaming.base.dataset; the __init__ files of "
+                  "streaming and streaming.base not run, as they import torchvision and transformers, which "
+                  "StreamingDataset does not use) in a torch DataLoader, over uncompressed MDS shards; boto3 "
+                  "pointed at moto by S3_ENDPOINT_URL and AWS_CA_BUNDLE")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,36 +97,63 @@ def write_litdata(out: str, *, shards: int, shard_size: int) -> None:
                      chunk_bytes=shard_size, num_workers=1, start_method="fork", verbose=False)
 
 
+def write_mds(out: str, *, shards: int, shard_size: int) -> None:
+    """`make_dataset`'s samples, in order, as MosaicML Streaming MDS shards of about `shard_size` bytes
+    (streaming's `MDSWriter`, one writer, no compression; `x` as `ndarray:uint8:8192`, `label` as
+    `int`), written by a Python process of its own: streaming's modules are imported there
+    (`remote_peers.import_streaming_base`), never in this one."""
+    code = ("import sys; from bench.remote import write_mds_here; "
+            "write_mds_here(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))")
+    proc = subprocess.run([sys.executable, "-c", code, os.path.abspath(out), str(shards), str(shard_size)],
+                          cwd=_REPO, capture_output=True, text=True, timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"writing MDS shards to {out} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def write_mds_here(out: str, shards: int, shard_size: int) -> None:
+    """`write_mds` in this process (which then holds streaming's modules: see `write_mds`)."""
+    from fastload.benchmark.remote_peers import import_streaming_base
+
+    import_streaming_base()
+    from streaming.base.format.mds.writer import MDSWriter
+
+    k = per_shard(shard_size)
+    columns = {"x": f"ndarray:uint8:{SAMPLE_BYTES}", "label": "int"}
+    with MDSWriter(out=out, columns=columns, compression=None, size_limit=shard_size, progress_bar=False) as w:
+        for i in range(shards * k):
+            w.write(sample(i, k))
+
+
 def peer_data(data_dir: str, *, shards: int, shard_size: int) -> dict[str, str]:
-    """The bench dataset in fastload's format and in each peer's (`write_litdata`), written once and kept
-    under `data_dir` per size: {"fastload": dir, "litdata": dir}."""
+    """The bench dataset in fastload's format and in each peer's (`write_litdata`, `write_mds`), each
+    written once and kept under `data_dir` per size: {"fastload": dir, "litdata": dir, "streaming": dir}."""
     root = os.path.join(data_dir, f"remote-{shards}x{shard_size}")
-    paths = {"fastload": os.path.join(root, "fastload"), "litdata": os.path.join(root, "litdata")}
-    complete = os.path.join(root, "complete")
-    if not os.path.exists(complete):
-        shutil.rmtree(root, ignore_errors=True)
-        make_dataset(paths["fastload"], shards=shards, shard_size=shard_size)
-        write_litdata(paths["litdata"], shards=shards, shard_size=shard_size)
-        open(complete, "w").close()
+    writers = {"fastload": make_dataset, "litdata": write_litdata, "streaming": write_mds}
+    paths = {name: os.path.join(root, name) for name in writers}
+    for name, writer in writers.items():
+        complete = os.path.join(root, f"{name}.complete")
+        if not os.path.exists(complete):
+            shutil.rmtree(paths[name], ignore_errors=True)
+            writer(paths[name], shards=shards, shard_size=shard_size)
+            open(complete, "w").close()
     return paths
+
+
+def label_sum(*, shards: int, shard_size: int) -> int:
+    """The sum of the bench dataset's labels (`sample`): every epoch of every row must reproduce it."""
+    return per_shard(shard_size) * sum(range(shards))
 
 
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def streaming_unavailable() -> str | None:
-    """Why `import streaming` (MosaicML Streaming) fails in this environment, or None."""
-    proc = subprocess.run([sys.executable, "-c", "import streaming"], capture_output=True, text=True, timeout=300,
-                          check=False)
-    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["no message"])[-1]
-
-
 def run_peer_table(data_dir: str, *, shards: int, shard_size: int, rounds: int, batch_size: int = 256,
                    threads: int = 8, workers: tuple[int, ...] = (0, 2)) -> dict[str, Any]:
     """fastload's and the peers' rows (`fastload.benchmark.remote_peers`) over the same samples, every
     format served by one moto S3 server over HTTPS on 127.0.0.1 (LitData's obstore client refuses plain
-    HTTP endpoints); the clients trust its CA through `SSL_CERT_FILE` and `AWS_CA_BUNDLE`."""
+    HTTP endpoints); the clients trust its CA through `SSL_CERT_FILE` and `AWS_CA_BUNDLE`. Streaming's
+    options are the environment variables its boto3 client reads."""
     import moto as moto_pkg
 
     _tests_on_path()
@@ -127,20 +172,24 @@ def run_peer_table(data_dir: str, *, shards: int, shard_size: int, rounds: int, 
                     upload_dir(client, path, "bench", name)
                 lit = {"endpoint_url": server.endpoint, "aws_access_key_id": "testing",
                        "aws_secret_access_key": "testing", "region_name": REGION}
+                env = {"S3_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION}
+                peers = {"litdata": {"url": "s3://bench/litdata", "storage_options": lit},
+                         "streaming": {"url": "s3://bench/streaming", "storage_options": env}}
+                for name, spec in peers.items():
+                    spec["bytes"] = _dir_bytes(paths[name])
                 assert server.proc is not None
                 res = run_peers("s3://bench/fastload", storage_options=storage_options(server.endpoint, timeout=60),
-                                peers={"litdata": {"url": "s3://bench/litdata", "storage_options": lit,
-                                                   "bytes": _dir_bytes(paths["litdata"])}},
-                                rounds=rounds, workers=workers, batch_size=batch_size, threads=threads,
-                                server_pid=server.proc.pid)
+                                peers=peers, rounds=rounds, workers=workers, batch_size=batch_size, threads=threads,
+                                server_pid=server.proc.pid,
+                                label_sum=label_sum(shards=shards, shard_size=shard_size))
             finally:
                 server.kill()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res["server"] = (f"moto {moto_pkg.__version__} (python -m moto.server, one process on 127.0.0.1, HTTPS) "
                      "for every row, sharing the client's cores")
-    why = streaming_unavailable()
-    res["not_run"] = {"mosaicml-streaming": f"import streaming fails here: {why}" if why else "no row built"}
+    res["notes"] = {"streaming": STREAMING_NOTE}
     return res
 
 
@@ -191,7 +240,7 @@ class Nginx:
 
 def _tests_on_path() -> None:
     """Make tests/s3_fixtures importable (the moto server and its helpers)."""
-    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    tests = os.path.join(_REPO, "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
 
@@ -226,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--transport", dest="transports", action="append", choices=("auto", "obstore", "fsspec"),
                     help="Loader rows per transport (repeatable; default: auto and fsspec)")
     ap.add_argument("--peers", action="store_true",
-                    help="the peer table instead: fastload, the raw pipeline and LitData over one moto S3 server")
+                    help="the peer table instead: fastload, the raw pipeline, LitData and Streaming over one moto S3 "
+                         "server")
     ap.add_argument("--data-dir", default=os.path.join("build", "bench-data"),
                     help="--peers: where the dataset and its peer formats are written once and kept")
     args = ap.parse_args(argv)

@@ -9,8 +9,6 @@ import importlib.util
 import io
 import json
 import os
-import sys
-import types
 from decimal import Decimal
 
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastload.benchmark.remote_peers import import_streaming_base
 from fastload.cli import main
 from fastload.formats import FastloadDataset
 from fastload.formats.errors import ChecksumError, FormatError, SchemaError
@@ -409,19 +408,11 @@ def test_tfrecord_from_fsspec_urls_as_from_local_files(tmp_path, capsys):
 
 def _mds_writer():
     """streaming's MDSWriter, imported without running `streaming/__init__.py`, which imports its
-    dataloader's transformers and torchvision (not installed: their pins do not fit torch 2.13)."""
-    loaded = sys.modules.get("streaming.base.format.mds.writer")
-    if loaded is not None:
-        return loaded.MDSWriter
-    spec = importlib.util.find_spec("streaming")
-    if spec is None or spec.origin is None:
+    dataloader's transformers and torchvision (not installed: their pins do not fit torch 2.13):
+    `fastload.benchmark.remote_peers.import_streaming_base`."""
+    if importlib.util.find_spec("streaming") is None:
         pytest.skip("mosaicml-streaming is not installed (the Makefile installs it with --no-deps)")
-    root = os.path.dirname(spec.origin)
-    for name, path in (("streaming", root), ("streaming.base", os.path.join(root, "base"))):
-        if name not in sys.modules:
-            module = types.ModuleType(name)
-            module.__path__ = [path]
-            sys.modules[name] = module
+    import_streaming_base()
     from streaming.base.format.mds.writer import MDSWriter
 
     return MDSWriter
