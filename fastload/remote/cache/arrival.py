@@ -37,10 +37,12 @@ from fastload.formats.blocks import table_span
 __all__ = ["Arrival", "BlockSpec"]
 
 _POLL_S = 0.02  # a forked child's poll for its parent's download
-# A reader's GET may take over the download's blocks from this many blocks past where the download's GET
-# has got to: the bytes between arrive sooner in that GET (the GET then stops where it lost its blocks).
+# A reader's GET may take over the download's blocks from this many blocks (4 MiB) past where the download's
+# GET has got to (that GET then stops where it lost its blocks): nearer bytes arrive sooner in that GET than
+# in a new one, whose first byte costs a round trip (at an object store's tens of ms and ~100 MB/s per GET,
+# about 4 MiB).
 # From a GET that received nothing for `STALLED_S`, a reader may take every block it has not finished.
-STEAL_AHEAD = 16
+STEAL_AHEAD = 64
 STALLED_S = 0.1
 ASK_AGAIN_S = 0.05  # a waiting reader asks again for its blocks this often (a stalled GET's become free)
 
@@ -150,14 +152,15 @@ class Arrival:
             self._fronts[got[0]] = (first, time.monotonic())
             return got
 
-    def advance(self, claim: int, received_to: int) -> bool:
-        """The download's claim `claim` received the bytes before block `received_to` (block numbers; the
-        blocks before it are complete). Returns whether the claim still holds block `received_to` (False:
-        a reader's GET took it over: the download stops this GET)."""
+    def take(self, claim: int, first: int, upto: int) -> np.ndarray:
+        """Claim `claim` received bytes of blocks [first, upto] and its GET's next byte lies in block
+        `upto` (every block before it is complete): which of blocks [first, upto] it still holds
+        (bools; the last False: a reader's GET took the next block over, the GET may stop here). A
+        download's claim records `upto` as where its GET has got to (`STEAL_AHEAD`)."""
         with self._cond:
             if claim in self._fronts:
-                self._fronts[claim] = (received_to, time.monotonic())
-            return received_to < len(self.claimed) and int(self.claimed[received_to]) == claim
+                self._fronts[claim] = (upto, time.monotonic())
+            return self.claimed[first : upto + 1] == claim
 
     def claim_wanted(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
         """Claim runs (claim id, first block, end block) covering the blocks of `ids` that nobody holds

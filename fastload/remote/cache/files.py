@@ -160,22 +160,23 @@ class Download:
         end = offset + view.nbytes
         if offset < 0 or end > arrival.sections_end:
             raise ValueError(f"{self.where}: [{offset}, {end}) passes the blocks' end ({arrival.sections_end} bytes)")
-        shift = arrival.spec.shift
         if not view.nbytes:
-            return arrival.advance(claim, offset >> shift)
+            return True
+        shift = arrival.spec.shift
+        first, last, upto = offset >> shift, (end - 1) >> shift, end >> shift
         with self._lock:
             if self._fd < 0:
                 return False
             self.written += view.nbytes
-            first, last = offset >> shift, (end - 1) >> shift
-            mine = arrival.owned(claim, first, last + 1)
+            held = arrival.take(claim, first, upto)  # the blocks written, and the one the next byte goes to
+            mine = held[: last + 1 - first]
             if mine.all():
                 self._put_blocks(claim, offset, view)
             else:
                 for j in np.flatnonzero(mine).tolist():  # blocks taken over by another claim are left alone
                     lo, hi = max(offset, (first + j) << shift), min(end, (first + j + 1) << shift)
                     self._put_blocks(claim, lo, view[lo - offset : hi - offset])
-        return arrival.advance(claim, end >> shift)
+        return end < arrival.sections_end and len(held) == upto + 1 - first and bool(held[-1])
 
     def release(self, claim: int) -> None:
         """Claim `claim` ended (failed, cut short or taken back): its unpublished blocks' partial bytes
