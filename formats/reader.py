@@ -578,8 +578,11 @@ class FastloadDataset:
 
     def _all_shards_at_hand(self) -> bool:
         """Local shards always are; cached remote ones once every shard is open (so pinned in the
-        cache: a budget that holds the dataset, from the end of the first epoch on)."""
-        return isinstance(self.storage, LocalStorage) or len(self._open) == self.num_shards
+        cache: a budget that holds the dataset, from the end of the first epoch on) and none is still
+        arriving (its file moves into the cache when it completes)."""
+        if isinstance(self.storage, LocalStorage):
+            return True
+        return len(self._open) == self.num_shards and not any(r.arriving for r in list(self._open.values()))
 
     def _splice(self, f: Any, files: OpenFiles) -> SplicedColumn | None:
         parts = []

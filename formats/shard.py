@@ -361,6 +361,12 @@ class ShardReader:
                     check_shapes(self.shapes[f.name], np.diff(offsets.view(np.int64)), f, fw)
 
     @property
+    def arriving(self) -> bool:
+        """Whether the mapped file is still arriving (its download has not completed)."""
+        arrival = self.arrival
+        return arrival is not None and not arrival.complete
+
+    @property
     def path(self) -> str:
         """The mapped file's path (where an arriving file is now: it moves once, when it completes)."""
         return self._path if self.arrival is None else self.arrival.path
