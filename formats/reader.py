@@ -146,6 +146,9 @@ def _gather_group(
 ) -> None:
     """Batch positions [a, b) (group `g`) from `reader`: fixed fields into `cols`, variable fields'
     runs into `runs` (their items copied out when `copy`: nothing here keeps the mapping then)."""
+    if reader.arriving:  # every field's blocks asked for at once, before the first wait
+        reader.announce([reader.rows_span(f.name, rows) if f.is_fixed else reader.items_span(f.name, rows)
+                         for f in wanted])
     for f in wanted:
         if f.is_fixed:
             reader.ensure_rows(f.name, rows)

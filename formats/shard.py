@@ -245,6 +245,10 @@ class ShardReader:
         where = where or path
         self.where = where
         self.arrival = arrival
+        # an arriving file: blocks this reader's first read needs are fetched out of order, ahead of the
+        # download's GETs (its first batch comes sooner); later reads wait for the download's GETs, which
+        # by then stream the shard (out-of-order GETs cost requests and break those streams)
+        self._fetch_ahead = True
         if arrival is not None:
             arrival.wait(np.zeros(1, dtype=np.int64))  # the header's block (the table arrives before any block)
             self._mmap, st = self._open_arriving(arrival, nbytes, where, huge)
@@ -470,12 +474,14 @@ class ShardReader:
         bits are set: every bit, and the file is no longer arriving, once the download completed)."""
         assert self.bits is not None
         try:
-            trusted = arrival.wait(ids)
+            trusted = arrival.wait(ids, ahead=self._fetch_ahead)
         except Exception as exc:
             lost = exc if self.on_lost is None else self.on_lost(exc)
             if lost is exc:
                 raise
             raise lost from exc
+        if ids.size > 1:  # past the header's block: this reader's first read got its blocks
+            self._fetch_ahead = False
         if not trusted:
             return False
         if arrival.complete:
@@ -523,12 +529,33 @@ class ShardReader:
             return
         self.ensure_bytes(np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64))
 
+    def rows_span(self, name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The byte ranges [lo, hi) of rows `rows` of fixed field `name`."""
+        item = self.fixed[name].strides[0] if self.fixed[name].ndim else self.fixed[name].itemsize
+        lo = self.fixed_offset[name] + rows.astype(np.int64, copy=False) * item
+        return lo, lo + item
+
+    def items_span(self, name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The byte ranges [lo, hi) of the items of rows `rows` of variable field `name`."""
+        offs, values = self.ragged[name]
+        lo = self.blob_offset[name] + offs[rows] * values.itemsize
+        return lo, self.blob_offset[name] + offs[rows + 1] * values.itemsize
+
+    def announce(self, spans: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """An arriving file: ask at once for the blocks under the byte ranges `spans` that reads will
+        wait on, so their fetches run together instead of one field's after another's."""
+        arrival, bits = self.arrival, self.bits
+        if arrival is None or bits is None or self._all_verified or not spans:
+            return
+        ids = np.unique(np.concatenate([block_ids(lo, hi, self.shift) for lo, hi in spans]))
+        ids = ids[~bits[ids]]
+        if ids.size:
+            arrival.ask(ids, ahead=self._fetch_ahead)
+
     def ensure_rows(self, name: str, rows: np.ndarray) -> None:
         """Verify the blocks holding rows `rows` of fixed field `name`."""
         if self.bits is not None and not self._all_verified:
-            item = self.fixed[name].strides[0] if self.fixed[name].ndim else self.fixed[name].itemsize
-            lo = self.fixed_offset[name] + rows.astype(np.int64, copy=False) * item
-            self.ensure_bytes(lo, lo + item)
+            self.ensure_bytes(*self.rows_span(name, rows))
 
     def ensure_column(self, name: str) -> None:
         """Verify the blocks holding the whole column of fixed field `name`."""

@@ -89,10 +89,15 @@ class Arrival(Protocol):
         """Whether every block has arrived."""
         ...
 
-    def wait(self, ids: np.ndarray) -> bool:
+    def wait(self, ids: np.ndarray, *, ahead: bool = True) -> bool:
         """Block until blocks `ids` (the shard's local block numbers) have arrived; True when the download
         verified them in this process (the reader takes them as verified), False when the reader
-        must hash them itself. Raises the download's error if it failed, or `TimeoutError` (bounded)."""
+        must hash them itself. Raises the download's error if it failed, or `TimeoutError` (bounded).
+        `ahead`: blocks the download will bring later may be fetched for this wait out of order."""
+        ...
+
+    def ask(self, ids: np.ndarray, *, ahead: bool = True) -> None:
+        """Reads will wait for blocks `ids` soon: fetch those nobody fetches yet now (no wait)."""
         ...
 
 

@@ -75,8 +75,9 @@ ARRIVING_MIN_BYTES = 8 << 20  # shards from this size on are read while they arr
 DOWNLOAD_CHUNK = 1 << 20
 FSSPEC_PART_BYTES = 8 << 20  # an arriving shard's GETs through fsspec (each comes whole)
 WANT_RUN_BLOCKS = 64  # at most this many blocks of an arriving shard in one out-of-order GET for a reader
-WANT_GAP_BLOCKS = 8  # wanted blocks this close share a GET (fetching the gap costs less than another GET)
-SIDE_GETS = 32  # out-of-order GETs in flight at once per process
+WANT_GAP_BLOCKS = 16  # wanted blocks this close share a GET (fetching the gap costs less than another GET)
+SIDE_GETS = 32  # out-of-order GET calls in flight at once per process
+SIDE_RANGES_PER_CALL = int(os.environ.get("SRPC", "4"))  # runs of blocks one obstore `get_ranges` call fetches
 log = logging.getLogger("fastload.remote.storage")
 MIN_OPEN_SHARDS = 1  # the least a reader with max_open_shards=None keeps open (it pins one more to swap)
 MAX_OPEN_SHARDS = 64  # the most it keeps open
@@ -756,26 +757,39 @@ class RemoteStorage:
 
     def _want(self, rpath: str, sink: Download, runs: list[tuple[int, int, int]]) -> None:
         """A reader waits for blocks nobody fetched yet: `runs` (claim, first block, end block) claimed for
-        it (see `Arrival.set_want`), each fetched in one ranged GET on this process's side threads."""
+        it (see `Arrival.set_want`), fetched on this process's side threads: through obstore all in one
+        `get_ranges` call (its GETs run at once, the GIL released), through fsspec one GET per run."""
         arrival = sink.arrival
         assert arrival is not None
         shift, end = arrival.spec.shift, arrival.sections_end
+        spans = [(claim, first << shift, min(stop << shift, end)) for claim, first, stop in runs]
         with self._receive_lock:
             if self._side is None:
                 self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
             pool = self._side
-        for claim, first, stop in runs:
-            pool.submit(self._side_fetch, rpath, sink, claim, first << shift, min(stop << shift, end))
+        group = SIDE_RANGES_PER_CALL if self._via_obstore() else 1
+        for i in range(0, len(spans), group):
+            pool.submit(self._side_fetch, rpath, sink, spans[i : i + group])
 
-    def _side_fetch(self, rpath: str, sink: Download, claim: int, start: int, end: int) -> None:
-        """One ranged GET for `_want`; on a failure its blocks go back to the ledger (the download takes them)."""
+    def _side_fetch(self, rpath: str, sink: Download, spans: list[tuple[int, int, int]]) -> None:
+        """The GETs of `_want` for `spans` (claim, start, end); on a failure their blocks go back to the
+        ledger (the download takes them)."""
+        stats = self.cache.transfer
         try:
-            self.cache.transfer.add_many(side_gets=1, side_bytes=end - start)
-            self._range_into(rpath, sink, claim, start, end, STREAM_CHUNK)
+            stats.add_many(side_gets=len(spans), side_bytes=sum(b - a for _, a, b in spans))
+            if not self._via_obstore():
+                claim, start, end = spans[0]
+                self._range_into(rpath, sink, claim, start, end, STREAM_CHUNK)
+                return
+            got = self.obstore.ranges(rpath, [a for _, a, _ in spans], [b for _, _, b in spans], stats)
+            for (claim, start, end), data in zip(spans, got):
+                if len(data) == end - start:
+                    sink.write_claimed(claim, start, data)
         except Exception as exc:  # noqa: BLE001 - the download's own GETs bring these blocks
-            log.debug("out-of-order GET of %s [%d, %d) failed: %r", rpath, start, end, exc)
+            log.debug("out-of-order GETs of %s %s failed: %r", rpath, [(a, b) for _, a, b in spans][:4], exc)
         finally:
-            sink.release(claim)
+            for claim, _, _ in spans:
+                sink.release(claim)
 
     def _fetch(self, name: str, sink: Download) -> None:
         """Whole-object GET of `name` into `sink`, retried on transient errors (bad checksums too)."""

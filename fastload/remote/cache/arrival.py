@@ -44,6 +44,9 @@ _POLL_S = 0.02  # a forked child's poll for its parent's download
 # From a GET that received nothing for `STALLED_S`, a reader may take every block it has not finished.
 STEAL_AHEAD = 64
 STALLED_S = 0.1
+# A GET goes on through up to this many blocks (1 MiB) that readers' GETs took over, dropping their bytes:
+# cheaper than ending it and starting a new GET after them.
+SKIP_THROUGH = 16
 ASK_AGAIN_S = 0.05  # a waiting reader asks again for its blocks this often (a stalled GET's become free)
 
 
@@ -119,14 +122,20 @@ class Arrival:
     def _free(self) -> np.ndarray:
         return ~self.published & (self.claimed == 0)
 
-    def _free_for_readers(self) -> np.ndarray:
-        """Blocks a reader's GET may claim: free ones, and the download's blocks well ahead of its GETs."""
+    def _free_for_readers(self, ahead: bool) -> np.ndarray:
+        """Blocks a reader's GET may claim: free ones, those the download's stalled GETs have not finished,
+        and (`ahead`) the download's blocks well ahead of its GETs."""
         free = self._free()
         now = time.monotonic()
         for claim, (front, seen) in self._fronts.items():
-            start = front if now - seen > STALLED_S else front + STEAL_AHEAD
-            ahead = np.flatnonzero(self.claimed[start:] == claim)
-            free[start + ahead] = ~self.published[start + ahead]
+            if now - seen > STALLED_S:
+                start = front
+            elif ahead:
+                start = front + STEAL_AHEAD
+            else:
+                continue
+            held = start + np.flatnonzero(self.claimed[start:] == claim)
+            free[held] = ~self.published[held]
         return free
 
     def _claim(self, first: int, end: int) -> tuple[int, int, int]:
@@ -152,25 +161,28 @@ class Arrival:
             self._fronts[got[0]] = (first, time.monotonic())
             return got
 
-    def take(self, claim: int, first: int, upto: int) -> np.ndarray:
+    def take(self, claim: int, first: int, upto: int) -> tuple[np.ndarray, bool]:
         """Claim `claim` received bytes of blocks [first, upto] and its GET's next byte lies in block
         `upto` (every block before it is complete): which of blocks [first, upto] it still holds
-        (bools; the last False: a reader's GET took the next block over, the GET may stop here). A
-        download's claim records `upto` as where its GET has got to (`STEAL_AHEAD`)."""
+        (bools), and whether its GET should go on: it holds a block among the next `SKIP_THROUGH`
+        from `upto` (a few blocks a reader's GET took over are received and dropped rather than
+        ending the GET and starting another). A download's claim records `upto` as where its GET has
+        got to (`STEAL_AHEAD`)."""
         with self._cond:
             if claim in self._fronts:
                 self._fronts[claim] = (upto, time.monotonic())
-            return self.claimed[first : upto + 1] == claim
+            held = self.claimed[first : upto + SKIP_THROUGH] == claim
+            return held[: upto + 1 - first], bool(held[upto - first :].any())
 
-    def claim_wanted(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
-        """Claim runs (claim id, first block, end block) covering the blocks of `ids` that nobody holds
-        (or that the download's GETs hold well ahead of where they got to: `STEAL_AHEAD`), grouped as
-        `set_want` says."""
+    def claim_wanted(self, ids: np.ndarray, *, ahead: bool = True) -> list[tuple[int, int, int]]:
+        """Claim runs (claim id, first block, end block) covering the blocks of `ids` that nobody holds,
+        that the download's stalled GETs hold, or (`ahead`) that its GETs hold well ahead of where they
+        got to (`STEAL_AHEAD`), grouped as `set_want` says."""
         with self._cond:
-            return self._claim_wanted(ids)
+            return self._claim_wanted(ids, ahead)
 
-    def _claim_wanted(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
-        free = self._free_for_readers()
+    def _claim_wanted(self, ids: np.ndarray, ahead: bool = True) -> list[tuple[int, int, int]]:
+        free = self._free_for_readers(ahead)
         ids = np.unique(ids)
         ids = ids[free[ids]]
         runs: list[tuple[int, int, int]] = []
@@ -262,8 +274,9 @@ class Arrival:
             return self._landed()
         return self._state == "complete"
 
-    def wait(self, ids: np.ndarray) -> bool:
-        """Block until the blocks `ids` (local block numbers) arrived. Returns True when this process's
+    def wait(self, ids: np.ndarray, *, ahead: bool = True) -> bool:
+        """Block until the blocks `ids` (local block numbers) arrived, asking for them (`ask`; `ahead`:
+        also those the download's GETs will bring later). Returns True when this process's
         download verified them (the caller may take them as verified), False when the caller must hash
         them itself (a forked child). Raises the download's error when it failed, `TimeoutError`
         when no block arrived for `stall_s` seconds."""
@@ -275,7 +288,7 @@ class Arrival:
         me = threading.get_ident()
         while True:
             if ask:  # first, then after each quiet `ASK_AGAIN_S`: a stalled GET's blocks become free to claim
-                self._ask(ids)
+                self.ask(ids, ahead=ahead)
             with self._cond:
                 self._waiting.pop(me, None)
                 if self._state == "failed":
@@ -292,8 +305,12 @@ class Arrival:
                 self._waiting[me] = ids
                 ask = not self._cond.wait(timeout=min(left, ASK_AGAIN_S))
 
-    def _ask(self, ids: np.ndarray) -> None:
-        """Claim the blocks of `ids` that nobody claimed yet and hand them to `on_want` (fetched out of order)."""
+    def ask(self, ids: np.ndarray, *, ahead: bool = True) -> None:
+        """Claim the blocks of `ids` that a reader's GET may take (`claim_wanted`) and hand them to
+        `on_want` (fetched out of order); no wait. In a forked child (the record is its parent's) it
+        does nothing."""
+        if os.getpid() != self._pid:
+            return
         with self._cond:
             want = self.on_want
             if self._state != "running":
@@ -301,7 +318,7 @@ class Arrival:
             if want is None:  # the block table has not arrived: `set_want` asks for these
                 self._wanted[ids] = True
                 return
-            runs = self._claim_wanted(ids)
+            runs = self._claim_wanted(ids, ahead)
         if runs:
             want(runs)
 

@@ -168,7 +168,7 @@ class Download:
             if self._fd < 0:
                 return False
             self.written += view.nbytes
-            held = arrival.take(claim, first, upto)  # the blocks written, and the one the next byte goes to
+            held, more = arrival.take(claim, first, upto)  # the blocks written, the one the next byte goes to
             mine = held[: last + 1 - first]
             if mine.all():
                 self._put_blocks(claim, offset, view)
@@ -176,7 +176,7 @@ class Download:
                 for j in np.flatnonzero(mine).tolist():  # blocks taken over by another claim are left alone
                     lo, hi = max(offset, (first + j) << shift), min(end, (first + j + 1) << shift)
                     self._put_blocks(claim, lo, view[lo - offset : hi - offset])
-        return end < arrival.sections_end and len(held) == upto + 1 - first and bool(held[-1])
+        return more and end < arrival.sections_end
 
     def release(self, claim: int) -> None:
         """Claim `claim` ended (failed, cut short or taken back): its unpublished blocks' partial bytes
