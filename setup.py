@@ -60,7 +60,7 @@ setup(
     },
     package_data={
         "fastload": ["py.typed"],
-        "fastload.formats": ["FORMAT.md"],
+        "fastload.formats": ["FORMAT.md", "vendor/LICENSE-xxhash"],
         "fastload.cuda_ops": ["kernels/*.cu"],
     },
     install_requires=[
@@ -114,7 +114,8 @@ setup(
     # vision ones: without it, reads join memoryview slices instead; same bytes, slower)
     ext_modules=[
         *_vision_extensions(),
-        Extension("fastload.formats._ranges", ["formats/_ranges.c"], extra_compile_args=["-O3"]),
+        Extension("fastload.formats._ranges", ["formats/_ranges.c"], depends=["formats/vendor/xxhash.h"],
+                  extra_compile_args=["-O3"]),
     ],
     cmdclass={"build_ext": _OptionalBuildExt},
     entry_points={"console_scripts": ["fastload=fastload.cli:main"]},

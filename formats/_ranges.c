@@ -31,11 +31,21 @@
  * buffers: a sequence of buffer objects (e.g. memoryviews into a mapped file); addresses, lengths:
  * writable C-contiguous int64 buffers of the same length, filled with each buffer's start address
  * and size in bytes.
+ *
+ *   xxh3_blocks(buf, ids, shift, end, out) -> None
+ *
+ * buf: any buffer; ids: a C-contiguous int64 buffer of block numbers; out: a writable C-contiguous
+ * 8-byte buffer of as many entries. out[i] = XXH3-64 (seed 0, as `xxhash.xxh3_64_intdigest`) of bytes
+ * [ids[i] << shift, min((ids[i] + 1) << shift, end)) of buf, hashed with the GIL released (xxHash
+ * from formats/vendor/xxhash.h, BSD 2-Clause). ValueError for a block outside [0, end) or end > len(buf).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#define XXH_INLINE_ALL
+#include "vendor/xxhash.h"
 
 static int get_i64_flags(PyObject *obj, Py_buffer *view, const char *what, int flags) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | flags) < 0) return -1;
@@ -226,6 +236,56 @@ fail_seq:
     return result;
 }
 
+static PyObject *xxh3_blocks(PyObject *self, PyObject *args) {
+    PyObject *buf_obj, *ids_obj, *out_obj, *result = NULL;
+    int shift;
+    long long end;
+    if (!PyArg_ParseTuple(args, "OOiLO", &buf_obj, &ids_obj, &shift, &end, &out_obj)) return NULL;
+    if (shift < 6 || shift > 40) {
+        PyErr_Format(PyExc_ValueError, "block shift %d is out of range", shift);
+        return NULL;
+    }
+    Py_buffer buf, ids, out;
+    if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_SIMPLE) < 0) return NULL;
+    if (get_i64(ids_obj, &ids, "ids") < 0) goto fail_buf;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto fail_ids;
+    Py_ssize_t n = ids.len / 8;
+    const int64_t *id = (const int64_t *)ids.buf;
+    if (out.len != ids.len) {
+        PyErr_SetString(PyExc_ValueError, "out must hold one 8-byte entry per id");
+        goto done;
+    }
+    if (end < 0 || end > (long long)buf.len) {
+        PyErr_Format(PyExc_ValueError, "end %lld is outside the buffer of %zd bytes", end, buf.len);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (id[i] < 0 || id[i] >= ((end + (1LL << shift) - 1) >> shift)) {
+            PyErr_Format(PyExc_ValueError, "block %lld is outside the %lld bytes hashed", (long long)id[i], end);
+            goto done;
+        }
+    }
+    const char *p = (const char *)buf.buf;
+    uint64_t *o = (uint64_t *)out.buf;
+    const long long size = 1LL << shift;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long a = (long long)id[i] << shift;
+        long long len = end - a < size ? end - a : size;
+        o[i] = (uint64_t)XXH3_64bits(p + a, (size_t)len);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&out);
+fail_ids:
+    PyBuffer_Release(&ids);
+fail_buf:
+    PyBuffer_Release(&buf);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
@@ -233,6 +293,8 @@ static PyMethodDef methods[] = {
     {"offsets_match", offsets_match, METH_VARARGS,
      "offsets_match(offsets, lengths, total): whether an offsets table is sound and agrees with lengths."},
     {"spans", spans, METH_VARARGS, "spans(buffers, addresses, lengths): each buffer's address and size."},
+    {"xxh3_blocks", xxh3_blocks, METH_VARARGS,
+     "xxh3_blocks(buf, ids, shift, end, out): XXH3-64 of each block of buf, GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,6 +22,8 @@ import warnings
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastload.formats import (
     ChecksumError,
@@ -696,3 +698,23 @@ def test_a_second_dataset_on_the_same_files_reuses_verification_until_a_file_cha
     shard.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match=r"shard-00000\.fls \(shard 0\): bytes \[65536, 131072\)"):
         FastloadDataset(path).get_batch(np.arange(len(first)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=1, max_size=5000), shift=st.integers(6, 10), picks=st.lists(st.integers(0, 10**6)),
+       c_ext=st.booleans())
+def test_block_digests_are_xxh3_of_each_block(data, shift, picks, c_ext):
+    """`block_digests` (the C extension's one call, or the Python loop without it) equals xxh3-64 of each
+    block, the last one short; a block outside the bytes is refused."""
+    from fastload.formats import blocks
+
+    with pytest.MonkeyPatch.context() as mp:
+        if not c_ext:
+            mp.setattr(blocks, "_c_xxh3_blocks", None)
+        count = -(-len(data) // (1 << shift))
+        ids = np.array([p % count for p in picks], dtype=np.int64)
+        got = blocks.block_digests(data, ids, shift, len(data))
+        want = [xxhash.xxh3_64_intdigest(data[j << shift : (j + 1) << shift]) for j in ids.tolist()]
+        assert got.dtype == np.uint64 and got.tolist() == want
+        with pytest.raises(ValueError, match="outside"):
+            blocks.block_digests(data, np.array([count], dtype=np.int64), shift, len(data))
