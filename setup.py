@@ -6,6 +6,7 @@ lands in site-packages.
 """
 
 import os
+import re
 import sysconfig
 
 from setuptools import Extension, find_packages, setup
@@ -21,6 +22,19 @@ class _OptionalBuildExt(build_ext):
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001 - CCompilerError, DistutilsExecError, missing headers
             print(f"WARNING: could not build {ext.name} ({e}); fastload runs without it, slower")
+
+
+def _ranges_extension() -> Extension:
+    """fastload.formats._ranges with xxHash (formats/vendor, BSD 2-Clause) built in: on x86 with its
+    run-time dispatcher (baseline flags: the widest vector unit is chosen when it runs)."""
+    sources = ["formats/_ranges.c", "formats/vendor/xxhash.c"]
+    macros = [("XXH_NAMESPACE", "fastload_")]  # no clash with another copy of xxHash in the process
+    if re.search(r"x86_64|amd64|i[3-6]86", sysconfig.get_platform().lower()):
+        sources.append("formats/vendor/xxh_x86dispatch.c")
+        macros.append(("FASTLOAD_XXH_X86_DISPATCH", "1"))
+    return Extension("fastload.formats._ranges", sources, define_macros=macros,
+                     extra_compile_args=["-O3", "-fvisibility=hidden"],
+                     depends=["formats/vendor/xxhash.h", "formats/vendor/xxh3.h", "formats/vendor/xxh_x86dispatch.h"])
 
 
 def _vision_extensions() -> list[Extension]:
@@ -114,8 +128,7 @@ setup(
     # vision ones: without it, reads join memoryview slices instead; same bytes, slower)
     ext_modules=[
         *_vision_extensions(),
-        Extension("fastload.formats._ranges", ["formats/_ranges.c"], depends=["formats/vendor/xxhash.h"],
-                  extra_compile_args=["-O3"]),
+        _ranges_extension(),
     ],
     cmdclass={"build_ext": _OptionalBuildExt},
     entry_points={"console_scripts": ["fastload=fastload.cli:main"]},

@@ -36,16 +36,22 @@
  *
  * buf: any buffer; ids: a C-contiguous int64 buffer of block numbers; out: a writable C-contiguous
  * 8-byte buffer of as many entries. out[i] = XXH3-64 (seed 0, as `xxhash.xxh3_64_intdigest`) of bytes
- * [ids[i] << shift, min((ids[i] + 1) << shift, end)) of buf, hashed with the GIL released (xxHash
- * from formats/vendor/xxhash.h, BSD 2-Clause). ValueError for a block outside [0, end) or end > len(buf).
+ * [ids[i] << shift, min((ids[i] + 1) << shift, end)) of buf, hashed with the GIL released (xxHash from
+ * formats/vendor, BSD 2-Clause; on x86 its dispatcher picks SSE2, AVX2 or AVX-512 at run time). ValueError
+ * for a block outside [0, end) or end > len(buf).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
 #include "vendor/xxhash.h"
+#if defined(FASTLOAD_XXH_X86_DISPATCH)
+#include "vendor/xxh_x86dispatch.h"
+#define fastload_xxh3 XXH3_64bits_dispatch /* the widest vector unit this CPU has, chosen at run time */
+#else
+#define fastload_xxh3 XXH3_64bits
+#endif
 
 static int get_i64_flags(PyObject *obj, Py_buffer *view, const char *what, int flags) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | flags) < 0) return -1;
@@ -272,7 +278,7 @@ static PyObject *xxh3_blocks(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         long long a = (long long)id[i] << shift;
         long long len = end - a < size ? end - a : size;
-        o[i] = (uint64_t)XXH3_64bits(p + a, (size_t)len);
+        o[i] = (uint64_t)fastload_xxh3(p + a, (size_t)len);
     }
     Py_END_ALLOW_THREADS
     result = Py_None;
