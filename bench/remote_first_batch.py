@@ -6,7 +6,7 @@ them with nginx on 127.0.0.1 and, per round and mode, opens the dataset with an 
 cache recycled first, as `bench.remote` does), times the open and the first batch of a Loader
 (`num_workers=0`, shuffled by `ShardWindowSampler` and sequential; the modes' order alternates by
 round), then drains the epoch (so no download runs into the next pass), timing it too with this
-process's user CPU and the MB fetched ahead of the downloads for waiting readers. Also per round:
+process's user CPU and the MB readers' own GETs fetched ahead of the downloads. Also per round:
 one 64 KiB ranged GET of a shard (obstore), the bound's other part. Prints medians and ranges over
 the rounds.
 
@@ -44,7 +44,7 @@ def _modes() -> dict[str, dict[str, Any]]:
 def _first_batch(url: str, cache: str, kw: dict[str, Any], *, shuffled: bool, batch_size: int) -> dict[str, float]:
     """On an empty cache: seconds to open the dataset (`open`), from the epoch's start to its first batch
     (`first batch`) and to its end (`epoch`), this process's user CPU seconds over the epoch (`user
-    CPU`), and MB fetched ahead of the downloads for waiting readers (`side MB`, received twice)."""
+    CPU`), and MB readers' own GETs fetched ahead of the downloads (`side MB`; the downloads skip them)."""
     from fastload.loader import Loader
     from fastload.order.shard_shuffle import ShardWindowSampler
 
