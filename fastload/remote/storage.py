@@ -77,7 +77,7 @@ FSSPEC_PART_BYTES = 8 << 20  # an arriving shard's GETs through fsspec (each com
 WANT_RUN_BLOCKS = 64  # at most this many blocks of an arriving shard in one out-of-order GET for a reader
 WANT_GAP_BLOCKS = 16  # wanted blocks this close share a GET (fetching the gap costs less than another GET)
 SIDE_GETS = 32  # out-of-order GET calls in flight at once per process
-SIDE_RANGES_PER_CALL = int(os.environ.get("SRPC", "4"))  # runs of blocks one obstore `get_ranges` call fetches
+SIDE_RANGES_PER_CALL = 8  # short runs of blocks (up to `STREAM_CHUNK`) one obstore `get_ranges` call fetches
 log = logging.getLogger("fastload.remote.storage")
 MIN_OPEN_SHARDS = 1  # the least a reader with max_open_shards=None keeps open (it pins one more to swap)
 MAX_OPEN_SHARDS = 64  # the most it keeps open
@@ -757,8 +757,10 @@ class RemoteStorage:
 
     def _want(self, rpath: str, sink: Download, runs: list[tuple[int, int, int]]) -> None:
         """A reader waits for blocks nobody fetched yet: `runs` (claim, first block, end block) claimed for
-        it (see `Arrival.set_want`), fetched on this process's side threads: through obstore all in one
-        `get_ranges` call (its GETs run at once, the GIL released), through fsspec one GET per run."""
+        it (see `Arrival.set_want`), fetched on this process's side threads: through obstore, runs of up
+        to `STREAM_CHUNK` bytes `SIDE_RANGES_PER_CALL` to a `get_ranges` call (its GETs run at once, the
+        GIL released) and longer ones each in a streamed GET (no buffer of the whole run); through
+        fsspec one GET per run."""
         arrival = sink.arrival
         assert arrival is not None
         shift, end = arrival.spec.shift, arrival.sections_end
@@ -767,9 +769,12 @@ class RemoteStorage:
             if self._side is None:
                 self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
             pool = self._side
-        group = SIDE_RANGES_PER_CALL if self._via_obstore() else 1
-        for i in range(0, len(spans), group):
-            pool.submit(self._side_fetch, rpath, sink, spans[i : i + group])
+        small = [sp for sp in spans if sp[2] - sp[1] <= STREAM_CHUNK] if self._via_obstore() else []
+        for i in range(0, len(small), SIDE_RANGES_PER_CALL):
+            pool.submit(self._side_fetch, rpath, sink, small[i : i + SIDE_RANGES_PER_CALL])
+        for span in spans:
+            if span[2] - span[1] > STREAM_CHUNK or not self._via_obstore():
+                pool.submit(self._side_fetch, rpath, sink, [span])
 
     def _side_fetch(self, rpath: str, sink: Download, spans: list[tuple[int, int, int]]) -> None:
         """The GETs of `_want` for `spans` (claim, start, end); on a failure their blocks go back to the
@@ -777,8 +782,8 @@ class RemoteStorage:
         stats = self.cache.transfer
         try:
             stats.add_many(side_gets=len(spans), side_bytes=sum(b - a for _, a, b in spans))
-            if not self._via_obstore():
-                claim, start, end = spans[0]
+            if len(spans) == 1 and (not self._via_obstore() or spans[0][2] - spans[0][1] > STREAM_CHUNK):
+                claim, start, end = spans[0]  # streamed: no buffer of the whole run
                 self._range_into(rpath, sink, claim, start, end, STREAM_CHUNK)
                 return
             got = self.obstore.ranges(rpath, [a for _, a, _ in spans], [b for _, _, b in spans], stats)

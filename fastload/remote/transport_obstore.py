@@ -280,8 +280,8 @@ class ObstoreTransport:
                     raise ConnectionError(f"{self.url}/{path}: more than the {end - start} bytes of [{start}, {end})")
                 more = write(pos, b)
                 pos += len(b)
-                if not more:
-                    break
+                if not more and pos < end:
+                    break  # the rest is not wanted: the response is dropped (a body read to its end is not)
         except Exception as exc:
             raise translate(exc, f"{self.url}/{path}") from exc
         stats.add_many(request_s=t1 - t0, receive_s=recv, ranged_parts=1)
