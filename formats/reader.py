@@ -146,7 +146,8 @@ def _gather_group(
 ) -> None:
     """Batch positions [a, b) (group `g`) from `reader`: fixed fields into `cols`, variable fields'
     runs into `runs` (their items copied out when `copy`: nothing here keeps the mapping then)."""
-    if reader.arriving:  # every field's blocks asked for at once, before the first wait
+    arriving = reader.arriving
+    if arriving:  # every field's blocks asked for at once, before the first wait
         reader.announce([reader.rows_span(f.name, rows) if f.is_fixed else reader.items_span(f.name, rows)
                          for f in wanted])
     for f in wanted:
@@ -166,6 +167,8 @@ def _gather_group(
         run.source_of[a:b], run.starts[a:b], run.lengths[a:b] = g, lo, length
         if run.shapes is not None:
             run.shapes[a:b] = reader.shapes[f.name][rows]
+    if arriving:
+        reader.fetch_ahead = False  # its first batch is read: later ones follow the download (see ShardReader)
 
 
 class FastloadDataset:

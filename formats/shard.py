@@ -245,10 +245,11 @@ class ShardReader:
         where = where or path
         self.where = where
         self.arrival = arrival
-        # an arriving file: blocks this reader's first read needs are fetched out of order, ahead of the
-        # download's GETs (its first batch comes sooner); later reads wait for the download's GETs, which
-        # by then stream the shard (out-of-order GETs cost requests and break those streams)
-        self._fetch_ahead = True
+        # an arriving file: the blocks reads wait for are fetched out of order, ahead of the download's GETs,
+        # while this is True; a batch reader turns it off after its first batch from the shard (that batch
+        # comes sooner; later ones wait for the download's GETs, which by then stream the shard: out-of-order
+        # GETs cost requests and break those streams)
+        self.fetch_ahead = True
         if arrival is not None:
             arrival.wait(np.zeros(1, dtype=np.int64))  # the header's block (the table arrives before any block)
             self._mmap, st = self._open_arriving(arrival, nbytes, where, huge)
@@ -474,14 +475,12 @@ class ShardReader:
         bits are set: every bit, and the file is no longer arriving, once the download completed)."""
         assert self.bits is not None
         try:
-            trusted = arrival.wait(ids, ahead=self._fetch_ahead)
+            trusted = arrival.wait(ids, ahead=self.fetch_ahead)
         except Exception as exc:
             lost = exc if self.on_lost is None else self.on_lost(exc)
             if lost is exc:
                 raise
             raise lost from exc
-        if ids.size > 1:  # past the header's block: this reader's first read got its blocks
-            self._fetch_ahead = False
         if not trusted:
             return False
         if arrival.complete:
@@ -550,7 +549,7 @@ class ShardReader:
         ids = np.unique(np.concatenate([block_ids(lo, hi, self.shift) for lo, hi in spans]))
         ids = ids[~bits[ids]]
         if ids.size:
-            arrival.ask(ids, ahead=self._fetch_ahead)
+            arrival.ask(ids, ahead=self.fetch_ahead)
 
     def ensure_rows(self, name: str, rows: np.ndarray) -> None:
         """Verify the blocks holding rows `rows` of fixed field `name`."""
