@@ -21,6 +21,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any
@@ -229,15 +230,16 @@ class ObstoreTransport:
         except Exception as exc:
             raise translate(exc, f"{self.url}/{path}") from exc
 
-    def stream_into(self, path: str, sink: Any, stats: TransferStats, chunk: int = STREAM_CHUNK) -> None:
-        """One whole-object GET of `path`, each `chunk` of body handed to `sink.write` as it arrives.
-        Time to the response headers counts as `request_s`, the waits for body chunks as `receive_s`."""
+    def _body(self, path: str, stats: TransferStats, chunk: int, **options: Any) -> Iterator[Any]:
+        """One GET of `path` (obstore `options`), its body in `chunk`-byte pieces as they arrive: each
+        counted in `stats`' bytes; time to the response headers counts as `request_s`, the waits for
+        pieces as `receive_s`; obstore's errors translated (`translate`). Closing it drops the response."""
         import obstore
 
-        t0 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         recv = 0.0
         try:
-            result = obstore.get(self.store, path)
+            result = obstore.get(self.store, path, options=options or None)
             t1 = time.perf_counter()
             stream = result.stream(min_chunk_size=chunk)
             while True:
@@ -248,43 +250,36 @@ class ObstoreTransport:
                     break
                 recv += time.perf_counter() - t
                 stats.add("bytes", len(b))
-                sink.write(b)
+                yield b
         except Exception as exc:
             raise translate(exc, f"{self.url}/{path}") from exc
-        stats.add_many(request_s=t1 - t0, receive_s=recv)
+        finally:
+            stats.add_many(request_s=t1 - t0, receive_s=recv)
+
+    def stream_into(self, path: str, sink: Any, stats: TransferStats, chunk: int = STREAM_CHUNK) -> None:
+        """One whole-object GET of `path`, each `chunk` of body handed to `sink.write` as it arrives."""
+        for b in self._body(path, stats, chunk):
+            sink.write(b)
 
     def range_into(self, path: str, start: int, end: int, write: Any, stats: TransferStats,
                    chunk: int = STREAM_CHUNK) -> None:
         """Bytes [start, end) of `path` in one ranged GET, each `chunk` of body handed to
         `write(offset, piece)` as it arrives; a `write` that returns False ends the GET there (the
         response is dropped). A body of another length raises `ConnectionError`."""
-        import obstore
-
-        t0 = time.perf_counter()
-        recv = 0.0
         pos = start
         more = True
+        body = self._body(path, stats, chunk, range=(start, end))
         try:
-            result = obstore.get(self.store, path, options={"range": (start, end)})
-            t1 = time.perf_counter()
-            stream = result.stream(min_chunk_size=chunk)
-            while True:
-                t = time.perf_counter()
-                try:
-                    b = next(stream)
-                except StopIteration:
-                    break
-                recv += time.perf_counter() - t
-                stats.add("bytes", len(b))
+            for b in body:
                 if pos + len(b) > end:
                     raise ConnectionError(f"{self.url}/{path}: more than the {end - start} bytes of [{start}, {end})")
                 more = write(pos, b)
                 pos += len(b)
                 if not more and pos < end:
                     break  # the rest is not wanted: the response is dropped (a body read to its end is not)
-        except Exception as exc:
-            raise translate(exc, f"{self.url}/{path}") from exc
-        stats.add_many(request_s=t1 - t0, receive_s=recv, ranged_parts=1)
+        finally:
+            body.close()
+        stats.add("ranged_parts", 1)
         if more and pos != end:
             raise ConnectionError(f"{self.url}/{path}: range [{start}, {end}) ended after {pos - start} bytes")
 
