@@ -28,11 +28,44 @@ from functools import partial
 from fastload.remote.cache.shard_cache import BlockSpec, Download, ShardCache
 from fastload.remote.get_window import GetWindow
 
-__all__ = ["CONSUMED_POLL_S", "PrefetchPlan"]
+__all__ = ["CONSUMED_POLL_S", "DemandSlot", "PrefetchPlan"]
 
 CONSUMED_POLL_S = 0.1  # while prefetched shards wait, how often the threads (together) look for ones used elsewhere
 
 log = logging.getLogger("fastload.remote.storage")
+
+
+class DemandSlot:
+    """One reader acquire counted as a GET in flight (`PrefetchPlan.expect_demand`)."""
+
+    def __init__(self, plan: PrefetchPlan) -> None:
+        self._plan = plan
+        self._lock = threading.Lock()
+        self._state = "expected"  # -> "fetching" (its fetch holds it) -> "ended"; or -> "ended" (no fetch)
+
+    @contextmanager
+    def fetching(self) -> Iterator[None]:
+        """The acquire's own fetch runs in the block: the slot stays counted until it ends (counted anew
+        when the acquire already gave it up)."""
+        with self._lock:
+            if self._state == "ended":
+                self._plan._demand_again()
+            self._state = "fetching"
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._state = "ended"
+            self._plan._end_demand(wake=True)
+
+    def done(self) -> None:
+        """The acquire returned: give the slot up unless its fetch holds it. No wake-up: when the fetch is
+        about to start in another thread, prefetch threads see the room at their next look instead."""
+        with self._lock:
+            if self._state != "expected":
+                return
+            self._state = "ended"
+        self._plan._end_demand(wake=False)
 
 
 class PrefetchPlan:
@@ -121,16 +154,22 @@ class PrefetchPlan:
             self._cond.notify_all()
             return self.keys.get(name)
 
-    @contextmanager
-    def demand(self) -> Iterator[None]:
-        """Count a reader's own fetch as a GET in flight for the duration of the block."""
+    def expect_demand(self) -> DemandSlot:
+        """Count a reader's acquire as a GET in flight from now (before its fetch, if any, starts in another
+        thread, so that prefetch threads woken meanwhile do not take its place): the fetch takes the slot
+        over (`DemandSlot.fetching`); the acquire gives it up when no fetch of its own took it (`done`)."""
         with self.lock:
             self._demand += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self._demand -= 1
+        return DemandSlot(self)
+
+    def _demand_again(self) -> None:
+        with self.lock:
+            self._demand += 1
+
+    def _end_demand(self, wake: bool) -> None:
+        with self.lock:
+            self._demand -= 1
+            if wake:
                 self._cond.notify_all()
 
     def finished(self) -> None:

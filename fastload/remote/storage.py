@@ -52,7 +52,7 @@ from fastload.remote.get import (
     takes_ranges,
 )
 from fastload.remote.get_window import GetWindow
-from fastload.remote.plan import PrefetchPlan
+from fastload.remote.plan import DemandSlot, PrefetchPlan
 from fastload.remote.receive_loops import ReceiveLoops
 from fastload.remote.retry import RemoteFetchError, RetryPolicy, is_transient, retry_call
 from fastload.remote.transfer_stats import TransferStats
@@ -427,9 +427,12 @@ class RemoteStorage:
 
     def acquire(self, name: str, *, size: int, xxh3: str) -> str:
         """Local path of shard `name` (fetched and verified if needed), pinned until `release`."""
-        key, demand = self._before_acquire(name, size, xxh3)
+        key, demand, slot = self._before_acquire(name, size, xxh3)
         t0 = time.perf_counter()
-        path = self.cache.acquire(key, size=size, xxh3=xxh3, fetch=demand, where=f"{self.url}/{name}")
+        try:
+            path = self.cache.acquire(key, size=size, xxh3=xxh3, fetch=demand, where=f"{self.url}/{name}")
+        finally:
+            slot.done()
         self._waited(time.perf_counter() - t0)
         return path
 
@@ -442,10 +445,13 @@ class RemoteStorage:
         spec = self._block_spec(name, size)
         if spec is None:
             return self.acquire(name, size=size, xxh3=xxh3), None
-        key, demand = self._before_acquire(name, size, xxh3)
+        key, demand, slot = self._before_acquire(name, size, xxh3)
         t0 = time.perf_counter()
-        got = self.cache.acquire_arriving(key, size=size, xxh3=xxh3, fetch=demand, blocks=spec,
-                                          where=f"{self.url}/{name}")
+        try:
+            got = self.cache.acquire_arriving(key, size=size, xxh3=xxh3, fetch=demand, blocks=spec,
+                                              where=f"{self.url}/{name}")
+        finally:
+            slot.done()  # a download it started in another thread holds the slot (or takes it anew)
         self._waited(time.perf_counter() - t0)
         return got
 
@@ -457,24 +463,26 @@ class RemoteStorage:
             return None
         return self._blocks.get(name)
 
-    def _before_acquire(self, name: str, size: int, xxh3: str) -> tuple[str, Callable[[Download], None]]:
-        """Claim the budget, take `name` off the read-ahead plan: its cache key and its demand fetch."""
+    def _before_acquire(self, name: str, size: int, xxh3: str) -> tuple[str, Callable[[Download], None], DemandSlot]:
+        """Claim the budget, count the acquire as a GET in flight, take `name` off the read-ahead plan: its
+        cache key, its demand fetch and its slot (`slot.done()` once the acquire returns)."""
         self._check_pid()
         self.remote_path(name)
         if not self._claimed:
             self.claim_budget()
         key = self._key(name, size, xxh3)
+        planner = self.planner
+        slot = planner.expect_demand()  # before the read-ahead wakes the prefetch threads
         if not self._explicit_plan and self.prefetch_depth:
             self._read_ahead(name)
-        planner = self.planner
         planner.acquired(name, key, size, xxh3)
 
         def demand(sink: Download) -> None:
             self.cache.transfer.add("demand_fetches", 1)
-            with planner.demand():
+            with slot.fetching():
                 self._fetch(name, sink)
 
-        return key, demand
+        return key, demand, slot
 
     def _waited(self, took: float) -> None:
         if took > 1e-3:  # the shard was not ready (fetched, waited for, or hashed now)
