@@ -168,6 +168,30 @@ def test_blocks_a_reader_fetched_ahead_are_not_received_again(tmp_path):
         server.stop()
 
 
+def test_an_acquire_counts_as_a_get_in_flight_until_its_download_ends(dataset, server, tmp_path):
+    """A reader's acquire holds one of the GETs in flight from its start (before its read-ahead wakes the
+    prefetch threads); the download it starts in another thread keeps it until it ends, and an acquire
+    that downloads nothing gives it back when it returns."""
+    _, local = dataset
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), prefetch_depth=0)
+    planner = ds.storage.planner
+    info = local.manifest.shards[0]
+    ds.get_batch(np.arange(16))  # served while shard 0's download is held
+    assert planner.demand_in_flight == 1
+    server.release()
+    _wait_cached(ds, "shard-00000.fls")
+    deadline = time.monotonic() + 10
+    while planner.demand_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert planner.demand_in_flight == 0
+    _, arrival = ds.storage.acquire_arriving(info.file, size=info.bytes, xxh3=info.xxh3)  # cached now
+    assert arrival is None and planner.demand_in_flight == 0
+    ds.storage.release(info.file)
+    ds.close()
+    ds.storage.close()
+
+
 def _block_of(local: FastloadDataset, sample: int) -> int:
     """The block holding field x of `sample` (in shard 0)."""
     reader = local.shard(0)

@@ -154,6 +154,12 @@ class PrefetchPlan:
             self._cond.notify_all()
             return self.keys.get(name)
 
+    @property
+    def demand_in_flight(self) -> int:
+        """Readers' acquires counted as GETs in flight now (`expect_demand`)."""
+        with self.lock:
+            return self._demand
+
     def expect_demand(self) -> DemandSlot:
         """Count a reader's acquire as a GET in flight from now (before its fetch, if any, starts in another
         thread, so that prefetch threads woken meanwhile do not take its place): the fetch takes the slot

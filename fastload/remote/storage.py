@@ -473,9 +473,13 @@ class RemoteStorage:
         key = self._key(name, size, xxh3)
         planner = self.planner
         slot = planner.expect_demand()  # before the read-ahead wakes the prefetch threads
-        if not self._explicit_plan and self.prefetch_depth:
-            self._read_ahead(name)
-        planner.acquired(name, key, size, xxh3)
+        try:
+            if not self._explicit_plan and self.prefetch_depth:
+                self._read_ahead(name)
+            planner.acquired(name, key, size, xxh3)
+        except BaseException:
+            slot.done()
+            raise
 
         def demand(sink: Download) -> None:
             self.cache.transfer.add("demand_fetches", 1)
