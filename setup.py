@@ -124,8 +124,9 @@ setup(
             "nvidia-cuda-nvrtc>=13,<14",
         ],
     },
-    # fastload.formats._ranges: GIL-free copy of a batch's variable-length ranges (optional like the
-    # vision ones: without it, reads join memoryview slices instead; same bytes, slower)
+    # fastload.formats._ranges: GIL-free copy of a batch's variable-length ranges and block checksums
+    # (optional like the vision ones: without it, reads join memoryview slices and blocks are hashed one
+    # Python call each; same bytes, slower)
     ext_modules=[
         *_vision_extensions(),
         _ranges_extension(),

@@ -36,10 +36,11 @@ log = logging.getLogger("fastload.remote.storage")
 
 
 class DemandSlot:
-    """One reader acquire counted as a GET in flight (`PrefetchPlan.expect_demand`)."""
+    """One reader acquire counted as a GET in flight (`PrefetchPlan.expect_demand`); `count(delta, wake)`
+    is its plan's counter of readers' GETs."""
 
-    def __init__(self, plan: PrefetchPlan) -> None:
-        self._plan = plan
+    def __init__(self, count: Callable[[int, bool], None]) -> None:
+        self._count = count
         self._lock = threading.Lock()
         self._state = "expected"  # -> "fetching" (its fetch holds it) -> "ended"; or -> "ended" (no fetch)
 
@@ -49,14 +50,14 @@ class DemandSlot:
         when the acquire already gave it up)."""
         with self._lock:
             if self._state == "ended":
-                self._plan._demand_again()
+                self._count(1, False)
             self._state = "fetching"
         try:
             yield
         finally:
             with self._lock:
                 self._state = "ended"
-            self._plan._end_demand(wake=True)
+            self._count(-1, True)
 
     def done(self) -> None:
         """The acquire returned: give the slot up unless its fetch holds it. No wake-up: when the fetch is
@@ -65,7 +66,7 @@ class DemandSlot:
             if self._state != "expected":
                 return
             self._state = "ended"
-        self._plan._end_demand(wake=False)
+        self._count(-1, False)
 
 
 class PrefetchPlan:
@@ -164,17 +165,12 @@ class PrefetchPlan:
         """Count a reader's acquire as a GET in flight from now (before its fetch, if any, starts in another
         thread, so that prefetch threads woken meanwhile do not take its place): the fetch takes the slot
         over (`DemandSlot.fetching`); the acquire gives it up when no fetch of its own took it (`done`)."""
-        with self.lock:
-            self._demand += 1
-        return DemandSlot(self)
+        self._count_demand(1, False)
+        return DemandSlot(self._count_demand)
 
-    def _demand_again(self) -> None:
+    def _count_demand(self, delta: int, wake: bool) -> None:
         with self.lock:
-            self._demand += 1
-
-    def _end_demand(self, wake: bool) -> None:
-        with self.lock:
-            self._demand -= 1
+            self._demand += delta
             if wake:
                 self._cond.notify_all()
 

@@ -781,23 +781,25 @@ class RemoteStorage:
             if self._side is None:
                 self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
             pool = self._side
-        small = [sp for sp in spans if sp[2] - sp[1] <= STREAM_CHUNK] if self._via_obstore() else []
-        for i in range(0, len(small), SIDE_RANGES_PER_CALL):
-            pool.submit(self._side_fetch, rpath, sink, small[i : i + SIDE_RANGES_PER_CALL])
+        batched = [sp for sp in spans if sp[2] - sp[1] <= STREAM_CHUNK] if self._via_obstore() else []
+        for i in range(0, len(batched), SIDE_RANGES_PER_CALL):
+            pool.submit(self._side_fetch, rpath, sink, batched[i : i + SIDE_RANGES_PER_CALL], streamed=False)
         for span in spans:
-            if span[2] - span[1] > STREAM_CHUNK or not self._via_obstore():
-                pool.submit(self._side_fetch, rpath, sink, [span])
+            if span not in batched:
+                pool.submit(self._side_fetch, rpath, sink, [span], streamed=True)
 
-    def _side_fetch(self, rpath: str, sink: Download, spans: list[tuple[int, int, int]]) -> None:
-        """The GETs of `_want` for `spans` (claim, start, end); on a failure their blocks go back to the
-        ledger (the download takes them)."""
+    def _side_fetch(self, rpath: str, sink: Download, spans: list[tuple[int, int, int]], *, streamed: bool) -> None:
+        """The GETs of `_want` for `spans` (claim, start, end): one streamed GET of one span (no buffer of the
+        whole run), or one obstore `get_ranges` call; on a failure their blocks go back to the ledger (the
+        download takes them)."""
         stats = self.cache.transfer
         try:
             stats.add_many(side_gets=len(spans), side_bytes=sum(b - a for _, a, b in spans))
-            if len(spans) == 1 and (not self._via_obstore() or spans[0][2] - spans[0][1] > STREAM_CHUNK):
-                claim, start, end = spans[0]  # streamed: no buffer of the whole run
+            if streamed:
+                ((claim, start, end),) = spans
                 self._range_into(rpath, sink, claim, start, end, STREAM_CHUNK)
                 return
+            stats.add("requests", 1)
             got = self.obstore.ranges(rpath, [a for _, a, _ in spans], [b for _, _, b in spans], stats)
             for (claim, start, end), data in zip(spans, got):
                 if len(data) == end - start:

@@ -294,7 +294,7 @@ class ObstoreTransport:
             got = obstore.get_ranges(self.store, path, starts=starts, ends=ends)
         except Exception as exc:
             raise translate(exc, f"{self.url}/{path}") from exc
-        stats.add_many(receive_s=time.perf_counter() - t0, bytes=sum(len(b) for b in got), requests=1)
+        stats.add_many(receive_s=time.perf_counter() - t0, bytes=sum(len(b) for b in got))
         return list(got)
 
     def ranged_into(self, path: str, sink: Any, part: int, stats: TransferStats) -> None:

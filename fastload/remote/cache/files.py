@@ -153,8 +153,8 @@ class Download:
         """By-block mode, from any thread: bytes of claim `claim` at `offset` (pieces of a claim in any
         order, not overlapping). Only the blocks the claim still holds are written; verified and published
         as they complete. Ignored once the download ended; a mismatch raises `ChecksumError` (the
-        caller then `release`s the claim). Returns whether the claim still holds the block after these
-        bytes (False: the GET may stop here)."""
+        caller then `release`s the claim). Returns whether the GET should go on: the claim holds a block
+        soon after where these bytes end (`Arrival.take`; False: the GET may stop here)."""
         view = memoryview(data).cast("B")
         arrival = self.arrival
         assert arrival is not None and self._table is not None
