@@ -39,11 +39,28 @@
  * [ids[i] << shift, min((ids[i] + 1) << shift, end)) of buf, hashed with the GIL released (xxHash from
  * formats/vendor, BSD 2-Clause; on x86 its dispatcher picks SSE2, AVX2 or AVX-512 at run time). ValueError
  * for a block outside [0, end) or end > len(buf).
+ *
+ *   write_blocks(fd, offset, piece, shift, end, table, published) -> (done, bad, write_s, hash_s)
+ *
+ * One received piece of a shard verified by block (format version 2), in one call with the GIL
+ * released: piece (any buffer) holds the file's bytes [offset, offset + len(piece)), which must lie
+ * within [0, end) (end: where the checksummed sections end); blocks are 2**shift bytes, the last one
+ * ends at `end`. table: the shard's block checksums (C-contiguous 8-byte buffer, one per block);
+ * published: one byte per block (a bool array), nonzero for blocks already verified, which are
+ * neither written nor hashed again. The piece's bytes of unpublished blocks are written to fd at
+ * their offsets (pwrite, OSError on failure); then each unpublished block wholly inside the piece
+ * is hashed (XXH3-64) and compared with its table entry, in block order, stopping at the first
+ * mismatch. done: the blocks that matched (a list of ints, in order); bad: the first block that did
+ * not, or -1; write_s, hash_s: seconds spent writing and hashing. Blocks the piece covers only in
+ * part are written and left to the caller (their other bytes arrive in other pieces).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <errno.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "vendor/xxhash.h"
 #if defined(FASTLOAD_XXH_X86_DISPATCH)
@@ -292,6 +309,142 @@ fail_buf:
     return result;
 }
 
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* pwrite all of [p, p + n) at off; 0, or -1 with errno set */
+static int pwrite_all(int fd, const char *p, size_t n, long long off) {
+    while (n) {
+        ssize_t w = pwrite(fd, p, n, (off_t)off);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (w == 0) {
+            errno = EIO;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+        off += w;
+    }
+    return 0;
+}
+
+static PyObject *write_blocks(PyObject *self, PyObject *args) {
+    int fd, shift;
+    long long offset, end;
+    PyObject *piece_obj, *table_obj, *published_obj, *result = NULL;
+    if (!PyArg_ParseTuple(args, "iLOiLOO", &fd, &offset, &piece_obj, &shift, &end, &table_obj, &published_obj))
+        return NULL;
+    if (shift < 6 || shift > 40) {
+        PyErr_Format(PyExc_ValueError, "block shift %d is out of range", shift);
+        return NULL;
+    }
+    Py_buffer piece, table, published;
+    if (PyObject_GetBuffer(piece_obj, &piece, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(table_obj, &table, PyBUF_C_CONTIGUOUS) < 0) goto fail_piece;
+    if (PyObject_GetBuffer(published_obj, &published, PyBUF_C_CONTIGUOUS) < 0) goto fail_table;
+    const long long size = 1LL << shift;
+    const long long count = (end + size - 1) >> shift;
+    const long long stop = offset + (long long)piece.len;
+    if (offset < 0 || end < 0 || stop > end) {
+        PyErr_Format(PyExc_ValueError, "bytes [%lld, %lld) lie outside the sections' [0, %lld)", offset, stop, end);
+        goto done;
+    }
+    if (table.len != count * 8 || published.len != count) {
+        PyErr_Format(PyExc_ValueError, "%lld blocks of 2**%d bytes end at %lld: table holds %zd bytes, published %zd",
+                     count, shift, end, table.len, published.len);
+        goto done;
+    }
+    if (!piece.len) {
+        result = Py_BuildValue("([]idd)", -1, 0.0, 0.0);
+        goto done;
+    }
+    {
+        const char *p = (const char *)piece.buf;
+        const uint64_t *sums = (const uint64_t *)table.buf;
+        const unsigned char *pub = (const unsigned char *)published.buf;
+        const long long first = offset >> shift, last = (stop - 1) >> shift;
+        /* blocks wholly inside the piece: from the first block starting at or after offset to the last
+           ending at or before stop (the sections' last block ends at `end`) */
+        const long long whole_lo = (offset + size - 1) >> shift;
+        const long long whole_hi = stop == end ? last + 1 : stop >> shift;
+        long long bad = -1, ndone = 0;
+        int err = 0;
+        double t0, t1, t2;
+        long long *done_ids = NULL;
+        if (whole_hi > whole_lo) {
+            done_ids = (long long *)PyMem_Malloc(sizeof(long long) * (size_t)(whole_hi - whole_lo));
+            if (!done_ids) {
+                PyErr_NoMemory();
+                goto done;
+            }
+        }
+        Py_BEGIN_ALLOW_THREADS
+        t0 = seconds_now();
+        /* write runs of unpublished blocks, each in one pwrite */
+        long long j = first;
+        while (j <= last && !err) {
+            if (pub[j]) {
+                j++;
+                continue;
+            }
+            long long k = j;
+            while (k + 1 <= last && !pub[k + 1]) k++;
+            long long lo = j << shift > offset ? j << shift : offset;
+            long long hi = (k + 1) << shift < stop ? (k + 1) << shift : stop;
+            if (pwrite_all(fd, p + (lo - offset), (size_t)(hi - lo), lo) < 0) err = errno;
+            j = k + 1;
+        }
+        t1 = seconds_now();
+        for (long long b = whole_lo; b < whole_hi && !err; b++) {
+            if (pub[b]) continue;
+            long long a = b << shift;
+            long long len = end - a < size ? end - a : size;
+            if ((uint64_t)fastload_xxh3(p + (a - offset), (size_t)len) != sums[b]) {
+                bad = b;
+                break;
+            }
+            done_ids[ndone++] = b;
+        }
+        t2 = seconds_now();
+        Py_END_ALLOW_THREADS
+        if (err) {
+            PyMem_Free(done_ids);
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        PyObject *done_list = PyList_New((Py_ssize_t)ndone);
+        if (!done_list) {
+            PyMem_Free(done_ids);
+            goto done;
+        }
+        for (long long i = 0; i < ndone; i++) {
+            PyObject *v = PyLong_FromLongLong(done_ids[i]);
+            if (!v) {
+                Py_DECREF(done_list);
+                PyMem_Free(done_ids);
+                goto done;
+            }
+            PyList_SET_ITEM(done_list, (Py_ssize_t)i, v);
+        }
+        PyMem_Free(done_ids);
+        result = Py_BuildValue("(NLdd)", done_list, bad, t1 - t0, t2 - t1);
+    }
+done:
+    PyBuffer_Release(&published);
+fail_table:
+    PyBuffer_Release(&table);
+fail_piece:
+    PyBuffer_Release(&piece);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
@@ -301,6 +454,9 @@ static PyMethodDef methods[] = {
     {"spans", spans, METH_VARARGS, "spans(buffers, addresses, lengths): each buffer's address and size."},
     {"xxh3_blocks", xxh3_blocks, METH_VARARGS,
      "xxh3_blocks(buf, ids, shift, end, out): XXH3-64 of each block of buf, GIL released."},
+    {"write_blocks", write_blocks, METH_VARARGS,
+     "write_blocks(fd, offset, piece, shift, end, table, published): write a piece of a shard and verify the "
+     "blocks wholly inside it, GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

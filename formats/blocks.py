@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -18,12 +19,13 @@ import xxhash
 from .errors import ChecksumError
 
 try:  # the C extension hashes a run of blocks in one call, GIL released (optional: a Python loop otherwise)
+    from ._ranges import write_blocks as _c_write_blocks
     from ._ranges import xxh3_blocks as _c_xxh3_blocks
 except ImportError:  # pragma: no cover - a build without the C extension
-    _c_xxh3_blocks = None
+    _c_xxh3_blocks = _c_write_blocks = None
 
 __all__ = ["BlockLedger", "ColumnGuard", "block_digests", "block_ids", "file_identity", "share_verified", "table_span",
-           "verify_blocks", "vouch_file", "vouched"]
+           "verify_blocks", "vouch_file", "vouched", "write_blocks"]
 
 
 def block_digests(buf: bytes | bytearray | memoryview, ids: np.ndarray, shift: int, end: int) -> np.ndarray:
@@ -40,6 +42,52 @@ def block_digests(buf: bytes | bytearray | memoryview, ids: np.ndarray, shift: i
             raise ValueError(f"block {j} is outside the {end} bytes hashed")
         out[i] = xxhash.xxh3_64_intdigest(view[j << shift : min((j + 1) << shift, end)])
     return out
+
+
+def write_blocks(fd: int, offset: int, piece: bytes | bytearray | memoryview, shift: int, end: int, table: np.ndarray,
+                 published: np.ndarray) -> tuple[list[int], int, float, float]:
+    """Write one received piece of a shard verified by block and check the blocks wholly inside it.
+
+    `piece` holds the file's bytes [offset, offset + len(piece)) within [0, `end`) (where the
+    checksummed sections end; blocks of 2**shift bytes, the last ending at `end`); `table`: the
+    shard's block checksums (uint64), `published`: one bool per block, True for blocks verified
+    already, which are neither written nor hashed again. The bytes of unpublished blocks are written
+    to `fd` at their offsets; then each unpublished block wholly inside the piece is hashed and
+    compared with `table`, in order, stopping at the first mismatch. Returns (the blocks that matched,
+    the first that did not or -1, seconds writing, seconds hashing). Blocks the piece covers in part
+    are written and left to the caller. One C call with the GIL released where the extension is built."""
+    if _c_write_blocks is not None:
+        return _c_write_blocks(fd, offset, piece, shift, end, table, published)
+    view = memoryview(piece).cast("B")
+    stop = offset + view.nbytes
+    count = -(-end >> shift) if end else 0
+    if offset < 0 or stop > end:
+        raise ValueError(f"bytes [{offset}, {stop}) lie outside the sections' [0, {end})")
+    if len(table) != count or len(published) != count:
+        raise ValueError(f"{count} blocks of 2**{shift} bytes end at {end}: table holds {len(table)}, "
+                         f"published {len(published)}")
+    if not view.nbytes:
+        return [], -1, 0.0, 0.0
+    t0 = time.perf_counter()
+    first, last = offset >> shift, (stop - 1) >> shift
+    for j in range(first, last + 1):
+        if not published[j]:
+            lo, hi = max(offset, j << shift), min(stop, (j + 1) << shift)
+            while lo < hi:
+                lo += os.pwrite(fd, view[lo - offset : hi - offset], lo)
+    t1 = time.perf_counter()
+    whole_lo, whole_hi = -(-offset >> shift), (last + 1 if stop == end else stop >> shift)
+    done: list[int] = []
+    bad = -1
+    for j in range(whole_lo, whole_hi):
+        if published[j]:
+            continue
+        a = j << shift
+        if xxhash.xxh3_64_intdigest(view[a - offset : min(end, a + (1 << shift)) - offset]) != int(table[j]):
+            bad = j
+            break
+        done.append(j)
+    return done, bad, t1 - t0, time.perf_counter() - t1
 
 
 _SEEN: dict[tuple, np.ndarray] = {}  # file identity + table checksum -> the latest ledger bits of that file

@@ -718,3 +718,49 @@ def test_block_digests_are_xxh3_of_each_block(data, shift, picks, c_ext):
         assert got.dtype == np.uint64 and got.tolist() == want
         with pytest.raises(ValueError, match="outside"):
             blocks.block_digests(data, np.array([count], dtype=np.int64), shift, len(data))
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.binary(min_size=1, max_size=5000), shift=st.integers(6, 9), cut=st.tuples(st.integers(0, 10**6),
+       st.integers(0, 10**6)), published=st.lists(st.booleans(), max_size=80), flip=st.integers(-1, 10**6),
+       c_ext=st.booleans())
+def test_write_blocks_writes_unpublished_bytes_and_checks_whole_blocks(tmp_path_factory, data, shift, cut, published,
+                                                                      flip, c_ext):
+    """`write_blocks` (one C call, or the Python loop without the extension) writes a piece's bytes of
+    unpublished blocks at their offsets and nothing of published ones, and checks every unpublished
+    block wholly inside the piece against the table in order, stopping at the first that differs."""
+    from fastload.formats import blocks
+
+    size = 1 << shift
+    count = -(-len(data) // size)
+    table = np.array([xxhash.xxh3_64_intdigest(data[j << shift : (j + 1) << shift]) for j in range(count)],
+                     dtype="<u8")
+    pub = np.array([published[j % len(published)] if published else False for j in range(count)], dtype=bool)
+    lo, hi = sorted((cut[0] % (len(data) + 1), cut[1] % (len(data) + 1)))
+    piece = bytearray(data[lo:hi])
+    if flip >= 0 and piece:
+        piece[flip % len(piece)] ^= 0x5A
+    path = tmp_path_factory.mktemp("wb") / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, len(data))
+        with pytest.MonkeyPatch.context() as mp:
+            if not c_ext:
+                mp.setattr(blocks, "_c_write_blocks", None)
+            done, bad, write_s, hash_s = blocks.write_blocks(fd, lo, bytes(piece), shift, len(data), table, pub)
+            with pytest.raises(ValueError, match="outside"):
+                blocks.write_blocks(fd, len(data), b"x", shift, len(data), table, pub)
+        written = os.pread(fd, len(data), 0)
+    finally:
+        os.close(fd)
+    assert write_s >= 0 and hash_s >= 0
+    for j in range(count):  # bytes of published blocks untouched (zeros), the others written
+        a, b = max(lo, j << shift), min(hi, (j + 1) << shift)
+        if a < b:
+            assert written[a:b] == (bytes(b - a) if pub[j] else bytes(piece[a - lo : b - lo])), j
+    whole = [j for j in range(count) if lo <= j << shift and min(len(data), (j + 1) << shift) <= hi and not pub[j]]
+    matches = [xxhash.xxh3_64_intdigest(bytes(piece[(j << shift) - lo : min(len(data), (j + 1) << shift) - lo]))
+               == int(table[j]) for j in whole]
+    want_bad = whole[matches.index(False)] if False in matches else -1
+    assert bad == want_bad
+    assert done == (whole[: matches.index(False)] if want_bad >= 0 else whole)

@@ -81,6 +81,7 @@ class Arrival:
         # the claim fetching each block: 0 = none; set by `claim_*`, cleared by `unclaim` (unpublished blocks)
         self.claimed = np.zeros(count, dtype=np.int64)
         self._claims = 0  # the last claim id handed out
+        self._intact: set[int] = set()  # claims that still hold every block they were given (no takeover, not ended)
         # the download's own claims (`claim_next`) -> (the first block not received yet, when it last
         # received): their blocks from there on may be claimed again for a waiting reader (`STEAL_AHEAD`)
         self._fronts: dict[int, tuple[int, float]] = {}
@@ -141,6 +142,7 @@ class Arrival:
     def _claim(self, first: int, end: int) -> tuple[int, int, int]:
         self._claims += 1
         self.claimed[first:end] = self._claims
+        self._intact.add(self._claims)
         return self._claims, first, end
 
     def claim_next(self, start: int, most: int) -> tuple[int, int, int] | None:
@@ -161,16 +163,20 @@ class Arrival:
             self._fronts[got[0]] = (first, time.monotonic())
             return got
 
-    def take(self, claim: int, first: int, upto: int) -> tuple[np.ndarray, bool]:
+    def take(self, claim: int, first: int, upto: int) -> tuple[np.ndarray | None, bool]:
         """Claim `claim` received bytes of blocks [first, upto] and its GET's next byte lies in block
         `upto` (every block before it is complete): which of blocks [first, upto] it still holds
-        (bools), and whether its GET should go on: it holds a block among the next `SKIP_THROUGH`
-        from `upto` (a few blocks a reader's GET took over are received and dropped rather than
-        ending the GET and starting another). A download's claim records `upto` as where its GET has
-        got to (`STEAL_AHEAD`)."""
+        (bools; None when it holds every block it was given: nobody took any over and it was not
+        given back), and
+        whether its GET should go on: it holds a block among the next `SKIP_THROUGH` from `upto` (a
+        few blocks a reader's GET took over are received and dropped rather than ending the GET and
+        starting another). A download's claim records `upto` as where its GET has got to
+        (`STEAL_AHEAD`)."""
         with self._cond:
             if claim in self._fronts:
                 self._fronts[claim] = (upto, time.monotonic())
+            if claim in self._intact:
+                return None, True
             held = self.claimed[first : upto + SKIP_THROUGH] == claim
             return held[: upto + 1 - first], bool(held[upto - first :].any())
 
@@ -194,6 +200,8 @@ class Arrival:
                     and bool(free[last + 1 : j + 1].all())):
                 last = j
                 continue
+            before = self.claimed[first : last + 1]
+            self._intact.difference_update(before[before != 0].tolist())  # blocks taken over from these claims
             runs.append(self._claim(first, last + 1))
             if j is not None:
                 first = last = j
@@ -208,6 +216,7 @@ class Arrival:
         """Claim `claim` ended without bringing all its blocks: the unpublished ones are free again."""
         with self._cond:
             self._fronts.pop(claim, None)
+            self._intact.discard(claim)
             lost = (self.claimed == claim) & ~self.published
             self.claimed[lost] = 0
             if lost.any():

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import xxhash
 
-from fastload.formats.blocks import block_digests
+from fastload.formats.blocks import write_blocks
 from fastload.formats.errors import ChecksumError
 from fastload.remote.cache.arrival import Arrival
 from fastload.remote.transfer_stats import TransferStats
@@ -170,8 +170,8 @@ class Download:
                 return False
             self.written += view.nbytes
             held, more = arrival.take(claim, first, upto)  # the blocks written, the one the next byte goes to
-            mine = held[: last + 1 - first]
-            if mine.all():
+            mine = None if held is None else held[: last + 1 - first]
+            if mine is None or mine.all():
                 self._put_blocks(claim, offset, view)
             else:
                 for j in np.flatnonzero(mine).tolist():  # blocks taken over by another claim are left alone
@@ -220,7 +220,9 @@ class Download:
 
     def _put_blocks(self, claim: int, offset: int, view: memoryview) -> None:
         """By-block mode: write claim `claim`'s bytes of unpublished blocks, verify each block they
-        complete, publish it."""
+        complete, publish it. The blocks wholly inside the piece are written and checked in one call
+        (`write_blocks`); the piece's partial first and last blocks are hashed as their other bytes
+        arrive (`_partial`)."""
         arrival = self.arrival
         assert arrival is not None and self._table is not None
         sections_end, shift = arrival.sections_end, arrival.spec.shift
@@ -228,44 +230,19 @@ class Download:
         if offset >= stop:
             return
         published = arrival.published
-        first, last = offset >> shift, (stop - 1) >> shift
+        done, bad, write_s, verify_s = write_blocks(self._fd, offset, view[: stop - offset], shift, sections_end,
+                                                    self._table, published)
+        if bad >= 0:
+            if done:
+                arrival.publish(done)
+            a, b = bad << shift, min((bad + 1) << shift, sections_end)
+            raise ChecksumError(f"{self.where}: bytes [{a}, {b}) (block {bad}) received do not match their checksum")
         t0 = time.perf_counter()
-        if not published[first : last + 1].any():
-            _pwrite_all(self._fd, view[: stop - offset], offset)
-        else:  # a retry: published blocks keep their verified bytes
-            for j in range(first, last + 1):
-                if not published[j]:
-                    lo, hi = max(offset, j << shift), min(stop, (j + 1) << shift)
-                    _pwrite_all(self._fd, view[lo - offset : hi - offset], lo)
-        t1 = time.perf_counter()
-        done: list[int] = []
-        # the blocks wholly inside this piece: hashed in one call; the piece's partial first and last blocks
-        # are hashed as their other bytes arrive (`_partial`)
-        whole_lo, whole_hi = -(-offset >> shift), stop >> shift
-        if stop == sections_end:
-            whole_hi = last + 1  # the last block ends at the sections' end
-        if whole_hi > whole_lo:
-            ids = np.arange(whole_lo, whole_hi)
-            open_ids = ids[~published[whole_lo:whole_hi]]
-            if open_ids.size:
-                base = whole_lo << shift
-                digests = block_digests(view[base - offset : stop - offset], open_ids - whole_lo, shift, stop - base)
-                bad = np.flatnonzero(digests != self._table[open_ids])
-                if bad.size:
-                    j = int(open_ids[bad[0]])
-                    a, b = j << shift, min((j + 1) << shift, sections_end)
-                    if bad[0]:
-                        arrival.publish(open_ids[: bad[0]].tolist())
-                    raise ChecksumError(
-                        f"{self.where}: bytes [{a}, {b}) (block {j}) received do not match their checksum"
-                    )
-                done += open_ids.tolist()
-        for j in sorted({first, last}):
-            if whole_lo <= j < whole_hi:
-                continue
-            if published[j]:
-                continue
+        first, last = offset >> shift, (stop - 1) >> shift
+        for j in (first, last) if first != last else (first,):
             a, b = j << shift, min((j + 1) << shift, sections_end)
+            if published[j] or (offset <= a and b <= stop):
+                continue  # verified before, or wholly inside the piece (`write_blocks` checked it)
             lo, hi = max(offset, a), min(stop, b)
             digest = self._partial(claim, j, a, b, lo, hi, view[lo - offset : hi - offset])
             if digest is None:
@@ -277,7 +254,7 @@ class Download:
             done.append(j)
         if done:
             arrival.publish(done)
-        self.stats.add_many(write_s=t1 - t0, verify_s=time.perf_counter() - t1)
+        self.stats.add_many(write_s=write_s, verify_s=verify_s + time.perf_counter() - t0)
 
     def _partial(self, claim: int, j: int, a: int, b: int, lo: int, hi: int, piece: memoryview) -> int | None:
         """Bytes [lo, hi) of block j ([a, b)) arrived for `claim`: the block's digest once all of it did,
