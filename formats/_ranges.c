@@ -32,6 +32,13 @@
  * writable C-contiguous int64 buffers of the same length, filled with each buffer's start address
  * and size in bytes.
  *
+ *   scatter_rows(src, rows, rowbytes, dst, positions) -> None
+ *
+ * Row gather into chosen places: dst[positions[i]] = src[rows[i]] for rows of `rowbytes` bytes
+ * (src, dst: C-contiguous buffers holding whole rows, dst writable; rows, positions: C-contiguous
+ * int64 buffers of equal length), with the GIL released and the next rows' first cache lines
+ * prefetched. Every index is bounds-checked before anything is copied (IndexError).
+ *
  *   xxh3_blocks(buf, ids, shift, end, out) -> None
  *
  * buf: any buffer; ids: a C-contiguous int64 buffer of block numbers; out: a writable C-contiguous
@@ -40,7 +47,7 @@
  * formats/vendor, BSD 2-Clause; on x86 its dispatcher picks SSE2, AVX2 or AVX-512 at run time). ValueError
  * for a block outside [0, end) or end > len(buf).
  *
- *   write_blocks(fd, offset, piece, shift, end, table, published) -> (done, bad, write_s, hash_s)
+ *   write_blocks(fd, offset, piece, shift, end, table, published, carry) -> (done, bad, write_s, hash_s)
  *
  * One received piece of a shard verified by block (format version 2), in one call with the GIL
  * released: piece (any buffer) holds the file's bytes [offset, offset + len(piece)), which must lie
@@ -52,7 +59,10 @@
  * is hashed (XXH3-64) and compared with its table entry, in block order, stopping at the first
  * mismatch. done: the blocks that matched (a list of ints, in order); bad: the first block that did
  * not, or -1; write_s, hash_s: seconds spent writing and hashing. Blocks the piece covers only in
- * part are written and left to the caller (their other bytes arrive in other pieces).
+ * part are written and left to the caller (their other bytes arrive in other pieces), but for
+ * carry: None, or the bytes [offset - len(carry), offset) already written (the start of a block, from
+ * the previous piece of the same stream), which the piece must complete: that block is hashed from
+ * carry and the piece's first bytes, checked first.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -62,12 +72,15 @@
 #include <time.h>
 #include <unistd.h>
 
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack (write_blocks: a block across two pieces) */
 #include "vendor/xxhash.h"
 #if defined(FASTLOAD_XXH_X86_DISPATCH)
 #include "vendor/xxh_x86dispatch.h"
 #define fastload_xxh3 XXH3_64bits_dispatch /* the widest vector unit this CPU has, chosen at run time */
+#define fastload_xxh3_update XXH3_64bits_update_dispatch
 #else
 #define fastload_xxh3 XXH3_64bits
+#define fastload_xxh3_update XXH3_64bits_update
 #endif
 
 static int get_i64_flags(PyObject *obj, Py_buffer *view, const char *what, int flags) {
@@ -337,22 +350,31 @@ static int pwrite_all(int fd, const char *p, size_t n, long long off) {
 static PyObject *write_blocks(PyObject *self, PyObject *args) {
     int fd, shift;
     long long offset, end;
-    PyObject *piece_obj, *table_obj, *published_obj, *result = NULL;
-    if (!PyArg_ParseTuple(args, "iLOiLOO", &fd, &offset, &piece_obj, &shift, &end, &table_obj, &published_obj))
+    PyObject *piece_obj, *table_obj, *published_obj, *carry_obj = Py_None, *result = NULL;
+    if (!PyArg_ParseTuple(args, "iLOiLOO|O", &fd, &offset, &piece_obj, &shift, &end, &table_obj, &published_obj,
+                          &carry_obj))
         return NULL;
     if (shift < 6 || shift > 40) {
         PyErr_Format(PyExc_ValueError, "block shift %d is out of range", shift);
         return NULL;
     }
-    Py_buffer piece, table, published;
+    Py_buffer piece, table, published, carry = {0};
     if (PyObject_GetBuffer(piece_obj, &piece, PyBUF_SIMPLE) < 0) return NULL;
     if (PyObject_GetBuffer(table_obj, &table, PyBUF_C_CONTIGUOUS) < 0) goto fail_piece;
     if (PyObject_GetBuffer(published_obj, &published, PyBUF_C_CONTIGUOUS) < 0) goto fail_table;
+    if (carry_obj != Py_None && PyObject_GetBuffer(carry_obj, &carry, PyBUF_SIMPLE) < 0) goto fail_published;
     const long long size = 1LL << shift;
     const long long count = (end + size - 1) >> shift;
     const long long stop = offset + (long long)piece.len;
+    const long long carry_from = offset - (long long)carry.len; /* where the carried block starts */
     if (offset < 0 || end < 0 || stop > end) {
         PyErr_Format(PyExc_ValueError, "bytes [%lld, %lld) lie outside the sections' [0, %lld)", offset, stop, end);
+        goto done;
+    }
+    if (carry.len && (carry_from < 0 || carry_from & (size - 1) || carry.len >= size ||
+                      stop < (carry_from + size < end ? carry_from + size : end))) {
+        PyErr_Format(PyExc_ValueError, "carry [%lld, %lld) is not the start of a block that bytes up to %lld complete",
+                     carry_from, offset, stop);
         goto done;
     }
     if (table.len != count * 8 || published.len != count) {
@@ -377,8 +399,8 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
         int err = 0;
         double t0, t1, t2;
         long long *done_ids = NULL;
-        if (whole_hi > whole_lo) {
-            done_ids = (long long *)PyMem_Malloc(sizeof(long long) * (size_t)(whole_hi - whole_lo));
+        if (whole_hi > whole_lo || carry.len) {
+            done_ids = (long long *)PyMem_Malloc(sizeof(long long) * (size_t)(whole_hi - whole_lo + 1));
             if (!done_ids) {
                 PyErr_NoMemory();
                 goto done;
@@ -401,7 +423,19 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
             j = k + 1;
         }
         t1 = seconds_now();
-        for (long long b = whole_lo; b < whole_hi && !err; b++) {
+        if (carry.len && !err && !pub[carry_from >> shift]) { /* the block begun in the previous piece */
+            const long long c = carry_from >> shift;
+            const long long rest = (carry_from + size < end ? carry_from + size : end) - offset;
+            XXH3_state_t state;
+            XXH3_64bits_reset(&state);
+            fastload_xxh3_update(&state, carry.buf, (size_t)carry.len);
+            fastload_xxh3_update(&state, p, (size_t)rest);
+            if ((uint64_t)XXH3_64bits_digest(&state) != sums[c])
+                bad = c;
+            else
+                done_ids[ndone++] = c;
+        }
+        for (long long b = whole_lo; b < whole_hi && !err && bad < 0; b++) {
             if (pub[b]) continue;
             long long a = b << shift;
             long long len = end - a < size ? end - a : size;
@@ -437,6 +471,8 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
         result = Py_BuildValue("(NLdd)", done_list, bad, t1 - t0, t2 - t1);
     }
 done:
+    if (carry.obj) PyBuffer_Release(&carry);
+fail_published:
     PyBuffer_Release(&published);
 fail_table:
     PyBuffer_Release(&table);
@@ -445,9 +481,63 @@ fail_piece:
     return result;
 }
 
+static PyObject *scatter_rows(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *rows_obj, *dst_obj, *pos_obj, *result = NULL;
+    Py_ssize_t rowbytes;
+    if (!PyArg_ParseTuple(args, "OOnOO", &src_obj, &rows_obj, &rowbytes, &dst_obj, &pos_obj)) return NULL;
+    if (rowbytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "rowbytes must be positive");
+        return NULL;
+    }
+    Py_buffer src, rows, dst, pos;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (get_i64(rows_obj, &rows, "rows") < 0) goto fail_src;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto fail_rows;
+    if (get_i64(pos_obj, &pos, "positions") < 0) goto fail_dst;
+    {
+        Py_ssize_t n = rows.len / 8;
+        const int64_t *r = (const int64_t *)rows.buf, *q = (const int64_t *)pos.buf;
+        const int64_t src_rows = (int64_t)(src.len / rowbytes), dst_rows = (int64_t)(dst.len / rowbytes);
+        if (pos.len != rows.len) {
+            PyErr_SetString(PyExc_ValueError, "rows and positions differ in length");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (r[i] < 0 || r[i] >= src_rows || q[i] < 0 || q[i] >= dst_rows) {
+                PyErr_Format(PyExc_IndexError, "row %lld -> place %lld lies outside %lld source / %lld destination rows",
+                             (long long)r[i], (long long)q[i], (long long)src_rows, (long long)dst_rows);
+                goto done;
+            }
+        }
+        const char *in = (const char *)src.buf;
+        char *out = (char *)dst.buf;
+        const size_t unit = (size_t)rowbytes;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_start(in + (size_t)r[i] * unit, unit);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i + PREFETCH_AHEAD < n) prefetch_start(in + (size_t)r[i + PREFETCH_AHEAD] * unit, unit);
+            memcpy(out + (size_t)q[i] * unit, in + (size_t)r[i] * unit, unit);
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+done:
+    PyBuffer_Release(&pos);
+fail_dst:
+    PyBuffer_Release(&dst);
+fail_rows:
+    PyBuffer_Release(&rows);
+fail_src:
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
+    {"scatter_rows", scatter_rows, METH_VARARGS,
+     "scatter_rows(src, rows, rowbytes, dst, positions): dst[positions[i]] = src[rows[i]], GIL released."},
     {"split", split, METH_VARARGS, "split(values, offsets, utf8): the items of a ragged byte buffer as a list."},
     {"offsets_match", offsets_match, METH_VARARGS,
      "offsets_match(offsets, lengths, total): whether an offsets table is sound and agrees with lengths."},
@@ -455,8 +545,8 @@ static PyMethodDef methods[] = {
     {"xxh3_blocks", xxh3_blocks, METH_VARARGS,
      "xxh3_blocks(buf, ids, shift, end, out): XXH3-64 of each block of buf, GIL released."},
     {"write_blocks", write_blocks, METH_VARARGS,
-     "write_blocks(fd, offset, piece, shift, end, table, published): write a piece of a shard and verify the "
-     "blocks wholly inside it, GIL released."},
+     "write_blocks(fd, offset, piece, shift, end, table, published, carry=None): write a piece of a shard and "
+     "verify the blocks it completes, GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

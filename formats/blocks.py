@@ -45,7 +45,8 @@ def block_digests(buf: bytes | bytearray | memoryview, ids: np.ndarray, shift: i
 
 
 def write_blocks(fd: int, offset: int, piece: bytes | bytearray | memoryview, shift: int, end: int, table: np.ndarray,
-                 published: np.ndarray) -> tuple[list[int], int, float, float]:
+                 published: np.ndarray, carry: bytes | bytearray | memoryview | None = None,
+                 ) -> tuple[list[int], int, float, float]:
     """Write one received piece of a shard verified by block and check the blocks wholly inside it.
 
     `piece` holds the file's bytes [offset, offset + len(piece)) within [0, `end`) (where the
@@ -55,14 +56,22 @@ def write_blocks(fd: int, offset: int, piece: bytes | bytearray | memoryview, sh
     to `fd` at their offsets; then each unpublished block wholly inside the piece is hashed and
     compared with `table`, in order, stopping at the first mismatch. Returns (the blocks that matched,
     the first that did not or -1, seconds writing, seconds hashing). Blocks the piece covers in part
-    are written and left to the caller. One C call with the GIL released where the extension is built."""
+    are written and left to the caller, but for `carry`: the bytes [offset - len(carry), offset),
+    written already, that begin a block the piece completes (the previous piece of the same stream
+    ended inside it): that block is hashed from `carry` and the piece and checked first. One C call
+    with the GIL released where the extension is built."""
     if _c_write_blocks is not None:
-        return _c_write_blocks(fd, offset, piece, shift, end, table, published)
+        return _c_write_blocks(fd, offset, piece, shift, end, table, published, carry)
     view = memoryview(piece).cast("B")
     stop = offset + view.nbytes
     count = -(-end >> shift) if end else 0
     if offset < 0 or stop > end:
         raise ValueError(f"bytes [{offset}, {stop}) lie outside the sections' [0, {end})")
+    held = memoryview(carry or b"").cast("B")
+    carry_from = offset - held.nbytes
+    if held.nbytes and (carry_from < 0 or carry_from % (1 << shift) or held.nbytes >= 1 << shift
+                        or stop < min(carry_from + (1 << shift), end)):
+        raise ValueError(f"carry [{carry_from}, {offset}) is not the start of a block that bytes up to {stop} complete")
     if len(table) != count or len(published) != count:
         raise ValueError(f"{count} blocks of 2**{shift} bytes end at {end}: table holds {len(table)}, "
                          f"published {len(published)}")
@@ -79,6 +88,13 @@ def write_blocks(fd: int, offset: int, piece: bytes | bytearray | memoryview, sh
     whole_lo, whole_hi = -(-offset >> shift), (last + 1 if stop == end else stop >> shift)
     done: list[int] = []
     bad = -1
+    if held.nbytes and not published[carry_from >> shift]:
+        c = carry_from >> shift
+        digest = xxhash.xxh3_64(held)
+        digest.update(view[: min(carry_from + (1 << shift), end) - offset])
+        if digest.intdigest() != int(table[c]):
+            return done, c, t1 - t0, time.perf_counter() - t1
+        done.append(c)
     for j in range(whole_lo, whole_hi):
         if published[j]:
             continue

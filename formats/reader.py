@@ -28,6 +28,11 @@ from .spliced import ColumnPart, OpenFiles, SplicedColumn, splice_available, spl
 from .spliced_ragged import SplicedRagged
 from .storage import Arrival, LocalStorage, Storage
 
+try:  # the C extension copies rows into their places in one call, GIL released (numpy otherwise)
+    from ._ranges import scatter_rows as _c_scatter_rows
+except ImportError:  # pragma: no cover - a build without the C extension
+    _c_scatter_rows = None
+
 __all__ = [
     "RESIDENT_ITEM_BYTES",
     "RESIDENT_LIMIT",
@@ -35,6 +40,7 @@ __all__ = [
     "FastloadDataset",
     "gather_ragged",
     "sample_from_columns",
+    "take_rows_into",
 ]
 
 RESIDENT_ITEM_BYTES = 64  # fixed fields up to this size per sample are kept in memory (local datasets)
@@ -55,6 +61,18 @@ def _gather_rows(
     gather: Callable[[np.ndarray], Any], row_numbers: Callable[[np.ndarray], np.ndarray], indices: np.ndarray
 ) -> Any:
     return gather(row_numbers(indices))
+
+
+def take_rows_into(src: np.ndarray, rows: np.ndarray, out: np.ndarray, places: np.ndarray) -> None:
+    """`out[places[i]] = src[rows[i]]` along the first axis: rows gathered straight into their places in
+    the batch (one copy; C-contiguous `src` and `out` of one row layout). IndexError for a row or
+    place out of range."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    places = np.ascontiguousarray(places, dtype=np.int64)
+    if _c_scatter_rows is not None and src.flags.c_contiguous and out.flags.c_contiguous and len(src) and len(out):
+        _c_scatter_rows(src, rows, src.nbytes // len(src), out, places)
+        return
+    out[places] = src.take(rows, axis=0)
 
 
 def gather_ragged(
@@ -142,24 +160,25 @@ class _Runs:
 
 def _gather_group(
     reader: ShardReader, wanted: list[Any], g: int, a: int, b: int, rows: np.ndarray,
-    cols: dict[str, np.ndarray], runs: dict[str, _Runs], *, copy: bool,
+    cols: dict[str, np.ndarray], runs: dict[str, _Runs], *, copy: bool, places: np.ndarray | None = None,
 ) -> None:
-    """Batch positions [a, b) (group `g`) from `reader`: fixed fields into `cols`, variable fields'
-    runs into `runs` (their items copied out when `copy`: nothing here keeps the mapping then)."""
+    """Sorted batch positions [a, b) (group `g`) from `reader`: fixed fields into `cols` (at rows [a, b),
+    or at `places`, the caller's positions of these rows in a batch that was not in shard order),
+    variable fields' runs into `runs` (their items copied out when `copy`: nothing here keeps the
+    mapping then)."""
     arriving = reader.arriving
-    if arriving:  # every field's blocks asked for at once, before the first wait
-        reader.announce([reader.rows_span(f.name, rows) if f.is_fixed else reader.items_span(f.name, rows)
-                         for f in wanted])
+    reader.ensure_fields(wanted, rows)  # every field's blocks at once (an arriving shard: asked for together)
     for f in wanted:
         if f.is_fixed:
-            reader.ensure_rows(f.name, rows)
-            reader.fixed[f.name].take(rows, axis=0, out=cols[f.name][a:b], mode="clip")
+            if places is None:
+                reader.fixed[f.name].take(rows, axis=0, out=cols[f.name][a:b], mode="clip")
+            else:
+                take_rows_into(reader.fixed[f.name], rows, cols[f.name], places)
             continue
         run = runs[f.name]
         offs, values = reader.ragged[f.name]
         lo = offs[rows]
         length = offs[rows + 1] - lo
-        reader.ensure_items(f.name, lo, length)
         if copy:
             values, piece_offsets = gather_ragged([values], run.source_of[a:b], lo, length, f.dtype)
             lo = piece_offsets[:-1]
@@ -258,7 +277,6 @@ class FastloadDataset:
         """This process's locks; a forked child gets new ones (a parent's thread may hold these)."""
         self._lock = threading.Lock()
         self._direct_lock = threading.Lock()
-        self._local = threading.local()
         reset_in_child(self, FastloadDataset._new_locks)
 
     def _new_ledger(self) -> BlockLedger | None:
@@ -275,7 +293,7 @@ class FastloadDataset:
         state = self.__dict__.copy()
         state["_open"], state["_resident"], state["_spliced"], state["_direct"] = OrderedDict(), None, None, None
         state["_ragged"] = state["_takes"] = None
-        del state["_lock"], state["_direct_lock"], state["_local"], state["_ledger"]
+        del state["_lock"], state["_direct_lock"], state["_ledger"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -483,8 +501,8 @@ class FastloadDataset:
     def _plan(self, indices: Any) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, int, int, np.ndarray]]]:
         """(indices, order, groups) for a batch: `groups` lists (shard, start, stop, local rows) over the
         indices in ascending order; `order` is None when the caller's indices already ascend, else the
-        permutation that sorted them. Ascending rows within each mapping gather fastest; an unsorted
-        batch is put back in the caller's order with one more pass.
+        permutation that sorted them. Ascending rows within each mapping gather fastest (see
+        `get_batch` for how an unsorted batch gets back to the caller's order).
         """
         idx = self._checked_indices(indices)
         m = len(idx)
@@ -655,14 +673,6 @@ class FastloadDataset:
                 idx = np.where(idx < 0, idx + n, idx)
         return idx
 
-    def _scratch(self, f: Any, shape: tuple[int, ...]) -> np.ndarray:
-        """A per-thread buffer reused across batches: a fresh large buffer per batch costs a page fault per 4 KiB."""
-        pool = self._local.__dict__.setdefault("scratch", {})
-        buf = pool.get(f.name)
-        if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:] or buf.dtype != f.dtype:
-            buf = pool[f.name] = np.empty(shape, dtype=f.dtype)
-        return buf[: shape[0]]
-
     def direct_takes(
         self, gather: Callable[[np.ndarray], Callable[[np.ndarray], Any] | None] | None = None
     ) -> list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None:
@@ -733,8 +743,9 @@ class FastloadDataset:
 
         Fixed fields of a local dataset are one `take` each over a resident copy or a spliced mapping
         of all shards. Other fields are gathered shard by shard with one `np.take` each; when
-        `indices` are not grouped by shard (a shuffled batch), rows are gathered in shard order and
-        put back in one more pass.
+        `indices` are not grouped by shard (a shuffled batch), a fixed field's rows are copied
+        straight into their places (`take_rows_into`) and a variable field's items are put back in
+        the caller's order in one more pass.
         """
         direct = self._takes if fields is None else None
         if direct is not None:  # every field is one take over all shards: the common local case
@@ -775,17 +786,13 @@ class FastloadDataset:
         idx, order, groups = self._plan(indices)
         inverse = None if order is None else order.argsort()
         m = len(idx)
-        cols = {
-            f.name: np.empty((m, *f.shape), dtype=f.dtype) if inverse is None else self._scratch(f, (m, *f.shape))
-            for f in wanted
-            if f.is_fixed
-        }
+        cols = {f.name: np.empty((m, *f.shape), dtype=f.dtype) for f in wanted if f.is_fixed}
         runs = {f.name: _Runs(m, len(f.shape) if f.kind == "vndarray" else 0) for f in wanted if not f.is_fixed}
         copy = not isinstance(self.storage, LocalStorage)
         for g, (k, a, b, rows) in enumerate(groups):
-            _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy)
-        for name, col in cols.items():
-            out[name] = col if inverse is None else col.take(inverse, axis=0)
+            _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy,
+                          places=None if order is None else order[a:b])
+        out.update(cols)
         for f in wanted:
             if f.is_fixed:
                 continue

@@ -540,16 +540,13 @@ class ShardReader:
         lo = self.blob_offset[name] + offs[rows] * values.itemsize
         return lo, self.blob_offset[name] + offs[rows + 1] * values.itemsize
 
-    def announce(self, spans: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """An arriving file: ask at once for the blocks under the byte ranges `spans` that reads will
-        wait on, so their fetches run together instead of one field's after another's."""
-        arrival, bits = self.arrival, self.bits
-        if arrival is None or bits is None or self._all_verified or not spans:
+    def ensure_fields(self, fields: list[Any], rows: np.ndarray) -> None:
+        """Verify the blocks holding rows `rows` of `fields` (schema fields) in one pass: an arriving
+        file waits for all of them at once, so the fetches of every field's blocks run together."""
+        if self.bits is None or self._all_verified:
             return
-        ids = np.unique(np.concatenate([block_ids(lo, hi, self.shift) for lo, hi in spans]))
-        ids = ids[~bits[ids]]
-        if ids.size:
-            arrival.ask(ids, ahead=self.fetch_ahead)
+        spans = [self.rows_span(f.name, rows) if f.is_fixed else self.items_span(f.name, rows) for f in fields]
+        self.ensure_bytes(np.concatenate([lo for lo, _ in spans]), np.concatenate([hi for _, hi in spans]))
 
     def ensure_rows(self, name: str, rows: np.ndarray) -> None:
         """Verify the blocks holding rows `rows` of fixed field `name`."""

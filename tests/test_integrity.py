@@ -764,3 +764,49 @@ def test_write_blocks_writes_unpublished_bytes_and_checks_whole_blocks(tmp_path_
     want_bad = whole[matches.index(False)] if False in matches else -1
     assert bad == want_bad
     assert done == (whole[: matches.index(False)] if want_bad >= 0 else whole)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=2, max_size=3000), shift=st.integers(6, 8), at=st.integers(0, 10**6),
+       extra=st.integers(0, 10**6), flip=st.sampled_from(["none", "carry", "piece"]), c_ext=st.booleans())
+def test_write_blocks_finishes_a_carried_block(tmp_path_factory, data, shift, at, extra, flip, c_ext):
+    """With `carry` (a block's first bytes, from the previous piece of a stream), `write_blocks` checks that
+    block from the carried bytes and the piece's first ones, before the blocks wholly inside the piece;
+    a flipped byte on either side fails that block; a carry the piece does not complete is refused."""
+    from fastload.formats import blocks
+
+    size, end = 1 << shift, len(data)
+    count = -(-end // size)
+    table = np.array([xxhash.xxh3_64_intdigest(data[j * size : (j + 1) * size]) for j in range(count)], dtype="<u8")
+    offset = at % end
+    c = offset >> shift
+    if offset % size == 0:
+        offset = min(end - 1, offset + 1)
+        c = offset >> shift
+    carry = bytearray(data[c * size : offset])
+    block_end = min((c + 1) * size, end)
+    stop = min(end, block_end + extra % (end - block_end + 1))
+    piece = bytearray(data[offset:stop])
+    if flip == "carry" and carry:
+        carry[0] ^= 1
+    elif flip == "piece":
+        piece[0] ^= 1
+    path = tmp_path_factory.mktemp("wc") / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, end)
+        with pytest.MonkeyPatch.context() as mp:
+            if not c_ext:
+                mp.setattr(blocks, "_c_write_blocks", None)
+            pub = np.zeros(count, dtype=bool)
+            done, bad, _, _ = blocks.write_blocks(fd, offset, bytes(piece), shift, end, table, pub, bytes(carry))
+            if block_end > offset + 1:  # a piece that stops short of the carried block's end is refused
+                with pytest.raises(ValueError, match="carry"):
+                    blocks.write_blocks(fd, offset, bytes(piece[:1]), shift, end, table, pub, bytes(carry))
+    finally:
+        os.close(fd)
+    if flip != "none" and carry:
+        assert (done, bad) == ([], c)
+        return
+    whole = [j for j in range(c + 1, count) if min((j + 1) * size, end) <= stop]
+    assert bad == -1 and done == [c, *whole]

@@ -177,3 +177,26 @@ def test_first_batch_after_an_open_is_exact(mixed, verify, seed):
         assert batch["jpeg"][pos] == samples[i]["jpeg"]
         assert batch["record"][pos].tobytes() == samples[i]["record"].tobytes()
     ds.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), shape=st.sampled_from([(), (3,), (2, 5)]),
+       picks=st.lists(st.integers(0, 10**6), max_size=30), c_ext=st.booleans())
+def test_take_rows_into_puts_each_row_in_its_place(n, shape, picks, c_ext):
+    """`take_rows_into` (the C extension's one call, or numpy without it) writes src[rows[i]] at out[places[i]]
+    and nothing else; a row or place out of range raises IndexError before anything is copied."""
+    from fastload.formats import reader
+
+    src = np.arange(n * int(np.prod(shape, dtype=int)), dtype=np.float32).reshape(n, *shape)
+    rows = np.array([p % n for p in picks], dtype=np.int64)
+    places = np.random.default_rng(len(picks)).permutation(len(rows)).astype(np.int64)
+    out = np.full((len(rows), *shape), -1, dtype=np.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        if not c_ext:
+            mp.setattr(reader, "_c_scatter_rows", None)
+        reader.take_rows_into(src, rows, out, places)
+        assert np.array_equal(out[places], src[rows])
+        before = out.copy()
+        with pytest.raises(IndexError):
+            reader.take_rows_into(src, np.array([n], dtype=np.int64), out, np.array([0], dtype=np.int64))
+        assert np.array_equal(out, before)

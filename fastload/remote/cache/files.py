@@ -80,6 +80,8 @@ class Download:
         self._filled = np.zeros(0 if arrival is None else len(arrival.published), dtype=np.int64)
         self._running: dict[int, list] = {}  # block -> [xxh3 state, next offset] of a block filled in order
         self._filler: dict[int, int] = {}  # block -> the claim whose bytes `_filled` counts
+        # claim -> (offset, bytes) of the block its last piece ended inside, not counted in `_filled` yet
+        self._tails: dict[int, tuple[int, memoryview]] = {}
         self.stats = stats if stats is not None else TransferStats()
         self._lock = threading.Lock()  # by-block mode: writes and claim releases from several threads
         if arrival is not None:
@@ -126,6 +128,7 @@ class Download:
             self._reset()
 
     def _reset(self) -> None:
+        self._tails.clear()
         self._hash.reset()
         self.written = self._hashed = self._pos = 0
         self._parts.clear()
@@ -185,6 +188,7 @@ class Download:
         arrival = self.arrival
         assert arrival is not None
         with self._lock:
+            self._tails.pop(claim, None)
             held = np.flatnonzero(arrival.owned(claim, 0, len(arrival.published)) & ~arrival.published)
             for j in held.tolist():
                 self._forget_partial(j)
@@ -220,9 +224,10 @@ class Download:
 
     def _put_blocks(self, claim: int, offset: int, view: memoryview) -> None:
         """By-block mode: write claim `claim`'s bytes of unpublished blocks, verify each block they
-        complete, publish it. The blocks wholly inside the piece are written and checked in one call
-        (`write_blocks`); the piece's partial first and last blocks are hashed as their other bytes
-        arrive (`_partial`)."""
+        complete, publish it. The piece's bytes are written and the blocks it completes checked in
+        one call (`write_blocks`); a block a piece ends inside is finished by the claim's next piece
+        when that one continues it (`_tails`: the block's bytes so far, hashed with the next piece's),
+        else counted byte by byte until complete (`_partial`)."""
         arrival = self.arrival
         assert arrival is not None and self._table is not None
         sections_end, shift = arrival.sections_end, arrival.spec.shift
@@ -230,31 +235,55 @@ class Download:
         if offset >= stop:
             return
         published = arrival.published
+        size = 1 << shift
+        first, last = offset >> shift, (stop - 1) >> shift
+        carry = None
+        tail = self._tails.pop(claim, None)
+        if tail is not None:
+            at, held = tail
+            if at + held.nbytes == offset and stop >= min(at + size, sections_end):
+                carry = held  # this piece completes the block the last one ended inside
+            elif arrival.owned(claim, at >> shift, (at >> shift) + 1)[0]:  # else another claim fetches it anew
+                self._count_partial(claim, at, held)
         done, bad, write_s, verify_s = write_blocks(self._fd, offset, view[: stop - offset], shift, sections_end,
-                                                    self._table, published)
+                                                    self._table, published, carry)
         if bad >= 0:
             if done:
                 arrival.publish(done)
             a, b = bad << shift, min((bad + 1) << shift, sections_end)
             raise ChecksumError(f"{self.where}: bytes [{a}, {b}) (block {bad}) received do not match their checksum")
         t0 = time.perf_counter()
-        first, last = offset >> shift, (stop - 1) >> shift
-        for j in (first, last) if first != last else (first,):
-            a, b = j << shift, min((j + 1) << shift, sections_end)
-            if published[j] or (offset <= a and b <= stop):
-                continue  # verified before, or wholly inside the piece (`write_blocks` checked it)
-            lo, hi = max(offset, a), min(stop, b)
-            digest = self._partial(claim, j, a, b, lo, hi, view[lo - offset : hi - offset])
-            if digest is None:
-                continue
-            if digest != self._sums[j]:
-                raise ChecksumError(
-                    f"{self.where}: bytes [{a}, {b}) (block {j}) received do not match their checksum"
-                )
-            done.append(j)
+        if offset & (size - 1) and carry is None:  # the piece starts inside a block another piece began
+            done += self._count_partial(claim, offset, view[: min(stop, (first + 1) << shift) - offset])
+        tail_at = last << shift
+        if stop != sections_end and stop & (size - 1) and tail_at >= offset and not published[last]:
+            # the piece ends inside a block it began: the claim's next piece is likely to finish it (unless
+            # some of the block's later bytes are counted already: pieces may come in any order)
+            tail = (tail_at, view[tail_at - offset : stop - offset])
+            if last in self._filler:
+                done += self._count_partial(claim, *tail)
+            else:
+                self._tails[claim] = tail
         if done:
             arrival.publish(done)
         self.stats.add_many(write_s=write_s, verify_s=verify_s + time.perf_counter() - t0)
+
+    def _count_partial(self, claim: int, lo: int, piece: memoryview) -> list[int]:
+        """Bytes [lo, lo + len(piece)) of one block, for `claim`, counted towards that block (`_partial`):
+        [the block] once all its bytes arrived and matched, else []."""
+        arrival = self.arrival
+        assert arrival is not None
+        shift, end = arrival.spec.shift, arrival.sections_end
+        j = lo >> shift
+        a, b = j << shift, min((j + 1) << shift, end)
+        if arrival.published[j]:
+            return []
+        digest = self._partial(claim, j, a, b, lo, lo + piece.nbytes, piece)
+        if digest is None:
+            return []
+        if digest != self._sums[j]:
+            raise ChecksumError(f"{self.where}: bytes [{a}, {b}) (block {j}) received do not match their checksum")
+        return [j]
 
     def _partial(self, claim: int, j: int, a: int, b: int, lo: int, hi: int, piece: memoryview) -> int | None:
         """Bytes [lo, hi) of block j ([a, b)) arrived for `claim`: the block's digest once all of it did,
