@@ -266,6 +266,10 @@ class FastloadDataset:
         self._direct: list[tuple[str, Any]] | None = None  # (field, take) when every field is resident/spliced
         self._ragged: dict[str, SplicedRagged] | None = None  # variable fields spliced over all shards
         self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, variable ones too
+        # shards opened before this epoch's first batch was served fetch ahead of their downloads for their
+        # first batch (`ShardReader.fetch_ahead`); later ones follow the downloads (see `bind_run`)
+        self._fetch_ahead = True
+        self._epoch: int | None = None
         self._new_locks()
         self._ledger = self._new_ledger()
         self._attach()
@@ -419,7 +423,16 @@ class FastloadDataset:
         reader.on_corrupt = partial(self._local_damage, k)
         if arrival is not None:
             reader.on_lost = partial(self._lost_arrival, k)
+            reader.fetch_ahead = self._fetch_ahead
         return reader
+
+    def bind_run(self, run: Any) -> None:
+        """The Loader's run context (`fastload.run`): a new epoch's first batch may again fetch the blocks it
+        waits for ahead of the shards' downloads, in GETs of its own (it comes sooner). Batches after it
+        wait for the downloads' GETs: by then those stream the shards, and out-of-order GETs cost a request
+        each (see `ShardReader.fetch_ahead`)."""
+        if run.epoch != self._epoch:
+            self._epoch, self._fetch_ahead = run.epoch, True
 
     def _lost_arrival(self, k: int, exc: BaseException) -> BaseException:
         """Shard k's download failed while it was read as it arrived: its reader goes (the next read
@@ -792,6 +805,7 @@ class FastloadDataset:
         for g, (k, a, b, rows) in enumerate(groups):
             _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy,
                           places=None if order is None else order[a:b])
+        self._fetch_ahead = False  # a batch was served: shards opened from now on follow their downloads
         out.update(cols)
         for f in wanted:
             if f.is_fixed:

@@ -246,9 +246,10 @@ class ShardReader:
         self.where = where
         self.arrival = arrival
         # an arriving file: the blocks reads wait for are fetched out of order, ahead of the download's GETs,
-        # while this is True; a batch reader turns it off after its first batch from the shard (that batch
-        # comes sooner; later ones wait for the download's GETs, which by then stream the shard: out-of-order
-        # GETs cost requests and break those streams)
+        # while this is True; a batch reader turns it off after its first batch from the shard, and a
+        # dataset opens a shard with it off once it served its epoch's first batch (that batch comes sooner;
+        # later ones wait for the download's GETs, which by then stream the shard: out-of-order GETs cost
+        # requests and break those streams)
         self.fetch_ahead = True
         if arrival is not None:
             arrival.wait(np.zeros(1, dtype=np.int64))  # the header's block (the table arrives before any block)

@@ -224,3 +224,21 @@ def test_backend_rows_time_the_open_with_the_reads() -> None:
     read, resident = measure_backend(Backend("tiny", "", slow_open), cold=False, batch_size=4, seconds=5, seed=0)
     assert resident is None and read.samples == 10 and read.batches == 3
     assert read.seconds >= 0.05
+
+
+def test_remote_cpu_counts_the_samples_in_each_window_by_thread():
+    """`bench.remote_cpu` counts perf's samples by the window they fall in and the thread they came from
+    (thread names may hold spaces; samples outside every window are left out)."""
+    from bench.remote_cpu import count_samples
+
+    text = "\n".join([
+        "          python 100.000100:",
+        " fastload-prefet 100.500000:",
+        "          python 101.200000:",
+        "  tokio-rt-worker 102.000000:",
+        "    thread name 102.100000:",
+        "          python 103.000000:",
+        "garbage line",
+    ])
+    got = count_samples(text, {"cold": [100.0, 101.0], "warm": [102.0, 102.5]})
+    assert got == {"cold": {"python": 1, "fastload-prefet": 1}, "warm": {"tokio-rt-worker": 1, "thread name": 1}}

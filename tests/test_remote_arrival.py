@@ -118,6 +118,31 @@ def test_a_loaders_first_batch_comes_while_the_shard_is_held(dataset, server, tm
     ds.storage.close()
 
 
+def test_only_an_epochs_first_batch_fetches_ahead_of_the_downloads(dataset, server, tmp_path):
+    """Shards opened for an epoch's first batch fetch the blocks it waits for ahead of their downloads;
+    a shard opened after a batch was served follows its download; a new epoch (`bind_run`) starts over."""
+    from types import SimpleNamespace
+
+    _, local = dataset
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    ds.bind_run(SimpleNamespace(epoch=0))
+    first = local.get_batch(np.arange(16))
+    _same(ds.get_batch(np.arange(16)), first)
+    later = ds.shard(1)
+    assert later.arriving and later.fetch_ahead is False
+    ds.close()
+    ds.bind_run(SimpleNamespace(epoch=0))  # the same epoch again (a rebind): nothing changes
+    assert ds.shard(1).fetch_ahead is False
+    ds.close()
+    ds.bind_run(SimpleNamespace(epoch=1))
+    again = ds.shard(1)
+    assert again.arriving and again.fetch_ahead is True
+    server.release()
+    ds.close()
+    ds.storage.close()
+
+
 @pytest.mark.parametrize("transport", ["obstore", "fsspec"])
 def test_a_connection_dropped_mid_shard_is_retried_in_place(dataset, server, tmp_path, transport):
     """The retry rewrites the file in place: bytes a reader mapped before the drop stay what they were."""

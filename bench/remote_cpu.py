@@ -1,0 +1,211 @@
+"""User CPU of a remote dataset's cold epochs, measured by sampling: `perf record -e cpu-clock:u`.
+
+`bench.remote` reads user CPU from `getrusage`, whose user/system split the kernel takes from the
+timer ticks (250 a second) that land in each mode. A raw pass (8 threads of GET + xxh3 + write) is
+about 90% system time and lasts a fraction of a second, so its user CPU rests on a handful of
+ticks: per round it swings by 5x, and the median of such skewed rounds reads low. This script
+measures user CPU by sampling instead (4,000 samples per CPU-second, user mode only), and splits it
+by thread (the Loader's reader, the download threads, obstore's runtime).
+
+Each row of each round runs in a child Python process under `perf record -k mono`. The child first
+reads a batch through another cache and GETs one shard raw (what a process pays once: imports,
+clients, first calls), then marks the time windows it measures: the raw pass, or the cold epoch and
+then the warm epoch of the same Loader and order; the samples in each window are counted. Rows (the
+raw pipeline on obstore, and the Loader with `num_workers` 0 and 2, shuffled and sequential) rotate
+within each round; the page cache is recycled before every raw pass and cold epoch (as
+`bench.remote` does). The fetch cost is a cold epoch's user CPU minus the warm epoch's, per round,
+as in `bench.remote`.
+
+Needs `perf` with user-mode sampling allowed (`kernel.perf_event_paranoid` <= 2, or root).
+
+Run: `python -m bench.remote_cpu [--shards 12 --shard-size 32MB --rounds 5]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["count_samples", "main"]
+
+SAMPLE_HZ = 4000
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _name_threads() -> None:
+    """Give each Python thread its name at the OS level (trailing numbers dropped), so that perf's
+    samples say which thread they came from."""
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None)
+    run = threading.Thread.run
+
+    def named(self: threading.Thread) -> None:
+        libc.prctl(15, re.sub(r"[_-]?\d+$", "", self.name)[:15].encode(), 0, 0, 0)  # PR_SET_NAME
+        run(self)
+
+    threading.Thread.run = named  # type: ignore[method-assign]
+
+
+def child(row: str, url: str, seed: int, work: str, out: str) -> None:
+    """One row, in this process: the windows measured, as JSON in `out`."""
+    _name_threads()
+    from fastload.benchmark.limits import recycle_page_cache
+    from fastload.benchmark.remote import raw_pipeline
+    from fastload.dataset import open_dataset
+    from fastload.loader import Loader
+    from fastload.order.shard_shuffle import ShardWindowSampler
+
+    cache = os.path.join(work, f"cache-{os.getpid()}")
+    # what a process pays once (imports, clients, first calls) is paid here, before any window
+    warm_up = open_dataset(url, cache_dir=cache + "-warm-up", cache_limit="1TB")
+    next(iter(Loader(warm_up, batch_size=256, num_workers=0)))
+    raw_pipeline(url, list(warm_up.manifest.shards[:1]), os.path.join(work, f"raw-{os.getpid()}"), client="obstore")
+    warm_up.storage.close()
+    shutil.rmtree(cache + "-warm-up", ignore_errors=True)
+    ds = open_dataset(url, cache_dir=cache, cache_limit="1TB")
+    nbytes = sum(s.bytes for s in ds.manifest.shards)
+    windows: dict[str, list[float]] = {}
+    if row == "raw obstore":
+        recycle_page_cache(work, nbytes)
+        t0 = time.monotonic()
+        raw_pipeline(url, list(ds.manifest.shards), os.path.join(work, f"raw-{os.getpid()}"), client="obstore")
+        windows["raw"] = [t0, time.monotonic()]
+        ds.storage.close()
+    else:
+        workers, order = int(row.split()[0][1:]), row.split()[1]
+        for epoch in ("cold", "warm"):
+            sampler = ShardWindowSampler.from_dataset(ds, window=4, seed=seed) if order == "shuffled" else None
+            loader = Loader(ds, batch_size=256, sampler=sampler, num_workers=workers, worker_type="thread")
+            if epoch == "cold":
+                recycle_page_cache(work, nbytes)
+            t0 = time.monotonic()
+            n = sum(len(batch["x"]) for batch in loader)
+            windows[epoch] = [t0, time.monotonic()]
+            loader.close()
+            if n != len(ds):
+                raise RuntimeError(f"{row} {epoch}: {n} samples, the dataset has {len(ds)}")
+        ds.storage.close()
+    shutil.rmtree(cache, ignore_errors=True)
+    with open(out, "w") as f:
+        json.dump({"bytes": nbytes, "windows": windows}, f)
+
+
+def _samples(data: str, windows: dict[str, list[float]]) -> dict[str, collections.Counter]:
+    """Per window, user-mode samples by thread name, from the perf data file `data`."""
+    text = subprocess.run(["perf", "script", "-i", data, "-F", "comm,time"], capture_output=True, text=True,
+                          check=True).stdout
+    return count_samples(text, windows)
+
+
+def count_samples(text: str, windows: dict[str, list[float]]) -> dict[str, collections.Counter]:
+    """Per window [start, end] (seconds), the samples of `perf script -F comm,time` output (`text`) that
+    fall in it, by thread name."""
+    counts = {name: collections.Counter() for name in windows}
+    for line in text.splitlines():
+        m = re.match(r"\s*(.+?)\s+(\d+\.\d+):", line)
+        if not m:
+            continue
+        t = float(m.group(2))
+        for name, (a, b) in windows.items():
+            if a <= t <= b:
+                counts[name][m.group(1).strip()] += 1
+    return counts
+
+
+def run_row(row: str, url: str, seed: int, work: str) -> dict[str, Any]:
+    """One row in a child process under perf: {window: {thread: user CPU seconds}, "bytes": n}."""
+    out, data = os.path.join(work, "row.json"), os.path.join(work, "row.perf")
+    cmd = ["perf", "record", "-q", "-k", "mono", "-e", "cpu-clock:u", "-F", str(SAMPLE_HZ), "-o", data, "--",
+           sys.executable, "-m", "bench.remote_cpu", "--child", row, "--url", url, "--seed", str(seed),
+           "--work", work, "--out", out]
+    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=1800, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{row}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        got = json.load(f)
+    counts = _samples(data, got["windows"])
+    res: dict[str, Any] = {"bytes": got["bytes"]}
+    for name, c in counts.items():
+        res[name] = {thread: n / SAMPLE_HZ for thread, n in c.items()}
+    return res
+
+
+def _med(v: list[float]) -> str:
+    return f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse the options, run the rounds, print the table; returns the results."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", type=int, default=12)
+    ap.add_argument("--shard-size", default="32MB")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args.child, args.url, args.seed, args.work, args.out)
+        return {}
+    if shutil.which("perf") is None:
+        raise SystemExit("bench.remote_cpu needs `perf` (linux-tools) on PATH")
+    from bench.remote import Nginx, make_dataset, write_json
+    from fastload.formats.units import parse_size
+
+    rows = ["raw obstore"] + [f"w{w} {o}" for w in args.workers for o in ("shuffled", "sequential")]
+    work = tempfile.mkdtemp(prefix="fastload-bench-cpu-")
+    user: dict[str, list[float]] = collections.defaultdict(list)  # "row window" -> user s/GB per round
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # cold, by thread
+    try:
+        root = os.path.join(work, "root")
+        make_dataset(os.path.join(root, "ds"), shards=args.shards, shard_size=parse_size(args.shard_size))
+        server = Nginx(root, work)
+        try:
+            for r in range(args.rounds):
+                for row in rows[r % len(rows):] + rows[: r % len(rows)]:
+                    got = run_row(row, f"{server.url}/ds", r, work)
+                    gb = got.pop("bytes") / 1e9
+                    for window, by_thread in got.items():
+                        user[f"{row} {window}"].append(sum(by_thread.values()) / gb)
+                        if window == "cold":
+                            threads[row].update({k: v / gb / args.rounds for k, v in by_thread.items()})
+                    if "cold" in got:
+                        user[f"{row} fetch cost"].append(user[f"{row} cold"][-1] - user[f"{row} warm"][-1])
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    raw = statistics.median(user["raw obstore raw"])
+    print(f"user CPU s/GB by sampling (perf cpu-clock:u at {SAMPLE_HZ} Hz), median [min-max] over {args.rounds} rounds")
+    print(f"{'raw obstore':24s} {_med(user['raw obstore raw'])}")
+    for row in rows[1:]:
+        cost = user[f"{row} fetch cost"]
+        print(f"{row:24s} cold {_med(user[f'{row} cold'])}  warm {_med(user[f'{row} warm'])}  fetch cost "
+              f"{_med(cost)} = {statistics.median(cost) / raw:.2f}x raw obstore")
+    print("cold epochs by thread, mean s/GB:")
+    for row in rows[1:]:
+        print(f"  {row:22s} " + ", ".join(f"{k}={v:.3f}" for k, v in threads[row].most_common(6)))
+    res = {"rounds": args.rounds, "user_s_per_GB": dict(user), "cold_threads": {k: dict(v) for k, v in threads.items()},
+           "raw_obstore_median": raw}
+    write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
