@@ -67,6 +67,10 @@ def take_rows_into(src: np.ndarray, rows: np.ndarray, out: np.ndarray, places: n
     """`out[places[i]] = src[rows[i]]` along the first axis: rows gathered straight into their places in
     the batch (one copy; C-contiguous `src` and `out` of one row layout). IndexError for a row or
     place out of range."""
+    if out.shape[1:] != src.shape[1:] or out.dtype != src.dtype:
+        raise ValueError(
+            f"rows of {src.dtype}{list(src.shape[1:])} cannot go into rows of {out.dtype}{list(out.shape[1:])}"
+        )
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     places = np.ascontiguousarray(places, dtype=np.int64)
     if _c_scatter_rows is not None and src.flags.c_contiguous and out.flags.c_contiguous and len(src) and len(out):

@@ -199,4 +199,6 @@ def test_take_rows_into_puts_each_row_in_its_place(n, shape, picks, c_ext):
         before = out.copy()
         with pytest.raises(IndexError):
             reader.take_rows_into(src, np.array([n], dtype=np.int64), out, np.array([0], dtype=np.int64))
+        with pytest.raises(ValueError, match="cannot go into"):
+            reader.take_rows_into(src, rows, out.astype(np.float64), places)
         assert np.array_equal(out, before)
