@@ -167,11 +167,10 @@ class Arrival:
         """Claim `claim` received bytes of blocks [first, upto] and its GET's next byte lies in block
         `upto` (every block before it is complete): which of blocks [first, upto] it still holds
         (bools; None when it holds every block it was given: nobody took any over and it was not
-        given back), and
-        whether its GET should go on: it holds a block among the next `SKIP_THROUGH` from `upto` (a
-        few blocks a reader's GET took over are received and dropped rather than ending the GET and
-        starting another). A download's claim records `upto` as where its GET has got to
-        (`STEAL_AHEAD`)."""
+        given back), and whether its GET should go on: it holds a block among the next
+        `SKIP_THROUGH` from `upto` (a few blocks a reader's GET took over are received and dropped
+        rather than ending the GET and starting another). A download's claim records `upto` as where
+        its GET has got to (`STEAL_AHEAD`)."""
         with self._cond:
             if claim in self._fronts:
                 self._fronts[claim] = (upto, time.monotonic())
