@@ -299,11 +299,15 @@ def format_remote(res: dict[str, Any]) -> str:
     if res.get("user_cpu_s_per_GB"):
         lines.append("of which user-mode: " + " ".join(
             f"{k}={_med(v):.2f}" for k, v in res["user_cpu_s_per_GB"].items()))
-    raw_user = res.get("user_cpu_s_per_GB", {}).get("raw")
+    # the baseline: the raw pipeline on the Loader's client (obstore) when it ran, else the plain one
+    users = res.get("user_cpu_s_per_GB", {})
+    base_row = "raw obstore" if users.get("raw obstore") else "raw"
+    raw_user = users.get(base_row)
     if res.get("fetch_cost_s_per_GB") and raw_user:
         base = _med(raw_user)
-        lines.append("fetch cost, user CPU s/GB of the cold epoch minus the warm one, median [min-max] (x raw's "
-                     f"median user CPU, {base:.3f} s/GB): " + "; ".join(
+        lines.append("fetch cost, user CPU s/GB of the cold epoch minus the warm one, median [min-max] (x the "
+                     f"{base_row!r} row's median user CPU, {base:.3f} s/GB, counted in a few timer ticks per round: "
+                     "`python -m bench.remote_cpu` samples it): " + "; ".join(
                          f"{k}={_span(v, 1, 3)}" + (f" ({_med(v) / base:.1f}x)" if base > 0 else "")
                          for k, v in res["fetch_cost_s_per_GB"].items()))
     lines.append(f"{'medians [min-max] over rounds':40s} {'MB/s':>15s} {'user s/GB':>17s} {'CPU s/GB':>17s} "
