@@ -96,10 +96,6 @@ class Arrival(Protocol):
         `ahead`: blocks the download will bring later may be fetched for this wait out of order."""
         ...
 
-    def ask(self, ids: np.ndarray, *, ahead: bool = True) -> None:
-        """Reads will wait for blocks `ids` soon: fetch those nobody fetches yet now (no wait)."""
-        ...
-
 
 class LocalStorage:
     """A dataset directory on a local file system: zero-copy, no cache."""

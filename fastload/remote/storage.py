@@ -781,12 +781,15 @@ class RemoteStorage:
             if self._side is None:
                 self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
             pool = self._side
-        batched = [sp for sp in spans if sp[2] - sp[1] <= STREAM_CHUNK] if self._via_obstore() else []
+        batched: list[tuple[int, int, int]] = []  # short runs, several to an obstore `get_ranges` call
+        streamed: list[tuple[int, int, int]] = []
+        for span in spans:
+            short = self._via_obstore() and span[2] - span[1] <= STREAM_CHUNK
+            (batched if short else streamed).append(span)
         for i in range(0, len(batched), SIDE_RANGES_PER_CALL):
             pool.submit(self._side_fetch, rpath, sink, batched[i : i + SIDE_RANGES_PER_CALL], streamed=False)
-        for span in spans:
-            if span not in batched:
-                pool.submit(self._side_fetch, rpath, sink, [span], streamed=True)
+        for span in streamed:
+            pool.submit(self._side_fetch, rpath, sink, [span], streamed=True)
 
     def _side_fetch(self, rpath: str, sink: Download, spans: list[tuple[int, int, int]], *, streamed: bool) -> None:
         """The GETs of `_want` for `spans` (claim, start, end): one streamed GET of one span (no buffer of the

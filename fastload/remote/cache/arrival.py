@@ -283,7 +283,7 @@ class Arrival:
         return self._state == "complete"
 
     def wait(self, ids: np.ndarray, *, ahead: bool = True) -> bool:
-        """Block until the blocks `ids` (local block numbers) arrived, asking for them (`ask`; `ahead`:
+        """Block until the blocks `ids` (local block numbers) arrived, asking for them (`_ask`; `ahead`:
         also those the download's GETs will bring later). Returns True when this process's
         download verified them (the caller may take them as verified), False when the caller must hash
         them itself (a forked child). Raises the download's error when it failed, `TimeoutError`
@@ -296,7 +296,7 @@ class Arrival:
         me = threading.get_ident()
         while True:
             if ask:  # first, then after each quiet `ASK_AGAIN_S`: a stalled GET's blocks become free to claim
-                self.ask(ids, ahead=ahead)
+                self._ask(ids, ahead=ahead)
             with self._cond:
                 self._waiting.pop(me, None)
                 if self._state == "failed":
@@ -313,7 +313,7 @@ class Arrival:
                 self._waiting[me] = ids
                 ask = not self._cond.wait(timeout=min(left, ASK_AGAIN_S))
 
-    def ask(self, ids: np.ndarray, *, ahead: bool = True) -> None:
+    def _ask(self, ids: np.ndarray, *, ahead: bool = True) -> None:
         """Claim the blocks of `ids` that a reader's GET may take (`claim_wanted`) and hand them to
         `on_want` (fetched out of order); no wait. In a forked child (the record is its parent's) it
         does nothing."""

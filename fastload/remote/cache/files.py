@@ -78,7 +78,6 @@ class Download:
         self._sums: list[int] = []
         self._no_table = arrival is None
         self._filled = np.zeros(0 if arrival is None else len(arrival.published), dtype=np.int64)
-        self._running: dict[int, list] = {}  # block -> [xxh3 state, next offset] of a block filled in order
         self._filler: dict[int, int] = {}  # block -> the claim whose bytes `_filled` counts
         # claim -> (offset, bytes) of the block its last piece ended inside, not counted in `_filled` yet
         self._tails: dict[int, tuple[int, memoryview]] = {}
@@ -196,7 +195,6 @@ class Download:
 
     def _forget_partial(self, j: int) -> None:
         self._filled[j] = 0
-        self._running.pop(j, None)
         self._filler.pop(j, None)
 
     def _put(self, offset: int, view: memoryview) -> None:
@@ -286,29 +284,18 @@ class Download:
         return [j]
 
     def _partial(self, claim: int, j: int, a: int, b: int, lo: int, hi: int, piece: memoryview) -> int | None:
-        """Bytes [lo, hi) of block j ([a, b)) arrived for `claim`: the block's digest once all of it did,
-        else None. A block filled in order is hashed from the pieces; otherwise it is read back when
-        complete. Bytes an earlier claim left in the block (it was taken over) no longer count."""
+        """Bytes [lo, hi) of block j ([a, b)) arrived for `claim`, not in the order of a stream (that order
+        goes through `_tails`): the block's digest, read back from the file, once all of it did, else
+        None. Bytes an earlier claim left in the block (it was taken over) no longer count."""
         if self._filler.get(j, claim) != claim:
             self._forget_partial(j)
         self._filler[j] = claim
-        run = self._running.get(j)
-        if lo == a:
-            run = self._running[j] = [xxhash.xxh3_64(), a]
-        if run is not None and run[1] == lo:
-            run[0].update(piece)
-            run[1] = hi
-        else:
-            self._running.pop(j, None)
         self._filled[j] += hi - lo
         if self._filled[j] > b - a:
             raise ChecksumError(f"{self.where}: parts overlap in bytes [{a}, {b}) (block {j})")
         if self._filled[j] < b - a:
             return None
-        run = self._running.pop(j, None)
         self._filler.pop(j, None)
-        if run is not None and run[1] == b:
-            return int(run[0].intdigest())
         return xxhash.xxh3_64_intdigest(os.pread(self._fd, b - a, a))
 
     def check(self) -> None:
