@@ -846,13 +846,9 @@ class FastloadDataset:
         _, _, groups = self._plan([index])
         k, _, _, rows = groups[0]
         reader, i = self.shard(k), int(rows[0])
+        reader.ensure_fields(list(self.schema), rows)
         out: dict[str, Any] = {}
         for f in self.schema:
-            if f.is_fixed:
-                reader.ensure_rows(f.name, rows)
-            else:
-                offs = reader.ragged[f.name][0]
-                reader.ensure_items(f.name, offs[rows], offs[rows + 1] - offs[rows])
             if f.kind == "scalar":
                 out[f.name] = reader.fixed[f.name][i].item()
             elif f.kind == "ndarray":

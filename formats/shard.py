@@ -209,7 +209,7 @@ class ShardReader:
     Opening checks the whole structure against the manifest (see FORMAT.md, "Reading"). With
     `bits` (this shard's part of the dataset's `BlockLedger`), a version-2 shard is read verified:
     the blocks holding the header, field table and offsets tables are verified on open, and the
-    caller verifies the blocks a read touches before delivering it (`ensure_bytes`, `ensure_rows`).
+    caller verifies the blocks a read touches before delivering it (`ensure_bytes`, `ensure_fields`).
     """
 
     on_corrupt: Callable[[ChecksumError], BaseException] | None = None  # set by the opener (see verify_blocks)
@@ -549,22 +549,10 @@ class ShardReader:
         spans = [self.rows_span(f.name, rows) if f.is_fixed else self.items_span(f.name, rows) for f in fields]
         self.ensure_bytes(np.concatenate([lo for lo, _ in spans]), np.concatenate([hi for _, hi in spans]))
 
-    def ensure_rows(self, name: str, rows: np.ndarray) -> None:
-        """Verify the blocks holding rows `rows` of fixed field `name`."""
-        if self.bits is not None and not self._all_verified:
-            self.ensure_bytes(*self.rows_span(name, rows))
-
     def ensure_column(self, name: str) -> None:
         """Verify the blocks holding the whole column of fixed field `name`."""
         column = self.fixed[name]
         self._verify_range(self.fixed_offset[name], self.fixed_offset[name] + column.nbytes)
-
-    def ensure_items(self, name: str, starts: np.ndarray, lengths: np.ndarray) -> None:
-        """Verify the blocks holding items [starts[i], starts[i] + lengths[i]) of variable field `name`."""
-        if self.bits is not None and not self._all_verified:
-            size = self.ragged[name][1].itemsize
-            lo = self.blob_offset[name] + starts * size
-            self.ensure_bytes(lo, lo + lengths * size)
 
     def close(self) -> None:
         """Forget the mapping; it is unmapped once no reader or returned array refers to it.
