@@ -434,9 +434,21 @@ class FastloadDataset:
         """The Loader's run context (`fastload.run`): a new epoch's first batch may again fetch the blocks it
         waits for ahead of the shards' downloads, in GETs of its own (it comes sooner). Batches after it
         wait for the downloads' GETs: by then those stream the shards, and out-of-order GETs cost a request
-        each (see `ShardReader.fetch_ahead`)."""
+        each (see `ShardReader.fetch_ahead`). While some shard is not at hand, a storage that can
+        (`hold_for_first_batch`) holds its other GETs back until that first batch is served."""
         if run.epoch != self._epoch:
             self._epoch, self._fetch_ahead = run.epoch, True
+            hold = getattr(self.storage, "hold_for_first_batch", None)
+            if hold is not None and not self._all_shards_at_hand():
+                hold()
+
+    def _first_batch_served(self) -> None:
+        """A batch was served: shards opened from now on follow their downloads, and GETs held back for
+        this epoch's first batch start."""
+        self._fetch_ahead = False
+        served = getattr(self.storage, "first_batch_served", None)
+        if served is not None:
+            served()
 
     def _lost_arrival(self, k: int, exc: BaseException) -> BaseException:
         """Shard k's download failed while it was read as it arrived: its reader goes (the next read
@@ -809,7 +821,8 @@ class FastloadDataset:
         for g, (k, a, b, rows) in enumerate(groups):
             _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy,
                           places=None if order is None else order[a:b])
-        self._fetch_ahead = False  # a batch was served: shards opened from now on follow their downloads
+        if self._fetch_ahead:
+            self._first_batch_served()
         out.update(cols)
         for f in wanted:
             if f.is_fixed:

@@ -19,7 +19,8 @@ class ArrivalServer:
     the readers' GETs that follow pass) at byte `at` until `release()`; `drop(at, times)`
     closes its connection there (the first `times` such requests of each shard); `corrupt(at, times)`
     flips the byte at `at` (`times` None: every time). `body_requests` counts, per shard path, the
-    requests that held the byte to drop or flip."""
+    requests that held the byte to drop or flip; `gets` lists every GET as (path, start, end), in the
+    order they came."""
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -32,6 +33,7 @@ class ArrivalServer:
         self.corrupts: int | None = None
         self.body_requests: dict[str, int] = {}
         self.held: set[str] = set()  # shards whose GET was held at `pause_at` already
+        self.gets: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
         server = self
 
@@ -69,6 +71,8 @@ class ArrivalServer:
                 self.send_header("Accept-Ranges", "bytes")
                 self.end_headers()
                 if body:
+                    with server._lock:
+                        server.gets.append((rel, start, end))
                     server._send(self, rel, data, start, end)
 
         self._srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)

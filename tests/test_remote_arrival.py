@@ -10,6 +10,7 @@ checked over arbitrary arrival orders, retries and out-of-order block fetches (h
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from fastload import Loader
 from fastload.formats import FastloadDataset, write
 from fastload.formats.errors import ChecksumError
+from fastload.remote import first_batch
 from fastload.remote.cache.arrival import STEAL_AHEAD, Arrival, BlockSpec
 from fastload.remote.cache.files import Download
 from fastload.remote.storage import DOWNLOAD_CHUNK, RemoteFetchError, RemoteStorage, RetryPolicy
@@ -141,6 +143,90 @@ def test_only_an_epochs_first_batch_fetches_ahead_of_the_downloads(dataset, serv
     server.release()
     ds.close()
     ds.storage.close()
+
+
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_an_epochs_first_batch_holds_back_the_gets_it_does_not_wait_for(dataset, server, tmp_path, monkeypatch,
+                                                                      transport):
+    """From a new epoch's start (`bind_run`) until its first batch is served, the storage prefetches no
+    shard and downloads the shard it reads in one GET at a time instead of one per part (the first
+    batch's own GETs run); once the batch is served, the other parts and the prefetches start."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(first_batch, "FIRST_BATCH_HOLD_S", 60.0)  # only the served batch ends the hold here
+    lock, active, peak, seen = threading.Lock(), {}, {}, []
+    range_into = RemoteStorage._range_into
+
+    def counted(self, rpath, sink, claim, start, end, chunk):
+        if chunk != DOWNLOAD_CHUNK:  # a reader's own GET (a long run of wanted blocks)
+            return range_into(self, rpath, sink, claim, start, end, chunk)
+        with lock:
+            active[rpath] = active.get(rpath, 0) + 1
+            peak[rpath] = max(peak.get(rpath, 0), active[rpath])
+            seen.append(rpath)
+        try:
+            return range_into(self, rpath, sink, claim, start, end, chunk)
+        finally:
+            with lock:
+                active[rpath] -= 1
+
+    at_release = []
+    served = RemoteStorage.first_batch_served
+
+    def snapshot(self):
+        with lock:
+            at_release.append((dict(peak), set(seen)))
+        served(self)
+
+    monkeypatch.setattr(RemoteStorage, "_range_into", counted)
+    monkeypatch.setattr(RemoteStorage, "first_batch_served", snapshot)
+    _, local = dataset
+    server.pause(HELD)  # shard 0's download stops at that byte: the batch is served while it is held
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, part_bytes=200_000)
+    first = ds.manifest.shards[0].file
+    ds.bind_run(SimpleNamespace(epoch=0))
+    _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))
+    time.sleep(0.2)
+    ((peaks, paths),) = at_release
+    assert {p.rsplit("/", 1)[-1] for p in paths} == {first.rsplit("/", 1)[-1]}  # no prefetch while held
+    assert max(peaks.values()) == 1  # one download GET at a time while held
+    server.release()
+    deadline = time.monotonic() + 20
+    while len(set(seen)) < len(local.manifest.shards) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(set(seen)) == len(local.manifest.shards)  # the prefetches ran once the batch was served
+    assert max(peak.values()) > 1  # and the parts of a shard came at once
+    everything = np.arange(N)
+    _same(ds.get_batch(everything), local.get_batch(everything))
+    ds.close()
+    ds.bind_run(SimpleNamespace(epoch=1))  # every shard is open and whole now: no hold
+    assert len(at_release) == 1
+    _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))
+    ds.storage.close()
+
+
+def test_a_first_batch_hold_ends_when_released_or_after_its_limit():
+    hold = first_batch.FirstBatchHold(limit_s=0.3)
+    woken = []
+    hold.on_release(lambda: woken.append(1))
+    assert hold.remaining() == 0.0
+    hold.wait()  # off: returns at once
+    hold.begin()
+    assert 0.2 < hold.remaining() <= 0.3
+    t0 = time.monotonic()
+    waiter = threading.Thread(target=hold.wait)
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()
+    hold.release()
+    waiter.join(1)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 0.25 and woken == [1]
+    hold.release()  # released already: no second call
+    assert woken == [1]
+    hold.begin()
+    t0 = time.monotonic()
+    hold.wait()  # runs out by itself
+    assert 0.25 < time.monotonic() - t0 < 1.0 and hold.remaining() == 0.0 and woken == [1]
 
 
 @pytest.mark.parametrize("transport", ["obstore", "fsspec"])

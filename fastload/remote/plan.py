@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from functools import partial
 
 from fastload.remote.cache.shard_cache import BlockSpec, Download, ShardCache
+from fastload.remote.first_batch import FirstBatchHold
 from fastload.remote.get_window import GetWindow
 
 __all__ = ["CONSUMED_POLL_S", "DemandSlot", "PrefetchPlan"]
@@ -84,8 +85,11 @@ class PrefetchPlan:
         depth: int,
         window: GetWindow,
         blocks_of: Callable[[str, int], BlockSpec | None] | None = None,
+        hold: FirstBatchHold | None = None,
     ) -> None:
         self.cache, self.url = cache, url
+        self.hold = FirstBatchHold() if hold is None else hold
+        self.hold.on_release(self.wake)
         self._fetch_ref, self._key_ref = weakref.WeakMethod(fetch), weakref.WeakMethod(key_of)
         self._blocks_ref = None if blocks_of is None else weakref.WeakMethod(blocks_of)
         self.threads, self.depth, self.window = threads, depth, window
@@ -174,6 +178,11 @@ class PrefetchPlan:
             if wake:
                 self._cond.notify_all()
 
+    def wake(self) -> None:
+        """Wake the prefetch threads to look at the plan again (a first batch's hold was released)."""
+        with self.lock:
+            self._cond.notify_all()
+
     def finished(self) -> None:
         """One GET finished: feed `window` the bytes received so far (wakes the threads if it resized)."""
         before = self.window.target
@@ -211,15 +220,16 @@ class PrefetchPlan:
 
     def _next_job(self) -> str | None:
         while not self._stop.is_set():
+            held = self.hold.remaining()
             with self.lock:
-                room = len(self._inflight) + self._demand < self.window.target
+                room = not held and len(self._inflight) + self._demand < self.window.target
                 if room and self._plan and len(self._ready) + len(self._inflight) < self.depth:
                     name = self._plan.popleft()
                     if name in self._ready or name in self._inflight or name in self._taken:
                         continue
                     self._inflight.add(name)
                     return name
-                self._cond.wait(timeout=CONSUMED_POLL_S)
+                self._cond.wait(timeout=min(held, CONSUMED_POLL_S) if held else CONSUMED_POLL_S)
                 now = time.monotonic()
                 # one look at the shared state per interval for all threads: every acquire and release
                 # wakes each of them, and a look reads (and rewrites) the cache's state under its lock

@@ -37,6 +37,7 @@ from fastload.formats.manifest import MANIFEST_NAME, Manifest, check_relative_pa
 from fastload.formats.units import format_size
 from fastload.remote.cache.files import file_xxh3
 from fastload.remote.cache.shard_cache import Arrival, BlockSpec, CacheBudgetError, Download, ShardCache
+from fastload.remote.first_batch import FirstBatchHold
 from fastload.remote.get import (
     CONNECT_TIMEOUT_S,
     PART_BYTES,
@@ -320,6 +321,7 @@ class RemoteStorage:
         self._obstore_lock = threading.Lock()
         self._side: ThreadPoolExecutor | None = None  # out-of-order GETs for readers of arriving shards
         self._planner: PrefetchPlan | None = None
+        self._hold = FirstBatchHold()  # on while a cold epoch's first batch is pending (`hold_for_first_batch`)
         self._receivers: ReceiveLoops | None = None
         self._receivers_final: Any = None
         self._receive_lock = threading.Lock()
@@ -343,7 +345,7 @@ class RemoteStorage:
             window = GetWindow(floor=2, ceiling=self.fetch_threads, adaptive=self._adaptive)
             self._planner = PrefetchPlan(cache=self.cache, fetch=self._fetch, key_of=self._key, url=self.url,
                                          threads=self.fetch_threads, depth=self.prefetch_depth, window=window,
-                                         blocks_of=self._block_spec)
+                                         blocks_of=self._block_spec, hold=self._hold)
             weakref.finalize(self, self._planner.stop)  # dropped without close(): the threads end
         return self._planner
 
@@ -535,6 +537,18 @@ class RemoteStorage:
         self._check_pid()
         self._explicit_plan = True
         self._set_plan(names, sizes)
+
+    def hold_for_first_batch(self) -> None:
+        """A reader starts an epoch whose shards are not all cached: until `first_batch_served` (or
+        `FIRST_BATCH_HOLD_S`), start no GET its first batch does not wait for (`FirstBatchHold`): no
+        prefetch, and one GET per arriving shard rather than one per part."""
+        self._check_pid()
+        self._hold.begin()
+
+    def first_batch_served(self) -> None:
+        """The reader served its epoch's first batch: GETs held back (`hold_for_first_batch`) start."""
+        self._check_pid()
+        self._hold.release()
 
     def _read_ahead(self, name: str) -> None:
         """No plan was handed over: plan the shards after `name` in manifest order, unless `name`
@@ -731,7 +745,9 @@ class RemoteStorage:
         failed = threading.Event()
         patience = sum(self._timeouts)
 
-        def lane() -> None:
+        def lane(number: int) -> None:
+            if number:
+                self._hold.wait()  # while a first batch is pending, the shard comes in one GET from its start
             cursor = 0
             while not failed.is_set():
                 got = arrival.claim_next(cursor, part)
@@ -760,10 +776,10 @@ class RemoteStorage:
                 cursor = stop
 
         if lanes == 1:
-            lane()
+            lane(0)
             return
         with ThreadPoolExecutor(lanes, thread_name_prefix="fastload-part") as pool:
-            futures = [pool.submit(lane) for _ in range(lanes)]
+            futures = [pool.submit(lane, i) for i in range(lanes)]
         for f in futures:
             f.result()
 
