@@ -205,6 +205,25 @@ def test_an_epochs_first_batch_holds_back_the_gets_it_does_not_wait_for(dataset,
     ds.storage.close()
 
 
+def test_an_arriving_shards_header_comes_with_its_block_table(dataset, server, tmp_path):
+    """Through obstore the GET of a shard's block table and the GET of its first block (the header,
+    which a reader reads first) run at once, in one call: no GET after them brings block 0 again."""
+    _, local = dataset
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport="obstore", prefetch_depth=0)
+    info, block = local.manifest.shards[0], 1 << local.manifest.block_log2
+    reader = ds.shard(0)
+    assert reader.arriving
+    gets = [(a, b) for p, a, b in server.gets if p == f"ds/{info.file}"]
+    table = next(g for g in gets if g[1] == info.bytes)
+    assert set(gets[:2]) == {table, (0, block)}
+    assert [g for g in gets if g[0] == 0] == [(0, block)]  # the download's own GETs start after block 0
+    _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))
+    server.release()
+    ds.close()
+    ds.storage.close()
+
+
 def test_a_first_batch_hold_ends_when_released_or_after_its_limit():
     hold = first_batch.FirstBatchHold(limit_s=0.3)
     woken = []

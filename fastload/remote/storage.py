@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any, Self
 
 import fsspec
+import numpy as np
 import xxhash
 from fsspec.asyn import AsyncFileSystem
 
@@ -687,14 +688,30 @@ class RemoteStorage:
         fetched out of order (`_want`). True when that one GET brought the whole object (a store that
         ignores `Range`: ranged GETs are off from then on, and nothing is published before the end)."""
         start, end = sink.table_range()
-        self.cache.transfer.add("requests", 1)
-        t0 = time.perf_counter()
-        data = self._get_range(rpath, start, end)
-        self.cache.transfer.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
+        arrival = sink.arrival
+        assert arrival is not None
+        head = min(1 << arrival.spec.shift, start)  # block 0: the shard's header, the first thing a reader reads
+        stats = self.cache.transfer
+        if self._via_obstore() and self._ranges_ok and head:
+            stats.add("requests", 2)  # both at once: the header comes with the table, not one round trip later
+            try:
+                data, first = (memoryview(b) for b in self.obstore.ranges(rpath, [start, 0], [end, head], stats))
+            except NoRanges:
+                data, first = memoryview(b""), None
+        else:
+            stats.add("requests", 1)
+            t0 = time.perf_counter()
+            data, first = memoryview(self._get_range(rpath, start, end)), None
+            stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
         if len(data) == end - start:
             sink.put_table(data)
-            assert sink.arrival is not None
-            sink.arrival.set_want(partial(self._want, rpath, sink), gap=WANT_GAP_BLOCKS, run=WANT_RUN_BLOCKS)
+            if first is not None and len(first) == head:
+                for claim, _, _ in arrival.claim_wanted(np.zeros(1, dtype=np.int64)):
+                    try:
+                        sink.write_claimed(claim, 0, first)
+                    finally:
+                        sink.release(claim)
+            arrival.set_want(partial(self._want, rpath, sink), gap=WANT_GAP_BLOCKS, run=WANT_RUN_BLOCKS)
             return False
         self._ranges_ok = False  # the store ignores ranges: whole-object GETs, whole shards from now on
         sink.skip_table()

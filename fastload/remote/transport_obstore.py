@@ -287,12 +287,17 @@ class ObstoreTransport:
         """Bytes [starts[i], ends[i]) of `path` for every i, in one call: obstore runs the GETs at once,
         one per range, with the GIL released (not merged: bytes between ranges would be received and
         dropped; the caller merges the ranges worth merging); buffers of other lengths are returned as
-        they came (the caller checks)."""
+        they came (the caller checks). A store that refuses ranges raises `NoRanges`."""
         import obstore
+        import obstore.exceptions as oe
+
+        from fastload.remote.get import NoRanges
 
         t0 = time.perf_counter()
         try:
             got = obstore.get_ranges(self.store, path, starts=starts, ends=ends, coalesce=0)
+        except oe.NotSupportedError as exc:
+            raise NoRanges from exc
         except Exception as exc:
             raise translate(exc, f"{self.url}/{path}") from exc
         stats.add_many(receive_s=time.perf_counter() - t0, bytes=sum(len(b) for b in got))
