@@ -366,7 +366,8 @@ class FastloadDataset:
                 return reader
             info = self.manifest.shards[k]
             where = f"{self.root}/{info.file} (shard {k})"
-            self._close_beyond(self._open_cap())  # a share that shrank: pin no more than it holds, + 1
+            cap = self._open_cap()  # asked once per open: a shared cache answers it under its cross-process lock
+            self._close_beyond(cap)  # a share that shrank: pin no more than it holds, + 1
             # checked per block: a storage may hand over a shard that is still arriving
             arriving = getattr(self.storage, "acquire_arriving", None) if self.verify == "auto" else None
             try:
@@ -382,7 +383,7 @@ class FastloadDataset:
                 self.storage.release(info.file)
                 raise
             self._open[k] = reader
-            self._close_beyond(self._open_cap())
+            self._close_beyond(cap)
             return reader
 
     @property
