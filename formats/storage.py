@@ -4,7 +4,9 @@ The reader asks a storage object for small files (manifest, meta) as bytes and f
 local paths it can mmap; `acquire` pins a shard (a cache must not evict it) until `release`.
 A storage may also offer `acquire_arriving(name, *, size, xxh3) -> (path, Arrival | None)`: the
 path of a shard that may still be arriving, with an `Arrival` the reader waits on for the blocks
-it reads (a remote cache: `fastload.remote.storage.RemoteStorage`).
+it reads (a remote cache: `fastload.remote.storage.RemoteStorage`), and `hold_for_first_batch()` /
+`first_batch_served()`: the reader starts an epoch whose shards are not all at hand, and has served
+its first batch (a remote cache holds back the GETs that batch does not wait for in between).
 """
 
 from __future__ import annotations

@@ -30,13 +30,11 @@ class FirstBatchHold:
         self._cond = threading.Condition()
         self._until = 0.0  # monotonic time the hold ends by itself (0: off)
         self._listeners: list[Callable[[], None]] = []
-        self.holds = 0  # how many times a hold began
 
     def begin(self) -> None:
         """A first batch is pending: hold other GETs back for at most `limit_s` from now."""
         with self._cond:
             self._until = time.monotonic() + self.limit_s
-            self.holds += 1
 
     def release(self) -> None:
         """The first batch was served: GETs held back start now."""
