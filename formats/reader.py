@@ -165,13 +165,15 @@ class _Runs:
 def _gather_group(
     reader: ShardReader, wanted: list[Any], g: int, a: int, b: int, rows: np.ndarray,
     cols: dict[str, np.ndarray], runs: dict[str, _Runs], *, copy: bool, places: np.ndarray | None = None,
+    ahead: bool = False,
 ) -> None:
     """Sorted batch positions [a, b) (group `g`) from `reader`: fixed fields into `cols` (at rows [a, b),
     or at `places`, the caller's positions of these rows in a batch that was not in shard order),
     variable fields' runs into `runs` (their items copied out when `copy`: nothing here keeps the
-    mapping then)."""
-    arriving = reader.arriving
-    reader.ensure_fields(wanted, rows)  # every field's blocks at once (an arriving shard: asked for together)
+    mapping then). `ahead`: an arriving shard's blocks are fetched ahead of its download
+    (`ShardReader.verify_blocks`)."""
+    # every field's blocks at once (an arriving shard: asked for together)
+    reader.ensure_fields(wanted, rows, ahead=ahead)
     for f in wanted:
         if f.is_fixed:
             if places is None:
@@ -190,8 +192,6 @@ def _gather_group(
         run.source_of[a:b], run.starts[a:b], run.lengths[a:b] = g, lo, length
         if run.shapes is not None:
             run.shapes[a:b] = reader.shapes[f.name][rows]
-    if arriving:
-        reader.fetch_ahead = False  # its first batch is read: later ones follow the download (see ShardReader)
 
 
 class FastloadDataset:
@@ -270,8 +270,8 @@ class FastloadDataset:
         self._direct: list[tuple[str, Any]] | None = None  # (field, take) when every field is resident/spliced
         self._ragged: dict[str, SplicedRagged] | None = None  # variable fields spliced over all shards
         self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, variable ones too
-        # shards opened before this epoch's first batch was served fetch ahead of their downloads for their
-        # first batch (`ShardReader.fetch_ahead`); later ones follow the downloads (see `bind_run`)
+        # the epoch's first batch (the first read after `bind_run` started an epoch) fetches the blocks it
+        # waits for ahead of the shards' downloads; later ones follow the downloads (`_take_first_batch`)
         self._fetch_ahead = True
         self._epoch: int | None = None
         self._new_locks()
@@ -285,6 +285,7 @@ class FastloadDataset:
         """This process's locks; a forked child gets new ones (a parent's thread may hold these)."""
         self._lock = threading.Lock()
         self._direct_lock = threading.Lock()
+        self._first_lock = threading.Lock()  # `_fetch_ahead`, taken by one read (not `_lock`: held while a shard opens)
         reset_in_child(self, FastloadDataset._new_locks)
 
     def _new_ledger(self) -> BlockLedger | None:
@@ -301,7 +302,7 @@ class FastloadDataset:
         state = self.__dict__.copy()
         state["_open"], state["_resident"], state["_spliced"], state["_direct"] = OrderedDict(), None, None, None
         state["_ragged"] = state["_takes"] = None
-        del state["_lock"], state["_direct_lock"], state["_ledger"]
+        del state["_lock"], state["_direct_lock"], state["_first_lock"], state["_ledger"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -428,25 +429,31 @@ class FastloadDataset:
         reader.on_corrupt = partial(self._local_damage, k)
         if arrival is not None:
             reader.on_lost = partial(self._lost_arrival, k)
-            reader.fetch_ahead = self._fetch_ahead
         return reader
 
     def bind_run(self, run: Any) -> None:
         """The Loader's run context (`fastload.run`): a new epoch's first batch may again fetch the blocks it
         waits for ahead of the shards' downloads, in GETs of its own (it comes sooner). Batches after it
-        wait for the downloads' GETs: by then those stream the shards, and out-of-order GETs cost a request
-        each (see `ShardReader.fetch_ahead`). While some shard is not at hand, a storage that can
-        (`hold_for_first_batch`) holds its other GETs back until that first batch is served."""
+        (and those read beside it, by other workers) wait for the downloads' GETs: by then those stream the
+        shards, and out-of-order GETs cost a request each (see `ShardReader.verify_blocks`). While some
+        shard is not at hand, a storage that can (`hold_for_first_batch`) holds its other GETs back until
+        that first batch is served."""
         if run.epoch != self._epoch:
-            self._epoch, self._fetch_ahead = run.epoch, True
+            with self._first_lock:
+                self._epoch, self._fetch_ahead = run.epoch, True
             hold = getattr(self.storage, "hold_for_first_batch", None)
             if hold is not None and not self._all_shards_at_hand():
                 hold()
 
+    def _take_first_batch(self) -> bool:
+        """Whether the read starting now is the epoch's first (it fetches ahead of the downloads): True
+        for one read after each `bind_run` that started an epoch (and for a new dataset's first read)."""
+        with self._first_lock:
+            first, self._fetch_ahead = self._fetch_ahead, False
+        return first
+
     def _first_batch_served(self) -> None:
-        """A batch was served: shards opened from now on follow their downloads, and GETs held back for
-        this epoch's first batch start."""
-        self._fetch_ahead = False
+        """The epoch's first batch was served (or failed): GETs a storage held back for it start."""
         served = getattr(self.storage, "first_batch_served", None)
         if served is not None:
             served()
@@ -819,11 +826,14 @@ class FastloadDataset:
         cols = {f.name: np.empty((m, *f.shape), dtype=f.dtype) for f in wanted if f.is_fixed}
         runs = {f.name: _Runs(m, len(f.shape) if f.kind == "vndarray" else 0) for f in wanted if not f.is_fixed}
         copy = not isinstance(self.storage, LocalStorage)
-        for g, (k, a, b, rows) in enumerate(groups):
-            _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy,
-                          places=None if order is None else order[a:b])
-        if self._fetch_ahead:
-            self._first_batch_served()
+        first = self._take_first_batch()
+        try:
+            for g, (k, a, b, rows) in enumerate(groups):
+                _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy,
+                              places=None if order is None else order[a:b], ahead=first)
+        finally:
+            if first:
+                self._first_batch_served()
         out.update(cols)
         for f in wanted:
             if f.is_fixed:
@@ -860,7 +870,12 @@ class FastloadDataset:
         _, _, groups = self._plan([index])
         k, _, _, rows = groups[0]
         reader, i = self.shard(k), int(rows[0])
-        reader.ensure_fields(list(self.schema), rows)
+        first = self._take_first_batch()
+        try:
+            reader.ensure_fields(list(self.schema), rows, ahead=first)
+        finally:
+            if first:
+                self._first_batch_served()
         out: dict[str, Any] = {}
         for f in self.schema:
             if f.kind == "scalar":

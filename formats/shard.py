@@ -245,12 +245,6 @@ class ShardReader:
         where = where or path
         self.where = where
         self.arrival = arrival
-        # an arriving file: the blocks reads wait for are fetched out of order, ahead of the download's GETs,
-        # while this is True; a batch reader turns it off after its first batch from the shard, and a
-        # dataset opens a shard with it off once it served its epoch's first batch (that batch comes sooner;
-        # later ones wait for the download's GETs, which by then stream the shard: out-of-order GETs cost
-        # requests and break those streams)
-        self.fetch_ahead = True
         if arrival is not None:
             arrival.wait(np.zeros(1, dtype=np.int64))  # the header's block (the table arrives before any block)
             self._mmap, st = self._open_arriving(arrival, nbytes, where, huge)
@@ -292,7 +286,7 @@ class ShardReader:
                 share_verified((*self.file_key, blocks_xxh3), verified)
             if verified is not None and vouched(self.file_key):  # hashed whole against the manifest in this process
                 verified[:] = True
-            self._verify_range(0, HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema))
+            self._verify_range(0, HEADER_DTYPE.itemsize + ENTRY_DTYPE.itemsize * len(schema), ahead=True)
             if identity is not None:
                 got = ShardIdentity(header["dataset_id"], header["shard_index"], header["first_sample"])
                 if got != identity:
@@ -329,7 +323,8 @@ class ShardReader:
             if f.has_fixed_column:
                 col = _section(buf, int(entry["fixed_offset"]), n * f.item_bytes, "fixed column", fw)
                 if not f.is_fixed:
-                    self._verify_range(int(entry["fixed_offset"]), int(entry["fixed_offset"]) + n * f.item_bytes)
+                    self._verify_range(int(entry["fixed_offset"]), int(entry["fixed_offset"]) + n * f.item_bytes,
+                                       ahead=True)
                 if f.kind == "image":
                     self.image_hw[f.name] = col.view("<u4").reshape(n, 2)
                 elif f.kind == "vndarray":
@@ -339,7 +334,8 @@ class ShardReader:
                     self.fixed_offset[f.name] = int(entry["fixed_offset"])
             if not f.is_fixed:
                 offsets = _section(buf, int(entry["offsets_offset"]), 8 * (n + 1), "offsets table", fw).view("<u8")
-                self._verify_range(int(entry["offsets_offset"]), int(entry["offsets_offset"]) + 8 * (n + 1))
+                self._verify_range(int(entry["offsets_offset"]), int(entry["offsets_offset"]) + 8 * (n + 1),
+                                   ahead=True)
                 blob = _section(buf, int(entry["blob_offset"]), int(entry["blob_bytes"]), "blob", fw)
                 if int(entry["blob_bytes"]) % f.dtype.itemsize:
                     raise FormatError(f"{fw}: blob size is not a multiple of the {f.dtype} item size")
@@ -455,14 +451,17 @@ class ShardReader:
         """Whether reads of this shard are verified (a version-2 shard opened with `bits`)."""
         return self.bits is not None
 
-    def verify_blocks(self, ids: np.ndarray) -> None:
+    def verify_blocks(self, ids: np.ndarray, *, ahead: bool = False) -> None:
         """Verify the blocks `ids` (unique, local) now, whatever their bits say. A mismatch raises
         `on_corrupt(error)` when the opener set that hook (a cached copy: it says so), else the error.
-        An arriving file's blocks are awaited first; those its download verified in this process are
-        taken as verified (a failed download raises `on_lost(error)`, or the error)."""
+        An arriving file's blocks are awaited first: blocks nobody fetches yet are fetched out of order
+        for the wait, and with `ahead` also those the download's GETs would bring only later (else the
+        wait follows those GETs, which stream the shard: out-of-order GETs cost requests and break the
+        streams); those its download verified in this process are taken as verified (a failed download
+        raises `on_lost(error)`, or the error)."""
         assert self.table is not None and self.bits is not None
         arrival = self.arrival
-        if arrival is not None and self._arrived(arrival, ids):
+        if arrival is not None and self._arrived(arrival, ids, ahead):
             return
         try:
             verify_blocks(self._bytes[: self.sections_end], self.table, self.bits, ids, self.shift, self.where)
@@ -471,12 +470,12 @@ class ShardReader:
                 raise
             raise self.on_corrupt(exc) from exc
 
-    def _arrived(self, arrival: Arrival, ids: np.ndarray) -> bool:
+    def _arrived(self, arrival: Arrival, ids: np.ndarray, ahead: bool) -> bool:
         """Wait for blocks `ids` of the arriving file; True when its download verified them here (their
         bits are set: every bit, and the file is no longer arriving, once the download completed)."""
         assert self.bits is not None
         try:
-            trusted = arrival.wait(ids, ahead=self.fetch_ahead)
+            trusted = arrival.wait(ids, ahead=ahead)
         except Exception as exc:
             lost = exc if self.on_lost is None else self.on_lost(exc)
             if lost is exc:
@@ -505,8 +504,9 @@ class ShardReader:
             ids = np.arange(len(self.table))
             verify_blocks(self._bytes[: self.sections_end], self.table, scratch, ids, self.shift, self.where)
 
-    def ensure_bytes(self, lo: np.ndarray, hi: np.ndarray) -> None:
-        """Verify every not-yet-verified block that the byte ranges [lo[i], hi[i]) touch."""
+    def ensure_bytes(self, lo: np.ndarray, hi: np.ndarray, *, ahead: bool = False) -> None:
+        """Verify every not-yet-verified block that the byte ranges [lo[i], hi[i]) touch (`ahead`: see
+        `verify_blocks`)."""
         bits = self.bits
         if bits is None or self._all_verified:
             return
@@ -514,12 +514,12 @@ class ShardReader:
         missing = ids[~bits[ids]]
         self._calls += 1
         if missing.size:
-            self.verify_blocks(np.unique(missing))
+            self.verify_blocks(np.unique(missing), ahead=ahead)
         if missing.size or self._calls % 64 == 1:  # other readers of the file may have verified the rest
             assert self.table is not None
             self._all_verified = bool(bits[: len(self.table)].all())
 
-    def _verify_range(self, lo: int, hi: int) -> None:
+    def _verify_range(self, lo: int, hi: int, *, ahead: bool = False) -> None:
         """Verify the not-yet-verified blocks under bytes [lo, hi)."""
         bits = self.bits
         if bits is None or self._all_verified or hi <= lo:
@@ -527,7 +527,7 @@ class ShardReader:
         first, stop = lo >> self.shift, ((hi - 1) >> self.shift) + 1
         if stop <= len(bits) and bits[first:stop].all():
             return
-        self.ensure_bytes(np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64))
+        self.ensure_bytes(np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64), ahead=ahead)
 
     def rows_span(self, name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The byte ranges [lo, hi) of rows `rows` of fixed field `name`."""
@@ -541,13 +541,15 @@ class ShardReader:
         lo = self.blob_offset[name] + offs[rows] * values.itemsize
         return lo, self.blob_offset[name] + offs[rows + 1] * values.itemsize
 
-    def ensure_fields(self, fields: list[Any], rows: np.ndarray) -> None:
+    def ensure_fields(self, fields: list[Any], rows: np.ndarray, *, ahead: bool = False) -> None:
         """Verify the blocks holding rows `rows` of `fields` (schema fields) in one pass: an arriving
-        file waits for all of them at once, so the fetches of every field's blocks run together."""
+        file waits for all of them at once, so the fetches of every field's blocks run together
+        (`ahead`: see `verify_blocks`)."""
         if self.bits is None or self._all_verified:
             return
         spans = [self.rows_span(f.name, rows) if f.is_fixed else self.items_span(f.name, rows) for f in fields]
-        self.ensure_bytes(np.concatenate([lo for lo, _ in spans]), np.concatenate([hi for _, hi in spans]))
+        self.ensure_bytes(np.concatenate([lo for lo, _ in spans]), np.concatenate([hi for _, hi in spans]),
+                          ahead=ahead)
 
     def ensure_column(self, name: str) -> None:
         """Verify the blocks holding the whole column of fixed field `name`."""

@@ -120,26 +120,55 @@ def test_a_loaders_first_batch_comes_while_the_shard_is_held(dataset, server, tm
     ds.storage.close()
 
 
-def test_only_an_epochs_first_batch_fetches_ahead_of_the_downloads(dataset, server, tmp_path):
-    """Shards opened for an epoch's first batch fetch the blocks it waits for ahead of their downloads;
-    a shard opened after a batch was served follows its download; a new epoch (`bind_run`) starts over."""
+def test_only_an_epochs_first_batch_fetches_ahead_of_the_downloads(dataset, server, tmp_path, monkeypatch):
+    """The first read of an epoch (`bind_run`) fetches the blocks it waits for ahead of the shards'
+    downloads; every other read follows them: later ones, those begun beside it (other workers), and
+    those of shards opened after it. A new epoch starts over; a rebind of the same epoch does not."""
     from types import SimpleNamespace
 
+    from fastload.formats.shard import ShardReader
+
+    asked: dict[int, list[bool]] = {}  # thread -> `ahead` of each of its reads' block checks
+    ensure = ShardReader.ensure_fields
+
+    def recording(self, fields, rows, *, ahead=False):
+        asked.setdefault(threading.get_ident(), []).append(ahead)
+        return ensure(self, fields, rows, ahead=ahead)
+
+    monkeypatch.setattr(ShardReader, "ensure_fields", recording)
     _, local = dataset
     server.pause(HELD)
     ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    n0 = local.manifest.shards[0].num_samples
+
+    def reads(*batches) -> list[list[bool]]:
+        """Read `batches` at once, one thread each; each thread's `ahead` values."""
+        asked.clear()
+        got = [None] * len(batches)
+        barrier = threading.Barrier(len(batches))
+
+        def read(i):
+            barrier.wait()
+            got[i] = ds.get_batch(batches[i])
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(len(batches))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for rows, batch in zip(batches, got):
+            _same(batch, local.get_batch(rows))
+        return sorted(asked.values())
+
     ds.bind_run(SimpleNamespace(epoch=0))
-    first = local.get_batch(np.arange(16))
-    _same(ds.get_batch(np.arange(16)), first)
-    later = ds.shard(1)
-    assert later.arriving and later.fetch_ahead is False
-    ds.close()
+    assert reads(np.arange(16), np.arange(16, 32)) == [[False], [True]]  # two workers: one fetches ahead
+    assert reads(np.arange(32, 48)) == [[False]]
+    assert reads(np.arange(n0, n0 + 16)) == [[False]]  # shard 1, opened after the first batch
     ds.bind_run(SimpleNamespace(epoch=0))  # the same epoch again (a rebind): nothing changes
-    assert ds.shard(1).fetch_ahead is False
-    ds.close()
+    assert reads(np.arange(48, 64)) == [[False]]
     ds.bind_run(SimpleNamespace(epoch=1))
-    again = ds.shard(1)
-    assert again.arriving and again.fetch_ahead is True
+    assert reads(np.arange(n0 + 16, n0 + 32)) == [[True]]
+    assert reads(np.arange(64, 80)) == [[False]]
     server.release()
     ds.close()
     ds.storage.close()
