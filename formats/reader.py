@@ -821,10 +821,11 @@ class FastloadDataset:
         until its last mapping goes). Variable fields are copied out of each cached shard as it is
         visited; a local dataset's files stay, so they are joined straight from its mappings."""
         idx, order, groups = self._plan(indices)
-        inverse = None if order is None else order.argsort()
         m = len(idx)
         cols = {f.name: np.empty((m, *f.shape), dtype=f.dtype) for f in wanted if f.is_fixed}
         runs = {f.name: _Runs(m, len(f.shape) if f.kind == "vndarray" else 0) for f in wanted if not f.is_fixed}
+        # variable fields are put back in the caller's order afterwards (fixed ones went straight to their places)
+        inverse = None if order is None or not runs else order.argsort()
         copy = not isinstance(self.storage, LocalStorage)
         first = self._take_first_batch()
         try:
