@@ -72,6 +72,7 @@ def child(row: str, url: str, seed: int, work: str, out: str) -> None:
     warm_up = open_dataset(url, cache_dir=cache + "-warm-up", cache_limit="1TB")
     next(iter(Loader(warm_up, batch_size=256, num_workers=0)))
     raw_pipeline(url, list(warm_up.manifest.shards[:1]), os.path.join(work, f"raw-{os.getpid()}"), client="obstore")
+    warm_up.close()
     warm_up.storage.close()
     shutil.rmtree(cache + "-warm-up", ignore_errors=True)
     ds = open_dataset(url, cache_dir=cache, cache_limit="1TB")
@@ -82,6 +83,7 @@ def child(row: str, url: str, seed: int, work: str, out: str) -> None:
         t0 = time.monotonic()
         raw_pipeline(url, list(ds.manifest.shards), os.path.join(work, f"raw-{os.getpid()}"), client="obstore")
         windows["raw"] = [t0, time.monotonic()]
+        ds.close()
         ds.storage.close()
     else:
         workers, order = int(row.split()[0][1:]), row.split()[1]
@@ -96,6 +98,7 @@ def child(row: str, url: str, seed: int, work: str, out: str) -> None:
             loader.close()
             if n != len(ds):
                 raise RuntimeError(f"{row} {epoch}: {n} samples, the dataset has {len(ds)}")
+        ds.close()
         ds.storage.close()
     shutil.rmtree(cache, ignore_errors=True)
     with open(out, "w") as f:

@@ -116,6 +116,22 @@ def _raise(err: BaseException, *args: Any) -> None:
     raise err
 
 
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The bound `method`, called through a weak reference to its object. For callbacks a dataset hands
+    to what it owns (its shard readers, its block ledger): a callback that held the dataset would make
+    a cycle, and a dropped dataset's mappings and file descriptors would stay until a garbage
+    collection instead of going with it."""
+    ref, name = weakref.WeakMethod(method), method.__qualname__
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError(f"{name}: its dataset is gone")
+        return bound(*args, **kwargs)
+
+    return call
+
+
 def _guarded(column: weakref.ref, guard: ColumnGuard, *rows: np.ndarray) -> None:
     """A spliced column's check: verify the blocks under `rows` (and counts, for a variable field's
     item runs); drop the check once all are verified. The column is held weakly: a check the column
@@ -292,7 +308,7 @@ class FastloadDataset:
         """This process's record of verified blocks (None when nothing is verified per block)."""
         if self.verify == "none" or self.manifest.version < 2:
             return None
-        return BlockLedger(self.num_shards, self.manifest.block_log2, self._verify_blocks)
+        return BlockLedger(self.num_shards, self.manifest.block_log2, _weakly(self._verify_blocks))
 
     def _verify_blocks(self, k: int, ids: np.ndarray) -> None:
         self.shard(k).verify_blocks(ids)
@@ -426,9 +442,9 @@ class FastloadDataset:
             reader = self._map_shard(k, path, where, arrival)
         except ChecksumError as exc:
             raise self._local_damage(k, exc, opened=False) from exc
-        reader.on_corrupt = partial(self._local_damage, k)
+        reader.on_corrupt = partial(_weakly(self._local_damage), k)
         if arrival is not None:
-            reader.on_lost = partial(self._lost_arrival, k)
+            reader.on_lost = partial(_weakly(self._lost_arrival), k)
         return reader
 
     def bind_run(self, run: Any) -> None:
@@ -684,7 +700,7 @@ class FastloadDataset:
                 continue
             column = SplicedRagged(
                 name=f.name, kind=f.kind, items=items, lengths=self._meta[f"{f.name}.length"],
-                shard_starts=self._starts, where=self.where,
+                shard_starts=self._starts, where=_weakly(self.where),
             )
             if self._ledger is not None:
                 vstarts = items.virtual_starts().tolist()

@@ -9,9 +9,12 @@ checked over arbitrary arrival orders, retries and out-of-order block fetches (h
 
 from __future__ import annotations
 
+import gc
 import os
+import shutil
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -425,6 +428,43 @@ def test_loader_epochs_over_arriving_shards_are_exact(dataset, server, tmp_path,
         assert sorted(seen) == list(range(N))
     ds.close()
     ds.storage.close()
+
+
+def _mapped(paths_under: str) -> list[str]:
+    """This process's mappings of files under `paths_under` (Linux: /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if paths_under in line]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize(("source", "workers", "shuffle"),
+                         [("remote", 0, False), ("remote", 2, True), ("local", 2, True)])
+def test_a_dropped_dataset_unmaps_its_shards_at_once(dataset, server, tmp_path, source, workers, shuffle):
+    """A dataset dropped after an epoch takes its shard mappings and file descriptors with it there and
+    then, not at some later garbage collection: none of its callbacks (shard readers', block ledger's)
+    holds it, so no cycle keeps it. A process that opens dataset after dataset would otherwise keep
+    every deleted cache file's pages mapped until the collector ran."""
+    cache = str(tmp_path / "c")
+    if source == "local":  # a copy of its own: the module's `dataset` keeps the original's shards mapped
+        shutil.copytree(os.path.join(dataset[0], "ds"), cache)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        ds = _open(f"{server.url}/ds", cache) if source == "remote" else FastloadDataset(cache)
+        seen = 0
+        for batch in Loader(ds, batch_size=50, num_workers=workers, worker_type="thread", shuffle=shuffle, seed=1):
+            seen += len(batch["label"])
+        assert seen == N
+        assert _mapped(cache), "the epoch mapped no shard of the cache"
+        storage, alive = ds.storage, weakref.ref(ds)
+        del ds, batch
+        assert alive() is None, "the dataset outlived its last reference"
+        assert _mapped(cache) == []
+        if source == "remote":
+            storage.close()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @pytest.mark.parametrize("transport", ["obstore", "fsspec"])

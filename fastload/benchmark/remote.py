@@ -246,6 +246,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
                 stages.setdefault(f"{key} cold", []).append(st)
                 if local_ds is not None and transport == transports[0]:
                     rows.setdefault(f"{key} local", []).append(nbytes / _epoch(local_ds, seed=r + 1, **args)[0])
+                ds.close()  # its shard mappings go now, not when a garbage collection finds them
                 ds.storage.close()
                 del ds
                 shutil.rmtree(cache, ignore_errors=True)

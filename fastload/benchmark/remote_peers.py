@@ -159,6 +159,7 @@ def loader_epochs(loader: str, url: str, storage_options: dict[str, Any], cache_
                     finally:
                         epoch.close()
             finally:
+                ds.close()
                 ds.storage.close()
             return out
     elif loader == "litdata":
