@@ -237,6 +237,36 @@ def test_an_epochs_first_batch_holds_back_the_gets_it_does_not_wait_for(dataset,
     ds.storage.close()
 
 
+@pytest.mark.parametrize("bulk", [64 << 10, None])
+def test_a_first_batch_that_wants_bulk_holds_nothing_back(dataset, server, tmp_path, monkeypatch, bulk):
+    """A first batch that asks for `FIRST_BATCH_BULK_BYTES` or more through GETs of its own ends the hold
+    before it is served (its shards' downloads bring those bytes anyway); a smaller one keeps it on
+    until it is served. Either way the batch is byte-exact."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(first_batch, "FIRST_BATCH_HOLD_S", 60.0)
+    if bulk is not None:
+        monkeypatch.setattr(first_batch, "FIRST_BATCH_BULK_BYTES", bulk)
+    on_when_served = []
+    served = RemoteStorage.first_batch_served
+
+    def snapshot(self):
+        on_when_served.append(self._hold.remaining() > 0)
+        served(self)
+
+    monkeypatch.setattr(RemoteStorage, "first_batch_served", snapshot)
+    _, local = dataset
+    server.pause(100_000)  # the download stops there: the batch's own GETs bring what it reads
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    ds.bind_run(SimpleNamespace(epoch=0))
+    rows = np.arange(0, 150, 2)  # about 600 KB of records from shard 0's first 1.2 MB
+    _same(ds.get_batch(rows), local.get_batch(rows))
+    assert on_when_served == [bulk is None]
+    server.release()
+    ds.close()
+    ds.storage.close()
+
+
 def test_an_arriving_shards_header_comes_with_its_block_table(dataset, server, tmp_path):
     """Through obstore the GET of a shard's block table and the GET of its first block (the header,
     which a reader reads first) run at once, in one call: no GET after them brings block 0 again."""
@@ -278,6 +308,23 @@ def test_a_first_batch_hold_ends_when_released_or_after_its_limit():
     t0 = time.monotonic()
     hold.wait()  # runs out by itself
     assert 0.25 < time.monotonic() - t0 < 1.0 and hold.remaining() == 0.0 and woken == [1]
+
+
+def test_a_first_batch_hold_ends_once_the_batch_wants_bulk():
+    hold = first_batch.FirstBatchHold(limit_s=30, bulk_bytes=100)
+    woken = []
+    hold.on_release(lambda: woken.append(1))
+    hold.wanted(500)  # off: nothing counts
+    hold.begin()
+    hold.wanted(60)
+    assert hold.remaining() > 0 and woken == []
+    hold.wanted(40)
+    assert hold.remaining() == 0.0 and woken == [1]
+    hold.begin()  # a new first batch counts from zero
+    hold.wanted(99)
+    assert hold.remaining() > 0
+    hold.release()
+    assert first_batch.FirstBatchHold().bulk_bytes == first_batch.FIRST_BATCH_BULK_BYTES
 
 
 @pytest.mark.parametrize("transport", ["obstore", "fsspec"])

@@ -58,7 +58,7 @@ def _drive(window, rate_at) -> list[int]:
 def test_get_window_doubles_while_it_pays_then_undoes_the_step_that_did_not():
     from fastload.remote.get_window import GetWindow
 
-    w = GetWindow(floor=2, ceiling=16)
+    w = GetWindow(start=2, ceiling=16)
     seen = _drive(w, lambda k: min(k, 4) * 100e6)  # each GET 100 MB/s, the link full at 4
     assert seen[0] == 2 and 4 in seen and 8 in seen and seen[-1] == 4 and w.settled
     st = w.stats()
@@ -69,10 +69,22 @@ def test_get_window_doubles_while_it_pays_then_undoes_the_step_that_did_not():
 def test_get_window_stays_at_two_on_a_full_link_and_climbs_to_the_ceiling_on_a_slow_store():
     from fastload.remote.get_window import GetWindow
 
-    lan = GetWindow(floor=2, ceiling=16)
+    lan = GetWindow(start=2, ceiling=16)
     assert set(_drive(lan, lambda k: 1e9)) == {2, 4} and lan.target == 2 and lan.settled
-    store = GetWindow(floor=2, ceiling=16)
+    store = GetWindow(start=2, ceiling=16)
     assert _drive(store, lambda k: k * 50e6)[-1] == 16 and store.settled  # 50 MB/s per GET, never full
-    assert GetWindow(floor=2, ceiling=1).target == 1  # the cache budget's bound wins
-    fixed = GetWindow(floor=2, ceiling=6, adaptive=False)  # `fetch_threads=6`: six, no search
+    assert GetWindow(start=2, ceiling=1).target == 1  # the cache budget's bound wins
+    fixed = GetWindow(start=2, ceiling=6, adaptive=False)  # `fetch_threads=6`: six, no search
     assert set(_drive(fixed, lambda k: 1e9)) == {6} and fixed.stats()["gets_target"] == 6
+
+
+def test_get_window_starts_at_half_its_ceiling_and_stays_there_on_a_link_that_fills():
+    """Two GETs leave the cores that receive and write them idle: the window starts at half its bound
+    (at least 2), climbs from there while that pays, and stays where a full link puts it."""
+    from fastload.remote.get_window import GetWindow
+
+    assert [GetWindow(ceiling=c).target for c in (1, 2, 3, 9, 16)] == [1, 2, 2, 4, 8]
+    full = GetWindow(ceiling=16)
+    assert set(_drive(full, lambda k: min(k, 4) * 100e6)) == {8, 16} and full.target == 8 and full.settled
+    slow = GetWindow(ceiling=16)
+    assert _drive(slow, lambda k: k * 50e6)[-1] == 16 and slow.settled

@@ -8,6 +8,11 @@ download runs one GET (from the shard's start) instead of one per part; the read
 blocks it waits for run as always, and so does every GET already under way. The hold ends when the
 dataset says the batch was served (`release`) or `limit_s` after it began, whichever comes first: a
 reader that never asks (or fails) cannot stall the downloads for longer than that.
+
+A first batch that wants `bulk_bytes` or more through GETs of its own (`wanted`) ends the hold too:
+such a batch (a shuffled one, drawing samples from all over a window of shards) needs most of its
+shards' bytes, which the downloads would bring anyway; holding them back then only takes their
+parallelism away from the epoch and does not bring the batch sooner.
 """
 
 from __future__ import annotations
@@ -16,25 +21,40 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["FIRST_BATCH_HOLD_S", "FirstBatchHold"]
+__all__ = ["FIRST_BATCH_BULK_BYTES", "FIRST_BATCH_HOLD_S", "FirstBatchHold"]
 
 FIRST_BATCH_HOLD_S = 0.25  # the longest a first batch holds the other GETs back
+FIRST_BATCH_BULK_BYTES = 16 << 20  # a first batch that wants this much through its own GETs holds nothing back
 
 
 class FirstBatchHold:
-    """On from `begin()` until `release()` or `limit_s` (default `FIRST_BATCH_HOLD_S`) later; `wait()`
-    blocks while it is on."""
+    """On from `begin()` until `release()`, `limit_s` (default `FIRST_BATCH_HOLD_S`) later, or until
+    the batch has `wanted` `bulk_bytes` (default `FIRST_BATCH_BULK_BYTES`); `wait()` blocks while it is on."""
 
-    def __init__(self, limit_s: float | None = None) -> None:
+    def __init__(self, limit_s: float | None = None, bulk_bytes: int | None = None) -> None:
         self.limit_s = float(FIRST_BATCH_HOLD_S if limit_s is None else limit_s)
+        self.bulk_bytes = int(FIRST_BATCH_BULK_BYTES if bulk_bytes is None else bulk_bytes)
         self._cond = threading.Condition()
         self._until = 0.0  # monotonic time the hold ends by itself (0: off)
+        self._wanted = 0  # bytes the pending batch asked for through GETs of its own (`wanted`)
         self._listeners: list[Callable[[], None]] = []
 
     def begin(self) -> None:
         """A first batch is pending: hold other GETs back for at most `limit_s` from now."""
         with self._cond:
             self._until = time.monotonic() + self.limit_s
+            self._wanted = 0
+
+    def wanted(self, nbytes: int) -> None:
+        """The pending batch asked for `nbytes` more through GETs of its own: once it has asked for
+        `bulk_bytes` in all, the hold ends (`release`). Nothing while the hold is off."""
+        with self._cond:
+            if not self._left():
+                return
+            self._wanted += int(nbytes)
+            if self._wanted < self.bulk_bytes:
+                return
+        self.release()
 
     def release(self) -> None:
         """The first batch was served: GETs held back start now."""

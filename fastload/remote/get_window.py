@@ -1,12 +1,14 @@
 """`GetWindow`: how many whole-shard GETs a `RemoteStorage` keeps in flight, chosen from measured throughput.
 
 GETs in flight share the link, so each extra one delays the shard the reader needs next: with 8
-GETs of equal shards in flight, the first needed shard arrives when all 8 do. The window therefore
-starts small (`floor`, 2) and doubles while doubling raises the received throughput by at least
-`gain` (25%); the first doubling that does not pay off is undone and the window settles there. A
-store that serves each connection slowly (object stores: tens of MB/s per GET) climbs to the
-`ceiling` (the cache budget's bound); a link that two GETs already fill (a server on the LAN) stays
-at 2 and its shards arrive in the order they are read.
+GETs of equal shards in flight, the first needed shard arrives when all 8 do. GETs also share the
+cores that receive, verify and write them, and too few leave those idle: each GET alternates between
+receiving and writing, so two of them do not keep two cores busy. The window therefore starts at
+half its `ceiling` (`start`, at least 2) and doubles while doubling raises the received throughput
+by at least `gain` (25%); the first doubling that does not pay off is undone and the window settles
+there. A store that serves each connection slowly (object stores: tens of MB/s per GET) climbs to
+the `ceiling` (`gets_in_flight`: a fast link's bandwidth-delay product, within the cache budget); a
+link that the starting GETs already fill (a server on the LAN) stays there.
 
 Throughput at a window size is measured over `TURNS` (2) whole turns of the window: from the first
 GET that finishes at this size to the `2 x size`-th after it, as body bytes received over that time
@@ -25,11 +27,13 @@ TURNS = 2  # window turns measured at each size
 
 
 class GetWindow:
-    """The adaptive GET count between `floor` and `ceiling` (fixed at `ceiling` when `adaptive` is False)."""
+    """The adaptive GET count from `start` (default: half the `ceiling`, at least 2) up to `ceiling`
+    (fixed at `ceiling` when `adaptive` is False)."""
 
-    def __init__(self, *, floor: int, ceiling: int, adaptive: bool = True, gain: float = 1.25) -> None:
+    def __init__(self, *, ceiling: int, start: int | None = None, adaptive: bool = True, gain: float = 1.25) -> None:
         self.ceiling = max(1, int(ceiling))
-        self.target = self.ceiling if not adaptive else min(max(1, int(floor)), self.ceiling)
+        first = max(2, self.ceiling // 2) if start is None else max(1, int(start))
+        self.target = self.ceiling if not adaptive else min(first, self.ceiling)
         self.gain = gain
         self.settled = self.target >= self.ceiling
         self.tried: dict[int, float] = {}  # window size -> bytes/s measured at that size

@@ -104,7 +104,7 @@ class RemoteStorage:
     reader's own fetch counts as one). `fetch_threads=None` (default) bounds them from the shard size
     (enough GETs for `BYTES_IN_FLIGHT` (256 MiB) at once, 2 to `MAX_GETS` (16), and no more than the
     cache budget holds next to two shards) and chooses how many to run from measured throughput
-    (`GetWindow`: from 2, doubled while that raises the throughput by 25%; `stats()` reports
+    (`GetWindow`: from half the bound, doubled while that raises the throughput by 25%; `stats()` reports
     `remote_gets_target` and the throughput at each count tried); `prefetch_depth=None` is twice
     the bound. `receive_loops` (default: `fetch_threads`, at most 4) private event loops, each in its
     own thread with its own async file system, receive the GETs (`ReceiveLoops`), so that bodies of
@@ -343,7 +343,7 @@ class RemoteStorage:
         """This process's prefetch plan and threads (built on first use)."""
         self._check_pid()
         if self._planner is None:
-            window = GetWindow(floor=2, ceiling=self.fetch_threads, adaptive=self._adaptive)
+            window = GetWindow(ceiling=self.fetch_threads, adaptive=self._adaptive)
             self._planner = PrefetchPlan(cache=self.cache, fetch=self._fetch, key_of=self._key, url=self.url,
                                          threads=self.fetch_threads, depth=self.prefetch_depth, window=window,
                                          blocks_of=self._block_spec, hold=self._hold)
@@ -541,8 +541,9 @@ class RemoteStorage:
 
     def hold_for_first_batch(self) -> None:
         """A reader starts an epoch whose shards are not all cached: until `first_batch_served` (or
-        `FIRST_BATCH_HOLD_S`), start no GET its first batch does not wait for (`FirstBatchHold`): no
-        prefetch, and one GET per arriving shard rather than one per part."""
+        `FIRST_BATCH_HOLD_S`, or until the batch wants `FIRST_BATCH_BULK_BYTES` through GETs of its
+        own), start no GET its first batch does not wait for (`FirstBatchHold`): no prefetch, and one
+        GET per arriving shard rather than one per part."""
         self._check_pid()
         self._hold.begin()
 
@@ -810,6 +811,7 @@ class RemoteStorage:
         assert arrival is not None
         shift, end = arrival.spec.shift, arrival.sections_end
         spans = [(claim, first << shift, min(stop << shift, end)) for claim, first, stop in runs]
+        self._hold.wanted(sum(b - a for _, a, b in spans))  # a first batch that wants this much holds nothing back
         with self._receive_lock:
             if self._side is None:
                 self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
