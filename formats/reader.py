@@ -845,6 +845,11 @@ class FastloadDataset:
         copy = not isinstance(self.storage, LocalStorage)
         first = self._take_first_batch()
         try:
+            if first and len(groups) > 1:
+                # an epoch's first batch over several arriving shards: ask for every shard's blocks (as
+                # many shards as may stay open) before waiting for any, so their GETs run at once
+                for k, _, _, rows in groups[: self._open_cap()]:
+                    (self._open.get(k) or self.shard(k)).request_fields(wanted, rows, ahead=True)
             for g, (k, a, b, rows) in enumerate(groups):
                 _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy,
                               places=None if order is None else order[a:b], ahead=first)

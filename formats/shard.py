@@ -547,9 +547,23 @@ class ShardReader:
         (`ahead`: see `verify_blocks`)."""
         if self.bits is None or self._all_verified:
             return
+        self.ensure_bytes(*self._fields_span(fields, rows), ahead=ahead)
+
+    def _fields_span(self, fields: list[Any], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The byte ranges [lo, hi) of rows `rows` of `fields` (fixed: their rows; variable: their items)."""
         spans = [self.rows_span(f.name, rows) if f.is_fixed else self.items_span(f.name, rows) for f in fields]
-        self.ensure_bytes(np.concatenate([lo for lo, _ in spans]), np.concatenate([hi for _, hi in spans]),
-                          ahead=ahead)
+        return np.concatenate([lo for lo, _ in spans]), np.concatenate([hi for _, hi in spans])
+
+    def request_fields(self, fields: list[Any], rows: np.ndarray, *, ahead: bool = False) -> None:
+        """Ask for the blocks `ensure_fields` would wait for, without waiting (an arriving file only):
+        a batch over several arriving shards asks for each shard's blocks before it waits for any."""
+        arrival, bits = self.arrival, self.bits
+        if arrival is None or bits is None or self._all_verified:
+            return
+        ids = block_ids(*self._fields_span(fields, rows), self.shift)
+        missing = ids[~bits[ids]]
+        if missing.size:
+            arrival.ask(np.unique(missing), ahead=ahead)
 
     def ensure_column(self, name: str) -> None:
         """Verify the blocks holding the whole column of fixed field `name`."""

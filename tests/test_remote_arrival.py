@@ -267,6 +267,47 @@ def test_a_first_batch_that_wants_bulk_holds_nothing_back(dataset, server, tmp_p
     ds.storage.close()
 
 
+def test_an_epochs_first_batch_asks_for_every_shards_blocks_before_waiting_for_any(dataset, server, tmp_path,
+                                                                                monkeypatch):
+    """A first batch over several arriving shards asks for the blocks of each (`Arrival.ask`) before it
+    waits for those of the first: their GETs run at once, not one shard's after another's (at an object
+    store's first-byte latency, one round trip instead of one per shard). Later batches only wait."""
+    from types import SimpleNamespace
+
+    events = []
+    ask, wait = Arrival.ask, Arrival.wait
+
+    def asked(self, ids, *, ahead=True):
+        events.append(("ask", os.path.basename(self.where)))
+        return ask(self, ids, ahead=ahead)
+
+    def waited(self, ids, *, ahead=True):
+        events.append(("wait", os.path.basename(self.where)))
+        return wait(self, ids, ahead=ahead)
+
+    monkeypatch.setattr(Arrival, "ask", asked)
+    monkeypatch.setattr(Arrival, "wait", waited)
+    _, local = dataset
+    server.pause(100_000)  # the downloads stop there: the batch's own GETs bring what it reads
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    ds.bind_run(SimpleNamespace(epoch=0))
+    per = ds.manifest.shards[0].num_samples
+    rows = np.concatenate([k * per + np.arange(10, 60, 5) for k in range(3)])  # from each of the 3 shards
+    _same(ds.get_batch(rows), local.get_batch(rows))
+    shards = [os.path.basename(s.file) for s in ds.manifest.shards]
+    assert sorted(w for e, w in events if e == "ask") == sorted(shards)
+    # each shard's open waits for its header and tables; then every ask, then the waits for the rows
+    assert events[-3:] == [("wait", s) for s in shards]
+    assert max(i for i, (e, _) in enumerate(events) if e == "ask") < len(events) - 3
+    events.clear()
+    later = rows + 1
+    _same(ds.get_batch(later), local.get_batch(later))
+    assert [e for e, _ in events if e == "ask"] == []
+    server.release()
+    ds.close()
+    ds.storage.close()
+
+
 def test_an_arriving_shards_header_comes_with_its_block_table(dataset, server, tmp_path):
     """Through obstore the GET of a shard's block table and the GET of its first block (the header,
     which a reader reads first) run at once, in one call: no GET after them brings block 0 again."""

@@ -313,6 +313,13 @@ class Arrival:
                 self._waiting[me] = ids
                 ask = not self._cond.wait(timeout=min(left, ASK_AGAIN_S))
 
+    def ask(self, ids: np.ndarray, *, ahead: bool = True) -> None:
+        """Ask for the blocks `ids` without waiting for them (as `wait` does first): a reader that will
+        wait for blocks of several shards asks for all of them before it waits for any, so that their
+        GETs run at once rather than one shard after another."""
+        if len(ids) and not bool(self.published[ids].all()):
+            self._ask(ids, ahead=ahead)
+
     def _ask(self, ids: np.ndarray, *, ahead: bool = True) -> None:
         """Claim the blocks of `ids` that a reader's GET may take (`claim_wanted`) and hand them to
         `on_want` (fetched out of order); no wait. In a forked child (the record is its parent's) it
