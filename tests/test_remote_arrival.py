@@ -706,6 +706,29 @@ def test_download_publishes_only_verified_blocks_in_any_order(shard_bytes, tmp_p
         assert fh.read() == data
 
 
+def test_blocks_wanted_from_all_over_a_shard_are_left_to_its_download(tmp_path):
+    """Fetching ahead, a reader takes over the blocks its batch needs from far ahead of the download's
+    GET; unless GETs for them would cover most of the shard (`AHEAD_MOST`): the download brings those
+    in file order at least as soon, and taking them over would only cut its GET into pieces. Blocks
+    nobody fetches are claimed either way."""
+    arrival = Arrival(str(tmp_path / "t"), str(tmp_path / "f"), size=(400 << 16) + 8 * 400,
+                      spec=BlockSpec("0" * 16, 16), where="ds/shard-0", stall_s=5)
+    count = len(arrival.published)
+    asked = []
+    arrival.set_want(lambda runs: asked.append(runs), gap=16, run=64)
+    download = arrival.claim_next(0, count)  # the download's GET, just started at block 0
+    assert download is not None and download[1:] == (0, count)
+    far = np.array([300, 301, 350])
+    spread = np.arange(80, count, 4)  # a shuffled batch: every few blocks of the shard past the front
+    assert arrival.claim_wanted(spread, ahead=True) == []  # left to the download's GET
+    runs = arrival.claim_wanted(far, ahead=True)  # taken over: the download gets there much later
+    assert [(a, b) for _, a, b in runs] == [(300, 302), (350, 351)]
+    free = Arrival(str(tmp_path / "t2"), str(tmp_path / "f2"), size=(400 << 16) + 8 * 400,
+                   spec=BlockSpec("0" * 16, 16), where="ds/shard-1", stall_s=5)
+    free.set_want(lambda runs: None, gap=16, run=64)
+    assert free.claim_wanted(spread, ahead=True) != []  # nobody else fetches these: the reader's GETs do
+
+
 def test_arrival_waits_ask_once_wake_on_publish_fail_and_time_out(shard_bytes, tmp_path):
     import threading
 

@@ -9,10 +9,10 @@ blocks it waits for run as always, and so does every GET already under way. The 
 dataset says the batch was served (`release`) or `limit_s` after it began, whichever comes first: a
 reader that never asks (or fails) cannot stall the downloads for longer than that.
 
-A first batch that wants `bulk_bytes` or more through GETs of its own (`wanted`) ends the hold too:
-such a batch (a shuffled one, drawing samples from all over a window of shards) needs most of its
-shards' bytes, which the downloads would bring anyway; holding them back then only takes their
-parallelism away from the epoch and does not bring the batch sooner.
+A first batch that wants `bulk_bytes` or more through GETs of its own (`wanted`) ends the hold too
+(a shuffled batch over large shards: a block or a few from each of hundreds of places): its own
+GETs then share the link and the cores with one another anyway, and holding the downloads back only
+takes their parallelism away from the epoch without bringing the batch sooner.
 """
 
 from __future__ import annotations

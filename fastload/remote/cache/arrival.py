@@ -48,6 +48,10 @@ STALLED_S = 0.1
 # cheaper than ending it and starting a new GET after them.
 SKIP_THROUGH = 16
 ASK_AGAIN_S = 0.05  # a waiting reader asks again for its blocks this often (a stalled GET's become free)
+# Wanted blocks whose GETs, grouped as `set_want` says, would cover this share of the shard's blocks not
+# here yet are not fetched ahead of the download: its GETs bring the whole shard in file order at least
+# as soon, while readers' GETs over most of a shard would only cut those GETs into pieces.
+AHEAD_MOST = 0.5
 
 
 @dataclass(frozen=True)
@@ -187,8 +191,8 @@ class Arrival:
             return self._claim_wanted(ids, ahead)
 
     def _claim_wanted(self, ids: np.ndarray, ahead: bool = True) -> list[tuple[int, int, int]]:
-        free = self._free_for_readers(ahead)
         ids = np.unique(ids)
+        free = self._free_for_readers(ahead and not self._covers_most(ids))
         ids = ids[free[ids]]
         runs: list[tuple[int, int, int]] = []
         if not len(ids):
@@ -205,6 +209,16 @@ class Arrival:
             if j is not None:
                 first = last = j
         return runs
+
+    def _covers_most(self, ids: np.ndarray) -> bool:
+        """Whether GETs for the wanted blocks `ids` (unique), grouped as `claim_wanted` groups them,
+        would bring `AHEAD_MOST` or more of the blocks not published yet."""
+        missing = ids[~self.published[ids]]
+        if len(missing) < 2:
+            return False
+        gaps = np.diff(missing)
+        covered = 1 + int(np.where(gaps <= self._gap, gaps, 1).sum())
+        return covered >= AHEAD_MOST * (len(self.published) - int(np.count_nonzero(self.published)))
 
     def owned(self, claim: int, first: int, end: int) -> np.ndarray:
         """Which of blocks [first, end) claim `claim` holds (bools)."""
