@@ -237,11 +237,16 @@ def test_an_epochs_first_batch_holds_back_the_gets_it_does_not_wait_for(dataset,
     ds.storage.close()
 
 
-@pytest.mark.parametrize("bulk", [64 << 10, None])
-def test_a_first_batch_that_wants_bulk_holds_nothing_back(dataset, server, tmp_path, monkeypatch, bulk):
-    """A first batch that asks for `FIRST_BATCH_BULK_BYTES` or more through GETs of its own ends the hold
-    before it is served (its shards' downloads bring those bytes anyway); a smaller one keeps it on
-    until it is served. Either way the batch is byte-exact."""
+@pytest.mark.parametrize(("rows", "bulk", "held"), [
+    ([20, 203], 64 << 10, False),  # two blocks far apart, 128 KiB through its own GETs: bulk at 64 KiB
+    ([20, 203], None, True),  # the same under the default 16 MiB: the downloads stay held back
+    (list(range(0, 150, 2)), None, False),  # most of the shard: left to its download, which runs whole
+])
+def test_a_first_batch_that_wants_bulk_or_waits_for_the_downloads_holds_nothing_back(
+        dataset, server, tmp_path, monkeypatch, rows, bulk, held):
+    """A first batch that asks for `FIRST_BATCH_BULK_BYTES` or more through GETs of its own ends the
+    hold before it is served, and so does one that leaves its blocks to the downloads (`AHEAD_MOST`:
+    it waits for them); a small one keeps it on until it is served. Either way the batch is exact."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(first_batch, "FIRST_BATCH_HOLD_S", 60.0)
@@ -259,9 +264,9 @@ def test_a_first_batch_that_wants_bulk_holds_nothing_back(dataset, server, tmp_p
     server.pause(100_000)  # the download stops there: the batch's own GETs bring what it reads
     ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
     ds.bind_run(SimpleNamespace(epoch=0))
-    rows = np.arange(0, 150, 2)  # about 600 KB of records from shard 0's first 1.2 MB
+    rows = np.array(rows)
     _same(ds.get_batch(rows), local.get_batch(rows))
-    assert on_when_served == [bulk is None]
+    assert on_when_served == [held]
     server.release()
     ds.close()
     ds.storage.close()
@@ -714,15 +719,18 @@ def test_blocks_wanted_from_all_over_a_shard_are_left_to_its_download(tmp_path):
     arrival = Arrival(str(tmp_path / "t"), str(tmp_path / "f"), size=(400 << 16) + 8 * 400,
                       spec=BlockSpec("0" * 16, 16), where="ds/shard-0", stall_s=5)
     count = len(arrival.published)
-    asked = []
-    arrival.set_want(lambda runs: asked.append(runs), gap=16, run=64)
+    asked, followed = [], []
+    arrival.set_want(lambda runs: asked.append([(a, b) for _, a, b in runs]), gap=16, run=64,
+                     follow=lambda: followed.append(1))
     download = arrival.claim_next(0, count)  # the download's GET, just started at block 0
     assert download is not None and download[1:] == (0, count)
     far = np.array([300, 301, 350])
     spread = np.arange(80, count, 4)  # a shuffled batch: every few blocks of the shard past the front
     assert arrival.claim_wanted(spread, ahead=True) == []  # left to the download's GET
-    runs = arrival.claim_wanted(far, ahead=True)  # taken over: the download gets there much later
-    assert [(a, b) for _, a, b in runs] == [(300, 302), (350, 351)]
+    arrival.ask(spread, ahead=True)
+    assert asked == [] and followed == [1]  # the storage is told: nothing the download runs is held back
+    arrival.ask(far, ahead=True)  # taken over: the download gets there much later
+    assert asked == [[(300, 302), (350, 351)]] and followed == [1]
     free = Arrival(str(tmp_path / "t2"), str(tmp_path / "f2"), size=(400 << 16) + 8 * 400,
                    spec=BlockSpec("0" * 16, 16), where="ds/shard-1", stall_s=5)
     free.set_want(lambda runs: None, gap=16, run=64)

@@ -12,7 +12,8 @@ reader that never asks (or fails) cannot stall the downloads for longer than tha
 A first batch that wants `bulk_bytes` or more through GETs of its own (`wanted`) ends the hold too
 (a shuffled batch over large shards: a block or a few from each of hundreds of places): its own
 GETs then share the link and the cores with one another anyway, and holding the downloads back only
-takes their parallelism away from the epoch without bringing the batch sooner.
+takes their parallelism away from the epoch without bringing the batch sooner. So does one that
+leaves its blocks to the downloads (`Arrival.on_follow`, `AHEAD_MOST`): it waits for them.
 """
 
 from __future__ import annotations

@@ -712,7 +712,8 @@ class RemoteStorage:
                         sink.write_claimed(claim, 0, first)
                     finally:
                         sink.release(claim)
-            arrival.set_want(partial(self._want, rpath, sink), gap=WANT_GAP_BLOCKS, run=WANT_RUN_BLOCKS)
+            arrival.set_want(partial(self._want, rpath, sink), gap=WANT_GAP_BLOCKS, run=WANT_RUN_BLOCKS,
+                             follow=self._hold.release)  # a first batch waiting for the downloads holds none back
             return False
         self._ranges_ok = False  # the store ignores ranges: whole-object GETs, whole shards from now on
         sink.skip_table()

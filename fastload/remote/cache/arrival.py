@@ -95,6 +95,9 @@ class Arrival:
         # set by the fetcher (`set_want`): called (outside the lock) with runs (claim, first block, end
         # block) claimed for blocks readers wait for, to fetch them ahead of the download's order
         self.on_want: Callable[[list[tuple[int, int, int]]], None] | None = None
+        # set with `on_want`: called (outside the lock) when a reader fetching ahead leaves its blocks to
+        # the download's GETs (`AHEAD_MOST`), so that nothing the download would run is held back
+        self.on_follow: Callable[[], None] | None = None
 
     # -- the download's side -----------------------------------------------------------------------
     def created(self, st: os.stat_result) -> None:
@@ -111,17 +114,25 @@ class Arrival:
             if any(bool(self.published[want].all()) for want in self._waiting.values()):
                 self._cond.notify_all()
 
-    def set_want(self, want: Callable[[list[tuple[int, int, int]]], None], *, gap: int, run: int) -> None:
-        """Install `on_want` (once the block table is known) and hand it runs claimed for the blocks
-        readers already wait for. Wanted blocks less than `gap` apart share a run (the unclaimed blocks
-        between come along), of at most `run` blocks."""
+    def set_want(self, want: Callable[[list[tuple[int, int, int]]], None], *, gap: int, run: int,
+                 follow: Callable[[], None] | None = None) -> None:
+        """Install `on_want` (once the block table is known) and `on_follow` (`follow`), and hand
+        `on_want` runs claimed for the blocks readers already wait for. Wanted blocks less than `gap`
+        apart share a run (the unclaimed blocks between come along), of at most `run` blocks."""
         with self._cond:
             if self._state != "running":
                 return
-            self.on_want, self._gap, self._run = want, int(gap), max(1, int(run))
-            runs = self._claim_wanted(np.flatnonzero(self._wanted))
+            self.on_want, self.on_follow, self._gap, self._run = want, follow, int(gap), max(1, int(run))
+            runs, left = self._claim_wanted(np.flatnonzero(self._wanted))
+        self._hand_over(want, runs, follow if left else None)
+
+    def _hand_over(self, want: Callable[[list[tuple[int, int, int]]], None], runs: list[tuple[int, int, int]],
+                   follow: Callable[[], None] | None) -> None:
+        """Outside the lock: `runs` to `want`, and `follow()` when blocks were left to the download."""
         if runs:
             want(runs)
+        if follow is not None:
+            follow()
 
     # -- the ledger of claims ----------------------------------------------------------------------
     def _free(self) -> np.ndarray:
@@ -188,15 +199,17 @@ class Arrival:
         that the download's stalled GETs hold, or (`ahead`) that its GETs hold well ahead of where they
         got to (`STEAL_AHEAD`), grouped as `set_want` says."""
         with self._cond:
-            return self._claim_wanted(ids, ahead)
+            return self._claim_wanted(ids, ahead)[0]
 
-    def _claim_wanted(self, ids: np.ndarray, ahead: bool = True) -> list[tuple[int, int, int]]:
+    def _claim_wanted(self, ids: np.ndarray, ahead: bool = True) -> tuple[list[tuple[int, int, int]], bool]:
+        """(`claim_wanted`'s runs, whether fetching ahead they were left to the download: `AHEAD_MOST`)."""
         ids = np.unique(ids)
-        free = self._free_for_readers(ahead and not self._covers_most(ids))
+        left = ahead and self._covers_most(ids)
+        free = self._free_for_readers(ahead and not left)
         ids = ids[free[ids]]
         runs: list[tuple[int, int, int]] = []
         if not len(ids):
-            return runs
+            return runs, left
         first = last = int(ids[0])
         for j in [*ids[1:].tolist(), None]:
             if (j is not None and j - last <= self._gap and j - first < self._run
@@ -208,7 +221,7 @@ class Arrival:
             runs.append(self._claim(first, last + 1))
             if j is not None:
                 first = last = j
-        return runs
+        return runs, left
 
     def _covers_most(self, ids: np.ndarray) -> bool:
         """Whether GETs for the wanted blocks `ids` (unique), grouped as `claim_wanted` groups them,
@@ -269,7 +282,7 @@ class Arrival:
             self._path = final_path
             self.published[:] = True
             self._state = "complete"
-            self.on_want = None  # nothing left to fetch (and the finished download is let go)
+            self.on_want = self.on_follow = None  # nothing left to fetch (and the finished download is let go)
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -277,7 +290,7 @@ class Arrival:
         with self._cond:
             if self._state == "running":
                 self._state, self._error = "failed", error
-            self.on_want = None
+            self.on_want = self.on_follow = None
             self._cond.notify_all()
 
     # -- the readers' side -------------------------------------------------------------------------
@@ -347,9 +360,9 @@ class Arrival:
             if want is None:  # the block table has not arrived: `set_want` asks for these
                 self._wanted[ids] = True
                 return
-            runs = self._claim_wanted(ids, ahead)
-        if runs:
-            want(runs)
+            runs, left = self._claim_wanted(ids, ahead)
+            follow = self.on_follow if left else None
+        self._hand_over(want, runs, follow)
 
     def wait_all(self) -> bool:
         """`wait` for every block."""
