@@ -116,20 +116,34 @@ def _raise(err: BaseException, *args: Any) -> None:
     raise err
 
 
-def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
-    """The bound `method`, called through a weak reference to its object. For callbacks a dataset hands
-    to what it owns (its shard readers, its block ledger): a callback that held the dataset would make
-    a cycle, and a dropped dataset's mappings and file descriptors would stay until a garbage
-    collection instead of going with it."""
+def _weakly(method: Callable[..., Any], gone: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """The bound `method`, called through a weak reference to its object; once that object is gone,
+    `gone` with the same arguments (None: `ReferenceError`). For callbacks a dataset hands to what it
+    owns (its shard readers, its block ledger): a callback that held the dataset would make a cycle,
+    and a dropped dataset's mappings and file descriptors would stay until a garbage collection
+    instead of going with it."""
     ref, name = weakref.WeakMethod(method), method.__qualname__
 
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = ref()
-        if bound is None:
-            raise ReferenceError(f"{name}: its dataset is gone")
-        return bound(*args, **kwargs)
+        if bound is not None:
+            return bound(*args, **kwargs)
+        if gone is not None:
+            return gone(*args, **kwargs)
+        raise ReferenceError(f"{name}: the dataset is gone; keep a reference to it while its shard readers "
+                             "are in use (their unverified blocks are checked through it)")
 
     return call
+
+
+def _where_without(root: str, index: int, name: str) -> str:
+    """`FastloadDataset.where` once the dataset is gone (no shard table at hand): root, sample and field."""
+    return f"{root}: sample {int(index)}, field {name!r}"
+
+
+def _the_error(k: int, exc: BaseException, **_: Any) -> BaseException:
+    """A shard reader's error hook once its dataset is gone: the error itself."""
+    return exc
 
 
 def _guarded(column: weakref.ref, guard: ColumnGuard, *rows: np.ndarray) -> None:
@@ -442,9 +456,9 @@ class FastloadDataset:
             reader = self._map_shard(k, path, where, arrival)
         except ChecksumError as exc:
             raise self._local_damage(k, exc, opened=False) from exc
-        reader.on_corrupt = partial(_weakly(self._local_damage), k)
+        reader.on_corrupt = partial(_weakly(self._local_damage, _the_error), k)
         if arrival is not None:
-            reader.on_lost = partial(_weakly(self._lost_arrival), k)
+            reader.on_lost = partial(_weakly(self._lost_arrival, _the_error), k)
         return reader
 
     def bind_run(self, run: Any) -> None:
@@ -617,8 +631,12 @@ class FastloadDataset:
 
     def spliced_columns(self) -> Mapping[str, SplicedColumn]:
         """The fixed fields read as one array over all shards (`SplicedColumn`, see spliced.py), by
-        name, read-only; empty until every shard is at hand (a remote dataset: after its first epoch)."""
-        return MappingProxyType(self._spliced_columns())
+        name, read-only; empty until every shard is at hand (a remote dataset: after its first epoch).
+        A column handed out here keeps this dataset alive (`owner`): its blocks are verified through it."""
+        columns = self._spliced_columns()
+        for column in columns.values():
+            column.owner = self
+        return MappingProxyType(columns)
 
     def _spliced_columns(self) -> dict[str, SplicedColumn]:
         """The other fixed fields, once all shards are at hand, each mapped as one array over all shards
@@ -700,7 +718,8 @@ class FastloadDataset:
                 continue
             column = SplicedRagged(
                 name=f.name, kind=f.kind, items=items, lengths=self._meta[f"{f.name}.length"],
-                shard_starts=self._starts, where=_weakly(self.where),
+                shard_starts=self._starts,
+                where=_weakly(self.where, partial(_where_without, self.root)),
             )
             if self._ledger is not None:
                 vstarts = items.virtual_starts().tolist()

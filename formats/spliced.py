@@ -24,6 +24,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -126,6 +127,7 @@ class SplicedColumn:
         """`table=False`: never keep the row table (a caller that locates rows itself)."""
         self.rows = rows
         self.check: Callable[[np.ndarray], None] | None = None  # sees every row number before it is read
+        self.owner: Any = None  # what `check` needs alive while the column is in use (the dataset handing it out)
         self.shift = shift
         self.part_starts = part_starts  # first row of each part, plus the total
         n = int(part_starts[-1])

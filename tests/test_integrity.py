@@ -377,6 +377,36 @@ def test_warm_reads_skip_verification(pristine, tmp_path):
     assert ds.direct_plan(np.arange(len(ds))) is not None
 
 
+def test_views_handed_out_outlive_their_dataset_and_still_check_every_block(pristine, tmp_path):
+    """A spliced column from `spliced_columns()` keeps its dataset alive (`owner`): its unverified
+    blocks are still checked through it after the caller dropped the dataset. A shard reader taken
+    from a dataset that is gone still raises the checksum error for a corrupt block."""
+    import gc
+
+    path = tmp_path / "ds"
+    shutil.copytree(pristine["fixed"][0], path)
+    want = FastloadDataset(pristine["fixed"][0]).get_batch(np.arange(len(FastloadDataset(path))))["x"]
+    ds = FastloadDataset(path)
+    ds.get_batch(np.arange(10))
+    for k in range(ds.num_shards):
+        ds.shard(k)
+    column = ds.spliced_columns()["x"]
+    assert column.check is not None  # blocks left to verify
+    del ds
+    gc.collect()
+    rows = np.arange(len(want))
+    np.testing.assert_array_equal(column.take(rows), want)
+
+    shard = path / "shards" / "shard-00001.fls"
+    raw = bytearray(shard.read_bytes())
+    raw[100_000] ^= 1  # inside block 1 of the x column
+    shard.write_bytes(bytes(raw))
+    reader = FastloadDataset(path).shard(1)  # the dataset is dropped at once
+    gc.collect()
+    with pytest.raises(ChecksumError, match=r"shard-00001\.fls \(shard 1\): bytes \[65536, 131072\) \(block 1\)"):
+        reader.verify_blocks(np.array([1]))
+
+
 def test_process_workers_verify_on_their_own(pristine):
     ds = FastloadDataset(pristine["fixed"][0])
     ds.get_batch(np.arange(len(ds)))
