@@ -130,8 +130,8 @@ def _weakly(method: Callable[..., Any], gone: Callable[..., Any] | None = None) 
             return bound(*args, **kwargs)
         if gone is not None:
             return gone(*args, **kwargs)
-        raise ReferenceError(f"{name}: the dataset is gone; keep a reference to it while its shard readers "
-                             "are in use (their unverified blocks are checked through it)")
+        raise ReferenceError(f"{name}: the dataset is gone; keep a reference to it while using what it handed "
+                             "out (`direct_takes`, shard readers): their unverified blocks are checked through it")
 
     return call
 
