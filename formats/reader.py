@@ -8,7 +8,8 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from types import MappingProxyType
 from typing import Any
@@ -301,7 +302,7 @@ class FastloadDataset:
         self._ragged: dict[str, SplicedRagged] | None = None  # variable fields spliced over all shards
         self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, variable ones too
         # the epoch's first batch (the first read after `bind_run` started an epoch) fetches the blocks it
-        # waits for ahead of the shards' downloads; later ones follow the downloads (`_take_first_batch`)
+        # waits for ahead of the shards' downloads; later ones follow the downloads (`_read`)
         self._fetch_ahead = True
         self._epoch: int | None = None
         self._new_locks()
@@ -475,18 +476,20 @@ class FastloadDataset:
             if hold is not None and not self._all_shards_at_hand():
                 hold()
 
-    def _take_first_batch(self) -> bool:
-        """Whether the read starting now is the epoch's first (it fetches ahead of the downloads): True
-        for one read after each `bind_run` that started an epoch (and for a new dataset's first read)."""
+    @contextmanager
+    def _read(self) -> Iterator[bool]:
+        """One read of samples; yields whether it is the epoch's first (it fetches ahead of the
+        downloads): True for one read after each `bind_run` that started an epoch (and for a new
+        dataset's first read). When that read ends (served or failed), GETs a storage held back for it
+        start (`first_batch_served`)."""
         with self._first_lock:
             first, self._fetch_ahead = self._fetch_ahead, False
-        return first
-
-    def _first_batch_served(self) -> None:
-        """The epoch's first batch was served (or failed): GETs a storage held back for it start."""
-        served = getattr(self.storage, "first_batch_served", None)
-        if served is not None:
-            served()
+        try:
+            yield first
+        finally:
+            served = getattr(self.storage, "first_batch_served", None) if first else None
+            if served is not None:
+                served()
 
     def _lost_arrival(self, k: int, exc: BaseException) -> BaseException:
         """Shard k's download failed while it was read as it arrived: its reader goes (the next read
@@ -862,8 +865,7 @@ class FastloadDataset:
         # variable fields are put back in the caller's order afterwards (fixed ones went straight to their places)
         inverse = None if order is None or not runs else order.argsort()
         copy = not isinstance(self.storage, LocalStorage)
-        first = self._take_first_batch()
-        try:
+        with self._read() as first:
             if first and len(groups) > 1:
                 # an epoch's first batch over several arriving shards: ask for every shard's blocks (as
                 # many shards as may stay open) before waiting for any, so their GETs run at once
@@ -872,9 +874,6 @@ class FastloadDataset:
             for g, (k, a, b, rows) in enumerate(groups):
                 _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy,
                               places=None if order is None else order[a:b], ahead=first)
-        finally:
-            if first:
-                self._first_batch_served()
         out.update(cols)
         for f in wanted:
             if f.is_fixed:
@@ -911,12 +910,8 @@ class FastloadDataset:
         _, _, groups = self._plan([index])
         k, _, _, rows = groups[0]
         reader, i = self.shard(k), int(rows[0])
-        first = self._take_first_batch()
-        try:
+        with self._read() as first:
             reader.ensure_fields(list(self.schema), rows, ahead=first)
-        finally:
-            if first:
-                self._first_batch_served()
         out: dict[str, Any] = {}
         for f in self.schema:
             if f.kind == "scalar":

@@ -47,8 +47,9 @@ class FirstBatchHold:
             self._wanted = 0
 
     def wanted(self, nbytes: int) -> None:
-        """The pending batch asked for `nbytes` more through GETs of its own: once it has asked for
-        `bulk_bytes` in all, the hold ends (`release`). Nothing while the hold is off."""
+        """Readers asked for `nbytes` more through GETs of their own (the pending batch's, or blocks no
+        download GET holds that another read waits for): once they have asked for `bulk_bytes` in all
+        while the hold is on, it ends (`release`). Nothing while the hold is off."""
         with self._cond:
             if not self._left():
                 return

@@ -224,8 +224,10 @@ class Arrival:
         return runs, left
 
     def _covers_most(self, ids: np.ndarray) -> bool:
-        """Whether GETs for the wanted blocks `ids` (unique), grouped as `claim_wanted` groups them,
-        would bring `AHEAD_MOST` or more of the blocks not published yet."""
+        """Whether GETs for the wanted blocks `ids` (unique) would bring `AHEAD_MOST` or more of the
+        blocks not published yet: wanted blocks up to `gap` apart count with the blocks between them, as
+        `claim_wanted` merges them (its cap on a run's length, which may leave such a gap out, is not
+        counted)."""
         missing = ids[~self.published[ids]]
         if len(missing) < 2:
             return False
