@@ -57,7 +57,7 @@ from fastload.formats.shapes import ShapedBatch
 from fastload.order.choice import RankedOrder
 from fastload.order.sampling import SeededOrder
 from fastload.pipeline.progress import EpochProgress
-from fastload.run import RunAware, RunContext, batch_context, unknown_batch
+from fastload.run import RunAware, RunContext, batch_context, implements, unknown_batch
 
 __all__ = [
     "BatchRelay",
@@ -348,6 +348,6 @@ def torch_collate(
     if fetcher.mode == "columns":
         return LoaderCollate(columns=True, collate=collate_fn, transform=fetcher.transform,
                              scalar_fields=fetcher.scalar_fields, schema=getattr(dataset, "schema", None), relay=relay)
-    if fetcher.transform is not None or isinstance(fetcher.collate_fn, RunAware):
+    if fetcher.transform is not None or implements(fetcher.collate_fn, RunAware):
         return LoaderCollate(columns=False, collate=fetcher.collate_fn, transform=fetcher.transform, relay=relay)
     return collate_fn

@@ -70,6 +70,7 @@ __all__ = [
     "collect_component_descriptions",
     "collect_component_stats",
     "current_batch",
+    "implements",
     "unknown_batch",
 ]
 
@@ -109,6 +110,21 @@ class SettingsReporter(Protocol):
 
     def component_describe(self) -> Mapping[str, Any]:
         """The component's configuration (plain values)."""
+
+
+_PROTOCOL_METHODS: dict[type, str] = {
+    RunAware: "bind_run",
+    StatsReporter: "component_stats",
+    SettingsReporter: "component_describe",
+}
+
+
+def implements(obj: Any, protocol: type) -> bool:
+    """Whether `obj` is a `protocol` (`RunAware`, `StatsReporter` or `SettingsReporter`), its method
+    looked up as a call would find it, so a wrapper that forwards through `__getattr__` (e.g.
+    `fastload.loader_views.LoaderCollate`) counts. `isinstance` against these runtime-checkable
+    protocols skips `__getattr__` from Python 3.12 on, and would then miss such a wrapper."""
+    return callable(getattr(obj, _PROTOCOL_METHODS[protocol], None))
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,7 +191,7 @@ def bind_components(components: Iterable[Any], run: RunContext) -> None:
         if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, RunAware):
+        if implements(obj, RunAware):
             obj.bind_run(run)
 
 
@@ -199,7 +215,7 @@ def _first_roles(components: Mapping[str, Any], kind: type) -> list[tuple[str, A
         if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, kind):
+        if implements(obj, kind):
             out.append((role, obj))
     return out
 
@@ -238,7 +254,7 @@ def _plain_samplers(samplers: Iterable[Any]) -> list[Any]:
     """The objects of `samplers` (each once) with a callable `set_epoch` and no `bind_run`."""
     out: list[Any] = []
     for obj in samplers:
-        if obj is None or isinstance(obj, RunAware) or any(o is obj for o in out):
+        if obj is None or implements(obj, RunAware) or any(o is obj for o in out):
             continue
         if callable(getattr(obj, "set_epoch", None)):
             out.append(obj)

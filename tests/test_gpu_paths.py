@@ -142,10 +142,53 @@ def test_ring_waits_on_a_fence_outside_its_lock():
         def synchronize(self) -> None:  # while it is waited for, another thread takes the other slot
             seen.append(_finishes_in_another_thread(lambda: ring.write({"x": torch.arange(4)})))
 
+    class Pending:  # a copy still reading the other slot, done once waited for
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            pass
+
     ring.release(slot, Fence())
-    ring.release(other)
-    out, again = ring.write({"x": torch.arange(4) + 1})
+    ring.release(other, Pending())
+    out, again = ring.write({"x": torch.arange(4) + 1})  # both fenced, none to allocate: the oldest
     assert seen == [True] and again is slot and out["x"].tolist() == [1, 2, 3, 4]
+
+
+class _Copy:
+    """A fence: a copy reading a slot, done when `done` is set; records the waits."""
+
+    def __init__(self, waits: list[str], name: str) -> None:
+        self.waits, self.name, self.done = waits, name, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits.append(self.name)
+        self.done = True
+
+
+def test_ring_packs_the_next_batch_beside_the_copies_in_flight():
+    """A ring takes a free slot whose copy has finished; while it may hold more buffers it
+    allocates one rather than wait for a copy still reading a free slot; only with every slot
+    allocated and fenced does it wait, for the oldest."""
+    ring = BufferRing(3, pin=False)
+    waits: list[str] = []
+    copies = []
+    for k in range(3):  # each batch's copy is still running when the next batch is packed
+        batch, slot = ring.write({"x": torch.full((4,), k)})
+        del batch
+        copies.append(_Copy(waits, f"copy{k}"))
+        ring.release(slot, copies[-1])
+    assert ring.allocations == 3 and waits == []
+    copies[1].done = True  # the second copy finished: its slot is taken, nobody waits
+    batch, slot = ring.write({"x": torch.full((4,), 3)})
+    assert waits == [] and ring.allocations == 3
+    del batch
+    ring.release(slot, _Copy(waits, "copy3"))
+    batch, slot = ring.write({"x": torch.full((4,), 4)})  # all fenced, none finished: the oldest
+    assert waits == ["copy0"] and ring.allocations == 3 and batch["x"].tolist() == [4] * 4
 
 
 # -- worker threads: the Loader's device and the consumer's stream -----------------------------------------

@@ -42,7 +42,15 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from fastload import BatchViews, Loader, ShardWindowSampler, TextCollate, TokenBudgetBatchSampler
 from fastload.formats import FastloadDataset, Field, Ragged, Schema, write
 from fastload.order.sampling import RunRank
-from fastload.run import RunAware, RunContext, current_batch
+from fastload.run import (
+    RunAware,
+    RunContext,
+    StatsReporter,
+    bind_components,
+    collect_component_stats,
+    current_batch,
+    implements,
+)
 from fastload.vision import ImagePreset, dali_available
 
 N_IMAGES, N_TOKENS, BATCH = 24, 48, 4
@@ -509,6 +517,40 @@ def test_a_user_component_implements_the_protocol(workers: dict[str, Any], data:
     assert epochs[0] != epochs[1]
     assert loader.stats()["components"]["transform"] == {"batches": 0 if workers.get("worker_type") == "process"
                                                          else 2 * N_TOKENS // BATCH}
+
+
+class _Forwarding:
+    """A wrapper that reaches its inner component's methods only through `__getattr__` (as
+    `LoaderCollate` and `with_indices` do)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, batch: Any) -> Any:
+        return self.inner(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def test_a_component_behind_a_forwarding_wrapper_is_bound_and_reported(data: Data) -> None:
+    """The Loader binds, counts and describes a component it reaches through a wrapper's
+    `__getattr__`, on every Python (`isinstance` against a runtime-checkable protocol skips
+    `__getattr__` from Python 3.12 on)."""
+    ds = data["tokens"]
+    noise = RandomNoise()
+    wrapped = _Forwarding(noise)
+    assert implements(wrapped, RunAware) and implements(wrapped, StatsReporter)
+    assert not implements(_Forwarding(object()), RunAware)
+    bind_components([wrapped], RunContext(seed=9, epoch=3, rank=0, world_size=1, num_workers=0))
+    assert noise.seed == 9
+    loader = Loader(ds, batch_size=BATCH, shuffle=True, seed=4, collate_fn=BatchViews(), transform=wrapped)
+    by_sample = {int(i): float(x) for b in loader for i, x in zip(b["label"], b["noise"], strict=True)}
+    assert by_sample == {i: np.random.default_rng([4, 0, i]).random() for i in range(N_TOKENS)}
+    assert collect_component_stats({"transform": wrapped}) == {"transform": {"batches": N_TOKENS // BATCH}}
+    assert loader.stats()["components"]["transform"] == {"batches": N_TOKENS // BATCH}
 
 
 def test_every_fastload_component_is_run_aware(data: Data) -> None:

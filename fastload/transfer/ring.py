@@ -23,7 +23,17 @@ import torch
 
 from fastload.fetch.collate import flatten, leaf_nbytes, pack_into, unflatten
 
-__all__ = ["BufferRing", "Slot", "referenced_beyond", "storage_refs"]
+__all__ = ["BufferRing", "Slot", "fence_done", "referenced_beyond", "storage_refs"]
+
+_NEW = object()  # `BufferRing._take_free`: allocate a new slot
+
+
+def fence_done(fence: Any) -> bool:
+    """Whether `fence` has completed, asked without waiting (a CUDA event's `query()`); False for a
+    fence that cannot be asked (e.g. `DeviceWideFence`): it is waited for only when no other
+    slot will do."""
+    query = getattr(fence, "query", None)
+    return bool(query()) if callable(query) else False
 
 
 def storage_refs(t: torch.Tensor) -> int | None:
@@ -86,17 +96,24 @@ class BufferRing:
     def acquire(self, nbytes: int) -> Slot:
         """A free slot of at least `nbytes` (blocks while all `slots` are in flight).
 
-        A slot's fence is waited on outside the ring's lock: other threads keep releasing and
-        taking slots meanwhile (the slot taken is off the free list, so nobody else can take it).
+        A free slot whose fence has completed is taken first; while fewer than `slots` buffers
+        exist, a new one is allocated rather than waiting for a copy still reading a free slot, so
+        packing the next batch overlaps the copies in flight (a ring that refilled its one slot
+        would wait for each copy before packing the next batch). Only with every slot allocated
+        and fenced is the oldest waited for. A fence is waited on outside the ring's lock: other
+        threads keep releasing and taking slots meanwhile (the slot taken is off the free list, so
+        nobody else can take it).
         """
         while True:
             with self._cond:
-                while not self._free and self._live >= self.capacity:
+                slot = self._take_free()
+                while slot is None:
                     self._cond.wait(1.0)
-                if not self._free:
+                    slot = self._take_free()
+                if slot is _NEW:
                     self._live += 1
                     break  # allocate a new slot, outside the lock
-                slot = self._free.popleft()
+            assert isinstance(slot, Slot)
             if slot.fence is not None:
                 slot.fence.synchronize()
                 slot.fence = None
@@ -112,6 +129,19 @@ class BufferRing:
         except BaseException:
             self._drop(retired=False)
             raise
+
+    def _take_free(self) -> Slot | object | None:
+        """Under the lock: a free slot whose fence has completed, else `_NEW` while a buffer may
+        still be allocated, else the oldest free slot (its fence to be waited for), else None."""
+        free = self._free
+        for i, slot in enumerate(free):
+            if slot.fence is None or fence_done(slot.fence):
+                del free[i]
+                slot.fence = None
+                return slot
+        if self._live < self.capacity:
+            return _NEW
+        return free.popleft() if free else None
 
     def _drop(self, *, retired: bool) -> None:
         """A slot leaves the ring (kept by the user, too small, or never allocated)."""
