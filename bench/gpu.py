@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from bench.train_step import train, write_dataset
-from bench.vision import SETS, batches_of, make_jpegs, preset_pass
+from bench.vision import SETS, batches_of, loader_pass, make_jpegs, preset_pass, write_image_dataset
 from fastload import cuda_ops
 from fastload.dataset import open_dataset
 from fastload.loader import Loader
@@ -48,7 +48,9 @@ __all__ = ["ROWS", "Row", "main", "run_row"]
 
 
 def _gpu_time(fn: Callable[[], object], *, iters: int, warmup: int = 3) -> float:
-    """Mean seconds per call, measured with CUDA events on the current stream."""
+    """Mean seconds per call of a stream of calls, measured with CUDA events on the current stream:
+    the slower of the host's cost of issuing a call and the GPU's time for it (what a caller
+    issuing them back to back gets)."""
     for _ in range(warmup):
         fn()
     start, end = (
@@ -62,6 +64,42 @@ def _gpu_time(fn: Callable[[], object], *, iters: int, warmup: int = 3) -> float
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1000.0 / iters
+
+
+_SLEEP_CYCLES_PER_S: list[float] = []
+
+
+def _sleep_cycles_per_s() -> float:
+    """The rate of `torch.cuda._sleep`'s cycles on this device (measured once)."""
+    if not _SLEEP_CYCLES_PER_S:
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)
+        _SLEEP_CYCLES_PER_S.append(cycles / _gpu_time(lambda: torch.cuda._sleep(cycles), iters=1, warmup=0))
+    return _SLEEP_CYCLES_PER_S[0]
+
+
+def _device_time(fn: Callable[[], object], *, iters: int, warmup: int = 3) -> tuple[float, float]:
+    """(GPU seconds per call, host seconds per call). A GPU sleep queued first keeps the device busy
+    while the host issues every call, so the events time the kernels alone, not the host's launch
+    cost; the sleep is lengthened until the host finished issuing before it ended."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    hold = 2e-3
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(hold * _sleep_cycles_per_s()))
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        issued = time.perf_counter() - t0
+        end.synchronize()
+        if issued < 0.8 * hold:
+            return start.elapsed_time(end) / 1000.0 / iters, issued / iters
+        hold = 2 * issued + 1e-3
+    raise RuntimeError(f"the host took {issued / iters * 1e6:.0f} us a call: too slow to queue ahead of the GPU")
 
 
 def _cpu_time(fn: Callable[[], object], *, iters: int) -> float:
@@ -153,7 +191,7 @@ def bench_normalize(batch: int, size: int, iters: int) -> list[dict[str, Any]]:
         moved = img.numel() * (1 + torch.empty(0, dtype=dtype).element_size())  # bytes read + written
         src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        t_copy = _gpu_time(lambda dst=dst, src=src: dst.copy_(src), iters=iters)
+        t_copy, _ = _device_time(lambda dst=dst, src=src: dst.copy_(src), iters=iters)
 
         def unfused(dtype: torch.dtype = dtype) -> torch.Tensor:
             x = img.float().permute(0, 3, 1, 2)
@@ -161,24 +199,30 @@ def bench_normalize(batch: int, size: int, iters: int) -> list[dict[str, Any]]:
             x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
             return x.to(dtype).contiguous()
 
-        t_unfused = _gpu_time(unfused, iters=iters)
+        t_unfused, _ = _device_time(unfused, iters=iters)
         for layout in ("NCHW", "NHWC"):
-            t_fused = _gpu_time(
-                lambda layout=layout, dtype=dtype: cuda_ops.normalize_batch(
-                    img, mean=cuda_ops.IMAGENET_MEAN, std=cuda_ops.IMAGENET_STD, flip=flip, layout=layout,
-                    dtype=dtype,
-                ),
-                iters=iters,
-            )
+            times = {}
+            for kernel in ("auto", "generic"):
+                times[kernel] = _device_time(
+                    lambda layout=layout, dtype=dtype, kernel=kernel: cuda_ops.normalize_batch(
+                        img, mean=cuda_ops.IMAGENET_MEAN, std=cuda_ops.IMAGENET_STD, flip=flip, layout=layout,
+                        dtype=dtype, kernel=kernel,
+                    ),
+                    iters=iters,
+                )
+            t_fused, t_host = times["auto"]
             results.append({"dtype": str(dtype).removeprefix("torch."), "layout": layout, "fused_ms": 1e3 * t_fused,
                             "gbs": moved / t_fused / 1e9, "copy_ms": 1e3 * t_copy, "copy_gbs": moved / t_copy / 1e9,
                             "of_copy": t_copy / t_fused, "unfused_ms": 1e3 * t_unfused,
-                            "vs_unfused": t_unfused / t_fused, "k_img_s": batch * 1e-3 / t_fused})
+                            "vs_unfused": t_unfused / t_fused, "k_img_s": batch * 1e-3 / t_fused,
+                            "generic_ms": 1e3 * times["generic"][0], "host_us": 1e6 * t_host})
     _table(
         f"normalize_batch: {batch} x {size}x{size}x3 uint8, random flips (copy = D2D copy of the same bytes)",
-        ["dtype", "layout", "fused ms", "GB/s", "copy ms", "% of copy", "unfused ms", "speedup", "k img/s"],
+        ["dtype", "layout", "fused ms", "GB/s", "copy ms", "% of copy", "generic ms", "unfused ms", "speedup",
+         "k img/s", "host us"],
         [[r["dtype"], r["layout"], f"{r['fused_ms']:.3f}", f"{r['gbs']:.0f}", f"{r['copy_ms']:.3f}",
-          f"{100 * r['of_copy']:.0f}%", f"{r['unfused_ms']:.3f}", f"{r['vs_unfused']:.1f}x", f"{r['k_img_s']:.0f}"]
+          f"{100 * r['of_copy']:.0f}%", f"{r['generic_ms']:.3f}", f"{r['unfused_ms']:.3f}", f"{r['vs_unfused']:.1f}x",
+          f"{r['k_img_s']:.0f}", f"{r['host_us']:.0f}"]
          for r in results],
     )
     return results
@@ -323,31 +367,55 @@ def _matmul_step(target_s: float) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _stalled_run(loader: Any, step: Callable[[torch.Tensor], torch.Tensor], *, steps: int, warmup: int,
-                 compute_s: float) -> dict[str, float]:
-    """Steps fed by `loader`; data stall = wall time beyond `steps` x the compute-only step, over wall time."""
+                 compute_s: float) -> dict[str, Any]:
+    """Steps fed by `loader`; data stall = wall time beyond `steps` x the compute-only step, over wall time.
+    Also each step's wait in `next()` (median, max, steps that waited over 1 ms) and, for a fastload
+    Loader, its per-stage seconds per step over the measured steps."""
     device = torch.device("cuda", torch.cuda.current_device())
     it = iter(loader)
-    waits, t_start = 0.0, 0.0
+    waits: list[float] = []
+    t_start = 0.0
     for k in range(warmup + steps):
         if k == warmup:
             torch.cuda.synchronize()
-            t_start, waits = time.perf_counter(), 0.0
+            t_start, waits = time.perf_counter(), []
+            if hasattr(loader, "reset_stats"):
+                loader.reset_stats()
         t0 = time.perf_counter()
         try:
             batch = next(it)
         except StopIteration:
             it = iter(loader)
             batch = next(it)
-        waits += time.perf_counter() - t0
+        waits.append(time.perf_counter() - t0)
         step(batch["record"].to(device, non_blocking=True)).item()  # .item(): a step's usual sync
     wall = time.perf_counter() - t_start
-    return {"stall": max(0.0, wall - steps * compute_s) / wall, "host_wait": waits / wall,
-            "samples_per_s": steps * int(batch["label"].shape[0]) / wall, "step_ms": 1e3 * wall / steps}
+    out: dict[str, Any] = {
+        "stall": max(0.0, wall - steps * compute_s) / wall, "host_wait": sum(waits) / wall,
+        "samples_per_s": steps * int(batch["label"].shape[0]) / wall, "step_ms": 1e3 * wall / steps,
+        "wait_ms": (1e3 * float(np.median(waits)), 1e3 * max(waits), sum(w > 1e-3 for w in waits)),
+    }
+    if hasattr(loader, "stats"):
+        st = loader.stats()
+        out["stages_ms"] = {k.removesuffix("_s"): 1e3 * st[k] / steps for k in ("read_s", "pin_s", "h2d_s", "wait_s")
+                            if k in st}
+    return out
+
+
+def _overlap_line(name: str, r: dict[str, Any]) -> str:
+    median, most, count = r["wait_ms"]
+    line = (f"{name}: step {r['step_ms']:.1f} ms, stall {100 * r['stall']:.2f}%, "
+            f"host wait {100 * r['host_wait']:.2f}% (median {median:.2f} ms, max {most:.1f} ms, "
+            f"{count} steps over 1 ms), {r['samples_per_s']:,.0f} samples/s")
+    if "stages_ms" in r:
+        line += "; per step " + ", ".join(f"{k} {v:.2f} ms" for k, v in r["stages_ms"].items())
+    return line
 
 
 def row_overlap(quick: bool) -> Row:
     """Data stall of a synthetic training step fed by `Loader(device='cuda')` vs torch's DataLoader
-    with `pin_memory=True` (the batch copied with `non_blocking=True` on the compute stream)."""
+    with `pin_memory=True` (the batch copied with `non_blocking=True` on the compute stream); the
+    Loader also with worker processes, and with `pin_memory=True` and no `device` (copied as torch's)."""
     batch_size, workers = 256, 4
     steps, warmup = (20, 3) if quick else (40, 5)
     step = _matmul_step(0.1)
@@ -361,16 +429,29 @@ def row_overlap(quick: bool) -> Row:
         for _ in range(5):
             step(x).item()
         compute_s = (time.perf_counter() - t0) / 5
-        fl = Loader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, device="cuda",
-                    persistent_workers=True, drop_last=True)
-        tl = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, pin_memory=True,
-                        persistent_workers=True, drop_last=True)
-        try:
-            ours = _stalled_run(fl, step, steps=steps, warmup=warmup, compute_s=compute_s)
-            theirs = _stalled_run(tl, step, steps=steps, warmup=warmup, compute_s=compute_s)
-        finally:
-            fl.close()
-            del tl
+        common: dict[str, Any] = {"batch_size": batch_size, "shuffle": True, "num_workers": workers,
+                                  "persistent_workers": True, "drop_last": True}
+        variants = [("fastload Loader(device='cuda')", lambda: Loader(ds, device="cuda", **common)),
+                    ("fastload Loader(device='cuda', worker_type='process')",
+                     lambda: Loader(ds, device="cuda", worker_type="process", **common)),
+                    ("fastload Loader(pin_memory=True)", lambda: Loader(ds, pin_memory=True, **common)),
+                    ("torch DataLoader(pin_memory=True)", lambda: DataLoader(ds, pin_memory=True, **common))]
+        results: dict[str, dict[str, Any]] = {}
+        failed: list[str] = []
+        for k, (name, make) in enumerate(variants):
+            try:
+                loader = make()
+                try:
+                    results[name] = _stalled_run(loader, step, steps=steps, warmup=warmup, compute_s=compute_s)
+                finally:
+                    if hasattr(loader, "close"):
+                        loader.close()
+                    del loader
+            except Exception as exc:
+                if k in (0, len(variants) - 1):  # the row's own figure and its baseline
+                    raise
+                failed.append(f"{name}: FAILED: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+    ours, theirs = results[variants[0][0]], results[variants[-1][0]]
     mb = batch_size * 3 * 224 * 224 / 1e6
     return Row("overlap", value=100 * ours["stall"], unit="% data stall",
                baseline="torch DataLoader(pin_memory=True), samples/s", baseline_value=theirs["samples_per_s"],
@@ -378,21 +459,23 @@ def row_overlap(quick: bool) -> Row:
                met=ours["stall"] < 0.01,
                details=[f"{n} samples uint8 3x224x224, batch {batch_size} ({mb:.0f} MB), {workers} workers, "
                         f"{steps} steps after {warmup}; compute-only step {1e3 * compute_s:.1f} ms (bf16 matmuls)",
-                        *(f"{name}: step {r['step_ms']:.1f} ms, stall {100 * r['stall']:.2f}%, host wait "
-                          f"{100 * r['host_wait']:.2f}%, {r['samples_per_s']:,.0f} samples/s"
-                          for name, r in (("fastload Loader(device='cuda')", ours),
-                                          ("torch DataLoader(pin_memory=True)", theirs)))])
+                        *(_overlap_line(name, r) for name, r in results.items()), *failed])
 
 
 def row_normalize(quick: bool, size: int = 224) -> Row:
-    """Fused normalize/flip/layout/cast: its bandwidth as a share of a D2D copy of the same bytes."""
-    rows = bench_normalize(64 if quick else 256, size, 5 if quick else 20)
+    """Fused normalize/flip/layout/cast: its bandwidth as a share of a D2D copy of the same bytes,
+    GPU time alone (see `_device_time`), on a batch several times the L2 cache so both read HBM."""
+    batch = 64 if quick else 1024
+    rows = bench_normalize(batch, size, 5 if quick else 20)
     worst = min(rows, key=lambda r: r["of_copy"])
     return Row("normalize", value=worst["gbs"], unit="GB/s (slowest dtype/layout)",
                baseline="device-to-device copy of the same bytes, GB/s", baseline_value=worst["copy_gbs"],
                ratio=worst["of_copy"], goal=">= 0.70x", met=worst["of_copy"] >= 0.70,
-               details=[f"{r['dtype']} {r['layout']}: {r['gbs']:.0f} GB/s = {100 * r['of_copy']:.0f}% of copy, "
-                        f"{r['vs_unfused']:.1f}x the unfused torch ops" for r in rows])
+               details=[f"{batch} images {size}x{size}x3 uint8 in; times are GPU time with the host's launches "
+                        "queued ahead (host us: the host's cost of one call)",
+                        *(f"{r['dtype']} {r['layout']}: {r['gbs']:.0f} GB/s = {100 * r['of_copy']:.0f}% of copy, "
+                          f"{r['vs_unfused']:.1f}x the unfused torch ops, generic kernel {r['generic_ms']:.3f} ms "
+                          f"against {r['fused_ms']:.3f} ms, host {r['host_us']:.0f} us a call" for r in rows)])
 
 
 def row_pad_ragged(quick: bool) -> Row:
@@ -477,8 +560,19 @@ def row_images(quick: bool, size: int = 224) -> Row:
                                                                        threads=cores)
             passes[f"{kind} fastload cpu -> cuda"] = preset_pass(
                 ImagePreset(kind=kind, size=size, backend="cpu", device="cuda", threads=cores), batches)
-        for fn in passes.values():
-            fn()  # warm-up: pipelines built, decoders initialised
+        root = os.path.join(tmp, "fastload")
+        write_image_dataset(jpegs, root)
+        passes["train fastload Loader dali-mixed, 2 thread workers"] = loader_pass(
+            root, ImagePreset(kind="train", size=size, backend="dali", device="cuda", threads=cores), 64, 2)
+        failed: list[str] = []
+        for label, fn in list(passes.items()):
+            try:
+                fn()  # warm-up: pipelines built, decoders initialised
+            except Exception as exc:
+                if "Loader" not in label:
+                    raise
+                failed.append(f"{label}: FAILED: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+                del passes[label]
         for _ in range(2 if quick else 4):
             for label, fn in passes.items():
                 t0, k = time.perf_counter(), 0
@@ -491,7 +585,10 @@ def row_images(quick: bool, size: int = 224) -> Row:
                baseline_value=dali, ratio=ours / dali, goal="", met=None,
                details=[f"{n} JPEGs 500x375 q90, batch 64, {size}x{size} fp16 NCHW, {cores} CPU threads"]
                + [f"{label}: {v:,.0f} img/s ({v / med[label.split()[0] + ' DALI fn.readers.file']:.2f}x DALI reader)"
-                  for label, v in med.items()])
+                  for label, v in med.items()]
+               + ["the preset rows call the preset on one batch at a time (its DALI pipeline is fed and drained "
+                  "per call); the Loader row overlaps batches on its worker threads; DALI's reader pipeline "
+                  "prefetches batches itself", *failed])
 
 
 ROWS: dict[str, Callable[[bool], Row]] = {

@@ -145,7 +145,7 @@ def preset_pass(preset: ImagePreset, batches: list[dict]) -> Callable[[], int]:
     return one_pass
 
 
-def _loader_pass(root: str, preset: ImagePreset, batch_size: int, workers: int) -> Callable[[], int]:
+def loader_pass(root: str, preset: ImagePreset, batch_size: int, workers: int) -> Callable[[], int]:
     """One epoch of `fastload.Loader` over a fastload dataset of the JPEGs, decoded by `preset`."""
     from fastload import Loader, open_dataset
     from fastload.vision import with_indices
@@ -171,7 +171,7 @@ def _loader_pass(root: str, preset: ImagePreset, batch_size: int, workers: int) 
 LOADER_IMAGES = 1536
 
 
-def _write_dataset(jpegs: list[bytes], root: str) -> None:
+def write_image_dataset(jpegs: list[bytes], root: str) -> None:
     """A fastload dataset of `jpegs` as `fastload convert` stores an image folder's JPEGs (re-encoded
     with restart markers: `add_restart_index`), repeated to at least `LOADER_IMAGES` images."""
     from fastload.formats import Field, Schema, write
@@ -433,7 +433,7 @@ def _rows(
             kw = {"resize": None} if kind == "eval" else {}
             preset = ImagePreset(kind=kind, size=size, backend="cpu", normalize=False, **kw)
             name = "eval crop-only" if kind == "eval" else "train RRC+flip"
-            fns[f"Loader {name} uint8, num_workers={workers}"] = _loader_pass(root, preset, bs, workers)
+            fns[f"Loader {name} uint8, num_workers={workers}"] = loader_pass(root, preset, bs, workers)
     return fns
 
 
@@ -487,7 +487,7 @@ def _bench_set(name: str, args: argparse.Namespace, cores: int, rounds: int, min
     tmp = tempfile.mkdtemp(prefix="fastload-bench-vision-")
     root = os.path.join(tmp, "ds")
     try:
-        _write_dataset(jpegs, root)
+        write_image_dataset(jpegs, root)
         fns.update(_rows(size, cores, jpegs, root, bs, pool))
         if args.rows:
             fns = {k: f for k, f in fns.items() if any(r in k for r in args.rows)}

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastload import cuda_ops
-from fastload.cuda_ops import _nvrtc
-from fastload.cuda_ops._registry import ENTRY_POINTS
+from fastload.cuda_ops import _nvrtc, normalize
+from fastload.cuda_ops._registry import ENTRY_POINTS, NORMALIZE_FUNCTIONS, NORMALIZE_VEC_FUNCTIONS
 
 KERNELS = sorted(_nvrtc.KERNEL_DIR.glob("*.cu"))
 CUDA = torch.cuda.is_available()
@@ -93,8 +93,10 @@ def np_pad_ragged(values: np.ndarray, offsets: np.ndarray, pad_value: int, multi
 def image_batches(draw):
     b = draw(st.integers(0, 4))
     h = draw(st.integers(1, 9))
-    w = draw(st.integers(1, 40))
-    c = draw(st.sampled_from([1, 2, 3, 4, 5]))
+    if draw(st.booleans()):  # the vectorized kernel's case: 3 channels, W % 4 == 0
+        w, c = 4 * draw(st.integers(1, 10)), 3
+    else:
+        w, c = draw(st.integers(1, 40)), draw(st.sampled_from([1, 2, 3, 4, 5]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     img = rng.integers(0, 256, size=(b, h, w, c), dtype=np.uint8)
     mean = rng.uniform(0, 255, size=c).tolist()
@@ -312,6 +314,9 @@ def test_normalize_kernel_source_matches_reference(host_emulator, variant, batch
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
     np.testing.assert_array_equal(_bits(out), _bits(ref))  # bit-exact: IEEE division, RNE rounding
     assert len(launch.calls) == (1 if out.numel() else 0)
+    if launch.calls:  # numpy buffers are aligned: the shape alone picks the kernel
+        vectorized = img.shape[3] == 3 and img.shape[2] % 4 == 0
+        assert launch.calls[0][0].startswith("fl_normalize_vec_") == vectorized
 
 
 @pytest.mark.parametrize("variant", LAUNCH_VARIANTS)
@@ -333,10 +338,12 @@ def test_emulated_kernels_cover_wide_rows_and_many_rows(host_emulator):
     img = rng.integers(0, 256, size=(5, 7, 600, 3), dtype=np.uint8)
     flip = torch.tensor([True, True, False, False, True, False, True, True, False, True])[::2]  # non-contiguous
     for layout in ("NCHW", "NHWC"):
-        out = cuda_ops.normalize_batch(torch.from_numpy(img), mean=(1.0, 2.0, 3.0), std=(4.0, 5.0, 6.0), flip=flip,
-                                       layout=layout, launcher=launch)
-        np.testing.assert_array_equal(out.numpy(), np_normalize(img, (1, 2, 3), (4, 5, 6), flip.numpy(), layout,
-                                                                torch.float32))
+        for kernel in ("auto", "generic"):
+            out = cuda_ops.normalize_batch(torch.from_numpy(img), mean=(1.0, 2.0, 3.0), std=(4.0, 5.0, 6.0),
+                                           flip=flip, layout=layout, launcher=launch, kernel=kernel)
+            np.testing.assert_array_equal(out.numpy(), np_normalize(img, (1, 2, 3), (4, 5, 6), flip.numpy(), layout,
+                                                                    torch.float32))
+    assert [c[0] for c in launch.calls] == ["fl_normalize_vec_f32", "fl_normalize_f32"] * 2
     lengths = [700, 0, 3, 513, 1]
     values = rng.integers(-5, 5, size=sum(lengths), dtype=np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -344,6 +351,55 @@ def test_emulated_kernels_cover_wide_rows_and_many_rows(host_emulator):
                               labels_pad_value=-100, mask_dtype=torch.bool, launcher=launch)
     assert out[0].shape == (5, 704)
     _check_pad(out, np_pad_ragged(values, offsets, -1, 8, None, -100), torch.bool, -100)
+
+
+def _images(shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+    """A random contiguous uint8 batch starting `offset` bytes into an (aligned) numpy buffer."""
+    buf = np.random.default_rng(3).integers(0, 256, size=offset + int(np.prod(shape)), dtype=np.uint8)
+    return torch.from_numpy(buf)[offset:].view(shape)
+
+
+@pytest.mark.parametrize("shape, offset, kernel, call", [
+    ((2, 224, 224, 3), 0, "auto", ("fl_normalize_vec_f32", (56, 2, 1), (64, 4, 1))),  # 4 pixels per thread
+    ((2, 224, 224, 3), 0, "generic", ("fl_normalize_f32", (224, 2, 1), (224, 1, 1))),
+    ((2, 224, 224, 3), 1, "auto", ("fl_normalize_f32", (224, 2, 1), (224, 1, 1))),  # odd data_ptr
+    ((2, 5, 7, 3), 0, "auto", ("fl_normalize_f32", (1, 2, 1), (32, 5, 1))),  # W % 4 != 0
+    ((2, 5, 8, 4), 0, "auto", ("fl_normalize_f32", (1, 2, 1), (32, 5, 1))),  # 4 channels
+])
+def test_normalize_kernel_choice(host_emulator, shape, offset, kernel, call):
+    launch = host_emulator()
+    images = _images(shape, offset)
+    assert images.is_contiguous() and images.data_ptr() % 2 == offset
+    flip = torch.tensor([True, False])
+    mean, std = [120.5 + c for c in range(shape[3])], [55.25 + c for c in range(shape[3])]
+    out = cuda_ops.normalize_batch(images, mean=mean, std=std, flip=flip, launcher=launch, kernel=kernel)
+    assert launch.calls == [call]
+    np.testing.assert_array_equal(out.numpy(), np_normalize(images.numpy(), mean, std, flip.numpy(), "NCHW",
+                                                            torch.float32))
+
+
+def test_vectorized_kernel_cannot_be_forced_where_it_cannot_run(host_emulator):
+    with pytest.raises(ValueError, match="vectorized"):
+        normalize._launch_normalize(_images((1, 2, 7, 3)), (0.0,) * 3, (1.0,) * 3, None, "NCHW", torch.float32,
+                                    host_emulator(), vectorized=True)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vectorized_kernel_is_bit_exact_with_flips(host_emulator, layout, dtype):
+    """Mixed flips; a shrunk grid and rows of 258 groups of 4 pixels: every stride loop takes several trips."""
+    launch = host_emulator(shrink=(2, 2, 1))
+    rng = np.random.default_rng(4)
+    img = rng.integers(0, 256, size=(5, 6, 1032, 3), dtype=np.uint8)
+    flip = np.array([True, False, True, True, False])
+    stats = [(cuda_ops.IMAGENET_MEAN, cuda_ops.IMAGENET_STD),
+             (rng.uniform(0, 255, 3).tolist(), rng.uniform(1, 100, 3).tolist())]
+    for mean, std in stats:
+        out = cuda_ops.normalize_batch(torch.from_numpy(img), mean=mean, std=std, flip=torch.from_numpy(flip),
+                                       layout=layout, dtype=dtype, launcher=launch)
+        np.testing.assert_array_equal(_bits(out), np_normalize(img, mean, std, flip, layout, dtype))
+    name = NORMALIZE_VEC_FUNCTIONS[str(dtype).removeprefix("torch.")]
+    assert launch.calls == [(name, (2, 2, 1), (256, 1, 1))] * 2
 
 
 # ----------------------------------------------------------------------------- references vs numpy
@@ -448,6 +504,7 @@ def test_pad_ragged_edge_cases():
     ({"flip": torch.zeros(1, dtype=torch.int64)}, TypeError, "bool"),
     ({"flip": torch.zeros(3, dtype=torch.bool)}, ValueError, "flip must have shape (1,)"),
     ({"flip": [True]}, TypeError, "flip"),
+    ({"kernel": "vectorized"}, ValueError, "kernel must be one of ('auto', 'generic')"),
 ])
 def test_normalize_bad_input(kwargs, exc, words):
     args = {"images": torch.zeros(1, 2, 2, 3, dtype=torch.uint8), "mean": 0.0, "std": 1.0, **kwargs}
@@ -541,8 +598,9 @@ def test_pack_args_builds_pointer_array():
 # Tolerance: normalize is expected bit-exact (IEEE float32 division, round-to-nearest-even casts);
 # asserted within one unit in the last place of the output dtype. pad_ragged is exact.
 ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-GPU_IMAGE_SHAPES = [(1, 1, 1, 3), (2, 3, 5, 1), (4, 31, 33, 3), (3, 224, 224, 3), (2, 17, 1031, 4), (70000, 1, 2, 3),
-                    (1, 70000, 2, 3)]
+# (3, 224, 224, 3), (2, 17, 1032, 3), (70000, 1, 4, 3) and (1, 70000, 8, 3) run the vectorized kernel.
+GPU_IMAGE_SHAPES = [(1, 1, 1, 3), (2, 3, 5, 1), (4, 31, 33, 3), (3, 224, 224, 3), (2, 17, 1031, 4), (2, 17, 1032, 3),
+                    (70000, 1, 2, 3), (1, 70000, 2, 3), (70000, 1, 4, 3), (1, 70000, 8, 3)]
 
 
 @needs_cuda
@@ -576,6 +634,32 @@ def test_gpu_pad_ragged_matches_reference(dtype, lengths, monkeypatch):
                                          pad_to_multiple_of=8, labels_pad_value=-100, mask_dtype=mask_dtype)
             assert all(t.is_cuda for t in result)
             _check_pad(result, np_pad_ragged(values, offsets, int(info.max), 8, None, -100), mask_dtype, -100)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_gpu_vectorized_and_generic_kernels_agree(dtype, layout, monkeypatch):
+    monkeypatch.setenv("FASTLOAD_CUDA_OPS", "strict")
+    img = torch.randint(0, 256, (6, 224, 224, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    flip = torch.tensor([True, False, True, True, False, False])
+    images = img.cuda()
+    real = _nvrtc.kernel_launcher("normalize", images)
+    calls = []
+
+    def recording(kernel, function, *rest):
+        calls.append(function)
+        real(kernel, function, *rest)
+
+    outs = [cuda_ops.normalize_batch(images, mean=cuda_ops.IMAGENET_MEAN, std=cuda_ops.IMAGENET_STD, flip=flip,
+                                     layout=layout, dtype=dtype, launcher=recording, kernel=kernel).cpu()
+            for kernel in ("auto", "generic")]
+    ref = cuda_ops.normalize_batch_reference(img, mean=cuda_ops.IMAGENET_MEAN, std=cuda_ops.IMAGENET_STD, flip=flip,
+                                             layout=layout, dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    assert calls == [NORMALIZE_VEC_FUNCTIONS[name], NORMALIZE_FUNCTIONS[name]]
+    for out in outs:
+        np.testing.assert_array_equal(_bits(out), _bits(ref))
 
 
 @needs_cuda
