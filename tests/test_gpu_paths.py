@@ -308,3 +308,55 @@ def test_pin_fence_without_a_device_waits_for_every_stream_of_the_device():
     assert calls == []
     ring.write({"x": torch.arange(3)})
     assert calls == [2]
+
+
+def test_a_closed_ring_lets_go_of_its_buffers():
+    """An epoch's end closes its ring: free slots are dropped at once and slots given back later
+    are dropped too, so their (pinned) memory returns to torch's allocator for the next epoch; a
+    batch the user still holds keeps its own buffer."""
+    import gc
+    import weakref
+
+    ring = BufferRing(3, pin=False)
+    kept, slot_kept = ring.write({"x": torch.arange(4)})
+    out, slot_out = ring.write({"x": torch.arange(4) + 10})
+    dropped, slot_free = ring.write({"x": torch.arange(4) + 20})
+    del dropped
+    ring.release(slot_free)
+    free_buf = weakref.ref(slot_free.buf)
+    del slot_free
+    assert ring.live == 3
+    ring.close()
+    gc.collect()
+    assert ring.live == 2 and free_buf() is None
+    out_buf = weakref.ref(slot_out.buf)
+    del out
+    ring.release(slot_out)
+    del slot_out
+    gc.collect()
+    assert ring.live == 1 and out_buf() is None
+    ring.release(slot_kept)
+    del slot_kept
+    assert ring.live == 0 and kept["x"].tolist() == [0, 1, 2, 3]  # the user's batch is untouched
+
+
+@pytest.mark.parametrize("workers", [{}, {"num_workers": 2, "worker_type": "thread"}])
+def test_an_epochs_end_closes_its_ring(workers):
+    """Once an epoch is delivered its ring holds no buffer (the next epoch's ring reuses the memory
+    through torch's allocator), and the batch the user kept is still intact."""
+    from fastload import Loader
+
+    class DS:
+        def __len__(self) -> int:
+            return 100
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": torch.full((8,), i)}
+
+    loader = Loader(DS(), batch_size=10, buffer_ring=True, **workers)
+    it = iter(loader)
+    first = next(it)
+    assert it.ring is not None and it.ring.live >= 1
+    rest = [b["x"][:, 0].tolist() for b in it]
+    assert it.ring.live == 0
+    assert first["x"][:, 0].tolist() == list(range(10)) and rest[-1] == list(range(90, 100))

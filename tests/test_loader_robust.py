@@ -303,7 +303,9 @@ def test_cuda_pin_memory_uses_pinned_ring():
     assert b["x"].is_pinned()
     for _ in it:
         pass
-    assert it.ring is not None and it.ring.allocations <= it.ring.capacity
+    # bounded: at most `capacity` buffers, plus one for each the user kept (retired, never rewritten)
+    assert it.ring is not None and it.ring.allocations <= it.ring.capacity + it.ring.retired
+    assert it.ring.live == 0  # the epoch is over: the ring let go of its pinned memory
 
 
 def test_persistent_pool_with_dead_worker_is_replaced():

@@ -72,9 +72,12 @@ class PinStage:
                 owner.release(token)
 
     def close(self) -> None:
-        """Release every buffer still held."""
+        """Release every buffer still held, then close the ring (its memory goes back to torch's
+        pinned allocator for the next epoch)."""
         while self._held:
             self.release(self._held.popleft())
+        if self.ring is not None:
+            self.ring.close()
 
 
 def ring_post(ring: BufferRing) -> Callable[[Any, dict[str, float]], tuple[Any, Any]]:

@@ -79,9 +79,17 @@ class BufferRing:
         self.capacity, self.pin, self.device_index, self.headroom = slots, pin, device_index, headroom
         self._free: deque[Slot] = deque()
         self._live = 0
+        self._closed = False
         self._cond = threading.Condition()
         self.allocations = 0
         self.retired = 0
+
+    @property
+    def live(self) -> int:
+        """Buffers the ring holds now: free ones and those out with a batch (0 once closed and
+        every slot given back)."""
+        with self._cond:
+            return self._live
 
     def _alloc(self, nbytes: int) -> Slot:
         size = max(64, int(nbytes * self.headroom))
@@ -151,11 +159,26 @@ class BufferRing:
             self._cond.notify()
 
     def release(self, slot: Slot, fence: Any = None) -> None:
-        """Give a slot back; `fence` (e.g. a CUDA event) must complete before it is rewritten."""
+        """Give a slot back; `fence` (e.g. a CUDA event) must complete before it is rewritten.
+        After `close`, the slot is dropped instead."""
         with self._cond:
+            if self._closed:
+                self._live -= 1
+                return
             slot.fence = fence
             self._free.append(slot)
             self._cond.notify()
+
+    def close(self) -> None:
+        """Drop the free slots now (an epoch's end), so the next epoch's ring gets their pinned
+        memory back from torch's host allocator instead of page-locking new memory; slots given
+        back later are dropped too. Safe while a copy still reads a dropped slot: torch's host
+        allocator reuses a freed pinned block only after the copies recorded on it have run."""
+        with self._cond:
+            self._closed = True
+            self._live -= len(self._free)
+            self._free.clear()
+            self._cond.notify_all()
 
     def write(self, batch: Any) -> tuple[Any, Slot | None]:
         """Copy the batch's CPU tensors into a slot: `(batch of views, slot)`."""
