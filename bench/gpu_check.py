@@ -172,7 +172,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             figure, baseline, ratio, goal, met = _summary(row), "", "", "0 failed", str(row["ok"]).lower()
         elif res and res.get("value") is not None:
             figure = f"{_number(res['value'])} {res.get('unit', '')}"
-            baseline = f"{res.get('baseline', '')}: {_number(res.get('baseline_value'))}"
+            baseline = (f"{res['baseline']}: {_number(res.get('baseline_value'))}" if res.get("baseline") else "")
             ratio = f"{res['ratio']:.2f}x" if res.get("ratio") is not None else ""
             goal, met = res.get("goal", ""), "" if res.get("met") is None else ("yes" if res["met"] else "NO")
         else:
