@@ -352,11 +352,53 @@ def row_h2d(quick: bool) -> Row:
     rounds = 3 if quick else 5
     ring_gbs = _median_rate(ring_rate, rounds) / 1e9
     torch_gbs = _median_rate(torch_rate, rounds) / 1e9
+    # each half of either path alone, host time per batch: where a gap between the two paths comes from
+    parts = _h2d_parts(batches, ring, stage, device)
     return Row("h2d", value=ring_gbs, unit="GB/s", baseline="tensor.pin_memory().to('cuda', non_blocking=True)",
                baseline_value=torch_gbs, ratio=ring_gbs / torch_gbs, goal=">= 0.9x", met=ring_gbs / torch_gbs >= 0.9,
                details=[f"{nbytes / 2**20:.0f} MiB batches from pageable memory, median of {rounds} rounds",
                         f"copy ceiling (already pinned, one tensor): {copy_gbs:.1f} GB/s",
-                        f"ring: {ring.allocations} pinned buffers allocated, {ring.retired} retired"])
+                        f"ring: {ring.allocations} pinned buffers allocated, {ring.retired} retired",
+                        "per batch alone (ms, synchronized): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()),
+                        f"torch intra-op threads: {torch.get_num_threads()}"])
+
+
+def _h2d_parts(batches: list[dict[str, torch.Tensor]], ring: BufferRing, stage: DeviceStage,
+               device: torch.device) -> dict[str, float]:
+    """Milliseconds per batch of each half of the two H2D paths run alone: the ring's pack
+    (`ring.write`), torch's `pin_memory()`, and the copy of an already pinned batch through the
+    Loader's side stream (`DeviceStage`) and through torch's `.to(non_blocking=True)`."""
+
+    def per_batch(fn: Callable[[dict[str, torch.Tensor]], object]) -> float:
+        fn(batches[0])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for batch in batches * 2:
+            fn(batch)
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t0) / (2 * len(batches))
+
+    def pack(batch: dict[str, torch.Tensor]) -> None:
+        views, slot = ring.write(batch)
+        del views
+        if slot is not None:
+            ring.release(slot)
+
+    pinned = {k: v.pin_memory() for k, v in batches[0].items()}
+    held = ring.write(batches[0])  # (views of a ring slot, the slot)
+
+    def side_stream_copy(_batch: dict[str, torch.Tensor]) -> None:
+        out, event = stage.start(held[0])
+        stage.finish(out, event)
+
+    out = {"ring pack": per_batch(pack),
+           "pin_memory()": per_batch(lambda b: {k: v.pin_memory() for k, v in b.items()}),
+           "side-stream copy of a ring slot": per_batch(side_stream_copy),
+           "to(non_blocking) of a pinned batch": per_batch(
+               lambda _b: {k: v.to(device, non_blocking=True) for k, v in pinned.items()})}
+    if held[1] is not None:
+        ring.release(held[1])
+    return out
 
 
 def _matmul_step(target_s: float) -> Callable[[torch.Tensor], torch.Tensor]:
