@@ -353,13 +353,17 @@ def row_h2d(quick: bool) -> Row:
     ring_gbs = _median_rate(ring_rate, rounds) / 1e9
     torch_gbs = _median_rate(torch_rate, rounds) / 1e9
     # each half of either path alone, host time per batch: where a gap between the two paths comes from
-    parts = _h2d_parts(batches, ring, stage, device)
+    try:
+        parts_line = "per batch alone (ms, synchronized): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in _h2d_parts(batches, ring, stage, device).items())
+    except Exception as exc:  # noqa: BLE001 - a diagnostic line; the row's figure stands without it
+        parts_line = f"per batch alone: FAILED: {type(exc).__name__}: {exc}".splitlines()[0][:300]
     return Row("h2d", value=ring_gbs, unit="GB/s", baseline="tensor.pin_memory().to('cuda', non_blocking=True)",
                baseline_value=torch_gbs, ratio=ring_gbs / torch_gbs, goal=">= 0.9x", met=ring_gbs / torch_gbs >= 0.9,
                details=[f"{nbytes / 2**20:.0f} MiB batches from pageable memory, median of {rounds} rounds",
                         f"copy ceiling (already pinned, one tensor): {copy_gbs:.1f} GB/s",
                         f"ring: {ring.allocations} pinned buffers allocated, {ring.retired} retired",
-                        "per batch alone (ms, synchronized): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()),
+                        parts_line,
                         f"torch intra-op threads: {torch.get_num_threads()}"])
 
 
