@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["ENTRY_POINTS", "NORMALIZE_FUNCTIONS", "NORMALIZE_VEC_FUNCTIONS", "PAD_RAGGED_SUFFIXES"]
+__all__ = ["ENTRY_POINTS", "NORMALIZE_FUNCTIONS", "NORMALIZE_VEC8_FUNCTIONS", "NORMALIZE_VEC_FUNCTIONS",
+           "PAD_RAGGED_SUFFIXES"]
 
-# torch dtype name -> entry point: the generic kernel (one pixel per thread) and the vectorized one
-# (3 channels, 4 pixels per thread).
+# torch dtype name -> entry point: the generic kernel (one pixel per thread) and the vectorized ones
+# (3 channels, 4 pixels per thread; 8 pixels per thread for 16-bit outputs).
 NORMALIZE_FUNCTIONS = {"float32": "fl_normalize_f32", "float16": "fl_normalize_f16", "bfloat16": "fl_normalize_bf16"}
 NORMALIZE_VEC_FUNCTIONS = {"float32": "fl_normalize_vec_f32", "float16": "fl_normalize_vec_f16",
                            "bfloat16": "fl_normalize_vec_bf16"}
+NORMALIZE_VEC8_FUNCTIONS = {"float16": "fl_normalize_vec8_f16", "bfloat16": "fl_normalize_vec8_bf16"}
 
 # torch dtype name -> kernel type suffix; every suffix has an int64-mask ("_m64") and a bool-mask ("_mb") variant.
 PAD_RAGGED_SUFFIXES = {
@@ -17,6 +19,6 @@ PAD_RAGGED_SUFFIXES = {
 }
 
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
-    "normalize": (*NORMALIZE_FUNCTIONS.values(), *NORMALIZE_VEC_FUNCTIONS.values()),
+    "normalize": (*NORMALIZE_FUNCTIONS.values(), *NORMALIZE_VEC_FUNCTIONS.values(), *NORMALIZE_VEC8_FUNCTIONS.values()),
     "pad_ragged": tuple(f"fl_pad_ragged_{s}_{m}" for s in PAD_RAGGED_SUFFIXES.values() for m in ("m64", "mb")),
 }

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _nvrtc
-from ._registry import NORMALIZE_FUNCTIONS, NORMALIZE_VEC_FUNCTIONS
+from ._registry import NORMALIZE_FUNCTIONS, NORMALIZE_VEC8_FUNCTIONS, NORMALIZE_VEC_FUNCTIONS
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "LAYOUTS", "normalize_batch", "normalize_batch_reference"]
 
@@ -24,7 +24,7 @@ IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 LAYOUTS = ("NCHW", "NHWC")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_KERNELS = ("auto", "generic")  # normalize_batch(kernel=...)
+_KERNELS = ("auto", "generic", "vec4", "vec8")  # normalize_batch(kernel=...)
 
 Stats = float | Sequence[float] | torch.Tensor
 
@@ -94,23 +94,26 @@ def _device_stats(device: torch.device, mean: tuple[float, ...], std: tuple[floa
     return torch.tensor([mean, std], dtype=torch.float32, device=device)
 
 
-def _vectorizable(src: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the vectorized kernel can run: 3 channels, W % 4 == 0, a 4-byte aligned source (three 32-bit
-    loads per 4 pixels), a 4-element aligned output (8- or 16-byte stores) and a sample of < 2**31 elements
-    (32-bit offsets within a sample)."""
+def _pixel_groups(src: torch.Tensor, out: torch.Tensor) -> tuple[int, ...]:
+    """The pixel-group sizes the vectorized kernels can run with on these tensors: 4 needs 3 channels,
+    W % 4 == 0, a 4-byte aligned source (32-bit loads), a 4-element aligned output (8- or 16-byte
+    stores) and a sample of < 2**31 elements (32-bit offsets within a sample); 8 the same with
+    W % 8 == 0 and a 16-bit output 8-element aligned (16-byte stores)."""
     _, height, width, channels = src.shape
-    return (channels == 3 and width % 4 == 0 and 3 * height * width < 2**31 and src.data_ptr() % 4 == 0
-            and out.data_ptr() % (4 * out.element_size()) == 0)
+    if channels != 3 or 3 * height * width >= 2**31 or src.data_ptr() % 4:
+        return ()
+    fits = [g for g in (4, 8) if width % g == 0 and out.data_ptr() % (g * out.element_size()) == 0]
+    return tuple(g for g in fits if g == 4 or out.element_size() == 2)
 
 
 def _launch_normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...],
                       flip: torch.Tensor | None, layout: str, dtype: torch.dtype,
-                      launch: _nvrtc.Launcher, *, vectorized: bool | None = None) -> torch.Tensor:
+                      launch: _nvrtc.Launcher, *, kernel: str = "auto") -> torch.Tensor:
     """Run the fused kernel through `launch` on validated inputs.
 
-    vectorized: None runs the vectorized kernel (4 pixels per thread) where `_vectorizable` allows, else
-    the generic one (one pixel per thread); False forces the generic kernel; True requires the
-    vectorized one (ValueError where it cannot run).
+    kernel: "auto" runs the vectorized kernel of 4 pixels per thread where `_pixel_groups` allows,
+    else the generic one (one pixel per thread); "generic", "vec4" and "vec8" force one (a
+    vectorized kernel that cannot run on these tensors raises ValueError saying what it needs).
     """
     batch, height, width, channels = images.shape
     nchw = layout == "NCHW"
@@ -120,20 +123,28 @@ def _launch_normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[
         return out
     src = images.contiguous()
     stats = _device_stats(images.device, mean, std)
-    vec = _vectorizable(src, out)
-    if vectorized and not vec:
-        raise ValueError("the vectorized normalize kernel needs 3 channels, width % 4 == 0, aligned tensors and "
-                         "< 2**31 elements per sample")
-    vec = vec if vectorized is None else vectorized
+    allowed = _pixel_groups(src, out)
+    if kernel == "auto":
+        group = 4 if 4 in allowed else 1
+    elif kernel == "generic":
+        group = 1
+    else:
+        group = int(kernel.removeprefix("vec"))
+        if group not in allowed:
+            raise ValueError(
+                f"the {kernel} normalize kernel cannot run here: it needs 3 channels, width % {group} == 0, "
+                f"{'a float16 or bfloat16 output, ' if group == 8 else ''}aligned tensors and < 2**31 elements "
+                f"per sample (got {tuple(images.shape)} -> {dtype})")
     name = str(dtype).removeprefix("torch.")
     args = [_nvrtc.ptr(src), _nvrtc.ptr(out), _nvrtc.ptr(flip), _nvrtc.ptr(stats[0]), _nvrtc.ptr(stats[1]),
             _nvrtc.i64(batch)]
-    if vec:  # x threads walk groups of 4 pixels; 32-bit offsets within a sample
-        function, columns = NORMALIZE_VEC_FUNCTIONS[name], width // 4
+    if group > 1:  # x threads walk groups of 4 or 8 pixels; 32-bit offsets within a sample
+        function = (NORMALIZE_VEC_FUNCTIONS if group == 4 else NORMALIZE_VEC8_FUNCTIONS)[name]
         args += [_nvrtc.i32(height), _nvrtc.i32(width), _nvrtc.i32(int(nchw))]
     else:
-        function, columns = NORMALIZE_FUNCTIONS[name], width
+        function = NORMALIZE_FUNCTIONS[name]
         args += [_nvrtc.i64(height), _nvrtc.i64(width), _nvrtc.i64(channels), _nvrtc.i32(int(nchw))]
+    columns = width // group
     # x covers a row (rounded up to a warp, at most 256 threads), y fills the block to 256 threads with rows.
     block_x = min(256, -(-columns // 32) * 32)
     block_y = max(1, min(256 // block_x, height))
@@ -160,8 +171,10 @@ def normalize_batch(images: torch.Tensor, *, mean: Stats, std: Stats, flip: torc
         `Launcher` contract: `(kernel, function, grid, block, args, device)`), e.g. a host
         emulator of the kernel source or a profiling wrapper; the output is allocated as usual.
     kernel: "auto" runs the vectorized kernel (4 pixels per thread) for 3-channel images with W % 4 == 0
-        and aligned tensors, else the generic one; "generic" forces the one-pixel-per-thread kernel,
-        for comparisons. Both give the same bits; the reference path ignores it.
+        and aligned tensors, else the generic one; "generic" (one pixel per thread), "vec4" and "vec8"
+        (8 pixels per thread, float16/bfloat16 outputs with W % 8 == 0) force a kernel, for
+        comparisons (ValueError where a forced vectorized kernel cannot run). All give the same
+        bits; the reference path ignores it.
 
     CUDA tensors run the fused kernel on the current stream; CPU tensors (or CUDA without the
     `[cuda]` extra, with a one-time warning) run `normalize_batch_reference`.
@@ -172,5 +185,4 @@ def normalize_batch(images: torch.Tensor, *, mean: Stats, std: Stats, flip: torc
     launch = launcher if launcher is not None else _nvrtc.kernel_launcher("normalize", images)
     if launch is None:
         return normalize_batch_reference(images, mean=mean_t, std=std_t, flip=flip_t, layout=layout, dtype=dtype)
-    return _launch_normalize(images, mean_t, std_t, flip_t, layout, dtype, launch,
-                             vectorized=None if kernel == "auto" else False)
+    return _launch_normalize(images, mean_t, std_t, flip_t, layout, dtype, launch, kernel=kernel)

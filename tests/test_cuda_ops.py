@@ -24,8 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastload import cuda_ops
-from fastload.cuda_ops import _nvrtc, normalize
-from fastload.cuda_ops._registry import ENTRY_POINTS, NORMALIZE_FUNCTIONS, NORMALIZE_VEC_FUNCTIONS
+from fastload.cuda_ops import _nvrtc
+from fastload.cuda_ops._registry import (
+    ENTRY_POINTS,
+    NORMALIZE_FUNCTIONS,
+    NORMALIZE_VEC8_FUNCTIONS,
+    NORMALIZE_VEC_FUNCTIONS,
+)
 
 KERNELS = sorted(_nvrtc.KERNEL_DIR.glob("*.cu"))
 CUDA = torch.cuda.is_available()
@@ -93,7 +98,7 @@ def np_pad_ragged(values: np.ndarray, offsets: np.ndarray, pad_value: int, multi
 def image_batches(draw):
     b = draw(st.integers(0, 4))
     h = draw(st.integers(1, 9))
-    if draw(st.booleans()):  # the vectorized kernel's case: 3 channels, W % 4 == 0
+    if draw(st.booleans()):  # the vectorized kernels' case: 3 channels, W % 4 == 0 (W % 8 == 0 half the time)
         w, c = 4 * draw(st.integers(1, 10)), 3
     else:
         w, c = draw(st.integers(1, 40)), draw(st.sampled_from([1, 2, 3, 4, 5]))
@@ -308,15 +313,19 @@ def test_normalize_kernel_source_matches_reference(host_emulator, variant, batch
     launch = host_emulator() if variant is None else host_emulator(*variant)
     images = torch.from_numpy(img)
     flip_t = None if flip is None else torch.from_numpy(flip)
-    out = cuda_ops.normalize_batch(images, mean=mean, std=std, flip=flip_t, layout=layout, dtype=dtype,
-                                   launcher=launch)
+    vec8 = img.shape[3] == 3 and img.shape[2] % 8 == 0 and dtype != torch.float32
     ref = cuda_ops.normalize_batch_reference(images, mean=mean, std=std, flip=flip_t, layout=layout, dtype=dtype)
-    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
-    np.testing.assert_array_equal(_bits(out), _bits(ref))  # bit-exact: IEEE division, RNE rounding
-    assert len(launch.calls) == (1 if out.numel() else 0)
-    if launch.calls:  # numpy buffers are aligned: the shape alone picks the kernel
-        vectorized = img.shape[3] == 3 and img.shape[2] % 4 == 0
-        assert launch.calls[0][0].startswith("fl_normalize_vec_") == vectorized
+    for kernel in ("auto", "vec8") if vec8 else ("auto",):
+        launch.calls.clear()
+        out = cuda_ops.normalize_batch(images, mean=mean, std=std, flip=flip_t, layout=layout, dtype=dtype,
+                                       launcher=launch, kernel=kernel)
+        assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+        np.testing.assert_array_equal(_bits(out), _bits(ref))  # bit-exact: IEEE division, RNE rounding
+        assert len(launch.calls) == (1 if out.numel() else 0)
+        if launch.calls:  # numpy buffers are aligned: the shape alone picks the kernel
+            vectorized = img.shape[3] == 3 and img.shape[2] % 4 == 0
+            prefix = "fl_normalize_vec8_" if kernel == "vec8" else "fl_normalize_vec_"
+            assert launch.calls[0][0].startswith(prefix) == vectorized
 
 
 @pytest.mark.parametrize("variant", LAUNCH_VARIANTS)
@@ -378,16 +387,26 @@ def test_normalize_kernel_choice(host_emulator, shape, offset, kernel, call):
                                                             torch.float32))
 
 
-def test_vectorized_kernel_cannot_be_forced_where_it_cannot_run(host_emulator):
-    with pytest.raises(ValueError, match="vectorized"):
-        normalize._launch_normalize(_images((1, 2, 7, 3)), (0.0,) * 3, (1.0,) * 3, None, "NCHW", torch.float32,
-                                    host_emulator(), vectorized=True)
+@pytest.mark.parametrize("shape, offset, dtype, kernel", [
+    ((1, 2, 7, 3), 0, torch.float32, "vec4"),  # W % 4 != 0
+    ((1, 2, 8, 4), 0, torch.float16, "vec4"),  # 4 channels
+    ((1, 2, 224, 3), 1, torch.float16, "vec4"),  # odd data_ptr
+    ((1, 2, 224, 3), 0, torch.float32, "vec8"),  # a float32 output
+    ((1, 2, 228, 3), 0, torch.float16, "vec8"),  # W % 8 != 0
+    ((1, 2, 224, 3), 2, torch.bfloat16, "vec8"),  # a source not 4-byte aligned
+])
+def test_a_vectorized_kernel_cannot_be_forced_where_it_cannot_run(host_emulator, shape, offset, dtype, kernel):
+    with pytest.raises(ValueError, match=f"the {kernel} normalize kernel cannot run here"):
+        cuda_ops.normalize_batch(_images(shape, offset), mean=(0.0,) * shape[3], std=(1.0,) * shape[3], dtype=dtype,
+                                 launcher=host_emulator(), kernel=kernel)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_vectorized_kernel_is_bit_exact_with_flips(host_emulator, layout, dtype):
-    """Mixed flips; a shrunk grid and rows of 258 groups of 4 pixels: every stride loop takes several trips."""
+@pytest.mark.parametrize("dtype, kernel", [(d, "vec4") for d in DTYPES] + [(torch.float16, "vec8"),
+                                                                           (torch.bfloat16, "vec8")])
+def test_vectorized_kernels_are_bit_exact_with_flips(host_emulator, layout, dtype, kernel):
+    """Mixed flips; a shrunk grid and rows of 258 groups of 4 pixels (129 of 8): every stride loop takes
+    several trips."""
     launch = host_emulator(shrink=(2, 2, 1))
     rng = np.random.default_rng(4)
     img = rng.integers(0, 256, size=(5, 6, 1032, 3), dtype=np.uint8)
@@ -396,10 +415,11 @@ def test_vectorized_kernel_is_bit_exact_with_flips(host_emulator, layout, dtype)
              (rng.uniform(0, 255, 3).tolist(), rng.uniform(1, 100, 3).tolist())]
     for mean, std in stats:
         out = cuda_ops.normalize_batch(torch.from_numpy(img), mean=mean, std=std, flip=torch.from_numpy(flip),
-                                       layout=layout, dtype=dtype, launcher=launch)
+                                       layout=layout, dtype=dtype, launcher=launch, kernel=kernel)
         np.testing.assert_array_equal(_bits(out), np_normalize(img, mean, std, flip, layout, dtype))
-    name = NORMALIZE_VEC_FUNCTIONS[str(dtype).removeprefix("torch.")]
-    assert launch.calls == [(name, (2, 2, 1), (256, 1, 1))] * 2
+    functions = NORMALIZE_VEC_FUNCTIONS if kernel == "vec4" else NORMALIZE_VEC8_FUNCTIONS
+    block = (256, 1, 1) if kernel == "vec4" else (160, 1, 1)  # 258 or 129 groups: rounded up to a warp, <= 256
+    assert launch.calls == [(functions[str(dtype).removeprefix("torch.")], (2, 2, 1), block)] * 2
 
 
 # ----------------------------------------------------------------------------- references vs numpy
@@ -504,7 +524,7 @@ def test_pad_ragged_edge_cases():
     ({"flip": torch.zeros(1, dtype=torch.int64)}, TypeError, "bool"),
     ({"flip": torch.zeros(3, dtype=torch.bool)}, ValueError, "flip must have shape (1,)"),
     ({"flip": [True]}, TypeError, "flip"),
-    ({"kernel": "vectorized"}, ValueError, "kernel must be one of ('auto', 'generic')"),
+    ({"kernel": "vectorized"}, ValueError, "kernel must be one of ('auto', 'generic', 'vec4', 'vec8')"),
 ])
 def test_normalize_bad_input(kwargs, exc, words):
     args = {"images": torch.zeros(1, 2, 2, 3, dtype=torch.uint8), "mean": 0.0, "std": 1.0, **kwargs}
@@ -653,11 +673,12 @@ def test_gpu_vectorized_and_generic_kernels_agree(dtype, layout, monkeypatch):
 
     outs = [cuda_ops.normalize_batch(images, mean=cuda_ops.IMAGENET_MEAN, std=cuda_ops.IMAGENET_STD, flip=flip,
                                      layout=layout, dtype=dtype, launcher=recording, kernel=kernel).cpu()
-            for kernel in ("auto", "generic")]
+            for kernel in ("auto", "generic", *(("vec8",) if dtype != torch.float32 else ()))]
     ref = cuda_ops.normalize_batch_reference(img, mean=cuda_ops.IMAGENET_MEAN, std=cuda_ops.IMAGENET_STD, flip=flip,
                                              layout=layout, dtype=dtype)
     name = str(dtype).removeprefix("torch.")
-    assert calls == [NORMALIZE_VEC_FUNCTIONS[name], NORMALIZE_FUNCTIONS[name]]
+    assert calls == [NORMALIZE_VEC_FUNCTIONS[name], NORMALIZE_FUNCTIONS[name],
+                     *([NORMALIZE_VEC8_FUNCTIONS[name]] if dtype != torch.float32 else [])]
     for out in outs:
         np.testing.assert_array_equal(_bits(out), _bits(ref))
 

@@ -14,11 +14,16 @@
 //   4 outputs (8 or 16 bytes) for NCHW, 12 outputs as three 8- or 16-byte stores for NHWC: a
 //   quarter of the generic kernel's memory instructions, each one wider. mean/std sit in
 //   registers; offsets within a sample are 32-bit, the sample base is 64-bit.
+// * fl_normalize_vec8_{f16,bf16}: the same with 8 pixels per thread for 16-bit outputs (W % 8 == 0,
+//   the output 8-element aligned): six 32-bit loads of 24 bytes and 16-byte stores (8 outputs per
+//   plane for NCHW, 24 outputs as three stores for NHWC). One template serves both group sizes.
+//   Chosen only when asked for (`kernel="vec8"`): bench.gpu's normalize row measures it against
+//   the 4-pixel kernel.
 // * fl_normalize_*: every other shape, alignment or channel count. One thread per pixel, C byte
 //   loads and C scalar stores, 64-bit offsets.
 //
 // Grid (both): blockIdx.y walks samples, blockIdx.x * blockDim.y + threadIdx.y walks rows,
-// threadIdx.x walks columns (pixels, or groups of 4 pixels); every level loops with its grid
+// threadIdx.x walks columns (pixels, or groups of 4 or 8 pixels); every level loops with its grid
 // stride, so any B, H, W is covered whatever the launch size (gridDim.y is capped at 65535 by
 // the host). No integer division per pixel.
 //
@@ -68,64 +73,79 @@ __device__ __forceinline__ void fl_normalize_impl(
     }
 }
 
-// Four consecutive outputs packed for one vector store: a float4 (16 bytes) for float, a uint2
-// (8 bytes) for __half / __nv_bfloat16. The kernel indexes a V* base pointer, so the compiler
-// keeps each store whole.
-template <typename T> struct fl_vec4 { typedef uint2 type; };
-template <> struct fl_vec4<float> { typedef float4 type; };
-__device__ __forceinline__ float4 fl_pack4(const float* v) { return make_float4(v[0], v[1], v[2], v[3]); }
+// G consecutive outputs packed for one vector store: G = 4 gives a float4 (16 bytes) for float
+// and a uint2 (8 bytes) for __half / __nv_bfloat16; G = 8 (16-bit types only) gives a uint4
+// (16 bytes). The kernel indexes a V* base pointer, so the compiler keeps each store whole.
+template <typename T, int G> struct fl_vec { typedef uint2 type; };
+template <> struct fl_vec<float, 4> { typedef float4 type; };
+template <typename T> struct fl_vec<T, 8> { typedef uint4 type; };
 __device__ __forceinline__ unsigned fl_bits(__half v) { return static_cast<__half_raw>(v).x; }
 __device__ __forceinline__ unsigned fl_bits(__nv_bfloat16 v) { return static_cast<__nv_bfloat16_raw>(v).x; }
-template <typename T> __device__ __forceinline__ uint2 fl_pack4(const T* v) {
-    return make_uint2(fl_bits(v[0]) | fl_bits(v[1]) << 16, fl_bits(v[2]) | fl_bits(v[3]) << 16);
+template <typename T> __device__ __forceinline__ unsigned fl_pair(const T* v) {
+    return fl_bits(v[0]) | fl_bits(v[1]) << 16;
+}
+__device__ __forceinline__ float4 fl_pack(const float* v, float4*) { return make_float4(v[0], v[1], v[2], v[3]); }
+template <typename T> __device__ __forceinline__ uint2 fl_pack(const T* v, uint2*) {
+    return make_uint2(fl_pair(v), fl_pair(v + 2));
+}
+template <typename T> __device__ __forceinline__ uint4 fl_pack(const T* v, uint4*) {
+    return make_uint4(fl_pair(v), fl_pair(v + 2), fl_pair(v + 4), fl_pair(v + 6));
 }
 
-template <typename T>
+template <typename T, int G>
 __device__ __forceinline__ void fl_normalize_vec_impl(
     const unsigned char* __restrict__ src,  // (B, H, W, 3) uint8, contiguous, 4-byte aligned
-    T* __restrict__ dst,                    // (B, 3, H, W) if nchw else (B, H, W, 3), contiguous, 4-element aligned
+    T* __restrict__ dst,                    // (B, 3, H, W) if nchw else (B, H, W, 3), contiguous, G-element aligned
     const unsigned char* __restrict__ flip, // (B,) 0/1, or nullptr for no flip
     const float* __restrict__ mean,         // (3,)
     const float* __restrict__ stdv,         // (3,)
-    fl_i64 batch, int height, int width, int nchw) {  // W % 4 == 0, 3 * H * W < 2**31
-    typedef typename fl_vec4<T>::type V;
+    fl_i64 batch, int height, int width, int nchw) {  // W % G == 0, 3 * H * W < 2**31
+    typedef typename fl_vec<T, G>::type V;
+    constexpr int WORDS = 3 * G / 4;  // 32-bit source words per group of G pixels
     const float m[3] = {mean[0], mean[1], mean[2]};
     const float sd[3] = {stdv[0], stdv[1], stdv[2]};
-    const int groups = width / 4;        // groups of 4 pixels per row
-    const int plane4 = height * groups;  // one output plane in V units
+    const int groups = width / G;        // groups of G pixels per row
+    const int plane_g = height * groups;  // one output plane in V units
     const int row_step = gridDim.x * blockDim.y;
     for (fl_i64 b = blockIdx.y; b < batch; b += gridDim.y) {
         const bool flipped = flip != nullptr && flip[b] != 0;
-        const unsigned* src_img = reinterpret_cast<const unsigned*>(src) + b * 3 * plane4;  // 3 words per group
-        V* dst_img = reinterpret_cast<V*>(dst) + b * 3 * plane4;                            // 3 V per group
+        const unsigned* src_img = reinterpret_cast<const unsigned*>(src) + b * WORDS * plane_g;
+        V* dst_img = reinterpret_cast<V*>(dst) + b * 3 * plane_g;  // 3 V per group
         for (int h = blockIdx.x * blockDim.y + threadIdx.y; h < height; h += row_step) {
             for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-                const unsigned* s = src_img + 3 * (h * groups + (flipped ? groups - 1 - g : g));
-                const unsigned word[3] = {s[0], s[1], s[2]};
-                float x[12];  // x[3 * pixel + channel]: the 12 bytes in memory order
+                const unsigned* s = src_img + WORDS * (h * groups + (flipped ? groups - 1 - g : g));
+                unsigned word[WORDS];
 #pragma unroll
-                for (int k = 0; k < 12; ++k) x[k] = (float)((word[k / 4] >> (8 * (k % 4))) & 0xFFu);
+                for (int k = 0; k < WORDS; ++k) word[k] = s[k];
+                float x[3 * G];  // x[3 * pixel + channel]: the group's bytes in memory order
+#pragma unroll
+                for (int k = 0; k < 3 * G; ++k) x[k] = (float)((word[k / 4] >> (8 * (k % 4))) & 0xFFu);
                 if (flipped) {  // the mirrored group: pixels in reverse order
 #pragma unroll
-                    for (int c = 0; c < 3; ++c) {
-                        float t = x[c]; x[c] = x[9 + c]; x[9 + c] = t;
-                        t = x[3 + c]; x[3 + c] = x[6 + c]; x[6 + c] = t;
+                    for (int p = 0; p < G / 2; ++p) {
+#pragma unroll
+                        for (int c = 0; c < 3; ++c) {
+                            const float t = x[3 * p + c];
+                            x[3 * p + c] = x[3 * (G - 1 - p) + c];
+                            x[3 * (G - 1 - p) + c] = t;
+                        }
                     }
                 }
-                T y[12];  // y[3 * pixel + channel]: the outputs in NHWC order
+                T y[3 * G];  // y[3 * pixel + channel]: the outputs in NHWC order
 #pragma unroll
-                for (int k = 0; k < 12; ++k) y[k] = fl_from_float<T>((x[k] - m[k % 3]) / sd[k % 3]);
+                for (int k = 0; k < 3 * G; ++k) y[k] = fl_from_float<T>((x[k] - m[k % 3]) / sd[k % 3]);
                 const int i = h * groups + g;  // this group's index within a plane
                 if (nchw) {
 #pragma unroll
                     for (int c = 0; c < 3; ++c) {
-                        const T v[4] = {y[c], y[3 + c], y[6 + c], y[9 + c]};
-                        dst_img[c * plane4 + i] = fl_pack4(v);
+                        T v[G];
+#pragma unroll
+                        for (int p = 0; p < G; ++p) v[p] = y[3 * p + c];
+                        dst_img[c * plane_g + i] = fl_pack(v, (V*)nullptr);
                     }
                 } else {
-                    dst_img[3 * i] = fl_pack4(y);
-                    dst_img[3 * i + 1] = fl_pack4(y + 4);
-                    dst_img[3 * i + 2] = fl_pack4(y + 8);
+#pragma unroll
+                    for (int k = 0; k < 3; ++k) dst_img[3 * i + k] = fl_pack(y + G * k, (V*)nullptr);
                 }
             }
         }
@@ -144,14 +164,17 @@ FL_NORMALIZE_ENTRY(fl_normalize_f32, float)
 FL_NORMALIZE_ENTRY(fl_normalize_f16, __half)
 FL_NORMALIZE_ENTRY(fl_normalize_bf16, __nv_bfloat16)
 
-#define FL_NORMALIZE_VEC_ENTRY(NAME, T)                                                                  \
+#define FL_NORMALIZE_VEC_ENTRY(NAME, T, G)                                                               \
     extern "C" __global__ void NAME(const unsigned char* __restrict__ src, T* __restrict__ dst,           \
                                     const unsigned char* __restrict__ flip, const float* __restrict__ mean, \
                                     const float* __restrict__ stdv, fl_i64 batch, int height, int width,   \
                                     int nchw) {                                                           \
-        fl_normalize_vec_impl<T>(src, dst, flip, mean, stdv, batch, height, width, nchw);                \
+        fl_normalize_vec_impl<T, G>(src, dst, flip, mean, stdv, batch, height, width, nchw);             \
     }
 
-FL_NORMALIZE_VEC_ENTRY(fl_normalize_vec_f32, float)
-FL_NORMALIZE_VEC_ENTRY(fl_normalize_vec_f16, __half)
-FL_NORMALIZE_VEC_ENTRY(fl_normalize_vec_bf16, __nv_bfloat16)
+FL_NORMALIZE_VEC_ENTRY(fl_normalize_vec_f32, float, 4)
+FL_NORMALIZE_VEC_ENTRY(fl_normalize_vec_f16, __half, 4)
+FL_NORMALIZE_VEC_ENTRY(fl_normalize_vec_bf16, __nv_bfloat16, 4)
+FL_NORMALIZE_VEC_ENTRY(fl_normalize_vec8_f16, __half, 8)
+FL_NORMALIZE_VEC_ENTRY(fl_normalize_vec8_bf16, __nv_bfloat16, 8)
+
