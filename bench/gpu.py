@@ -452,8 +452,8 @@ def _stalled_run(loader: Any, step: Callable[[torch.Tensor], torch.Tensor], *, s
     }
     if hasattr(loader, "stats"):
         st = loader.stats()
-        out["stages_ms"] = {k.removesuffix("_s"): 1e3 * st[k] / steps for k in ("read_s", "pin_s", "h2d_s", "wait_s")
-                            if k in st}
+        keys = ("read_s", "pin_s", "ring_wait_s", "h2d_s", "wait_s")
+        out["stages_ms"] = {k.removesuffix("_s"): 1e3 * st[k] / steps for k in keys if k in st}
     return out
 
 

@@ -494,7 +494,9 @@ class Loader(Generic[T_co]):
 
         Keys: `read_s`, `transform_s`, `collate_s`, `pin_s`, `h2d_s` (seconds per stage,
         summed over workers; `read` is the dataset access — all of `__getitem__` for generic
-        datasets — `h2d` the host time issuing and waiting for copies), `wait_s` (consumer
+        datasets — `pin` the copy into the reused (pinned) buffers, `h2d` the host time issuing
+        and waiting for copies), `ring_wait_s` (packing waiting for a free buffer: back-pressure
+        from batches packed ahead, not work), `wait_s` (consumer
         time inside `next()`), `wall_s` (time iterators were active), `batches`, `samples`,
         `batches_per_s`, `samples_per_s`, `data_stall` (= wait_s / wall_s: the fraction of
         time the training loop waited for data), `num_workers`, `worker_type` (``"inline"``,

@@ -6,9 +6,12 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["STAGES", "LoaderStats"]
+__all__ = ["STAGES", "WAITS", "LoaderStats"]
 
 STAGES = ("read", "transform", "collate", "pin", "h2d")
+# Time a stage spent waiting, not working: `ring_wait`, packing waiting for a free ring slot (the
+# batches packed ahead not yet consumed, or their copies still running): back-pressure, not a cost.
+WAITS = ("ring_wait",)
 
 
 class LoaderStats:
@@ -30,7 +33,7 @@ class LoaderStats:
     def reset(self) -> None:
         """Zero every counter (stage times, waits, batch counts)."""
         with self._lock:
-            self.stage = dict.fromkeys(STAGES, 0.0)
+            self.stage = dict.fromkeys(STAGES + WAITS, 0.0)
             self.wait = 0.0
             self.wall_closed = 0.0
             self.batches = 0
@@ -39,11 +42,11 @@ class LoaderStats:
             self._span_last: float | None = None
 
     def add(self, stage: str, seconds: float) -> None:
-        """Add `seconds` to one of `STAGES` (consumer thread only)."""
+        """Add `seconds` to one of `STAGES` or `WAITS` (consumer thread only)."""
         self.stage[stage] += seconds
 
     def add_many(self, timings: dict[str, float]) -> None:
-        """Add a batch's `{stage: seconds}` (keys from `STAGES`; consumer thread only)."""
+        """Add a batch's `{stage: seconds}` (keys from `STAGES` and `WAITS`; consumer thread only)."""
         stage = self.stage
         for k, v in timings.items():
             stage[k] += v

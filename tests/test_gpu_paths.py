@@ -360,3 +360,38 @@ def test_an_epochs_end_closes_its_ring(workers):
     rest = [b["x"][:, 0].tolist() for b in it]
     assert it.ring.live == 0
     assert first["x"][:, 0].tolist() == list(range(10)) and rest[-1] == list(range(90, 100))
+
+
+def test_a_wait_for_a_free_slot_is_counted_apart_from_the_copy():
+    """`ring.write(batch, timings)`: the wait for a slot (here a copy still reading the only slot)
+    goes under "ring_wait", the copy under "pin"; `Loader.stats()` reports both."""
+    import time
+
+    class SlowCopy:  # a copy that reads the slot for 50 ms more
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            time.sleep(0.05)
+
+    ring = BufferRing(1, pin=False)
+    out, slot = ring.write({"x": torch.arange(4)})
+    del out
+    ring.release(slot, SlowCopy())
+    timings: dict[str, float] = {}
+    out, _ = ring.write({"x": torch.arange(4) + 1}, timings)
+    assert timings["ring_wait"] >= 0.05 > timings["pin"] and out["x"].tolist() == [1, 2, 3, 4]
+
+    from fastload import Loader
+
+    class DS:
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": torch.full((1024,), i)}
+
+    loader = Loader(DS(), batch_size=8, buffer_ring=True, num_workers=2, worker_type="thread")
+    assert sum(int(b["x"].shape[0]) for b in loader) == 64
+    stats = loader.stats()
+    assert stats["pin_s"] > 0 and stats["ring_wait_s"] >= 0

@@ -13,7 +13,6 @@ part of a position).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,6 @@ from fastload.transfer.side_stream import DeviceWideFence
 
 __all__ = ["PinStage", "ring_post"]
 
-_perf = time.perf_counter
 
 
 class PinStage:
@@ -41,9 +39,9 @@ class PinStage:
         if token is not None:
             tokens.append((ring if self.packed_by_source else source, token))
         if ring is not None and not self.packed_by_source:
-            t = _perf()
-            batch, slot = ring.write(batch)
-            self._stats.add("pin", _perf() - t)
+            timings: dict[str, float] = {}
+            batch, slot = ring.write(batch, timings)
+            self._stats.add_many(timings)
             if slot is not None:
                 tokens.append((ring, slot))
         return batch, tokens
@@ -82,12 +80,10 @@ class PinStage:
 
 def ring_post(ring: BufferRing) -> Callable[[Any, dict[str, float]], tuple[Any, Any]]:
     """What a worker thread runs after its fetch when the ring packs in the workers: `batch` into
-    a slot -> (batch, slot), timed as "pin" in the batch's timings."""
+    a slot -> (batch, slot), the copy timed as "pin" and the wait for a slot as "ring_wait" in the
+    batch's timings."""
 
     def post(batch: Any, timings: dict[str, float]) -> tuple[Any, Any]:
-        t = _perf()
-        out, slot = ring.write(batch)
-        timings["pin"] = timings.get("pin", 0.0) + _perf() - t
-        return out, slot
+        return ring.write(batch, timings)
 
     return post
