@@ -94,16 +94,27 @@ def _device_stats(device: torch.device, mean: tuple[float, ...], std: tuple[floa
     return torch.tensor([mean, std], dtype=torch.float32, device=device)
 
 
-def _pixel_groups(src: torch.Tensor, out: torch.Tensor) -> tuple[int, ...]:
-    """The pixel-group sizes the vectorized kernels can run with on these tensors: 4 needs 3 channels,
-    W % 4 == 0, a 4-byte aligned source (32-bit loads), a 4-element aligned output (8- or 16-byte
-    stores) and a sample of < 2**31 elements (32-bit offsets within a sample); 8 the same with
-    W % 8 == 0 and a 16-bit output 8-element aligned (16-byte stores)."""
+def _vec_obstacles(src: torch.Tensor, out: torch.Tensor, group: int) -> list[str]:
+    """What keeps the vectorized kernel of `group` (4 or 8) pixels per thread from running on these
+    tensors (empty: it can run). It needs 3 channels, W % group == 0, the source `group`-byte aligned
+    (three loads of `group` bytes per thread), the output `group`-element aligned (vector stores) and
+    fewer than 2**31 elements per sample (32-bit offsets within a sample); 8 pixels also need a
+    float16/bfloat16 output (8 outputs make one 16-byte store)."""
     _, height, width, channels = src.shape
-    if channels != 3 or 3 * height * width >= 2**31 or src.data_ptr() % 4:
-        return ()
-    fits = [g for g in (4, 8) if width % g == 0 and out.data_ptr() % (g * out.element_size()) == 0]
-    return tuple(g for g in fits if g == 4 or out.element_size() == 2)
+    needs = []
+    if group == 8 and out.element_size() != 2:
+        needs.append(f"a float16 or bfloat16 output (got {out.dtype})")
+    if channels != 3:
+        needs.append(f"3 channels (got {channels})")
+    if width % group:
+        needs.append(f"width % {group} == 0 (got width {width})")
+    if src.data_ptr() % group:
+        needs.append(f"the images {group}-byte aligned (data_ptr() % {group} == {src.data_ptr() % group})")
+    if out.data_ptr() % (group * out.element_size()):
+        needs.append(f"the output {group}-element aligned")
+    if channels * height * width >= 2**31:
+        needs.append(f"fewer than 2**31 elements per sample (got {channels * height * width})")
+    return needs
 
 
 def _launch_normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...],
@@ -111,8 +122,8 @@ def _launch_normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[
                       launch: _nvrtc.Launcher, *, kernel: str = "auto") -> torch.Tensor:
     """Run the fused kernel through `launch` on validated inputs.
 
-    kernel: "auto" runs the vectorized kernel of 4 pixels per thread where `_pixel_groups` allows,
-    else the generic one (one pixel per thread); "generic", "vec4" and "vec8" force one (a
+    kernel: "auto" runs the vectorized kernel of 4 pixels per thread where `_vec_obstacles` finds
+    none, else the generic one (one pixel per thread); "generic", "vec4" and "vec8" force one (a
     vectorized kernel that cannot run on these tensors raises ValueError saying what it needs).
     """
     batch, height, width, channels = images.shape
@@ -123,18 +134,16 @@ def _launch_normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[
         return out
     src = images.contiguous()
     stats = _device_stats(images.device, mean, std)
-    allowed = _pixel_groups(src, out)
-    if kernel == "auto":
-        group = 4 if 4 in allowed else 1
+    if kernel == "auto":  # vec8 is only forced until it has been measured against vec4
+        group = 1 if _vec_obstacles(src, out, 4) else 4
     elif kernel == "generic":
         group = 1
     else:
         group = int(kernel.removeprefix("vec"))
-        if group not in allowed:
-            raise ValueError(
-                f"the {kernel} normalize kernel cannot run here: it needs 3 channels, width % {group} == 0, "
-                f"{'a float16 or bfloat16 output, ' if group == 8 else ''}aligned tensors and < 2**31 elements "
-                f"per sample (got {tuple(images.shape)} -> {dtype})")
+        needs = _vec_obstacles(src, out, group)
+        if needs:
+            raise ValueError(f"the {kernel} normalize kernel cannot run here: it needs {'; '.join(needs)} "
+                             f"(images {tuple(images.shape)} -> {dtype})")
     name = str(dtype).removeprefix("torch.")
     args = [_nvrtc.ptr(src), _nvrtc.ptr(out), _nvrtc.ptr(flip), _nvrtc.ptr(stats[0]), _nvrtc.ptr(stats[1]),
             _nvrtc.i64(batch)]
@@ -172,9 +181,9 @@ def normalize_batch(images: torch.Tensor, *, mean: Stats, std: Stats, flip: torc
         emulator of the kernel source or a profiling wrapper; the output is allocated as usual.
     kernel: "auto" runs the vectorized kernel (4 pixels per thread) for 3-channel images with W % 4 == 0
         and aligned tensors, else the generic one; "generic" (one pixel per thread), "vec4" and "vec8"
-        (8 pixels per thread, float16/bfloat16 outputs with W % 8 == 0) force a kernel, for
-        comparisons (ValueError where a forced vectorized kernel cannot run). All give the same
-        bits; the reference path ignores it.
+        (8 pixels per thread, 16-byte stores: float16/bfloat16 outputs, W % 8 == 0, the images 8-byte
+        aligned) force a kernel, for comparisons; a forced vectorized kernel that cannot run on the
+        inputs raises ValueError saying why. All give the same bits; the reference path ignores it.
 
     CUDA tensors run the fused kernel on the current stream; CPU tensors (or CUDA without the
     `[cuda]` extra, with a one-time warning) run `normalize_batch_reference`.

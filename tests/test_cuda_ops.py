@@ -313,19 +313,24 @@ def test_normalize_kernel_source_matches_reference(host_emulator, variant, batch
     launch = host_emulator() if variant is None else host_emulator(*variant)
     images = torch.from_numpy(img)
     flip_t = None if flip is None else torch.from_numpy(flip)
-    vec8 = img.shape[3] == 3 and img.shape[2] % 8 == 0 and dtype != torch.float32
+    # numpy buffers are aligned: the shape and dtype alone say which kernels can run
+    vec4 = img.shape[3] == 3 and img.shape[2] % 4 == 0
+    vec8 = vec4 and img.shape[2] % 8 == 0 and dtype != torch.float32
+    name = str(dtype).removeprefix("torch.")
+    runnable = {"auto": (NORMALIZE_VEC_FUNCTIONS if vec4 else NORMALIZE_FUNCTIONS)[name],
+                "generic": NORMALIZE_FUNCTIONS[name]}
+    if vec4:
+        runnable["vec4"] = NORMALIZE_VEC_FUNCTIONS[name]
+    if vec8:
+        runnable["vec8"] = NORMALIZE_VEC8_FUNCTIONS[name]
     ref = cuda_ops.normalize_batch_reference(images, mean=mean, std=std, flip=flip_t, layout=layout, dtype=dtype)
-    for kernel in ("auto", "vec8") if vec8 else ("auto",):
+    for kernel, function in runnable.items():
         launch.calls.clear()
         out = cuda_ops.normalize_batch(images, mean=mean, std=std, flip=flip_t, layout=layout, dtype=dtype,
                                        launcher=launch, kernel=kernel)
         assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
         np.testing.assert_array_equal(_bits(out), _bits(ref))  # bit-exact: IEEE division, RNE rounding
-        assert len(launch.calls) == (1 if out.numel() else 0)
-        if launch.calls:  # numpy buffers are aligned: the shape alone picks the kernel
-            vectorized = img.shape[3] == 3 and img.shape[2] % 4 == 0
-            prefix = "fl_normalize_vec8_" if kernel == "vec8" else "fl_normalize_vec_"
-            assert launch.calls[0][0].startswith(prefix) == vectorized
+        assert [c[0] for c in launch.calls] == ([function] if out.numel() else [])
 
 
 @pytest.mark.parametrize("variant", LAUNCH_VARIANTS)
@@ -368,37 +373,44 @@ def _images(shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
     return torch.from_numpy(buf)[offset:].view(shape)
 
 
-@pytest.mark.parametrize("shape, offset, kernel, call", [
-    ((2, 224, 224, 3), 0, "auto", ("fl_normalize_vec_f32", (56, 2, 1), (64, 4, 1))),  # 4 pixels per thread
-    ((2, 224, 224, 3), 0, "generic", ("fl_normalize_f32", (224, 2, 1), (224, 1, 1))),
-    ((2, 224, 224, 3), 1, "auto", ("fl_normalize_f32", (224, 2, 1), (224, 1, 1))),  # odd data_ptr
-    ((2, 5, 7, 3), 0, "auto", ("fl_normalize_f32", (1, 2, 1), (32, 5, 1))),  # W % 4 != 0
-    ((2, 5, 8, 4), 0, "auto", ("fl_normalize_f32", (1, 2, 1), (32, 5, 1))),  # 4 channels
+@pytest.mark.parametrize("shape, offset, dtype, kernel, call", [
+    ((2, 224, 224, 3), 0, torch.float32, "auto", ("fl_normalize_vec_f32", (56, 2, 1), (64, 4, 1))),  # 4 pixels/thread
+    ((2, 224, 224, 3), 0, torch.float32, "generic", ("fl_normalize_f32", (224, 2, 1), (224, 1, 1))),
+    ((2, 224, 224, 3), 1, torch.float32, "auto", ("fl_normalize_f32", (224, 2, 1), (224, 1, 1))),  # odd data_ptr
+    ((2, 5, 7, 3), 0, torch.float32, "auto", ("fl_normalize_f32", (1, 2, 1), (32, 5, 1))),  # W % 4 != 0
+    ((2, 5, 8, 4), 0, torch.float32, "auto", ("fl_normalize_f32", (1, 2, 1), (32, 5, 1))),  # 4 channels
+    ((2, 224, 224, 3), 0, torch.float16, "auto", ("fl_normalize_vec_f16", (56, 2, 1), (64, 4, 1))),  # auto: never vec8
+    ((2, 224, 224, 3), 4, torch.float16, "vec4", ("fl_normalize_vec_f16", (56, 2, 1), (64, 4, 1))),
+    ((2, 224, 224, 3), 0, torch.float16, "vec8", ("fl_normalize_vec8_f16", (28, 2, 1), (32, 8, 1))),  # 8 pixels/thread
+    ((2, 224, 224, 3), 0, torch.bfloat16, "vec8", ("fl_normalize_vec8_bf16", (28, 2, 1), (32, 8, 1))),
 ])
-def test_normalize_kernel_choice(host_emulator, shape, offset, kernel, call):
+def test_normalize_kernel_choice(host_emulator, shape, offset, dtype, kernel, call):
     launch = host_emulator()
     images = _images(shape, offset)
-    assert images.is_contiguous() and images.data_ptr() % 2 == offset
+    assert images.is_contiguous() and images.data_ptr() % 8 == offset
     flip = torch.tensor([True, False])
     mean, std = [120.5 + c for c in range(shape[3])], [55.25 + c for c in range(shape[3])]
-    out = cuda_ops.normalize_batch(images, mean=mean, std=std, flip=flip, launcher=launch, kernel=kernel)
+    out = cuda_ops.normalize_batch(images, mean=mean, std=std, flip=flip, dtype=dtype, launcher=launch, kernel=kernel)
     assert launch.calls == [call]
-    np.testing.assert_array_equal(out.numpy(), np_normalize(images.numpy(), mean, std, flip.numpy(), "NCHW",
-                                                            torch.float32))
+    np.testing.assert_array_equal(_bits(out), np_normalize(images.numpy(), mean, std, flip.numpy(), "NCHW", dtype))
 
 
-@pytest.mark.parametrize("shape, offset, dtype, kernel", [
-    ((1, 2, 7, 3), 0, torch.float32, "vec4"),  # W % 4 != 0
-    ((1, 2, 8, 4), 0, torch.float16, "vec4"),  # 4 channels
-    ((1, 2, 224, 3), 1, torch.float16, "vec4"),  # odd data_ptr
-    ((1, 2, 224, 3), 0, torch.float32, "vec8"),  # a float32 output
-    ((1, 2, 228, 3), 0, torch.float16, "vec8"),  # W % 8 != 0
-    ((1, 2, 224, 3), 2, torch.bfloat16, "vec8"),  # a source not 4-byte aligned
+@pytest.mark.parametrize("shape, offset, dtype, kernel, needs", [
+    ((1, 2, 7, 3), 0, torch.float32, "vec4", "width % 4 == 0 (got width 7)"),
+    ((1, 2, 8, 4), 0, torch.float16, "vec4", "3 channels (got 4)"),
+    ((1, 2, 224, 3), 1, torch.float16, "vec4", "the images 4-byte aligned (data_ptr() % 4 == 1)"),
+    ((1, 2, 224, 3), 0, torch.float32, "vec8", "a float16 or bfloat16 output (got torch.float32)"),
+    ((1, 2, 228, 3), 0, torch.float16, "vec8", "width % 8 == 0 (got width 228)"),
+    ((1, 2, 224, 3), 2, torch.bfloat16, "vec8", "the images 8-byte aligned (data_ptr() % 8 == 2)"),
+    ((1, 2, 224, 3), 4, torch.float16, "vec8", "the images 8-byte aligned (data_ptr() % 8 == 4)"),  # vec4 runs
 ])
-def test_a_vectorized_kernel_cannot_be_forced_where_it_cannot_run(host_emulator, shape, offset, dtype, kernel):
-    with pytest.raises(ValueError, match=f"the {kernel} normalize kernel cannot run here"):
-        cuda_ops.normalize_batch(_images(shape, offset), mean=(0.0,) * shape[3], std=(1.0,) * shape[3], dtype=dtype,
+def test_a_vectorized_kernel_cannot_be_forced_where_it_cannot_run(host_emulator, shape, offset, dtype, kernel, needs):
+    images = _images(shape, offset)
+    assert images.data_ptr() % 8 == offset
+    with pytest.raises(ValueError, match=f"the {kernel} normalize kernel cannot run here: it needs ") as info:
+        cuda_ops.normalize_batch(images, mean=(0.0,) * shape[3], std=(1.0,) * shape[3], dtype=dtype,
                                  launcher=host_emulator(), kernel=kernel)
+    assert needs in str(info.value)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])

@@ -3,9 +3,9 @@
 // One pass over a uint8 NHWC image batch: per-sample horizontal flip, per-channel
 // (x - mean[c]) / std[c] in float32 (IEEE division), cast to the output type with
 // round-to-nearest-even, written as NCHW or NHWC. Semantics are defined by
-// fastload.cuda_ops.normalize.normalize_batch_reference; both kernels below match it bit for bit.
+// fastload.cuda_ops.normalize.normalize_batch_reference; every kernel below matches it bit for bit.
 //
-// Two kernels, chosen by the host (fastload/cuda_ops/normalize.py, _launch_normalize):
+// Three kernels, chosen by the host (fastload/cuda_ops/normalize.py, _launch_normalize):
 //
 // * fl_normalize_vec_*: the common case, 3 channels with W % 4 == 0, the source 4-byte and the
 //   output 4-element aligned, and a sample of fewer than 2**31 elements. Each thread handles 4
@@ -14,15 +14,15 @@
 //   4 outputs (8 or 16 bytes) for NCHW, 12 outputs as three 8- or 16-byte stores for NHWC: a
 //   quarter of the generic kernel's memory instructions, each one wider. mean/std sit in
 //   registers; offsets within a sample are 32-bit, the sample base is 64-bit.
-// * fl_normalize_vec8_{f16,bf16}: the same with 8 pixels per thread for 16-bit outputs (W % 8 == 0,
-//   the output 8-element aligned): six 32-bit loads of 24 bytes and 16-byte stores (8 outputs per
-//   plane for NCHW, 24 outputs as three stores for NHWC). One template serves both group sizes.
-//   Chosen only when asked for (`kernel="vec8"`): bench.gpu's normalize row measures it against
-//   the 4-pixel kernel.
+// * fl_normalize_vec8_{f16,bf16}: the same with 8 pixels per thread, for 16-bit outputs, whose
+//   4-pixel stores are only 8 bytes wide (W % 8 == 0, the source 8-byte and the output 8-element
+//   aligned): three 64-bit loads of 24 source bytes and 16-byte stores, per plane 8 outputs for
+//   NCHW, 24 outputs as three stores for NHWC. One template serves both group sizes. Chosen only
+//   when asked for (`kernel="vec8"`) until it has been measured against the 4-pixel kernel.
 // * fl_normalize_*: every other shape, alignment or channel count. One thread per pixel, C byte
 //   loads and C scalar stores, 64-bit offsets.
 //
-// Grid (both): blockIdx.y walks samples, blockIdx.x * blockDim.y + threadIdx.y walks rows,
+// Grid (all): blockIdx.y walks samples, blockIdx.x * blockDim.y + threadIdx.y walks rows,
 // threadIdx.x walks columns (pixels, or groups of 4 or 8 pixels); every level loops with its grid
 // stride, so any B, H, W is covered whatever the launch size (gridDim.y is capped at 65535 by
 // the host). No integer division per pixel.
@@ -92,15 +92,26 @@ template <typename T> __device__ __forceinline__ uint4 fl_pack(const T* v, uint4
     return make_uint4(fl_pair(v), fl_pair(v + 2), fl_pair(v + 4), fl_pair(v + 6));
 }
 
+// The source bytes of a group of G pixels (3 G bytes) come in three loads of G bytes: 32-bit words
+// for G = 4, uint2 for G = 8; fl_words splits a load into 32-bit words.
+template <int G> struct fl_src { typedef unsigned type; };
+template <> struct fl_src<8> { typedef uint2 type; };
+__device__ __forceinline__ void fl_words(unsigned v, unsigned* w) { w[0] = v; }
+__device__ __forceinline__ void fl_words(uint2 v, unsigned* w) {
+    w[0] = v.x;
+    w[1] = v.y;
+}
+
 template <typename T, int G>
 __device__ __forceinline__ void fl_normalize_vec_impl(
-    const unsigned char* __restrict__ src,  // (B, H, W, 3) uint8, contiguous, 4-byte aligned
+    const unsigned char* __restrict__ src,  // (B, H, W, 3) uint8, contiguous, G-byte aligned
     T* __restrict__ dst,                    // (B, 3, H, W) if nchw else (B, H, W, 3), contiguous, G-element aligned
     const unsigned char* __restrict__ flip, // (B,) 0/1, or nullptr for no flip
     const float* __restrict__ mean,         // (3,)
     const float* __restrict__ stdv,         // (3,)
     fl_i64 batch, int height, int width, int nchw) {  // W % G == 0, 3 * H * W < 2**31
     typedef typename fl_vec<T, G>::type V;
+    typedef typename fl_src<G>::type L;
     constexpr int WORDS = 3 * G / 4;  // 32-bit source words per group of G pixels
     const float m[3] = {mean[0], mean[1], mean[2]};
     const float sd[3] = {stdv[0], stdv[1], stdv[2]};
@@ -109,14 +120,14 @@ __device__ __forceinline__ void fl_normalize_vec_impl(
     const int row_step = gridDim.x * blockDim.y;
     for (fl_i64 b = blockIdx.y; b < batch; b += gridDim.y) {
         const bool flipped = flip != nullptr && flip[b] != 0;
-        const unsigned* src_img = reinterpret_cast<const unsigned*>(src) + b * WORDS * plane_g;
+        const L* src_img = reinterpret_cast<const L*>(src) + b * 3 * plane_g;  // 3 L per group
         V* dst_img = reinterpret_cast<V*>(dst) + b * 3 * plane_g;  // 3 V per group
         for (int h = blockIdx.x * blockDim.y + threadIdx.y; h < height; h += row_step) {
             for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-                const unsigned* s = src_img + WORDS * (h * groups + (flipped ? groups - 1 - g : g));
+                const L* s = src_img + 3 * (h * groups + (flipped ? groups - 1 - g : g));
                 unsigned word[WORDS];
 #pragma unroll
-                for (int k = 0; k < WORDS; ++k) word[k] = s[k];
+                for (int k = 0; k < 3; ++k) fl_words(s[k], word + k * (G / 4));
                 float x[3 * G];  // x[3 * pixel + channel]: the group's bytes in memory order
 #pragma unroll
                 for (int k = 0; k < 3 * G; ++k) x[k] = (float)((word[k / 4] >> (8 * (k % 4))) & 0xFFu);
