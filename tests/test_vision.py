@@ -868,3 +868,27 @@ def test_lut_extension_matches_reference(monkeypatch: pytest.MonkeyPatch, dtype:
         lut.apply_batch(u8, again, layout=layout)
         np.testing.assert_array_equal(again, got)
         monkeypatch.undo()
+
+
+@needs_dali
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["eval", "train"])
+def test_a_dali_preset_shared_by_thread_workers_gives_the_one_thread_batches(image_dataset, kind: str) -> None:
+    """Thread workers share the preset's one DALI pipeline: they take turns (running it from two
+    threads at once deadlocked DALI), and every sample gets the pixels it gets with no workers."""
+    Loader = pytest.importorskip("fastload.loader").Loader
+    from fastload.vision import with_indices
+
+    def epoch(workers: int) -> dict[int, torch.Tensor]:
+        make = eval_preset if kind == "eval" else train_preset
+        preset = make(size=32, backend="dali", seed=5)
+        loader = Loader(with_indices(image_dataset), batch_size=3, transform=preset, num_workers=workers,
+                        worker_type="thread", seed=1)
+        return {int(i): img for b in loader for i, img in zip(b["label"], b["image"], strict=True)}
+
+    alone = epoch(0)
+    assert sorted(alone) == list(range(24))
+    for _ in range(2):
+        shared = epoch(2)
+        assert sorted(shared) == list(range(24))
+        assert all(torch.equal(shared[i], alone[i]) for i in alone)

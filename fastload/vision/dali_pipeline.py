@@ -13,6 +13,7 @@ copying out of DALI's buffer) or, for uint8 output, `flip`.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -65,6 +66,10 @@ class DaliRunner:
         self.device_id = device_id
         self._pipe = None
         self._capacity = 0
+        # one DALI pipeline: its feed_input, run and output buffer (reused by the next run) are
+        # one batch's at a time, so worker threads sharing this runner take turns (two threads
+        # feeding and running it at once deadlocked DALI, or could swap their batches)
+        self._lock = threading.Lock()
 
     def _build(self, capacity: int) -> None:
         pipe = self._define(capacity, device_id=self.device_id if self.mode == "mixed" else None)
@@ -134,19 +139,20 @@ class DaliRunner:
     def run(self, encoded: list[np.ndarray], windows: np.ndarray, flips: np.ndarray) -> torch.Tensor:
         """Decode + crop/resize (+ normalise) one batch; returns a torch tensor (CPU or CUDA)."""
         n = len(encoded)
-        if self._pipe is None or n > self._capacity:
-            self._build(max(n, self._capacity))
         w = windows.astype(np.float32)
-        try:
-            self._pipe.feed_input("encoded", encoded)
-            self._pipe.feed_input("roi_start", [np.ascontiguousarray(r) for r in w[:, 0:2]])
-            self._pipe.feed_input("roi_end", [np.ascontiguousarray(r) for r in w[:, 0:2] + w[:, 2:4]])
-            self._pipe.feed_input("flip", [np.array(int(f), dtype=np.int32) for f in flips])
-            (out,) = self._pipe.run()
-        except RuntimeError:
-            self._pipe = None  # a failed DALI pipeline is no longer valid
-            raise
-        return self._to_torch(out, n)
+        with self._lock:
+            if self._pipe is None or n > self._capacity:
+                self._build(max(n, self._capacity))
+            try:
+                self._pipe.feed_input("encoded", encoded)
+                self._pipe.feed_input("roi_start", [np.ascontiguousarray(r) for r in w[:, 0:2]])
+                self._pipe.feed_input("roi_end", [np.ascontiguousarray(r) for r in w[:, 0:2] + w[:, 2:4]])
+                self._pipe.feed_input("flip", [np.array(int(f), dtype=np.int32) for f in flips])
+                (out,) = self._pipe.run()
+            except RuntimeError:
+                self._pipe = None  # a failed DALI pipeline is no longer valid
+                raise
+            return self._to_torch(out, n)
 
     def _to_torch(self, out, n: int) -> torch.Tensor:
         oh, ow = self.out_hw
@@ -173,4 +179,9 @@ class DaliRunner:
         state = self.__dict__.copy()
         state["_pipe"] = None
         state["_capacity"] = 0
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
