@@ -463,7 +463,8 @@ def test_a_block_corrupted_in_transit_is_fetched_again(dataset, server, tmp_path
     ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0,
                **({"part_bytes": part_bytes} if part_bytes else {}))
     _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
-    assert ds.storage.stats()["remote_retries"] >= 1
+    stats = ds.storage.stats()  # the corrupt body reached the download (a retry) or a reader's own GET
+    assert stats["remote_retries"] + stats["remote_side_rejected"] >= 1
     ds.close()
     ds.storage.close()
     for name in _cached(ds):

@@ -32,7 +32,7 @@ import xxhash
 from fsspec.asyn import AsyncFileSystem
 
 from fastload.formats.blocks import table_span
-from fastload.formats.errors import FormatError
+from fastload.formats.errors import ChecksumError, FormatError
 from fastload.formats.forksafe import reset_in_child
 from fastload.formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from fastload.formats.units import format_size
@@ -843,6 +843,9 @@ class RemoteStorage:
             for (claim, start, end), data in zip(spans, got):
                 if len(data) == end - start:
                     sink.write_claimed(claim, start, data)
+        except ChecksumError as exc:  # corrupt in transit: the download fetches these blocks again
+            stats.add("side_rejected", 1)
+            log.debug("out-of-order GETs of %s %s were corrupt: %r", rpath, [(a, b) for _, a, b in spans][:4], exc)
         except Exception as exc:  # noqa: BLE001 - the download's own GETs bring these blocks
             log.debug("out-of-order GETs of %s %s failed: %r", rpath, [(a, b) for _, a, b in spans][:4], exc)
         finally:
