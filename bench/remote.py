@@ -5,10 +5,12 @@ with `--storage-option key=value`), or against one this script writes and serves
 (`--server nginx`, the default: one worker, sendfile, almost no CPU; `--server moto`: a Python S3
 server that shares the client's cores, whose CPU share is reported). Measures in one run,
 interleaved per round, `num_workers` 0 and 2, shuffled (`ShardWindowSampler`) and sequential:
-the raw pipeline (8 threads of urllib/boto3, and of obstore), the Loader's first epoch (empty cache)
-and second epoch per transport (`--transport`, default: "auto", which is obstore for http/s3, and
-"fsspec"), and with a local server the same epoch over the local copy. Every row: median and range
-over the rounds of MB/s, user and total CPU s/GB of this process, seconds to the first batch.
+the raw pipeline (8 threads of urllib/boto3 whole-object GETs, of obstore's, and of GETs streamed
+through fastload's receiver), the Loader's first epoch (empty cache) and second epoch per transport
+(`--transport`, default: "auto", which is obstore for http/s3 with bodies received by `http.client`,
+and "obstore-stream", where obstore receives them; "fsspec" on request), and with a local server the
+same epoch over the local copy. Every row: median and range over the rounds of MB/s, user and total
+CPU s/GB of this process, seconds to the first batch.
 See `fastload.benchmark.run_remote` (also `fastload bench --remote URL`).
 
 `--peers`: the peer table instead (`fastload.benchmark.remote_peers`): the same samples written once
@@ -272,8 +274,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=8, help="threads of the raw pipeline")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--transport", dest="transports", action="append", choices=("auto", "obstore", "fsspec"),
-                    help="Loader rows per transport (repeatable; default: auto and fsspec)")
+    ap.add_argument("--transport", dest="transports", action="append",
+                    choices=("auto", "obstore", "obstore-stream", "fsspec"),
+                    help="Loader rows per transport (repeatable; default: auto and obstore-stream)")
     ap.add_argument("--peers", action="store_true",
                     help="the peer table instead: fastload, the raw pipeline, LitData and Streaming over one moto S3 "
                          "server")
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(format_peers(res))
         write_json(args.json, res)
         return res
-    args.transports = tuple(args.transports or ("auto", "fsspec"))
+    args.transports = tuple(args.transports or ("auto", "obstore-stream"))
     opts = dict(kv.split("=", 1) for kv in args.storage_option)
     common = {"rounds": args.rounds, "threads": args.threads, "batch_size": args.batch_size}
     if args.url:
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             url, opts, pid, stop = _serve(args.server, root, work)
             try:
                 res = run_remote(url, storage_options=opts, local=os.path.join(root, "ds"), watch_pids=(pid,),
-                                 transports=args.transports, raw_clients=("plain", "obstore"), **common)
+                                 transports=args.transports, raw_clients=("plain", "obstore", "http"), **common)
             finally:
                 stop()
         finally:

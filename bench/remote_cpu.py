@@ -58,7 +58,7 @@ def _name_threads() -> None:
     threading.Thread.run = named  # type: ignore[method-assign]
 
 
-def child(row: str, url: str, seed: int, work: str, out: str) -> None:
+def child(row: str, url: str, seed: int, work: str, out: str, transport: str = "auto") -> None:
     """One row, in this process: the windows measured, as JSON in `out`."""
     _name_threads()
     from fastload.benchmark.limits import recycle_page_cache
@@ -69,19 +69,20 @@ def child(row: str, url: str, seed: int, work: str, out: str) -> None:
 
     cache = os.path.join(work, f"cache-{os.getpid()}")
     # what a process pays once (imports, clients, first calls) is paid here, before any window
-    warm_up = open_dataset(url, cache_dir=cache + "-warm-up", cache_limit="1TB")
+    warm_up = open_dataset(url, cache_dir=cache + "-warm-up", cache_limit="1TB", transport=transport)
     next(iter(Loader(warm_up, batch_size=256, num_workers=0)))
-    raw_pipeline(url, list(warm_up.manifest.shards[:1]), os.path.join(work, f"raw-{os.getpid()}"), client="obstore")
+    client = row.split()[1] if row.startswith("raw ") else "obstore"
+    raw_pipeline(url, list(warm_up.manifest.shards[:1]), os.path.join(work, f"raw-{os.getpid()}"), client=client)
     warm_up.close()
     warm_up.storage.close()
     shutil.rmtree(cache + "-warm-up", ignore_errors=True)
-    ds = open_dataset(url, cache_dir=cache, cache_limit="1TB")
+    ds = open_dataset(url, cache_dir=cache, cache_limit="1TB", transport=transport)
     nbytes = sum(s.bytes for s in ds.manifest.shards)
     windows: dict[str, list[float]] = {}
-    if row == "raw obstore":
+    if row.startswith("raw "):
         recycle_page_cache(work, nbytes)
         t0 = time.monotonic()
-        raw_pipeline(url, list(ds.manifest.shards), os.path.join(work, f"raw-{os.getpid()}"), client="obstore")
+        raw_pipeline(url, list(ds.manifest.shards), os.path.join(work, f"raw-{os.getpid()}"), client=client)
         windows["raw"] = [t0, time.monotonic()]
         ds.close()
         ds.storage.close()
@@ -127,12 +128,12 @@ def count_samples(text: str, windows: dict[str, list[float]]) -> dict[str, colle
     return counts
 
 
-def run_row(row: str, url: str, seed: int, work: str) -> dict[str, Any]:
+def run_row(row: str, url: str, seed: int, work: str, transport: str = "auto") -> dict[str, Any]:
     """One row in a child process under perf: {window: {thread: user CPU seconds}, "bytes": n}."""
     out, data = os.path.join(work, "row.json"), os.path.join(work, "row.perf")
     cmd = ["perf", "record", "-q", "-k", "mono", "-e", "cpu-clock:u", "-F", str(SAMPLE_HZ), "-o", data, "--",
            sys.executable, "-m", "bench.remote_cpu", "--child", row, "--url", url, "--seed", str(seed),
-           "--work", work, "--out", out]
+           "--work", work, "--out", out, "--transport", transport]
     proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{row}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -149,6 +150,15 @@ def _med(v: list[float]) -> str:
     return f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]"
 
 
+RAW_ROWS = ("raw plain", "raw obstore", "raw http")
+
+
+def _row_transport(row: str) -> tuple[str, str]:
+    """(the child's row, its `transport`) of a row name: Loader rows of "obstore-stream" carry the prefix
+    "stream "."""
+    return (row[len("stream "):], "obstore-stream") if row.startswith("stream ") else (row, "auto")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse the options, run the rounds, print the table; returns the results."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -156,22 +166,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--shard-size", default="32MB")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--stream-rows", action="store_true",
+                    help="also the Loader rows with transport='obstore-stream' (bodies received by obstore)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.url, args.seed, args.work, args.out)
+        child(args.child, args.url, args.seed, args.work, args.out, args.transport)
         return {}
     if shutil.which("perf") is None:
         raise SystemExit("bench.remote_cpu needs `perf` (linux-tools) on PATH")
     from bench.remote import Nginx, make_dataset, write_json
     from fastload.formats.units import parse_size
 
-    rows = ["raw obstore"] + [f"w{w} {o}" for w in args.workers for o in ("shuffled", "sequential")]
+    loader_rows = [f"w{w} {o}" for w in args.workers for o in ("shuffled", "sequential")]
+    if args.stream_rows:
+        loader_rows += [f"stream {row}" for row in loader_rows]
+    rows = [*RAW_ROWS, *loader_rows]
     work = tempfile.mkdtemp(prefix="fastload-bench-cpu-")
     user: dict[str, list[float]] = collections.defaultdict(list)  # "row window" -> user s/GB per round
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # cold, by thread
@@ -182,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             for r in range(args.rounds):
                 for row in rows[r % len(rows):] + rows[: r % len(rows)]:
-                    got = run_row(row, f"{server.url}/ds", r, work)
+                    name, transport = _row_transport(row)
+                    got = run_row(name, f"{server.url}/ds", r, work, transport=transport)
                     gb = got.pop("bytes") / 1e9
                     for window, by_thread in got.items():
                         user[f"{row} {window}"].append(sum(by_thread.values()) / gb)
@@ -194,18 +211,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             server.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    raw = statistics.median(user["raw obstore raw"])
+    raw = {name: statistics.median(user[f"{name} raw"]) for name in RAW_ROWS}
     print(f"user CPU s/GB by sampling (perf cpu-clock:u at {SAMPLE_HZ} Hz), median [min-max] over {args.rounds} rounds")
-    print(f"{'raw obstore':24s} {_med(user['raw obstore raw'])}")
-    for row in rows[1:]:
+    for name in RAW_ROWS:
+        print(f"{name:24s} {_med(user[f'{name} raw'])}")
+    for row in loader_rows:
         cost = user[f"{row} fetch cost"]
         print(f"{row:24s} cold {_med(user[f'{row} cold'])}  warm {_med(user[f'{row} warm'])}  fetch cost "
-              f"{_med(cost)} = {statistics.median(cost) / raw:.2f}x raw obstore")
+              f"{_med(cost)} = " + ", ".join(f"{statistics.median(cost) / v:.2f}x {k}" for k, v in raw.items()))
     print("cold epochs by thread, mean s/GB:")
-    for row in rows[1:]:
+    for row in loader_rows:
         print(f"  {row:22s} " + ", ".join(f"{k}={v:.3f}" for k, v in threads[row].most_common(6)))
     res = {"rounds": args.rounds, "user_s_per_GB": dict(user), "cold_threads": {k: dict(v) for k, v in threads.items()},
-           "raw_obstore_median": raw}
+           "raw_medians": raw}
     write_json(args.json, res)
     return res
 

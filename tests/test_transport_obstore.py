@@ -57,7 +57,8 @@ def test_transport_choice_and_validation():
         choose_transport("s3://b/ds", "obstore", {"profile": "dev", "client_kwargs": {"verify": False}})
     with pytest.raises(ValueError, match="reads .*URLs only"):
         choose_transport("memory://ds", "obstore", {})
-    with pytest.raises(ValueError, match=r"transport='curl'; expected one of 'auto', 'obstore', 'fsspec'"):
+    with pytest.raises(ValueError,
+                       match=r"transport='curl'; expected one of 'auto', 'obstore', 'obstore-stream', 'fsspec'"):
         choose_transport("s3://b/ds", "curl", {})
 
 

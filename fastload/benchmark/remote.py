@@ -89,22 +89,64 @@ def _obstore_get(url: str, storage_options: dict[str, Any] | None) -> Callable[[
     return lambda rel: obstore.get(store, rel).bytes()
 
 
+def _streamed_fetch(url: str, storage_options: dict[str, Any] | None) -> Callable[[str, str], tuple[int, str]]:
+    """A GET streamed into a file through fastload's receiver (`HttpReceiver`, from the URL obstore gives)
+    in pieces of `DOWNLOAD_CHUNK`, each written and hashed as it comes: (bytes, xxh3 hex)."""
+    from fastload.remote.storage import DOWNLOAD_CHUNK
+    from fastload.remote.transfer_stats import TransferStats
+    from fastload.remote.transport_obstore import ObstoreTransport
+
+    transport = ObstoreTransport(url, dict(storage_options or {}), connect_timeout=60, read_timeout=60)
+    if transport.url_of("probe") is None:
+        raise ValueError(f"{url}: no URL to GET without obstore (the store cannot sign)")
+
+    class Sink:
+        def __init__(self, fd: int) -> None:
+            self.fd, self.hash, self.size = fd, xxhash.xxh3_64(), 0
+
+        def write(self, piece: Any) -> None:
+            os.write(self.fd, piece)
+            self.hash.update(piece)
+            self.size += len(piece)
+
+    def fetch(rel: str, dst: str) -> tuple[int, str]:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            sink = Sink(fd)
+            transport.stream_into(rel, sink, TransferStats(), chunk=DOWNLOAD_CHUNK)
+        finally:
+            os.close(fd)
+        return sink.size, sink.hash.hexdigest()
+
+    return fetch
+
+
 def raw_pipeline(url: str, shards: list[Any], out_dir: str, *, threads: int = 8,
                  storage_options: dict[str, Any] | None = None, client: str = "plain") -> float:
-    """Bytes/s of `threads` threads doing whole-object GET + xxh3 + write + rename, one shard each.
-    `client`: "plain" (urllib for http(s), boto3 for s3, fsspec otherwise) or "obstore"."""
-    get = _obstore_get(url, storage_options) if client == "obstore" else _whole_object_get(url, storage_options)
+    """Bytes/s of `threads` threads doing GET + xxh3 + write + rename, one shard each. `client`: "plain"
+    (a whole-object GET: urllib for http(s), boto3 for s3, fsspec otherwise), "obstore" (a whole-object
+    GET through obstore) or "http" (streamed through fastload's receiver, written and hashed per piece)."""
+    if client == "http":
+        fetch = _streamed_fetch(url, storage_options)
+    else:
+        get = _obstore_get(url, storage_options) if client == "obstore" else _whole_object_get(url, storage_options)
+
+        def fetch(rel: str, dst: str) -> tuple[int, str]:
+            data = get(rel)
+            digest = xxhash.xxh3_64_hexdigest(data)
+            with open(dst, "wb") as f:
+                f.write(data)
+            return len(data), digest
+
     os.makedirs(out_dir, exist_ok=True)
 
     def one(info: Any) -> int:
-        data = get(info.file)
-        if xxhash.xxh3_64_hexdigest(data) != info.xxh3.lower():
-            raise RuntimeError(f"{url}/{info.file}: xxh3 mismatch")
         dst = os.path.join(out_dir, os.path.basename(info.file))
-        with open(dst + ".part", "wb") as f:
-            f.write(data)
+        n, digest = fetch(info.file, dst + ".part")
+        if digest != info.xxh3.lower():
+            raise RuntimeError(f"{url}/{info.file}: xxh3 mismatch")
         os.rename(dst + ".part", dst)
-        return len(data)
+        return n
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
@@ -194,7 +236,7 @@ def run_remote(url: str, *, storage_options: dict[str, Any] | None = None, round
 
     `transports`: the Loader rows' `open_dataset(transport=...)`, each row named with the transport
     as a prefix except "auto"'s; `raw_clients`: the raw rows' GET clients ("plain": row "raw", the
-    baseline of the ratios; "obstore": row "raw obstore")."""
+    baseline of the ratios; "obstore": row "raw obstore"; "http": row "raw http")."""
     from fastload.benchmark.limits import recycle_page_cache
     from fastload.dataset import open_dataset
     from fastload.formats import FastloadDataset
@@ -300,9 +342,9 @@ def format_remote(res: dict[str, Any]) -> str:
     if res.get("user_cpu_s_per_GB"):
         lines.append("of which user-mode: " + " ".join(
             f"{k}={_med(v):.2f}" for k, v in res["user_cpu_s_per_GB"].items()))
-    # the baseline: the raw pipeline on the Loader's client (obstore) when it ran, else the plain one
+    # the baseline: the raw pipeline on the Loader's receiver when it ran, else on obstore, else the plain one
     users = res.get("user_cpu_s_per_GB", {})
-    base_row = "raw obstore" if users.get("raw obstore") else "raw"
+    base_row = next(k for k in ("raw http", "raw obstore", "raw") if users.get(k) or k == "raw")
     raw_user = users.get(base_row)
     if res.get("fetch_cost_s_per_GB") and raw_user:
         base = _med(raw_user)

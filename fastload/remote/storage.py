@@ -127,13 +127,14 @@ class RemoteStorage:
     `network_options`); `retry` bounds the attempts and their total time (default `RetryPolicy()`:
     10 attempts, 30 s).
 
-    `transport`: "auto" (default) receives s3://, gs://, az:// and http(s):// URLs through obstore
-    (`fastload.remote.transport_obstore`: Rust `object_store`, bodies received with the GIL released in the
-    fetch threads, `storage_options` mapped by `store_config`) and every other URL, or options obstore
-    has no equivalent for, through fsspec; "obstore" or "fsspec" forces one (ValueError when obstore
-    cannot read the URL or map the options). The chosen one is `self.transport`. obstore does not
-    survive `fork`: a process forked after its parent used it (a Loader's process workers) reads
-    through fsspec.
+    `transport`: "auto" (default) reads s3://, gs://, az:// and http(s):// URLs through obstore
+    (`fastload.remote.transport_obstore`: Rust `object_store`, `storage_options` mapped by
+    `store_config`; streamed bodies received by `http.client` into a reused buffer from the URL obstore
+    gives, signed for S3/GCS/Azure, with the GIL released in the fetch threads) and every other URL, or
+    options obstore has no equivalent for, through fsspec; "obstore" or "fsspec" forces one
+    ("obstore-stream": obstore, receiving its bodies itself) (ValueError when obstore cannot read the
+    URL or map the options). The chosen one is `self.transport`. obstore does not survive `fork`: a
+    process forked after its parent used it (a Loader's process workers) reads through fsspec.
 
     `verify`: see `ShardCache` ("once" by default: every cached shard is hashed
     against the manifest before its first use in each process).
@@ -171,6 +172,7 @@ class RemoteStorage:
         self.root = self.url
         self._user_options = dict(storage_options or {})
         self.transport = choose_transport(self.url, transport, self._user_options)
+        self._receive = "obstore" if transport == "obstore-stream" else "http"  # who receives streamed bodies
         self._timeouts = (float(connect_timeout), float(read_timeout))
         self.storage_options = network_options(
             self.url, dict(storage_options or {}), connect_timeout=connect_timeout, read_timeout=read_timeout
@@ -287,6 +289,7 @@ class RemoteStorage:
             "storage_options",
             "_user_options",
             "transport",
+            "_receive",
             "_timeouts",
             "retry",
             "prefetch_depth",
@@ -375,7 +378,7 @@ class RemoteStorage:
             if self._obstore is None:
                 connect, read = self._timeouts
                 self._obstore = ObstoreTransport(
-                    self.url, self._user_options, connect_timeout=connect, read_timeout=read
+                    self.url, self._user_options, connect_timeout=connect, read_timeout=read, receive=self._receive
                 )
             return self._obstore
 
@@ -583,6 +586,8 @@ class RemoteStorage:
         if self._receivers_final is not None:
             self._receivers_final()  # closes the receive loops' sessions, stops and joins their threads
             self._receivers = self._receivers_final = None
+        if self._obstore is not None:
+            self._obstore.close()  # this thread's connections (the ended threads' went with them)
         self.cache.unsoft()
 
     def __enter__(self) -> Self:

@@ -1,12 +1,18 @@
-"""Shard transfers through obstore (Rust `object_store`): bodies received outside the interpreter.
+"""Shard transfers through obstore (Rust `object_store`): S3, GCS, Azure and HTTP(S) in one client.
 
-`ObstoreTransport` reads one dataset's objects from S3, GCS, Azure or plain HTTP(S). Each call runs
-in the calling thread (a `RemoteStorage` fetch thread) and releases the GIL while the request is
-sent and the body received; Python code runs once per `STREAM_CHUNK` of body (write into the cache
-file and hash), not per socket read. obstore's own retries are off (`max_retries=0`): fastload's
-`RetryPolicy` counts every attempt. Its errors are turned into the standard exceptions
-`fastload.retry.is_transient` judges (`TimeoutError`, `ConnectionError`, `FileNotFoundError`,
-`PermissionError`, `HTTPStatusError` with the status), each with the first line of obstore's message.
+`ObstoreTransport` reads one dataset's objects. Each call runs in the calling thread (a `RemoteStorage`
+fetch thread) with the GIL released while it waits. Streamed bodies (a shard's download, a reader's
+long out-of-order GET) are received by `HttpReceiver` (`fastload.remote.receive_http`: the standard
+library's `http.client` reading into one reused buffer per thread) from a URL obstore gives: the
+object's own for http(s), a signed one (`obstore.sign`) for S3, GCS and Azure. A store that cannot sign
+(anonymous access, requester-pays, credentials without a signing key) streams through obstore itself
+(`receive="obstore"`, also forced by `transport="obstore-stream"`). Small reads (manifest, the block
+table, a reader's short out-of-order ranges) go through obstore. Python code runs once per `chunk`
+of body (write into the cache file and hash), not per socket read. obstore's own retries are off
+(`max_retries=0`): fastload's `RetryPolicy` counts every attempt. Errors of either are turned into
+the standard exceptions `fastload.retry.is_transient` judges (`TimeoutError`, `ConnectionError`,
+`FileNotFoundError`, `PermissionError`, `HTTPStatusError` with the status), each with the first line
+of the server's or obstore's message.
 
 `store_config` maps fsspec-style `storage_options` (s3fs, gcsfs, adlfs, http keys) onto the obstore
 client; options it cannot map raise `UnmappedOptions` (the "auto" transport then keeps fsspec).
@@ -17,15 +23,18 @@ obstore's runtime (tokio) does not survive `fork`: a process forked after its pa
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any
 
+from fastload.remote.receive_http import HttpReceiver, HTTPStatusError
 from fastload.remote.transfer_stats import TransferStats
 
 __all__ = [
@@ -39,16 +48,19 @@ __all__ = [
     "store_config",
 ]
 
-TRANSPORTS = ("auto", "obstore", "fsspec")
+TRANSPORTS = ("auto", "obstore", "obstore-stream", "fsspec")
 OBSTORE_SCHEMES = {
     "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "azure": "azure", "abfs": "azure",
     "abfss": "azure", "http": "http", "https": "http",
 }
-# Body bytes handed to the sink per Python call. obstore hands each piece over as a new `bytes`, zero-filled
-# and then filled (two passes in user mode); a piece that fits the CPU's L2 beside the received chunks is
-# still cached when it is written and hashed: 256 KiB cost about 15% less user CPU per GB than 1 MiB here.
+# Body bytes handed to the sink per Python call (a reader's streamed GET; a shard's own download uses
+# `storage.DOWNLOAD_CHUNK`): a piece that fits the CPU's L2 is still cached when it is written and hashed.
 STREAM_CHUNK = 256 << 10
 _PARTS_IN_FLIGHT = 4  # ranged GETs of one shard outstanding at once
+SIGN_EXPIRES_S = 3600  # a signed URL is made for each GET: its life only has to cover that GET
+RECEIVERS = ("http", "obstore")
+
+log = logging.getLogger("fastload.remote.storage")
 
 # fsspec options that configure fsspec's own instance bookkeeping, not the connection: ignored here
 _FSSPEC_ONLY = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "asynchronous",
@@ -65,14 +77,6 @@ def usable_here() -> bool:
 
 class UnmappedOptions(ValueError):
     """`storage_options` hold keys the obstore client has no equivalent for."""
-
-
-class HTTPStatusError(OSError):
-    """A response with an error status (`status`; 5xx, 408 and 429 are transient)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _bool(v: Any) -> bool:
@@ -155,22 +159,24 @@ def store_config(url: str, options: dict[str, Any]) -> tuple[dict[str, Any], dic
 
 def choose_transport(url: str, transport: str, options: dict[str, Any]) -> str:
     """"obstore" or "fsspec" for `url`: "auto" picks obstore for s3/gs/az/http(s) URLs whose
-    `storage_options` it can map (`store_config`), fsspec otherwise; "obstore" on another scheme or
-    with unmappable options raises ValueError naming them (ImportError without obstore)."""
+    `storage_options` it can map (`store_config`), fsspec otherwise; "obstore" (or "obstore-stream",
+    the same client receiving its bodies itself) on another scheme or with unmappable options raises
+    ValueError naming them (ImportError without obstore)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"{url}: transport={transport!r}; expected one of {', '.join(map(repr, TRANSPORTS))}")
     if transport == "fsspec":
         return "fsspec"
+    forced = transport != "auto"
     scheme = url.split("://", 1)[0].lower()
     if scheme not in OBSTORE_SCHEMES:
-        if transport == "obstore":
-            raise ValueError(f"{url}: transport='obstore' reads {', '.join(sorted(OBSTORE_SCHEMES))} URLs only")
+        if forced:
+            raise ValueError(f"{url}: transport={transport!r} reads {', '.join(sorted(OBSTORE_SCHEMES))} URLs only")
         return "fsspec"
     try:
         store_config(url, options)
         import obstore  # noqa: F401 - a dependency; without it "auto" keeps fsspec
     except (UnmappedOptions, ImportError):
-        if transport == "obstore":
+        if forced:
             raise
         return "fsspec"
     return "obstore"
@@ -204,22 +210,56 @@ def translate(exc: BaseException, what: str) -> BaseException:
 class ObstoreTransport:
     """GETs of `url`'s objects (paths relative to it) through one obstore client of this process.
 
-    `connect_timeout` bounds each connection's set-up, `read_timeout` each wait for body bytes
-    (obstore's `ClientConfig`); no request retries inside obstore."""
+    `connect_timeout` bounds each connection's set-up, `read_timeout` each wait for body bytes (obstore's
+    `ClientConfig`, and `HttpReceiver`'s); no request retries inside obstore. `receive`: who receives
+    streamed bodies, "http" (`HttpReceiver`, where the store gives a URL to GET) or "obstore"."""
 
-    def __init__(self, url: str, options: dict[str, Any], *, connect_timeout: float, read_timeout: float) -> None:
+    def __init__(self, url: str, options: dict[str, Any], *, connect_timeout: float, read_timeout: float,
+                 receive: str = "http") -> None:
         from obstore.store import from_url
 
         global _STARTED_IN
+        if receive not in RECEIVERS:
+            raise ValueError(f"{url}: receive={receive!r}; expected one of {', '.join(map(repr, RECEIVERS))}")
         if not usable_here():
             raise RuntimeError(f"{url}: obstore cannot run in a process forked after its parent used it")
         _STARTED_IN = os.getpid()
         self.url = url.rstrip("/")
+        self.kind = OBSTORE_SCHEMES[self.url.split("://", 1)[0].lower()]
         config, client = store_config(self.url, options)
+        headers = dict(client.get("default_headers", {}))
         client.setdefault("connect_timeout", timedelta(seconds=connect_timeout))
         client.setdefault("read_timeout", timedelta(seconds=read_timeout))
         retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=0)}
         self.store = from_url(self.url, config=config or None, client_options=client, retry_config=retry)
+        # signing needs credentials and covers no extra headers: those stores stream through obstore
+        signable = self.kind == "http" or not (config.get("skip_signature") or config.get("request_payer"))
+        self.receiver = (
+            HttpReceiver(connect_timeout=connect_timeout, read_timeout=read_timeout, headers=headers)
+            if receive == "http" and signable else None
+        )
+
+    def url_of(self, path: str) -> str | None:
+        """A URL `HttpReceiver` can GET `path` from: the object's own (http(s)), a signed one (S3, GCS,
+        Azure); None when bodies stream through obstore (`receive="obstore"`, or a store that cannot
+        sign: from the first failure on)."""
+        if self.receiver is None:
+            return None
+        if self.kind == "http":
+            return f"{self.url}/{urllib.parse.quote(path, safe='/')}"
+        import obstore
+
+        try:
+            return str(obstore.sign(self.store, "GET", path, timedelta(seconds=SIGN_EXPIRES_S)))
+        except Exception as exc:  # noqa: BLE001 - credentials that cannot sign: obstore streams instead
+            log.debug("%s: cannot sign GETs (%r): bodies stream through obstore", self.url, exc)
+            self.receiver = None
+            return None
+
+    def close(self) -> None:
+        """Close the calling thread's connections of the receiver."""
+        if self.receiver is not None:
+            self.receiver.close()
 
     def cat(self, path: str) -> bytes:
         """The whole object at `path` (small files: manifest, meta)."""
@@ -231,9 +271,15 @@ class ObstoreTransport:
             raise translate(exc, f"{self.url}/{path}") from exc
 
     def _body(self, path: str, stats: TransferStats, chunk: int, **options: Any) -> Iterator[Any]:
-        """One GET of `path` (obstore `options`), its body in `chunk`-byte pieces as they arrive: each
-        counted in `stats`' bytes; time to the response headers counts as `request_s`, the waits for
-        pieces as `receive_s`; obstore's errors translated (`translate`). Closing it drops the response."""
+        """One GET of `path` (obstore `options`: `range`), its body in `chunk`-byte pieces as they arrive
+        (`HttpReceiver`'s, each valid until the next is asked for, where `url_of` gives a URL; else
+        obstore's): each counted in `stats`' bytes; time to the response headers counts as `request_s`,
+        the waits for pieces as `receive_s`; errors translated. Closing it drops the response."""
+        receiver = self.receiver
+        url = None if receiver is None else self.url_of(path)
+        if receiver is not None and url is not None:
+            yield from receiver.body(url, f"{self.url}/{path}", stats, chunk, options.get("range"))
+            return
         import obstore
 
         t0 = t1 = time.perf_counter()

@@ -257,7 +257,8 @@ class Download:
         if stop != sections_end and stop & (size - 1) and tail_at >= offset and not published[last]:
             # the piece ends inside a block it began: the claim's next piece is likely to finish it (unless
             # some of the block's later bytes are counted already: pieces may come in any order)
-            tail = (tail_at, view[tail_at - offset : stop - offset])
+            # copied: the piece's buffer may be reused once this call returns (`HttpReceiver`)
+            tail = (tail_at, memoryview(bytes(view[tail_at - offset : stop - offset])))
             if last in self._filler:
                 done += self._count_partial(claim, *tail)
             else:

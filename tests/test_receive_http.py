@@ -1,0 +1,240 @@
+"""`HttpReceiver`: bodies and ranges byte for byte in full pieces of one reused buffer, keep-alive
+connections (and a replaced stale one), errors by status, bodies cut short, ranges ignored, bounded
+waits; the obstore transport's choice of receiver (signed S3 URLs, anonymous stores streaming through
+obstore); a piece's buffer reused after `Download` took it."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from s3_fixtures import moto, upload_dir  # noqa: F401
+
+from fastload.remote.receive_http import HttpReceiver, HTTPStatusError
+from fastload.remote.retry import is_transient
+from fastload.remote.transfer_stats import TransferStats
+
+DATA = np.random.default_rng(7).integers(0, 256, 1_000_003, dtype=np.uint8).tobytes()
+
+
+class _Server:
+    """HTTP/1.1 with keep-alive on 127.0.0.1: `/data` (ranges honoured), `/norange` (ranges ignored),
+    `/status/N`, `/short` (announces more than it sends, then closes), `/slow` (headers, then silence);
+    `connections` counts accepted connections, `close_idle()` closes the ones waiting for a request."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.idle: list[socket.socket] = []
+        self.release = threading.Event()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                server.connections += 1
+                server.idle.append(self.connection)
+
+            def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None,
+                      length: int | None = None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body) if length is None else length))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                rng = self.headers.get("Range")
+                if self.path == "/data" and rng:
+                    a, b = (int(x) for x in rng.split("=", 1)[1].split("-"))
+                    self._send(206, DATA[a : b + 1], {"Content-Range": f"bytes {a}-{b}/{len(DATA)}"})
+                elif self.path in ("/data", "/norange"):
+                    self._send(200, DATA)
+                elif self.path.startswith("/status/"):
+                    self._send(int(self.path.split("?")[0].rsplit("/", 1)[1]), b"NoSuchKey: the key does not exist\n")
+                elif self.path == "/short":
+                    self._send(200, DATA[:1000], length=5000)
+                    self.close_connection = True
+                elif self.path == "/slow":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "10")
+                    self.end_headers()
+                    self.wfile.flush()
+                    server.release.wait(10)
+                    self.close_connection = True
+                else:
+                    self._send(404, b"")
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close_idle(self) -> None:
+        for conn in self.idle:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self.idle.clear()
+
+    def stop(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = _Server()
+    yield s
+    s.stop()
+
+
+def _receiver(**kw) -> HttpReceiver:
+    return HttpReceiver(connect_timeout=kw.pop("connect_timeout", 2.0), read_timeout=kw.pop("read_timeout", 2.0), **kw)
+
+
+def test_a_body_comes_whole_in_full_pieces_of_one_reused_buffer(server):
+    rx, stats = _receiver(), TransferStats()
+    pieces, buffers = [], set()
+    for piece in rx.body(f"{server.url}/data", "obj", stats, 65536):
+        pieces.append(bytes(piece))
+        buffers.add(id(piece.obj))
+    assert b"".join(pieces) == DATA
+    assert [len(p) for p in pieces[:-1]] == [65536] * (len(pieces) - 1)  # full pieces: block-aligned
+    assert len(buffers) == 1
+    assert stats.snapshot()["bytes"] == len(DATA)
+    # the next GET reuses the connection and the buffer
+    assert b"".join(bytes(p) for p in rx.body(f"{server.url}/data", "obj", stats, 65536)) == DATA
+    assert server.connections == 1
+    rx.close()
+
+
+def test_a_range_comes_byte_for_byte_and_an_ignored_range_is_an_error(server):
+    rx, stats = _receiver(), TransferStats()
+    got = b"".join(bytes(p) for p in rx.body(f"{server.url}/data", "obj", stats, 4096, (70_000, 200_001)))
+    assert got == DATA[70_000:200_001]
+    with pytest.raises(ConnectionError, match=r"obj: bytes \[0, 100\) came back as HTTP 200"):
+        list(rx.body(f"{server.url}/norange", "obj", stats, 4096, (0, 100)))
+    # the connection whose body was left unread is not reused
+    assert b"".join(bytes(p) for p in rx.body(f"{server.url}/data", "obj", stats, 1 << 20, (5, 10))) == DATA[5:10]
+    assert server.connections == 2
+
+
+def test_a_body_dropped_part_way_closes_its_connection(server):
+    rx, stats = _receiver(), TransferStats()
+    body = rx.body(f"{server.url}/data", "obj", stats, 4096)
+    assert bytes(next(body)) == DATA[:4096]
+    body.close()
+    assert b"".join(bytes(p) for p in rx.body(f"{server.url}/data", "obj", stats, 1 << 20)) == DATA
+    assert server.connections == 2
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced(server):
+    rx, stats = _receiver(), TransferStats()
+    assert b"".join(bytes(p) for p in rx.body(f"{server.url}/data", "obj", stats, 1 << 20)) == DATA
+    server.close_idle()
+    time.sleep(0.1)
+    assert b"".join(bytes(p) for p in rx.body(f"{server.url}/data", "obj", stats, 1 << 20)) == DATA
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize("status, kind, transient", [
+    (404, FileNotFoundError, False), (403, PermissionError, False), (401, PermissionError, False),
+    (503, HTTPStatusError, True), (500, HTTPStatusError, True), (429, HTTPStatusError, True),
+    (400, HTTPStatusError, False), (301, HTTPStatusError, False),
+])
+def test_an_error_status_raises_the_standard_exception(server, status, kind, transient):
+    rx = _receiver()
+    with pytest.raises(kind, match=rf"^obj: HTTP {status} .*NoSuchKey") as info:
+        list(rx.body(f"{server.url}/status/{status}?X-Amz-Signature=secret", "obj", TransferStats(), 4096))
+    assert "secret" not in str(info.value)
+    assert is_transient(info.value) is transient
+
+
+def test_a_body_cut_short_is_a_connection_error(server):
+    with pytest.raises(ConnectionError, match="obj: the body ended after 1000 of its 5000 bytes") as info:
+        list(_receiver().body(f"{server.url}/short", "obj", TransferStats(), 4096))
+    assert is_transient(info.value)
+
+
+def test_every_wait_is_bounded(server):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="obj: timed out") as info:
+        list(_receiver(read_timeout=0.3).body(f"{server.url}/slow", "obj", TransferStats(), 4096))
+    assert time.monotonic() - t0 < 3
+    assert is_transient(info.value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    with pytest.raises(ConnectionError):
+        list(_receiver().body(f"http://127.0.0.1:{port}/x", "obj", TransferStats(), 4096))
+
+
+def test_a_download_keeps_no_view_of_a_piece_after_taking_it(tmp_path):
+    """The receiver refills its buffer after each piece: bytes of a block a piece ends inside, kept for
+    the claim's next piece, are the piece's bytes then, not what the buffer holds later."""
+    from fastload.formats import FastloadDataset, write
+    from fastload.remote.cache.arrival import Arrival, BlockSpec
+    from fastload.remote.cache.files import Download
+
+    write(({"x": np.full(3000, i % 251, np.uint8)} for i in range(200)), str(tmp_path / "ds"), progress=False)
+    local = FastloadDataset(str(tmp_path / "ds"))
+    info, shift = local.manifest.shards[0], local.manifest.block_log2
+    data = (tmp_path / "ds" / info.file).read_bytes()
+    path = str(tmp_path / "tmp")
+    arrival = Arrival(path, path + ".final", size=info.bytes, spec=BlockSpec(info.blocks_xxh3, shift),
+                      where="shard", stall_s=5)
+    sink = Download(path, size=info.bytes, xxh3=info.xxh3, where="shard", arrival=arrival)
+    start, end = sink.table_range()
+    sink.put_table(data[start:end])
+    got = arrival.claim_next(0, len(arrival.published))
+    assert got is not None
+    claim, first, _ = got
+    buf = bytearray(40_000)  # pieces end inside blocks (64 KiB)
+    for at in range(first << shift, arrival.sections_end, len(buf)):
+        piece = data[at : min(at + len(buf), arrival.sections_end)]
+        buf[: len(piece)] = piece
+        sink.write_claimed(claim, at, memoryview(buf)[: len(piece)])
+        buf[:] = b"\xff" * len(buf)  # the receiver's next piece overwrites the buffer
+    sink.release(claim)
+    sink.check()
+    assert bool(arrival.published.all())
+    sink.close()
+    with open(path, "rb") as fh:
+        assert fh.read() == data
+
+
+def test_s3_bodies_come_through_signed_urls_and_anonymous_ones_through_obstore(moto, tmp_path):  # noqa: F811
+    from fastload.remote.transport_obstore import ObstoreTransport
+
+    client = moto.client()
+    client.create_bucket(Bucket="rxbkt")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a b+c.bin").write_bytes(DATA)
+    upload_dir(client, str(tmp_path / "d"), "rxbkt", "ds")
+    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": moto.endpoint,
+                                                                       "region_name": "us-east-1"}}
+    t = ObstoreTransport("s3://rxbkt/ds", opts, connect_timeout=5, read_timeout=5)
+    url = t.url_of("a b+c.bin")
+    assert url is not None and "X-Amz-Signature=" in url and "/rxbkt/ds/a%20b%2Bc.bin?" in url
+    stats = TransferStats()
+    got = bytearray()
+    t.range_into("a b+c.bin", 100, 300_000, lambda at, piece: got.extend(piece) or True, stats, chunk=65536)
+    assert bytes(got) == DATA[100:300_000]
+    assert stats.snapshot()["bytes"] == 300_000 - 100
+    t.close()
+    streamed = ObstoreTransport("s3://rxbkt/ds", opts, connect_timeout=5, read_timeout=5, receive="obstore")
+    assert streamed.url_of("x") is None
+    anon = ObstoreTransport("s3://rxbkt/ds", {"anon": True, "client_kwargs": {"endpoint_url": moto.endpoint}},
+                            connect_timeout=5, read_timeout=5)
+    assert anon.receiver is None and anon.url_of("a b+c.bin") is None
