@@ -36,9 +36,16 @@ __all__ = ["main"]
 
 
 def _modes() -> dict[str, dict[str, Any]]:
-    if "arriving_min_bytes" in inspect.signature(RemoteStorage).parameters:
-        return {"arriving": {}, "whole": {"arriving_min_bytes": None}}
-    return {"whole": {}}
+    """The storage settings compared: shards read while they arrive or whole, and (where this tree has it)
+    arriving with obstore receiving the bodies (`transport="obstore-stream"`)."""
+    from fastload.remote.transport_obstore import TRANSPORTS
+
+    if "arriving_min_bytes" not in inspect.signature(RemoteStorage).parameters:
+        return {"whole": {}}
+    modes: dict[str, dict[str, Any]] = {"arriving": {}, "whole": {"arriving_min_bytes": None}}
+    if "obstore-stream" in TRANSPORTS:
+        modes["arriving-stream"] = {"transport": "obstore-stream"}
+    return modes
 
 
 def _first_batch(url: str, cache: str, kw: dict[str, Any], *, shuffled: bool, batch_size: int) -> dict[str, float]:
