@@ -196,9 +196,10 @@ def run_peer_table(data_dir: str, *, shards: int, shard_size: int, rounds: int, 
 
 
 class Nginx:
-    """nginx serving `root` on a free 127.0.0.1 port (one worker, sendfile); `stop()` ends it."""
+    """nginx serving `root` on a free 127.0.0.1 port (one worker, sendfile; over HTTPS with `tls`, a
+    (certificate, key) pair of PEM files); `stop()` ends it."""
 
-    def __init__(self, root: str, work: str) -> None:
+    def __init__(self, root: str, work: str, *, tls: tuple[str, str] | None = None) -> None:
         exe = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
         if exe is None:
             raise RuntimeError("nginx not found on PATH (apt-get install -y nginx)")
@@ -215,7 +216,9 @@ class Nginx:
                 f"http {{ access_log off; sendfile on; tcp_nopush on; client_body_temp_path {work}/b;"
                 f" proxy_temp_path {work}/p; fastcgi_temp_path {work}/f; uwsgi_temp_path {work}/u;"
                 f" scgi_temp_path {work}/s;\n"
-                f"  server {{ listen 127.0.0.1:{self.port}; root {root}; }} }}\n"
+                f"  server {{ listen 127.0.0.1:{self.port}{' ssl' if tls else ''}; root {root};"
+                + (f" ssl_certificate {tls[0]}; ssl_certificate_key {tls[1]};" if tls else "")
+                + " } }\n"
             )
         self.proc = subprocess.Popen([exe, "-c", conf, "-p", work], stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -228,7 +231,7 @@ class Nginx:
                     self.stop()
                     raise RuntimeError("nginx did not start") from None
                 time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
