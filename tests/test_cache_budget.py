@@ -89,7 +89,7 @@ def tmpfs(tmp_path):
 
 
 class DiskSampler:
-    """Used bytes of a file system (statvfs), sampled every 2 ms on a thread; `peak` above `base`."""
+    """Used bytes of a file system (statvfs), sampled every millisecond on a thread; `peak` above `base`."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -105,7 +105,7 @@ class DiskSampler:
         while not self._stop.is_set():
             self.peak = max(self.peak, self._used() - self.base)
             self.samples += 1
-            time.sleep(0.002)
+            time.sleep(0.001)
 
     def __enter__(self) -> DiskSampler:
         self._thread.start()
