@@ -89,15 +89,18 @@ def _obstore_get(url: str, storage_options: dict[str, Any] | None) -> Callable[[
     return lambda rel: obstore.get(store, rel).bytes()
 
 
-def _streamed_fetch(url: str, storage_options: dict[str, Any] | None) -> Callable[[str, str], tuple[int, str]]:
-    """A GET streamed into a file through fastload's receiver (`HttpReceiver`, from the URL obstore gives)
-    in pieces of `DOWNLOAD_CHUNK`, each written and hashed as it comes: (bytes, xxh3 hex)."""
+def _streamed_fetch(url: str, storage_options: dict[str, Any] | None,
+                    receive: str) -> Callable[[str, str], tuple[int, str]]:
+    """A GET streamed into a file by fastload's obstore transport, received by `receive` ("http":
+    `HttpReceiver`, from the URL obstore gives; "obstore": obstore's stream) in pieces of
+    `DOWNLOAD_CHUNK`, each written and hashed as it comes: (bytes, xxh3 hex)."""
     from fastload.remote.storage import DOWNLOAD_CHUNK
     from fastload.remote.transfer_stats import TransferStats
     from fastload.remote.transport_obstore import ObstoreTransport
 
-    transport = ObstoreTransport(url, dict(storage_options or {}), connect_timeout=60, read_timeout=60)
-    if transport.url_of("probe") is None:
+    transport = ObstoreTransport(url, dict(storage_options or {}), connect_timeout=60, read_timeout=60,
+                                 receive=receive)
+    if receive == "http" and transport.url_of("probe") is None:
         raise ValueError(f"{url}: no URL to GET without obstore (the store cannot sign)")
 
     class Sink:
@@ -125,9 +128,10 @@ def raw_pipeline(url: str, shards: list[Any], out_dir: str, *, threads: int = 8,
                  storage_options: dict[str, Any] | None = None, client: str = "plain") -> float:
     """Bytes/s of `threads` threads doing GET + xxh3 + write + rename, one shard each. `client`: "plain"
     (a whole-object GET: urllib for http(s), boto3 for s3, fsspec otherwise), "obstore" (a whole-object
-    GET through obstore) or "http" (streamed through fastload's receiver, written and hashed per piece)."""
-    if client == "http":
-        fetch = _streamed_fetch(url, storage_options)
+    GET through obstore), or streamed and each piece written and hashed as it comes: "http" (received
+    by fastload's `HttpReceiver`) or "obstore-stream" (by obstore's stream)."""
+    if client in ("http", "obstore-stream"):
+        fetch = _streamed_fetch(url, storage_options, "http" if client == "http" else "obstore")
     else:
         get = _obstore_get(url, storage_options) if client == "obstore" else _whole_object_get(url, storage_options)
 

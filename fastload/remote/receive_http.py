@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import socket
 import ssl
 import threading
 import time
@@ -51,7 +50,7 @@ class _ThreadState:
 
     def __init__(self) -> None:
         self.conns: dict[tuple[str, str], http.client.HTTPConnection] = {}
-        self.buffers: dict[int, memoryview] = {}
+        self.buffer = memoryview(b"")
         self.pid = os.getpid()
 
     def close(self) -> None:
@@ -124,12 +123,11 @@ class HttpReceiver:
         return state
 
     def _buffer(self, size: int) -> memoryview:
-        buffers = self._state().buffers
-        view = buffers.get(size)
-        if view is None:
-            buffers.clear()  # one size at a time per thread: a caller uses one piece size
-            view = buffers[size] = memoryview(bytearray(size))
-        return view
+        """This thread's buffer of `size` bytes (a new one when the size changes: a caller uses one)."""
+        state = self._state()
+        if len(state.buffer) != size:
+            state.buffer = memoryview(bytearray(size))
+        return state.buffer
 
     def _connection(self, url: str) -> tuple[http.client.HTTPConnection, bool]:
         """(connection to `url`'s host, whether it served an earlier GET)."""
@@ -172,7 +170,7 @@ class HttpReceiver:
                     conn.sock.settimeout(self.read_timeout)
                 conn.request("GET", target or "/", headers=headers)
                 return conn, conn.getresponse()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+            except (BrokenPipeError, ConnectionResetError) as exc:  # http.client.RemoteDisconnected too
                 self._drop(url, conn)
                 if reused:
                     continue  # closed by the server while idle: once more on a new connection
@@ -231,7 +229,7 @@ class HttpReceiver:
 
 def _standard(exc: BaseException, what: str, receiver: HttpReceiver) -> BaseException:
     """The standard exception for a failure of a GET (`exc` itself when it is not a network error)."""
-    if isinstance(exc, (socket.timeout, TimeoutError)):
+    if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError
         return TimeoutError(f"{what}: timed out (connect {receiver.connect_timeout:g}s, read "
                             f"{receiver.read_timeout:g}s): {exc}")
     if isinstance(exc, (http.client.HTTPException, ConnectionError)):

@@ -24,7 +24,6 @@ from fastload.transfer.side_stream import DeviceWideFence
 __all__ = ["PinStage", "ring_post"]
 
 
-
 class PinStage:
     """The epoch's reused-buffer ring (or none) and the buffers the consumer holds."""
 
