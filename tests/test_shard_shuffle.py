@@ -145,3 +145,50 @@ def test_a_state_of_another_order_version_is_refused():
     del state["order"]
     with pytest.raises(ValueError, match="order is version 1"):
         ShardWindowSampler(SIZES, window=3, seed=9).load_state_dict(state)
+
+
+def _torch_cut(sampler, batch_size, drop_last):
+    """torch's `BatchSampler` over the sampler's indices one by one, with the state after each batch."""
+    import torch
+
+    out = []
+    for batch in torch.utils.data.BatchSampler(sampler, batch_size, drop_last):
+        out.append((list(batch), sampler.get_state()))
+    return out, sampler.get_state()
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64, 1000])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("world,shuffle,resume", [(1, True, 0), (3, True, 40), (2, False, 13), (4, True, 123)])
+def test_batches_are_torchs_batches_with_the_same_state_after_each(batch_size, drop_last, world, shuffle, resume,
+                                                                  monkeypatch):
+    """`batches` cuts what torch's `BatchSampler` cuts from the indices one by one, resumed or not, and the
+    state after each batch is the same; it is what the Loader iterates for a `BatchSampler` over it."""
+    import torch
+
+    import fastload.order.shard_shuffle as shard_shuffle
+    from fastload.order.sampling import torch_batches
+
+    monkeypatch.setattr(shard_shuffle, "_CHUNK", 50)  # batches straddle the sampler's chunks
+
+    def make():
+        s = ShardWindowSampler(SIZES, window=3, seed=7, shuffle=shuffle, rank=world - 1, world_size=world)
+        s.set_epoch(2)
+        if resume:
+            probe = ShardWindowSampler(SIZES, window=3, seed=7, shuffle=shuffle, rank=world - 1, world_size=world)
+            probe.set_epoch(2)
+            it = iter(probe)
+            for _ in range(resume):
+                next(it)
+            s.set_state(probe.get_state())
+        return s
+
+    want, end = _torch_cut(make(), batch_size, drop_last)
+    s = make()
+    got = []
+    for batch in s.batches(batch_size, drop_last):
+        assert batch.dtype == np.int64
+        got.append((batch.tolist(), s.get_state()))
+    assert got == want and s.get_state() == end
+    fast = torch_batches(torch.utils.data.BatchSampler(make(), batch_size, drop_last))
+    assert fast is not None and [b.tolist() for b, _ in fast(None)] == [b for b, _ in want]

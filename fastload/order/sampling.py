@@ -460,10 +460,18 @@ def torch_batches(batch_sampler: Any) -> Callable[[Planner | None], Cut] | None:
     """For torch's own `BatchSampler` over `RandomSampler` / `SequentialSampler`: a function
     producing the same batches as int64 arrays (one `randperm`, no per-index Python) with the
     same RNG draws, including the extra `randperm` torch's sampler makes when exhausted. Its
-    argument: a planner as in `SeededOrder.epoch`, given the epoch's batched indices."""
+    argument: a planner as in `SeededOrder.epoch`, given the epoch's batched indices. Over a
+    fastload sampler that cuts its own batches (`batches(batch_size, drop_last)`, e.g.
+    `ShardWindowSampler`): those, unplanned (as its indices one by one would be)."""
     if type(batch_sampler) is not BatchSampler:
         return None
     sampler, bs, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
+    if isinstance(sampler, RankedSampler) and callable(getattr(sampler, "batches", None)):
+
+        def ranked(plan: Planner | None = None) -> Cut:
+            return ((batch, None) for batch in sampler.batches(bs, drop_last))
+
+        return ranked
     if type(sampler) is SequentialSampler:
 
         def sequential(plan: Planner | None = None) -> Cut:

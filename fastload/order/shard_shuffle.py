@@ -231,7 +231,8 @@ class ShardWindowSampler(RankedSampler):
                 a, j = end, j + 1
         return order
 
-    def __iter__(self) -> Iterator[int]:
+    def _begin(self) -> tuple[int, int]:
+        """Start a pass over this rank's epoch: (epoch, its first position: the resume point, if any)."""
         self._ranks.fix()
         epoch = self.epoch
         start, self._resume = self._resume, 0
@@ -239,10 +240,32 @@ class ShardWindowSampler(RankedSampler):
         if self._prefetch is not None:
             storage, names = self._prefetch
             storage.prefetch([names[k] for k in self.shard_order(epoch, start)])
+        return epoch, start
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, start = self._begin()
         for chunk in self._chunks(epoch, start):
             for i in chunk.tolist():
                 self._consumed += 1
                 yield i
+
+    def batches(self, batch_size: int, drop_last: bool) -> Iterator[np.ndarray]:
+        """The indices `__iter__` yields, cut into int64 arrays of `batch_size` as torch's `BatchSampler`
+        over this sampler cuts them (the last one shorter, or dropped with `drop_last`), with no Python
+        step per index; `get_state()` after a batch is what it is after that batch through `__iter__`."""
+        epoch, start = self._begin()
+        held = np.zeros(0, dtype=np.int64)  # indices of a batch begun in the previous chunk
+        for chunk in self._chunks(epoch, start):
+            if held.size:
+                chunk = np.concatenate([held, chunk])
+            full = chunk.size - chunk.size % batch_size
+            for a in range(0, full, batch_size):
+                self._consumed += batch_size
+                yield chunk[a : a + batch_size]
+            held = chunk[full:]
+        self._consumed += held.size  # pulled by torch's BatchSampler even when dropped
+        if held.size and not drop_last:
+            yield held
 
     # -- resume ---------------------------------------------------------------------------------
     @property
