@@ -533,6 +533,75 @@ fail_src:
     return result;
 }
 
+/* missing_blocks(lo, hi, shift, bits, out): the blocks of 2**shift bytes that the byte ranges [lo[i], hi[i])
+ * touch (empty ranges touch none) whose byte in `bits` is 0, each once and ascending, written to `out`
+ * (int64, at least len(bits) long); returns how many. IndexError for a range outside the len(bits) blocks. */
+static PyObject *missing_blocks(PyObject *self, PyObject *args) {
+    PyObject *lo_obj, *hi_obj, *bits_obj, *out_obj, *result = NULL;
+    int shift;
+    if (!PyArg_ParseTuple(args, "OOiOO", &lo_obj, &hi_obj, &shift, &bits_obj, &out_obj)) return NULL;
+    if (shift < 0 || shift > 40) {
+        PyErr_SetString(PyExc_ValueError, "shift must be in [0, 40]");
+        return NULL;
+    }
+    Py_buffer lo, hi, bits, out;
+    if (get_i64(lo_obj, &lo, "lo") < 0) return NULL;
+    if (get_i64(hi_obj, &hi, "hi") < 0) goto fail_lo;
+    if (PyObject_GetBuffer(bits_obj, &bits, PyBUF_C_CONTIGUOUS) < 0) goto fail_hi;
+    if (get_i64_flags(out_obj, &out, "out", PyBUF_WRITABLE) < 0) goto fail_bits;
+    {
+        const Py_ssize_t n = lo.len / 8, nblocks = bits.len;
+        const int64_t *a = (const int64_t *)lo.buf, *b = (const int64_t *)hi.buf;
+        const unsigned char *have = (const unsigned char *)bits.buf;
+        int64_t *dst = (int64_t *)out.buf;
+        unsigned char *seen = NULL;
+        if (hi.len != lo.len) {
+            PyErr_SetString(PyExc_ValueError, "lo and hi differ in length");
+            goto done;
+        }
+        if (out.len / 8 < nblocks) {
+            PyErr_SetString(PyExc_ValueError, "out is shorter than bits");
+            goto done;
+        }
+        if (nblocks && !(seen = (unsigned char *)calloc((size_t)nblocks, 1))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        int64_t low = nblocks, high = -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (b[i] <= a[i]) continue;
+            const int64_t first = a[i] >> shift, last = (b[i] - 1) >> shift;
+            if (a[i] < 0 || last >= nblocks) {
+                PyErr_Format(PyExc_IndexError, "bytes [%lld, %lld) lie outside the %lld blocks of 2**%d bytes",
+                             (long long)a[i], (long long)b[i], (long long)nblocks, shift);
+                free(seen);
+                goto done;
+            }
+            for (int64_t j = first; j <= last; j++) {
+                if (!have[j] && !seen[j]) {
+                    seen[j] = 1;
+                    if (j < low) low = j;
+                    if (j > high) high = j;
+                }
+            }
+        }
+        Py_ssize_t count = 0;
+        for (int64_t j = low; j <= high; j++)
+            if (seen[j]) dst[count++] = j;
+        free(seen);
+        result = PyLong_FromSsize_t(count);
+    }
+done:
+    PyBuffer_Release(&out);
+fail_bits:
+    PyBuffer_Release(&bits);
+fail_hi:
+    PyBuffer_Release(&hi);
+fail_lo:
+    PyBuffer_Release(&lo);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
@@ -547,6 +616,9 @@ static PyMethodDef methods[] = {
     {"write_blocks", write_blocks, METH_VARARGS,
      "write_blocks(fd, offset, piece, shift, end, table, published, carry=None): write a piece of a shard and "
      "verify the blocks it completes, GIL released."},
+    {"missing_blocks", missing_blocks, METH_VARARGS,
+     "missing_blocks(lo, hi, shift, bits, out): the blocks the byte ranges touch whose bit is not set, ascending, "
+     "into out; returns how many."},
     {NULL, NULL, 0, NULL},
 };
 

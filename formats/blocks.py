@@ -19,13 +19,14 @@ import xxhash
 from .errors import ChecksumError
 
 try:  # the C extension hashes a run of blocks in one call, GIL released (optional: a Python loop otherwise)
+    from ._ranges import missing_blocks as _c_missing_blocks
     from ._ranges import write_blocks as _c_write_blocks
     from ._ranges import xxh3_blocks as _c_xxh3_blocks
 except ImportError:  # pragma: no cover - a build without the C extension
-    _c_xxh3_blocks = _c_write_blocks = None
+    _c_xxh3_blocks = _c_write_blocks = _c_missing_blocks = None
 
-__all__ = ["BlockLedger", "ColumnGuard", "block_digests", "block_ids", "file_identity", "share_verified", "table_span",
-           "verify_blocks", "vouch_file", "vouched", "write_blocks"]
+__all__ = ["BlockLedger", "ColumnGuard", "block_digests", "block_ids", "file_identity", "missing_blocks",
+           "share_verified", "table_span", "verify_blocks", "vouch_file", "vouched", "write_blocks"]
 
 
 def block_digests(buf: bytes | bytearray | memoryview, ids: np.ndarray, shift: int, end: int) -> np.ndarray:
@@ -183,6 +184,21 @@ def block_ids(lo: np.ndarray, hi: np.ndarray, shift: int) -> np.ndarray:
     total = int(counts.sum())
     ends = np.cumsum(counts)
     return np.repeat(first - (ends - counts), counts) + np.arange(total, dtype=np.int64)
+
+
+def missing_blocks(lo: np.ndarray, hi: np.ndarray, shift: int, bits: np.ndarray) -> np.ndarray:
+    """The blocks that the byte ranges [lo[i], hi[i]) touch whose entry in `bits` (one bool per block) is
+    False, ascending and each once (int64): in one C call where the extension is built. IndexError for
+    a range past the blocks `bits` covers."""
+    lo = np.ascontiguousarray(lo, dtype=np.int64)
+    hi = np.ascontiguousarray(hi, dtype=np.int64)
+    if _c_missing_blocks is not None and bits.dtype == np.bool_ and bits.flags.c_contiguous:
+        out = np.empty(len(bits), dtype=np.int64)
+        return out[: _c_missing_blocks(lo, hi, shift, bits, out)]
+    ids = block_ids(lo, hi, shift)
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(bits)):
+        raise IndexError(f"byte ranges reach block {int(ids.max())}, past the {len(bits)} blocks of 2**{shift} bytes")
+    return np.unique(ids[~bits[ids]])
 
 
 class BlockLedger:

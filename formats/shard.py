@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import xxhash
 
-from .blocks import block_ids, file_identity, share_verified, verify_blocks, vouched
+from .blocks import file_identity, missing_blocks, share_verified, verify_blocks, vouched
 from .columns import Block
 from .errors import ChecksumError, FormatError
 from .layout import (
@@ -510,11 +510,10 @@ class ShardReader:
         bits = self.bits
         if bits is None or self._all_verified:
             return
-        ids = block_ids(lo, hi, self.shift)
-        missing = ids[~bits[ids]]
+        missing = missing_blocks(lo, hi, self.shift, bits)
         self._calls += 1
         if missing.size:
-            self.verify_blocks(np.unique(missing), ahead=ahead)
+            self.verify_blocks(missing, ahead=ahead)
         if missing.size or self._calls % 64 == 1:  # other readers of the file may have verified the rest
             assert self.table is not None
             self._all_verified = bool(bits[: len(self.table)].all())
@@ -560,10 +559,9 @@ class ShardReader:
         arrival, bits = self.arrival, self.bits
         if arrival is None or bits is None or self._all_verified:
             return
-        ids = block_ids(*self._fields_span(fields, rows), self.shift)
-        missing = ids[~bits[ids]]
+        missing = missing_blocks(*self._fields_span(fields, rows), self.shift, bits)
         if missing.size:
-            arrival.ask(np.unique(missing), ahead=ahead)
+            arrival.ask(missing, ahead=ahead)
 
     def ensure_column(self, name: str) -> None:
         """Verify the blocks holding the whole column of fixed field `name`."""

@@ -840,3 +840,30 @@ def test_write_blocks_finishes_a_carried_block(tmp_path_factory, data, shift, at
         return
     whole = [j for j in range(c + 1, count) if min((j + 1) * size, end) <= stop]
     assert bad == -1 and done == [c, *whole]
+
+
+@settings(max_examples=150, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 900)), max_size=60), shift=st.integers(4, 10),
+       have=st.lists(st.booleans(), min_size=1, max_size=400), c_ext=st.booleans())
+def test_missing_blocks_are_the_unverified_blocks_the_ranges_touch(ranges, shift, have, c_ext):
+    """`missing_blocks` (one C call, or numpy without the extension): every block a byte range touches whose
+    bit is unset, once each and ascending; empty ranges touch nothing; a range past the blocks raises
+    IndexError."""
+    from fastload.formats import blocks
+
+    count = len(have)
+    bits = np.array(have, dtype=bool)
+    spans = [(lo % (count << shift), lo % (count << shift) + n) for lo, n in ranges]
+    spans = [(lo, min(hi, count << shift)) for lo, hi in spans]
+    lo = np.array([a for a, _ in spans], dtype=np.int64)
+    hi = np.array([b for _, b in spans], dtype=np.int64)
+    want = sorted({j for a, b in spans for j in range(a >> shift, ((b - 1) >> shift) + 1) if b > a and not have[j]})
+    with pytest.MonkeyPatch.context() as mp:
+        if not c_ext:
+            mp.setattr(blocks, "_c_missing_blocks", None)
+        got = blocks.missing_blocks(lo, hi, shift, bits)
+        assert got.dtype == np.int64 and got.tolist() == want
+        with pytest.raises(IndexError):
+            blocks.missing_blocks(np.array([0], np.int64), np.array([(count << shift) + 1], np.int64), shift, bits)
+        with pytest.raises(IndexError):
+            blocks.missing_blocks(np.array([-1], np.int64), np.array([1], np.int64), shift, bits)
