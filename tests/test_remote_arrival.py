@@ -28,7 +28,7 @@ from fastload import Loader
 from fastload.formats import FastloadDataset, write
 from fastload.formats.errors import ChecksumError
 from fastload.remote import first_batch
-from fastload.remote.cache.arrival import STEAL_AHEAD, Arrival, BlockSpec
+from fastload.remote.cache.arrival import STALLED_S, STEAL_AHEAD, Arrival, BlockSpec
 from fastload.remote.cache.files import Download
 from fastload.remote.storage import DOWNLOAD_CHUNK, RemoteFetchError, RemoteStorage, RetryPolicy
 
@@ -735,7 +735,46 @@ def test_blocks_wanted_from_all_over_a_shard_are_left_to_its_download(tmp_path):
     free = Arrival(str(tmp_path / "t2"), str(tmp_path / "f2"), size=(400 << 16) + 8 * 400,
                    spec=BlockSpec("0" * 16, 16), where="ds/shard-1", stall_s=5)
     free.set_want(lambda runs: None, gap=16, run=64)
-    assert free.claim_wanted(spread, ahead=True) != []  # nobody else fetches these: the reader's GETs do
+    assert free.claim_wanted(spread, ahead=True) == []  # no GET holds them yet, but the download just began
+    time.sleep(1.5 * STALLED_S)  # and shows no progress since: nobody else fetches these, the reader's GETs do
+    assert free.claim_wanted(spread, ahead=True) != []
+
+
+def test_a_following_read_leaves_blocks_nobody_holds_to_a_download_under_way(tmp_path):
+    """A read that follows the downloads (any but an epoch's first) claims none of the blocks it waits for
+    that no GET holds yet (a large shard's parts not started, a download whose body GET has not begun):
+    the download's GETs claim every block in file order. Only once the download shows no progress for
+    `STALLED_S` does the reader fetch them itself. A first read fetches them ahead as before."""
+    size = (400 << 16) + 8 * 400
+
+    def arrival(name):
+        a = Arrival(str(tmp_path / name), str(tmp_path / (name + ".f")), size=size, spec=BlockSpec("0" * 16, 16),
+                    where=f"ds/{name}", stall_s=5)
+        asked: list[list[tuple[int, int]]] = []
+        return a, asked
+
+    wanted = np.array([200, 201, 300])
+    parts, asked = arrival("parts")
+    parts.set_want(lambda runs: asked.append([(x, y) for _, x, y in runs]), gap=16, run=64)
+    part = parts.claim_next(0, 64)  # the first part's GET: blocks [0, 64)
+    assert part is not None and part[1:] == (0, 64)
+    parts.ask(wanted, ahead=False)
+    assert asked == [] and parts.claimed[200] == 0
+    parts.ask(wanted, ahead=True)
+    assert asked == [[(200, 202), (300, 301)]]
+
+    early, early_asked = arrival("early")  # waited for before the block table (and `on_want`) arrived
+    early.ask(wanted, ahead=False)
+    early.set_want(lambda runs: early_asked.append([(x, y) for _, x, y in runs]), gap=16, run=64)
+    assert early_asked == [] and not early.claimed.any()
+    time.sleep(1.5 * STALLED_S)  # no block since: the reader's own GETs fetch what it waits for
+    early.ask(wanted, ahead=False)
+    assert early_asked == [[(200, 202), (300, 301)]]
+
+    first, first_asked = arrival("first")
+    first.ask(wanted, ahead=True)
+    first.set_want(lambda runs: first_asked.append([(x, y) for _, x, y in runs]), gap=16, run=64)
+    assert first_asked == [[(200, 202), (300, 301)]]
 
 
 def test_arrival_waits_ask_once_wake_on_publish_fail_and_time_out(shard_bytes, tmp_path):

@@ -8,10 +8,12 @@ only what is not published), so a reader that maps the temp file may read it at 
 
 Every byte of the shard is received once: each block is fetched by one claim at a time, and this
 record is the ledger of claims. The download claims the next runs of unclaimed blocks in file order
-(`claim_next`); readers wait in `wait(ids)` for the blocks a read needs, and blocks nobody claimed
-yet are claimed for them (`claim_wanted`) and handed to `on_want` (the fetcher gets them in ranged
-GETs of their own, ahead of the download's order: a batch needs a few blocks of every column,
-spread over the shard). The download skips what readers' GETs claimed. A claim that fails gives its
+(`claim_next`); readers wait in `wait(ids)` for the blocks a read needs. For a read that fetches
+ahead (an epoch's first), blocks nobody claimed yet are claimed for it (`claim_wanted`) and handed
+to `on_want` (the fetcher gets them in ranged GETs of their own, ahead of the download's order: a
+batch needs a few blocks of every column, spread over the shard); other reads follow the download's
+GETs, and claim blocks only from a download that shows no progress for `STALLED_S`. The download
+skips what readers' GETs claimed. A claim that fails gives its
 blocks back (`unclaim`) for the download to take. Every wait is bounded: a download that fails wakes
 its waiters with that download's error, and a wait that sees no block arrive for `stall_s` seconds
 raises `TimeoutError`.
@@ -41,7 +43,8 @@ _POLL_S = 0.02  # a forked child's poll for its parent's download
 # GET has got to (that GET then stops where it lost its blocks): nearer bytes arrive sooner in that GET than
 # in a new one, whose first byte costs a round trip (at an object store's tens of ms and ~100 MB/s per GET,
 # about 4 MiB).
-# From a GET that received nothing for `STALLED_S`, a reader may take every block it has not finished.
+# From a GET that received nothing for `STALLED_S`, a reader may take every block it has not finished; from a
+# download that published nothing for as long, a following read also claims blocks no GET holds yet.
 STEAL_AHEAD = 64
 STALLED_S = 0.1
 # A GET goes on through up to this many blocks (1 MiB) that readers' GETs took over, dropping their bytes:
@@ -90,6 +93,7 @@ class Arrival:
         # received): their blocks from there on may be claimed again for a waiting reader (`STEAL_AHEAD`)
         self._fronts: dict[int, tuple[int, float]] = {}
         self._wanted = np.zeros(count, dtype=bool)  # blocks readers waited for before `on_want` was set
+        self._wanted_ahead = False  # whether a read that fetches ahead (`ask`'s `ahead`) was among them
         self._waiting: dict[int, np.ndarray] = {}  # waiting thread -> the blocks it waits for
         self._gap, self._run = 0, 1  # how `claim_wanted` groups blocks into GETs (`set_want`)
         # set by the fetcher (`set_want`): called (outside the lock) with runs (claim, first block, end
@@ -123,7 +127,7 @@ class Arrival:
             if self._state != "running":
                 return
             self.on_want, self.on_follow, self._gap, self._run = want, follow, int(gap), max(1, int(run))
-            runs, left = self._claim_wanted(np.flatnonzero(self._wanted))
+            runs, left = self._claim_wanted(np.flatnonzero(self._wanted), self._wanted_ahead)
         self._hand_over(want, runs, follow if left else None)
 
     def _hand_over(self, want: Callable[[list[tuple[int, int, int]]], None], runs: list[tuple[int, int, int]],
@@ -139,10 +143,12 @@ class Arrival:
         return ~self.published & (self.claimed == 0)
 
     def _free_for_readers(self, ahead: bool) -> np.ndarray:
-        """Blocks a reader's GET may claim: free ones, those the download's stalled GETs have not finished,
-        and (`ahead`) the download's blocks well ahead of its GETs."""
-        free = self._free()
+        """Blocks a reader's GET may claim: those the download's stalled GETs have not finished; free ones
+        (no GET holds them) when fetching `ahead` or when the download shows no progress for `STALLED_S`
+        (else its GETs claim them, in file order: out-of-order GETs cost a request each); and (`ahead`)
+        the download's blocks well ahead of its GETs."""
         now = time.monotonic()
+        free = self._free() if ahead or now - self._last > STALLED_S else np.zeros_like(self.published)
         for claim, (front, seen) in self._fronts.items():
             if now - seen > STALLED_S:
                 start = front
@@ -361,6 +367,7 @@ class Arrival:
                 return
             if want is None:  # the block table has not arrived: `set_want` asks for these
                 self._wanted[ids] = True
+                self._wanted_ahead |= ahead
                 return
             runs, left = self._claim_wanted(ids, ahead)
             follow = self.on_follow if left else None
