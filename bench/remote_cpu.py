@@ -18,7 +18,10 @@ as in `bench.remote`.
 
 Needs `perf` with user-mode sampling allowed (`kernel.perf_event_paranoid` <= 2, or root).
 
-Run: `python -m bench.remote_cpu [--shards 12 --shard-size 32MB --rounds 5]`.
+`--cache-entries N` starts every cold epoch with N other files (4 KiB each) already in the cache,
+as a cache that has served other shards before holds them: the fetch cost should not depend on N.
+
+Run: `python -m bench.remote_cpu [--shards 12 --shard-size 32MB --rounds 5 --cache-entries 0]`.
 """
 
 from __future__ import annotations
@@ -58,7 +61,20 @@ def _name_threads() -> None:
     threading.Thread.run = named  # type: ignore[method-assign]
 
 
-def child(row: str, url: str, seed: int, work: str, out: str, transport: str = "auto") -> None:
+def fill_cache(cache: str, entries: int, size: int = 4096) -> None:
+    """Put `entries` files of `size` bytes in the cache directory `cache` (other shards cached earlier):
+    the cache takes them in as entries when it opens, as it does any file it finds there."""
+    data = os.path.join(cache, "data")
+    os.makedirs(data, exist_ok=True)
+    blob = b"\x5a" * size
+    for i in range(entries):
+        with open(os.path.join(data, f"earlier-{i:06d}.bin"), "wb") as f:
+            f.write(blob)
+
+
+def child(
+    row: str, url: str, seed: int, work: str, out: str, transport: str = "auto", cache_entries: int = 0
+) -> None:
     """One row, in this process: the windows measured, as JSON in `out`."""
     _name_threads()
     from fastload.benchmark.limits import recycle_page_cache
@@ -76,6 +92,7 @@ def child(row: str, url: str, seed: int, work: str, out: str, transport: str = "
     warm_up.close()
     warm_up.storage.close()
     shutil.rmtree(cache + "-warm-up", ignore_errors=True)
+    fill_cache(cache, cache_entries)
     ds = open_dataset(url, cache_dir=cache, cache_limit="1TB", transport=transport)
     nbytes = sum(s.bytes for s in ds.manifest.shards)
     windows: dict[str, list[float]] = {}
@@ -128,12 +145,14 @@ def count_samples(text: str, windows: dict[str, list[float]]) -> dict[str, colle
     return counts
 
 
-def run_row(row: str, url: str, seed: int, work: str, transport: str = "auto") -> dict[str, Any]:
+def run_row(
+    row: str, url: str, seed: int, work: str, transport: str = "auto", cache_entries: int = 0
+) -> dict[str, Any]:
     """One row in a child process under perf: {window: {thread: user CPU seconds}, "bytes": n}."""
     out, data = os.path.join(work, "row.json"), os.path.join(work, "row.perf")
     cmd = ["perf", "record", "-q", "-k", "mono", "-e", "cpu-clock:u", "-F", str(SAMPLE_HZ), "-o", data, "--",
            sys.executable, "-m", "bench.remote_cpu", "--child", row, "--url", url, "--seed", str(seed),
-           "--work", work, "--out", out, "--transport", transport]
+           "--work", work, "--out", out, "--transport", transport, "--cache-entries", str(cache_entries)]
     proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{row}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -168,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--stream-rows", action="store_true",
                     help="also the Loader rows with transport='obstore-stream' (bodies received by obstore)")
+    ap.add_argument("--cache-entries", type=int, default=0,
+                    help="files the cache already holds when the cold epoch starts (other shards cached earlier)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
@@ -177,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.url, args.seed, args.work, args.out, args.transport)
+        child(args.child, args.url, args.seed, args.work, args.out, args.transport, args.cache_entries)
         return {}
     if shutil.which("perf") is None:
         raise SystemExit("bench.remote_cpu needs `perf` (linux-tools) on PATH")
@@ -199,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for r in range(args.rounds):
                 for row in rows[r % len(rows):] + rows[: r % len(rows)]:
                     name, transport = _row_transport(row)
-                    got = run_row(name, f"{server.url}/ds", r, work, transport=transport)
+                    got = run_row(name, f"{server.url}/ds", r, work, transport=transport,
+                                  cache_entries=args.cache_entries)
                     gb = got.pop("bytes") / 1e9
                     for window, by_thread in got.items():
                         user[f"{row} {window}"].append(sum(by_thread.values()) / gb)
@@ -212,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     raw = {name: statistics.median(user[f"{name} raw"]) for name in RAW_ROWS}
-    print(f"user CPU s/GB by sampling (perf cpu-clock:u at {SAMPLE_HZ} Hz), median [min-max] over {args.rounds} rounds")
+    print(f"user CPU s/GB by sampling (perf cpu-clock:u at {SAMPLE_HZ} Hz), median [min-max] over {args.rounds} rounds"
+          f", {args.cache_entries} other files in the cache")
     for name in RAW_ROWS:
         print(f"{name:24s} {_med(user[f'{name} raw'])}")
     for row in loader_rows:
@@ -222,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("cold epochs by thread, mean s/GB:")
     for row in loader_rows:
         print(f"  {row:22s} " + ", ".join(f"{k}={v:.3f}" for k, v in threads[row].most_common(6)))
-    res = {"rounds": args.rounds, "user_s_per_GB": dict(user), "cold_threads": {k: dict(v) for k, v in threads.items()},
+    res = {"rounds": args.rounds, "cache_entries": args.cache_entries, "user_s_per_GB": dict(user),
+           "cold_threads": {k: dict(v) for k, v in threads.items()},
            "raw_medians": raw}
     write_json(args.json, res)
     return res

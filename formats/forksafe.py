@@ -8,6 +8,7 @@ fork, before any of the child's own code (`os.register_at_fork`), for as long as
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -15,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["reset_in_child"]
+
+log = logging.getLogger(__name__)
 
 _REGISTERED: dict[int, tuple[weakref.ref[Any], Callable[[Any], None]]] = {}
 _REGISTERED_LOCK = threading.Lock()  # guards _REGISTERED; replaced in the child (below)
@@ -35,12 +38,17 @@ def reset_in_child(obj: Any, reset: Callable[[Any], None]) -> None:
 
 
 def _reset_all_in_child() -> None:
+    """Every registered reset runs: one that fails (say, over a file the parent removed) is reported
+    and does not leave the objects after it holding the parent's locks."""
     global _REGISTERED_LOCK
     _REGISTERED_LOCK = threading.Lock()
     for ref, reset in list(_REGISTERED.values()):
         obj = ref()
         if obj is not None:
-            reset(obj)
+            try:
+                reset(obj)
+            except Exception:  # reported; the next reset still runs
+                log.warning("resetting %r in a forked child failed", type(obj).__name__, exc_info=True)
 
 
 os.register_at_fork(after_in_child=_reset_all_in_child)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import fcntl
 import multiprocessing as mp
 import os
+import sqlite3
+import tempfile
 import threading
 import time
 
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastload.formats.errors import ChecksumError
 from fastload.remote.cache.shard_cache import CacheBudgetError, CacheStateError, Download, ShardCache
@@ -144,29 +148,43 @@ def test_truncated_cached_file_is_refetched(tmp_path):
     assert src.fetches == [2, 2]
 
 
-def _damage_state(root) -> None:
-    for name in ("state.0.json", "state.1.json"):
-        with open(os.path.join(root, name), "r+b") as fh:
-            fh.write(b"{not json")
+def _damage_state(root, how: str = "header") -> None:
+    """Damage `state.db` as a power loss or a stray write could: its header, a page, or its document."""
+    path = os.path.join(root, "state.db")
+    if how == "document":  # valid SQLite, a document that is not the state
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("UPDATE live SET doc = '{not json'")
+        conn.close()
+        return
+    with open(path, "r+b") as fh:
+        if how == "header":
+            fh.write(b"{not a database}")
+        else:  # every page past the first: b-tree pages that no longer parse
+            size = fh.seek(0, os.SEEK_END)
+            for off in range(1024, size, 1024):
+                fh.seek(off)
+                fh.write(b"\x0d\xff\xff\x7f" * 8)
 
 
-def test_state_file_damage_is_rebuilt(tmp_path):
+@pytest.mark.parametrize("how", ["header", "pages", "document"])
+def test_state_file_damage_is_rebuilt(tmp_path, how):
     """Damage found by the only user (e.g. after a power loss) is rebuilt from the directory."""
     cache, src = ShardCache(tmp_path, limit="1MB"), Source()
     src.acquire(cache, 1)
     cache.release("k1")
     cache.close()
-    _damage_state(tmp_path)
+    _damage_state(tmp_path, how)
     again = ShardCache(tmp_path, limit="1MB")
     assert again.contains("k1")
     assert read(src.acquire(again, 1)) == blob(1)
     assert src.fetches == [1]
 
 
-def test_state_damage_under_live_pins_fails_clearly_and_keeps_own_pins(tmp_path):
+@pytest.mark.parametrize("how", ["header", "pages", "document"])
+def test_state_damage_under_live_pins_fails_clearly_and_keeps_own_pins(tmp_path, how):
     holder, src = ShardCache(tmp_path, limit="1MB"), Source()
     src.acquire(holder, 1)  # pinned by a live user
-    _damage_state(tmp_path)
+    _damage_state(tmp_path, how)
     with pytest.raises(CacheStateError, match=r"shared state is damaged .* it holds their pins"):
         ShardCache(tmp_path, limit="1MB")
     # alone again, the holder rebuilds the state and writes its own pin back from its ledger
@@ -177,18 +195,29 @@ def test_state_damage_under_live_pins_fails_clearly_and_keeps_own_pins(tmp_path)
     assert holder.state()["pins"] == {}
 
 
-def test_torn_state_update_leaves_the_previous_state(tmp_path):
-    """A process killed while writing the state leaves the other slot, still named by `.lock`, intact."""
-    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
-    src.acquire(cache, 1)  # pinned by this (live) process
-    with open(os.path.join(tmp_path, ".lock"), "rb") as fh:
-        slot = int(fh.read(64).split()[1])
-    with open(os.path.join(tmp_path, f"state.{1 - slot}.json"), "r+b") as fh:
-        fh.write(b'{"version":1,"entries":{}')  # the next update, cut short
-    state = ShardCache(tmp_path, limit="1MB").state()
-    assert set(state["entries"]) == {"k1"} and set(state["pins"]) == {"k1"}
-    cache.release("k1")
-    assert ShardCache(tmp_path, limit="1MB").state()["pins"] == {}
+def test_an_update_cut_short_by_a_killed_process_leaves_the_previous_state(tmp_path):
+    """A process killed while its update is written to `state.db` leaves a journal; the next
+    update rolls it back, so the state is the last committed one."""
+    cache, src = ShardCache(tmp_path, limit="10MB"), Source()
+    for i in range(40):
+        src.acquire(cache, i)
+    for i in range(1, 40):
+        cache.release(f"k{i}")
+    before = cache.state()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: an update whose pages reach the file, never committed
+        conn = sqlite3.connect(os.path.join(tmp_path, "state.db"), isolation_level=None)
+        conn.execute("PRAGMA cache_size = 1")  # spill changed pages to the file before the commit
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("DELETE FROM entries")
+        conn.execute("UPDATE live SET doc = '{}'")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.getsize(os.path.join(tmp_path, "state.db-journal")) > 0  # the update was cut short
+    state = ShardCache(tmp_path, limit="10MB").state()
+    assert state["entries"] == before["entries"] and set(state["pins"]) == {"k0"}
+    cache.release("k0")
+    assert ShardCache(tmp_path, limit="10MB").state()["pins"] == {}
 
 
 def test_prefetch_is_soft(tmp_path):
@@ -521,3 +550,72 @@ def test_reader_skips_block_hashes_of_a_vouched_file_only(tmp_path, monkeypatch)
     with pytest.raises(ChecksumError):
         FastloadDataset(root)[0]
     assert hashed
+
+
+_ENTRY_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "touch", "stamp", "del"]),
+        st.integers(0, 11),  # key
+        st.integers(0, 1 << 40),  # size
+        st.integers(0, 50),  # used
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_ENTRY_OPS)
+def test_entry_table_keeps_entries_totals_and_lru_order_of_a_dict(ops):
+    """`EntryTable` against a dict: entries, counts and byte totals (kept by triggers, at any block),
+    least recently used order, read-only entries; a rolled-back update changes nothing."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as root:
+        cache = ShardCache(root, limit="1TB")
+        block = cache.block
+        model: dict[str, dict] = {}
+        with cache._store.locked() as state:
+            entries = state["entries"]
+            for op, k, size, used in ops:
+                key = f"k{k}"
+                if op == "put":
+                    entries.put(key, size=size, used=float(used), stamp=[size, used, "boot"])
+                    model[key] = {"size": size, "used": float(used), "stamp": [size, used, "boot"]}
+                elif op == "touch":
+                    entries.touch(key, float(used))
+                    if key in model:
+                        model[key]["used"] = float(used)
+                elif op == "stamp":
+                    entries.set_stamp(key, None)
+                    if key in model:
+                        model[key]["stamp"] = None
+                elif key in model:
+                    del entries[key]
+                    del model[key]
+                else:
+                    with pytest.raises(KeyError):
+                        del entries[key]
+            assert len(entries) == len(model) and set(entries) == set(model)
+            assert entries.copy() == model
+            for b in (1, block, 512, 1 << 20):
+                assert entries.bytes(b) == sum(-(-m["size"] // b) * b for m in model.values())
+            assert [k for k, _ in entries.least_recently_used()] == sorted(model, key=lambda k: (model[k]["used"], k))
+            for key in model:
+                assert key in entries and dict(entries[key]) == model[key]
+                with pytest.raises(TypeError):
+                    entries[key]["used"] = 0.0  # type: ignore[index]
+        with pytest.raises(RuntimeError), cache._store.locked() as state:
+            state["entries"].put("gone", size=1, used=0.0, stamp=None)
+            raise RuntimeError("an update that fails")
+        assert cache.state()["entries"] == model
+        cache.close()
+
+
+def test_a_cache_of_the_earlier_layout_keeps_its_files_as_entries(tmp_path):
+    """A cache directory whose state is `state.0.json`/`state.1.json` opens with its files as
+    entries (hashed before first use) and the old state files gone."""
+    os.makedirs(tmp_path / "data")
+    (tmp_path / "data" / "k1").write_bytes(blob(1))
+    for name in ("state.0.json", "state.1.json"):
+        (tmp_path / name).write_text('{"version":1}')
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    assert cache.contains("k1") and not (tmp_path / "state.0.json").exists()
+    assert read(src.acquire(cache, 1)) == blob(1) and src.fetches == []

@@ -170,3 +170,71 @@ def test_registrations_of_dead_objects_are_dropped():
     del obj
     gc.collect()
     assert ref() is None
+
+
+def test_a_reset_that_fails_in_the_child_leaves_the_others_to_run():
+    """One object's reset failing in the child (say, over a file the parent removed) is logged and
+    does not leave the objects registered after it holding the parent's locks."""
+
+    class Holder:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+    def fail(_: object) -> None:
+        raise FileNotFoundError("the parent removed it")
+
+    failing, holder = Holder(), Holder()
+    reset_in_child(failing, fail)
+    reset_in_child(holder, lambda obj: setattr(obj, "lock", threading.Lock()))
+
+    def use() -> None:
+        if not holder.lock.acquire(timeout=2):
+            raise RuntimeError("the child inherited the lock locked")
+
+    assert _fork_while_held(lambda: holder.lock, use) == 0
+
+
+def test_a_fork_waits_for_a_cache_update_under_way_and_the_child_uses_the_cache(tmp_path):
+    """No thread is inside SQLite when the process forks: the fork waits for an update in progress
+    to commit, and the child opens the cache afresh (the parent's connection stays the parent's)."""
+    import json
+    import sqlite3
+    import time
+
+    cache = ShardCache(tmp_path, limit="1MB")
+    cache.claim(100)
+    inside = threading.Event()
+
+    def update() -> None:
+        with cache._store.locked() as state:  # an update under way while the main thread forks
+            inside.set()
+            time.sleep(0.3)
+            state["claims"]["0-0-1"] = [5, 5]  # an owner that does not run: the next update drops it
+
+    def committed() -> bool:
+        conn = sqlite3.connect(tmp_path / "state.db")
+        try:
+            return "0-0-1" in json.loads(conn.execute("SELECT doc FROM live").fetchone()[0])["claims"]
+        finally:
+            conn.close()
+
+    t = threading.Thread(target=update)
+    t.start()
+    assert inside.wait(10)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        signal.alarm(15)
+        code = 0
+        try:
+            if not committed():
+                code = 2  # forked inside the update
+            elif ShardCache(tmp_path, limit="1MB").claim(200) is None:
+                code = 3
+        except BaseException:  # noqa: BLE001 - the child reports any failure by its exit code
+            code = 1
+        os._exit(code)
+    t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert cache.claim(300) == 300  # the parent's connection still works
+    assert set(cache.state()["claims"]) == {cache._store.owner}

@@ -115,7 +115,7 @@ class CacheFill:
         blocks: BlockSpec | None,
         arriving: bool = False,
     ) -> tuple[str, Arrival | None] | None:
-        if self._policy.occupied({"entries": {}, "reserved": {}, "retired": {}}) + size > self.limit:
+        if self._policy.state_overhead() + size > self.limit:
             raise CacheBudgetError(
                 f"{where}: a {format_size(size)} shard does not fit in cache_limit={format_size(self.limit)} "
                 f"({self.root}); raise cache_limit to at least a few shards"
@@ -209,8 +209,8 @@ class CacheFill:
                 return "soft", self._path(key)
             self._store.hold(state, key)
             state["soft"].pop(key, None)
-            entry["used"] = time.time()
-            return "entry", entry.get("stamp")
+            state["entries"].touch(key, time.time())
+            return "entry", entry["stamp"]
         res = state["reserved"].get(key)
         if res is not None:
             if soft:
@@ -293,7 +293,7 @@ class CacheFill:
             st = stamp(info)
             with self._store.locked() as state:
                 state["reserved"].pop(key, None)
-                state["entries"][key] = {"size": size, "used": time.time(), "stamp": st}
+                state["entries"].put(key, size=size, used=time.time(), stamp=st)
                 held = key in self._store.held  # a reader of the arriving file pins it
                 if soft and not held:
                     state["soft"][key] = self._store.owner
@@ -348,8 +348,7 @@ class CacheFill:
         vouch_file(st)  # `st` is from before the hash: a file changed since has another identity
         with self._store.locked() as state:
             self._verified[key] = now
-            if key in state["entries"]:
-                state["entries"][key]["stamp"] = now
+            state["entries"].set_stamp(key, now)
         return True
 
     def _drop_corrupt(self, key: str) -> None:

@@ -10,9 +10,9 @@ process's own view. Rules:
   they stay in the budget until then;
 - a file that must leave the cache while still mapped (found corrupt) is retired: moved to `tmp/`
   and counted until nothing maps it, then removed (`reap`, on every look for room);
-- every file is counted at its size rounded up to the file system's block, and the state files
-  (`state.0.json`, `state.1.json`, `.lock`) are counted too, so the bytes the cache occupies on its
-  file system never exceed `limit`;
+- every file is counted at its size rounded up to the file system's block, and the state file
+  (`state.db`, with room for its growth between two looks) is counted too, so the bytes the cache
+  occupies on its file system never exceed `limit`;
 - a prefetch (`soft=True`) evicts only least recently used entries that nobody pins or soft-pins
   (prefetched files wait for their reader), a demand fetch may evict soft-pinned ones too;
 - waiting for room is a deadlock when every owner that pins or demand-downloads something is
@@ -21,18 +21,16 @@ process's own view. Rules:
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastload.formats.units import format_size
 from fastload.remote.cache.files import footprint, in_use
-from fastload.remote.cache.state import CacheState, unlink
+from fastload.remote.cache.state import STATE_SLACK, CacheState, unlink
 
-__all__ = ["STATE_SLACK", "LruPolicy", "Room", "split_budget"]
-
-STATE_SLACK = 1024  # bytes the state may grow by between two looks for room (a reservation, a few pins)
+__all__ = ["LruPolicy", "Room", "split_budget"]
 
 
 @dataclass
@@ -46,17 +44,24 @@ class Room:
 
 class LruPolicy:
     """Least-recently-used eviction of unpinned, unmapped files in `data_dir`, keeping the bytes the
-    cache occupies (on a file system of `block`-byte blocks) within `limit`."""
+    cache occupies (on a file system of `block`-byte blocks) within `limit`; `state_file_bytes`
+    says how large the state's own file is now."""
 
-    def __init__(self, *, limit: int, data_dir: str, tmp_dir: str, block: int = 1) -> None:
+    def __init__(
+        self, *, limit: int, data_dir: str, tmp_dir: str, state_file_bytes: Callable[[], int], block: int = 1
+    ) -> None:
         self.limit, self.data_dir, self.tmp_dir, self.block = limit, data_dir, tmp_dir, max(1, int(block))
+        self._state_file_bytes = state_file_bytes
         self._retire_seq = 0
 
+    def state_overhead(self) -> int:
+        """Bytes the budget counts for the state file: its footprint with `STATE_SLACK` to spare for
+        its growth before the next look for room."""
+        return footprint(self._state_file_bytes() + STATE_SLACK, self.block)
+
     def occupied(self, state: dict[str, Any]) -> int:
-        """Bytes the cache occupies: its files at their block footprint plus its state files (each slot
-        with `STATE_SLACK` bytes to spare for the state's growth before the next look)."""
-        slot = footprint(len(json.dumps(state, separators=(",", ":"))) + STATE_SLACK, self.block)
-        return CacheState.used(state, self.block) + 2 * slot + footprint(64, self.block)
+        """Bytes the cache occupies: its files at their block footprint plus the state file."""
+        return CacheState.used(state, self.block) + self.state_overhead()
 
     def make_room(self, state: dict[str, Any], size: int, *, soft: bool) -> Room:
         """Evict least recently used unpinned, unmapped files until `size` more bytes fit (files and
@@ -66,18 +71,31 @@ class LruPolicy:
         free = self.limit - self.occupied(state)
         if free >= need:
             return Room(True)
-        unpinned = [(e["used"], k) for k, e in state["entries"].items() if not state["pins"].get(k)]
-        cold = sorted((u, k) for u, k in unpinned if k not in state["soft"])
-        warm = sorted((u, k) for u, k in unpinned if k in state["soft"])
-        chosen, mapped = [], False
-        for _, k in cold if soft else cold + warm:
+        chosen: list[str] = []
+        mapped = False
+
+        def candidates() -> Iterator[tuple[str, int]]:
+            """Unpinned entries, least recently used first, soft-pinned ones last (demand fetches only);
+            the entries are read only as far as the room needs."""
+            warm = []
+            for k, size in state["entries"].least_recently_used():
+                if state["pins"].get(k):
+                    continue
+                if k in state["soft"]:
+                    warm.append((k, size))
+                    continue
+                yield k, size
+            if not soft:
+                yield from warm
+
+        for k, size in candidates():
             if free >= need:
                 break
             if in_use(os.path.join(self.data_dir, k)):
                 mapped = True
                 continue
             chosen.append(k)
-            free += footprint(state["entries"][k]["size"], self.block)
+            free += footprint(size, self.block)
         mapped = mapped or bool(state["retired"])
         if free < need:
             held = "room held by pinned shards" + (" and by shards still mapped" if mapped else "")

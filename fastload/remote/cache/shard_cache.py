@@ -70,7 +70,7 @@ def default_cache_dir() -> str:
 
 
 class ShardCache:
-    """Whole-file cache in `root` holding at most `limit` bytes of shard data (plus a few KB of state).
+    """Whole-file cache in `root` holding at most `limit` bytes: shard data and its state file.
 
     `acquire(key, size=, xxh3=, fetch=)` returns the local path of a verified file and pins it
     until `release(key)`; `fetch(download)` is called to fill a missing file. Keys are file names
@@ -102,7 +102,7 @@ class ShardCache:
         with self._locked() as state:
             self._store.sweep_tmp(state)
             used = CacheState.used(state)
-        self.block = os.statvfs(self.root).f_frsize or 4096  # files occupy whole blocks: counted so
+        self.block = self._store.block  # files occupy whole blocks: counted so
         self.limit = int(0.8 * (_free_bytes(self.root) + used)) if limit is None else parse_size(limit)
         if self.limit <= 0:
             raise CacheBudgetError(f"cache_limit must be > 0 bytes, got {limit!r}")
@@ -151,7 +151,8 @@ class ShardCache:
             fn()
 
     def _policy(self) -> LruPolicy:
-        return LruPolicy(limit=self.limit, data_dir=self.data_dir, tmp_dir=self.tmp_dir, block=self.block)
+        return LruPolicy(limit=self.limit, data_dir=self.data_dir, tmp_dir=self.tmp_dir, block=self.block,
+                         state_file_bytes=self._store.file_bytes)
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -179,7 +180,7 @@ class ShardCache:
     def state(self) -> dict[str, Any]:
         """A copy of the shared state (entries, pins, soft pins, reservations, waiters), for diagnostics."""
         with self._locked() as state:
-            return json.loads(json.dumps(state))
+            return json.loads(json.dumps({**state, "entries": state["entries"].copy()}))
 
     def usage(self) -> dict[str, int]:
         """Bytes and files held now: `bytes` (complete + reserved + retired, at their sizes), `files`,
@@ -202,8 +203,8 @@ class ShardCache:
 
     def state_bytes(self) -> int:
         """What the budget counts for the cache's own state files now (see `LruPolicy.occupied`)."""
-        with self._locked() as state:
-            return self._policy().occupied(state) - CacheState.used(state, self.block)
+        with self._locked():  # the state file exists from here on
+            return self._policy().state_overhead()
 
     def discard(self, key: str) -> str:
         """The cached copy of `key` failed a check while read: take it out of the cache (retired while
@@ -279,8 +280,7 @@ class ShardCache:
                 return
             with self._locked() as state:
                 self._store.unhold(state, key)
-                if key in state["entries"]:
-                    state["entries"][key]["used"] = time.time()
+                state["entries"].touch(key, time.time())
 
     def unsoft(self, keys: list[str] | None = None) -> None:
         """Drop this process's soft pins on `keys` (all of them when None)."""
@@ -319,7 +319,7 @@ class ShardCache:
             with self._locked() as state:
                 claims = {o: c for o, c in state["claims"].items() if o != me}
                 claims[me] = want
-                overhead = self._policy().occupied(state) - CacheState.used(state, self.block)
+                overhead = self._policy().state_overhead()
                 shares = split_budget(self.limit - overhead, claims)
                 if record:
                     self._store.claim = None if shares is None else want

@@ -2,14 +2,13 @@
 
 The single place pins are counted. State of `root`, shared by every process using the cache:
 
-- `state.0.json`, `state.1.json`: the state, JSON, in the slot `.lock` names (see `_load`): entries
-  (size, last use, verification stamp), pins, soft pins, reservations, waiters, budget claims and
-  retired files (`tmp/` names of files removed from the cache while still mapped, with their size),
-  each keyed by an owner id `"<pid>-<start time>-<n>"` (one per `CacheState` object in a process).
-  Owners that no longer run are dropped on every update, so a crashed process leaves no pins,
+- `state.db` (SQLite, see `_StateDb`): entries (size, last use, verification stamp), one row each,
+  and one document with pins, soft pins, reservations, waiters, budget claims and retired files
+  (`tmp/` names of files removed from the cache while still mapped, with their size), each keyed
+  by an owner id `"<pid>-<start time>-<n>"` (one per `CacheState` object in a process). Owners
+  that no longer run are dropped on every update, so a crashed process leaves no pins,
   reservations or temp files behind.
-- `.lock`: `fcntl.flock` lock taken around every read-modify-write of the state; its first 64 bytes
-  name the current slot, its length and xxh3.
+- `.lock`: `fcntl.flock` lock taken around every update.
 - `.users`: every open cache holds a shared `flock` on it, so a damaged state is rebuilt from the
   directory only when no other user (who could hold pins) is alive; else `CacheStateError`.
 
@@ -29,21 +28,29 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
+import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, MutableMapping
+from types import MappingProxyType
 from typing import Any
 
 import psutil
-import xxhash
 
-__all__ = ["CacheBudgetError", "CacheState", "CacheStateError", "owner_alive", "owner_id", "unlink"]
+__all__ = ["CacheBudgetError", "CacheState", "CacheStateError", "EntryTable", "owner_alive", "owner_id", "unlink"]
 
-_SLOTS = ("state.0.json", "state.1.json")
+log = logging.getLogger(__name__)
+
+_DB = "state.db"
 _LOCK = ".lock"
 _USERS = ".users"
-_PARTS = ("entries", "pins", "soft", "reserved", "waiting", "claims", "retired")
-_HEADER_BYTES = 64
+_OLD_FILES = ("state.0.json", "state.1.json")
+_PARTS = ("pins", "soft", "reserved", "waiting", "claims", "retired")  # the document's parts
+_VERSION = 2  # `PRAGMA user_version` of the schema below
+_PAGE = 1024  # small pages: a few KB of state for a small cache, one page rewritten per entry changed
+_BUSY_S = 60.0  # SQLite's own lock is taken under `.lock`; a wait this long means a foreign writer
+STATE_SLACK = 16 * _PAGE  # bytes `state.db` and its journal may grow by between two looks for room
 
 
 class CacheBudgetError(ValueError):
@@ -100,20 +107,151 @@ def owner_alive(owner: str) -> bool:
 
 
 
-class _StateFile:
-    """The state's files: `.users` (shared flock while open), `.lock` (flock + header), two slots.
+# SQLite is not fork-safe: a child forked while a thread of its parent is inside a SQLite call can
+# inherit SQLite's own mutexes locked, and a child closing an inherited connection can undo the
+# parent's transaction. So every SQLite call runs holding `_GATE`, which a fork waits for (the
+# forking thread may hold it already), and connections are closed only by the process that opened
+# them: `_OPENED` keeps each one referenced until then, so a child never frees an inherited one.
+_GATE = threading.RLock()
+_OPENED: dict[int, tuple[int, sqlite3.Connection]] = {}  # id(connection) -> (opening pid, connection)
 
-    Updates read and write the state with preads / pwrites on descriptors kept open: every thread
-    of every process sharing the cache waits while the lock is held, so an update is two system
-    calls each way, with no temp file + rename (that would wait on the file system journal while
-    shards are written).
+
+def _gate() -> threading.RLock:
+    return _GATE
+
+
+def _new_gate_in_child() -> None:
+    global _GATE
+    _GATE = threading.RLock()
+
+
+os.register_at_fork(before=lambda: _gate().acquire(), after_in_parent=lambda: _gate().release(),
+                    after_in_child=_new_gate_in_child)
+
+
+class EntryTable(MutableMapping[str, Mapping[str, Any]]):
+    """The cache's complete files, one row each in `state.db`, read and changed inside an update.
+
+    A lookup, insert, touch or removal costs the same whatever the number of entries; the totals
+    (`count`, `bytes`) are kept by triggers. An entry reads as a read-only mapping (`size`, `used`,
+    `stamp`): change it with `touch` or `set_stamp`, so that no change is lost on a copy."""
+
+    def __init__(self, conn: sqlite3.Connection, block: int) -> None:
+        self._conn, self.block = conn, block
+
+    def __getitem__(self, key: str) -> Mapping[str, Any]:
+        row = self._conn.execute("SELECT size, used, stamp FROM entries WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            raise KeyError(key)
+        return MappingProxyType({"size": row[0], "used": row[1], "stamp": _loads_stamp(row[2])})
+
+    def __setitem__(self, key: str, entry: Mapping[str, Any]) -> None:
+        self.put(key, size=int(entry["size"]), used=float(entry["used"]), stamp=entry.get("stamp"))
+
+    def __delitem__(self, key: str) -> None:
+        if self._conn.execute("DELETE FROM entries WHERE key = ?", (key,)).rowcount == 0:
+            raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return self._conn.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([row[0] for row in self._conn.execute("SELECT key FROM entries")])
+
+    def __len__(self) -> int:
+        return int(self._conn.execute("SELECT files FROM totals").fetchone()[0])
+
+    def put(self, key: str, *, size: int, used: float, stamp: Any) -> None:
+        """Record the complete file of `key` (replacing any entry)."""
+        self._conn.execute(
+            "INSERT INTO entries (key, size, used, stamp) VALUES (?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET "
+            "size = excluded.size, used = excluded.used, stamp = excluded.stamp",
+            (key, int(size), float(used), json.dumps(stamp)),
+        )
+
+    def touch(self, key: str, used: float) -> None:
+        """`key` was used at `used` (its place in the LRU order); nothing when it is not cached."""
+        self._conn.execute("UPDATE entries SET used = ? WHERE key = ?", (float(used), key))
+
+    def set_stamp(self, key: str, stamp: Any) -> None:
+        """`key`'s file was hashed and matched with this identity; nothing when it is not cached."""
+        self._conn.execute("UPDATE entries SET stamp = ? WHERE key = ?", (json.dumps(stamp), key))
+
+    def least_recently_used(self) -> Iterator[tuple[str, int]]:
+        """(key, size) of every entry, least recently used first, read as the caller goes."""
+        for key, size in self._conn.execute("SELECT key, size FROM entries ORDER BY used, key"):
+            yield key, int(size)
+
+    def bytes(self, block: int = 1) -> int:
+        """Bytes of every entry, each rounded up to `block` (kept as a total for 1 and the cache's block)."""
+        if block <= 1:
+            return int(self._conn.execute("SELECT bytes FROM totals").fetchone()[0])
+        if block == self.block:
+            return int(self._conn.execute("SELECT footprint FROM totals").fetchone()[0])
+        row = self._conn.execute("SELECT COALESCE(SUM((size + ? - 1) / ? * ?), 0) FROM entries", (block,) * 3)
+        return int(row.fetchone()[0])
+
+    def copy(self) -> dict[str, dict[str, Any]]:
+        """Every entry as a plain dict (diagnostics)."""
+        rows = self._conn.execute("SELECT key, size, used, stamp FROM entries ORDER BY key")
+        return {k: {"size": s, "used": u, "stamp": _loads_stamp(st)} for k, s, u, st in rows}
+
+
+def _loads_stamp(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, size INTEGER NOT NULL, used REAL NOT NULL,
+                                    stamp TEXT) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS entries_by_use ON entries (used, key);
+CREATE TABLE IF NOT EXISTS totals (files INTEGER NOT NULL, bytes INTEGER NOT NULL, footprint INTEGER NOT NULL,
+                     block INTEGER NOT NULL CHECK (block > 0));
+CREATE TABLE IF NOT EXISTS live (doc TEXT NOT NULL);
+CREATE TRIGGER IF NOT EXISTS entries_added AFTER INSERT ON entries BEGIN
+  UPDATE totals SET files = files + 1, bytes = bytes + new.size,
+                    footprint = footprint + (new.size + block - 1) / block * block;
+END;
+CREATE TRIGGER IF NOT EXISTS entries_removed AFTER DELETE ON entries BEGIN
+  UPDATE totals SET files = files - 1, bytes = bytes - old.size,
+                    footprint = footprint - (old.size + block - 1) / block * block;
+END;
+CREATE TRIGGER IF NOT EXISTS entries_resized AFTER UPDATE OF size ON entries BEGIN
+  UPDATE totals SET bytes = bytes - old.size + new.size,
+                    footprint = footprint - (old.size + block - 1) / block * block
+                                          + (new.size + block - 1) / block * block;
+END;
+"""
+
+
+class _StateDb:
+    """The state's files: `.users` (shared flock while open), `.lock` (flock), `state.db` (SQLite).
+
+    `.lock` serialises every update across processes (a flock wakes its waiter at once; SQLite's
+    own lock, taken inside it, is never contended). `state.db` keeps entries one row each, so an
+    update costs the same at 10 cached files or 100,000, and the small parts (pins, soft pins,
+    reservations, waiters, claims, retired files) as one JSON document. It runs with a rollback
+    journal (`TRUNCATE`) and no fsync: a process killed mid-update leaves a hot journal that the
+    next update rolls back, so the previous state stands. A power loss may leave a damaged file;
+    it is found on open (`PRAGMA quick_check`) or on read, and rebuilt from the directory when
+    nobody else has the cache open (see `begin`).
     """
 
     def __init__(self, *, root: str, data_dir: str) -> None:
         self.root, self.data_dir = root, data_dir
+        self.path = os.path.join(root, _DB)
         self._lock_fd: int | None = None
         self._users_fd: int | None = None
-        self._slot_fds: list[int] | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._checked = False  # `PRAGMA quick_check` passed on this connection
+        self._block = 0
+
+    @property
+    def block(self) -> int:
+        """The file system's block size (asked on first use: a copy made in a forked child touches nothing)."""
+        if not self._block:
+            self._block = os.statvfs(self.root).f_frsize or 4096
+        return self._block
 
     @property
     def opened(self) -> bool:
@@ -121,24 +259,29 @@ class _StateFile:
         return self._lock_fd is not None
 
     def open(self) -> None:
-        """Open the files (once) and take the shared `.users` lock."""
+        """Open the lock files (once) and take the shared `.users` lock."""
         if self._users_fd is None:
             self._users_fd = os.open(os.path.join(self.root, _USERS), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             fcntl.flock(self._users_fd, fcntl.LOCK_SH)
         if self._lock_fd is None:
             self._lock_fd = os.open(os.path.join(self.root, _LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if self._slot_fds is None:
-            self._slot_fds = [
-                os.open(os.path.join(self.root, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644) for name in _SLOTS
-            ]
 
     def close(self) -> None:
-        """Close every descriptor (drops the `.users` lock)."""
-        for fd in (self._lock_fd, self._users_fd, *(self._slot_fds or ())):
+        """Close the database and every descriptor (drops the `.users` lock)."""
+        self._disconnect()
+        for fd in (self._lock_fd, self._users_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self._lock_fd = self._users_fd = self._slot_fds = None
+        self._lock_fd = self._users_fd = None
+
+    def _disconnect(self) -> None:
+        self._checked = False
+        conn, self._conn = self._conn, None
+        if conn is not None and _OPENED.get(id(conn), (-1, None))[0] == os.getpid():
+            del _OPENED[id(conn)]
+            with _gate(), contextlib.suppress(sqlite3.Error):
+                conn.close()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -151,45 +294,124 @@ class _StateFile:
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def load(self) -> tuple[int, int, bytes, dict[str, Any]]:
-        """(sequence number, slot, bytes as read, state) of the last committed state.
-
-        `.lock` holds a header `<seq> <slot> <length> <xxh3>` naming the slot file with the current
-        state; a state is written to the other slot, then the header (one write of 64 bytes) is
-        switched to it, so a process killed mid-update leaves the previous state intact. A slot that
-        does not match its header (power loss without fsync, a new cache) is rebuilt from the directory,
-        but only when no other user has the cache open: their pins live in that state, and a rebuild
-        would let their mapped shards be evicted. Otherwise `CacheStateError` names the damage.
-        The caller's own pins are never lost: `CacheState` writes them back from its ledger.
-        """
-        assert self._lock_fd is not None and self._slot_fds is not None
-        seq, slot, why = 0, 1, "no state recorded"
+    def file_bytes(self) -> int:
+        """Bytes of `state.db` now (its journal is empty between updates)."""
         try:
-            head = os.pread(self._lock_fd, _HEADER_BYTES, 0).split()
-            if len(head) == 4:
-                seq, slot, length = int(head[0]), int(head[1]), int(head[2])
-                raw = os.pread(self._slot_fds[slot], length, 0) if slot in (0, 1) else b""
-                if len(raw) != length or xxhash.xxh3_64_hexdigest(raw) != head[3].decode():
-                    why = f"state.{slot}.json does not match the checksum in .lock"
-                else:
-                    state = json.loads(raw)
-                    if isinstance(state, dict) and state.get("version") == 1:
-                        for part in _PARTS:
-                            state.setdefault(part, {})
-                        return seq, slot, raw, state
-                    why = f"state.{slot}.json is not a version 1 state"
-            elif head:
-                why = ".lock has no valid header"
-        except (OSError, ValueError) as exc:
+            return os.stat(self.path).st_size
+        except FileNotFoundError:
+            return 0
+
+    def begin(self) -> tuple[str, dict[str, Any], EntryTable]:
+        """Start an update (caller holds `exclusive`): (the small parts as read, parsed, the entries).
+
+        A damaged database (not SQLite, a bad page, another schema, a bad document) is rebuilt from
+        the directory only when no other user has the cache open: their pins live in it, and a
+        rebuild would let their mapped shards be evicted. Otherwise `CacheStateError` names the
+        damage. The caller's own pins are never lost: `CacheState` writes them back from its ledger.
+        """
+        try:
+            conn = self._connect()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if not self._checked:  # on open, and after an update hit a damaged page
+                    check = conn.execute("PRAGMA quick_check").fetchone()[0]
+                    if check != "ok":
+                        raise sqlite3.DatabaseError(f"quick_check: {check}")
+                    self._checked = True
+                raw = conn.execute("SELECT doc FROM live").fetchone()[0]
+                live = json.loads(raw)
+                if not isinstance(live, dict) or any(not isinstance(live.get(p), dict) for p in _PARTS):
+                    raise ValueError("the live document is not a mapping of the state's parts")
+                return raw, live, EntryTable(conn, self.block)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        except (sqlite3.Error, ValueError, TypeError) as exc:
             why = f"{type(exc).__name__}: {exc}"
-        if why != "no state recorded" and not self._sole_user():
+        if not self._sole_user():
             raise CacheStateError(
                 f"cache {self.root}: the shared state is damaged ({why}) while other users (processes, or other "
                 f"cache objects in this one) have it open; it holds their pins, so it is not rebuilt under them. "
                 f"Stop every process using this cache (the next one rebuilds the state from the directory), "
                 f"or point cache_dir elsewhere."
             )
-        return seq, slot if slot in (0, 1) else 1, b"", self._rebuild()
+        log.warning("cache %s: the shared state is damaged (%s); rebuilt from the directory", self.root, why)
+        self._disconnect()
+        for name in (_DB, _DB + "-journal"):
+            unlink(os.path.join(self.root, name))
+        conn = self._connect()
+        conn.execute("BEGIN IMMEDIATE")
+        raw = conn.execute("SELECT doc FROM live").fetchone()[0]
+        return raw, json.loads(raw), EntryTable(conn, self.block)
+
+    def commit(self, raw: str, live: dict[str, Any]) -> None:
+        """End the update: write the small parts when they changed, then commit."""
+        assert self._conn is not None
+        doc = json.dumps({p: live[p] for p in _PARTS}, separators=(",", ":"))
+        if doc != raw:
+            self._conn.execute("UPDATE live SET doc = ?", (doc,))
+        self._conn.execute("COMMIT")
+
+    def rollback(self, exc: BaseException) -> None:
+        """End the update leaving the state as it was; an update that hit damage has the database
+        checked again by the next one (which rebuilds it, or says why it cannot)."""
+        if isinstance(exc, sqlite3.DatabaseError):
+            self._checked = False
+        if self._conn is not None and self._conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+
+    def _connect(self) -> sqlite3.Connection:
+        """The open database (opened and checked once per owner; created and filled from the
+        directory when missing)."""
+        if self._conn is not None:
+            return self._conn
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=_BUSY_S)
+        _OPENED[id(conn)] = (os.getpid(), conn)
+        try:
+            conn.execute("PRAGMA journal_mode = TRUNCATE")
+            conn.execute("PRAGMA synchronous = OFF")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                self._create(conn)
+            elif version != _VERSION:
+                raise ValueError(f"{_DB} has schema version {version}, not {_VERSION}")
+            if conn.execute("SELECT block FROM totals").fetchone()[0] != self.block:  # moved to another file system
+                conn.execute(
+                    "UPDATE totals SET block = ?1, footprint = (SELECT COALESCE(SUM((size + ?1 - 1) / ?1 * ?1), 0) "
+                    "FROM entries)", (self.block,)
+                )
+        except BaseException:
+            _OPENED.pop(id(conn), None)
+            conn.close()
+            raise
+        self._conn = conn
+        return conn
+
+    def _create(self, conn: sqlite3.Connection) -> None:
+        """A new state: the schema, no pins, an entry per complete file in the directory."""
+        conn.execute(f"PRAGMA page_size = {_PAGE}")
+        conn.executescript(_SCHEMA)  # IF NOT EXISTS: a creation cut short is finished here
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute("DELETE FROM entries")
+            conn.execute("DELETE FROM totals")
+            conn.execute("DELETE FROM live")
+            conn.execute("INSERT INTO totals VALUES (0, 0, 0, ?)", (self.block,))
+            conn.execute("INSERT INTO live VALUES (?)", (json.dumps({p: {} for p in _PARTS}),))
+            entries = EntryTable(conn, self.block)
+            with os.scandir(self.data_dir) as it:
+                for de in it:
+                    if de.is_file():
+                        st = de.stat()
+                        entries.put(de.name, size=st.st_size, used=st.st_mtime, stamp=None)
+            conn.execute(f"PRAGMA user_version = {_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        for name in _OLD_FILES:  # the state of an earlier layout: nothing reads it
+            unlink(os.path.join(self.root, name))
 
     def _sole_user(self) -> bool:
         """Whether no other cache (in any process) has this cache open (`.users` flock probe)."""
@@ -201,24 +423,6 @@ class _StateFile:
         finally:
             fcntl.flock(self._users_fd, fcntl.LOCK_SH)  # a failed conversion may have dropped the shared lock
         return True
-
-    def _rebuild(self) -> dict[str, Any]:
-        """State from the directory listing: complete files are entries, nobody holds pins."""
-        state: dict[str, Any] = {"version": 1, **{part: {} for part in _PARTS}}
-        with os.scandir(self.data_dir) as it:
-            for de in it:
-                if de.is_file():
-                    st = de.stat()
-                    state["entries"][de.name] = {"size": st.st_size, "used": st.st_mtime, "stamp": None}
-        return state
-
-    def save(self, seq: int, slot: int, data: bytes) -> None:
-        """Write `data` to the other slot, then switch the header to it."""
-        assert self._lock_fd is not None and self._slot_fds is not None
-        new = 1 - slot
-        _pwrite_all(self._slot_fds[new], data)
-        head = f"{seq + 1} {new} {len(data)} {xxhash.xxh3_64_hexdigest(data)}".encode()
-        _pwrite_all(self._lock_fd, head.ljust(_HEADER_BYTES - 1) + b"\n")
 
 
 class CacheState:
@@ -233,7 +437,7 @@ class CacheState:
         self.held: dict[str, int] = {}  # THE pin ledger of this owner: key -> pins (claims in progress too)
         self.usable: set[str] = set()  # held keys whose file is in place and verified (acquire's fast path)
         self.claim: list[int] | None = None  # [least, most] bytes this owner pins at once (published with its pins)
-        self._file = _StateFile(root=root, data_dir=data_dir)
+        self._file = _StateDb(root=root, data_dir=data_dir)
 
     @property
     def opened(self) -> bool:
@@ -248,17 +452,18 @@ class CacheState:
             self.held.clear()
             self.usable.clear()
             self.claim = None
-            with contextlib.suppress(OSError, CacheStateError), self.locked() as state:
+            with contextlib.suppress(OSError, sqlite3.Error, CacheStateError), self.locked() as state:
                 state["soft"] = {k: o for k, o in state["soft"].items() if o != self.owner}
                 state["waiting"].pop(self.owner, None)
             self._file.close()
 
     def collected(self) -> None:
-        """This owner is gone (garbage collection): mark it and close its files, taking no lock.
+        """This owner is gone (garbage collection): mark it and close its files, taking no flock.
 
         The collector may run this inside another cache's update in this thread, whose flock it
-        would wait for forever. The next update by any cache of this process drops the marked
-        owner's pins, soft pins and claim."""
+        would wait for forever (the SQLite gate it takes is re-entrant, and no update holds it for
+        long). The next update by any cache of this process drops the marked owner's pins, soft
+        pins and claim."""
         if getattr(self, "pid", None) != os.getpid() or getattr(self, "_file", None) is None:
             return
         if not self._file.opened:
@@ -271,15 +476,30 @@ class CacheState:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, Any]]:
-        """Hold `mutex` and the cross-process lock; yield the state, written back on normal exit."""
-        with self.mutex, self._file.exclusive():
-            seq, slot, raw, state = self._file.load()
-            self._prune(state)
-            self._publish(state)
-            yield state
-            data = json.dumps(state, separators=(",", ":")).encode()
-            if data != raw:
-                self._file.save(seq, slot, data)
+        """Hold `mutex` and the cross-process lock; yield the state (its parts, and `entries`, an
+        `EntryTable`), committed on normal exit and rolled back on an exception."""
+        with self.mutex, self._file.exclusive(), _gate():
+            raw, state, entries = self._file.begin()
+            try:
+                self._prune(state)
+                self._publish(state)
+                state["entries"] = entries
+                yield state
+                self._file.commit(raw, state)
+            except BaseException as exc:
+                self._file.rollback(exc)
+                if isinstance(exc, sqlite3.DatabaseError):
+                    raise CacheStateError(f"cache {self.root}: the shared state is damaged ({exc})") from exc
+                raise
+
+    def file_bytes(self) -> int:
+        """Bytes of the state's files now."""
+        return self._file.file_bytes()
+
+    @property
+    def block(self) -> int:
+        """The file system's block, at which the budget counts every file."""
+        return self._file.block
 
     def _prune(self, state: dict[str, Any]) -> None:
         """Drop pins, soft pins, reservations, waiters and claims of processes that are gone."""
@@ -360,7 +580,8 @@ class CacheState:
                 del pins[key]
 
     def sweep_tmp(self, state: dict[str, Any]) -> None:
-        """At start-up: remove temp files no live reservation accounts for (left by a crash); add stray data files."""
+        """At start-up: remove temp files no live reservation accounts for (left by a crash); add stray
+        data files; drop entries whose file is gone."""
         live_tmp = {r["tmp"] for r in state["reserved"].values()} | set(state["retired"])
         with os.scandir(self.tmp_dir) as it:
             for de in it:
@@ -370,27 +591,20 @@ class CacheState:
                         unlink(de.path)
         with os.scandir(self.data_dir) as it:
             names = {de.name for de in it if de.is_file()}
-        for key in list(state["entries"]):
-            if key not in names:
-                del state["entries"][key]
-        for key in names - set(state["entries"]):
+        entries: EntryTable = state["entries"]
+        known = set(entries)
+        for key in known - names:
+            del entries[key]
+        for key in names - known:
             st = os.stat(os.path.join(self.data_dir, key))
-            state["entries"][key] = {"size": st.st_size, "used": st.st_mtime, "stamp": None}
+            entries.put(key, size=st.st_size, used=st.st_mtime, stamp=None)
 
     @staticmethod
     def used(state: dict[str, Any], block: int = 1) -> int:
         """Bytes of complete entries, reservations and retired files (removed from the cache while
         something still mapped them), each rounded up to the file system's `block`."""
-        sizes = [e["size"] for e in state["entries"].values()] + [r["size"] for r in state["reserved"].values()]
-        sizes += list(state["retired"].values())
-        return sum(-(-int(n) // block) * block for n in sizes)
-
-
-def _pwrite_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    off = 0
-    while off < len(view):
-        off += os.pwrite(fd, view[off:], off)
+        sizes = [r["size"] for r in state["reserved"].values()] + list(state["retired"].values())
+        return state["entries"].bytes(block) + sum(-(-int(n) // block) * block for n in sizes)
 
 
 def unlink(path: str) -> None:
