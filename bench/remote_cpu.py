@@ -18,10 +18,11 @@ as in `bench.remote`.
 
 Needs `perf` with user-mode sampling allowed (`kernel.perf_event_paranoid` <= 2, or root).
 
-`--cache-entries N` starts every cold epoch with N other files (4 KiB each) already in the cache,
-as a cache that has served other shards before holds them: the fetch cost should not depend on N.
+`--cache-entries 0 N` adds the Loader rows again, each cold epoch starting with N other files (4 KiB
+each) already in the cache, as a cache that served other shards before holds them, and prints each
+such row's fetch cost over the same row's with an empty cache (it should not depend on N).
 
-Run: `python -m bench.remote_cpu [--shards 12 --shard-size 32MB --rounds 5 --cache-entries 0]`.
+Run: `python -m bench.remote_cpu [--shards 12 --shard-size 32MB --rounds 5 --cache-entries 0 2000]`.
 """
 
 from __future__ import annotations
@@ -172,10 +173,16 @@ def _med(v: list[float]) -> str:
 RAW_ROWS = ("raw plain", "raw obstore", "raw http")
 
 
-def _row_transport(row: str) -> tuple[str, str]:
-    """(the child's row, its `transport`) of a row name: Loader rows of "obstore-stream" carry the prefix
-    "stream "."""
-    return (row[len("stream "):], "obstore-stream") if row.startswith("stream ") else (row, "auto")
+def _row_setup(row: str) -> tuple[str, str, int]:
+    """(the child's row, its `transport`, files cached beforehand) of a row name: Loader rows of
+    "obstore-stream" carry the prefix "stream ", rows starting with N files cached the suffix " +N cached"."""
+    entries = 0
+    m = re.fullmatch(r"(.*) \+(\d+) cached", row)
+    if m:
+        row, entries = m.group(1), int(m.group(2))
+    if row.startswith("stream "):
+        return row[len("stream "):], "obstore-stream", entries
+    return row, "auto", entries
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -187,8 +194,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--stream-rows", action="store_true",
                     help="also the Loader rows with transport='obstore-stream' (bodies received by obstore)")
-    ap.add_argument("--cache-entries", type=int, default=0,
-                    help="files the cache already holds when the cold epoch starts (other shards cached earlier)")
+    ap.add_argument("--cache-entries", type=int, nargs="+", default=[0],
+                    help="files the cache already holds when a cold epoch starts (other shards cached earlier); "
+                         "each value beyond 0 adds the Loader rows again with that many")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
@@ -198,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.url, args.seed, args.work, args.out, args.transport, args.cache_entries)
+        child(args.child, args.url, args.seed, args.work, args.out, args.transport, args.cache_entries[0])
         return {}
     if shutil.which("perf") is None:
         raise SystemExit("bench.remote_cpu needs `perf` (linux-tools) on PATH")
@@ -208,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loader_rows = [f"w{w} {o}" for w in args.workers for o in ("shuffled", "sequential")]
     if args.stream_rows:
         loader_rows += [f"stream {row}" for row in loader_rows]
+    loader_rows += [f"{row} +{n} cached" for n in args.cache_entries if n > 0 for row in loader_rows]
     rows = [*RAW_ROWS, *loader_rows]
     work = tempfile.mkdtemp(prefix="fastload-bench-cpu-")
     user: dict[str, list[float]] = collections.defaultdict(list)  # "row window" -> user s/GB per round
@@ -219,9 +228,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             for r in range(args.rounds):
                 for row in rows[r % len(rows):] + rows[: r % len(rows)]:
-                    name, transport = _row_transport(row)
-                    got = run_row(name, f"{server.url}/ds", r, work, transport=transport,
-                                  cache_entries=args.cache_entries)
+                    name, transport, entries = _row_setup(row)
+                    got = run_row(name, f"{server.url}/ds", r, work, transport=transport, cache_entries=entries)
                     gb = got.pop("bytes") / 1e9
                     for window, by_thread in got.items():
                         user[f"{row} {window}"].append(sum(by_thread.values()) / gb)
@@ -234,14 +242,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     raw = {name: statistics.median(user[f"{name} raw"]) for name in RAW_ROWS}
-    print(f"user CPU s/GB by sampling (perf cpu-clock:u at {SAMPLE_HZ} Hz), median [min-max] over {args.rounds} rounds"
-          f", {args.cache_entries} other files in the cache")
+    print(f"user CPU s/GB by sampling (perf cpu-clock:u at {SAMPLE_HZ} Hz), median [min-max] over {args.rounds} rounds")
     for name in RAW_ROWS:
         print(f"{name:24s} {_med(user[f'{name} raw'])}")
     for row in loader_rows:
         cost = user[f"{row} fetch cost"]
         print(f"{row:24s} cold {_med(user[f'{row} cold'])}  warm {_med(user[f'{row} warm'])}  fetch cost "
               f"{_med(cost)} = " + ", ".join(f"{statistics.median(cost) / v:.2f}x {k}" for k, v in raw.items()))
+    for row in loader_rows:
+        base = re.sub(r" \+\d+ cached$", "", row)
+        if base != row:
+            ratio = statistics.median(user[f"{row} fetch cost"]) / statistics.median(user[f"{base} fetch cost"])
+            print(f"{row}: fetch cost / the same row with an empty cache = {ratio:.2f}")
     print("cold epochs by thread, mean s/GB:")
     for row in loader_rows:
         print(f"  {row:22s} " + ", ".join(f"{k}={v:.3f}" for k, v in threads[row].most_common(6)))

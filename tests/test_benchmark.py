@@ -242,3 +242,25 @@ def test_remote_cpu_counts_the_samples_in_each_window_by_thread():
     ])
     got = count_samples(text, {"cold": [100.0, 101.0], "warm": [102.0, 102.5]})
     assert got == {"cold": {"python": 1, "fastload-prefet": 1}, "warm": {"tokio-rt-worker": 1, "thread name": 1}}
+
+
+def test_remote_cpu_fills_a_cache_whose_files_the_cache_takes_in_as_entries(tmp_path):
+    """`bench.remote_cpu --cache-entries N`: the N files put in the cache directory are entries of
+    the cache that opens there (and count in its budget), as files cached by earlier runs are."""
+    from bench.remote_cpu import fill_cache
+    from fastload.remote.cache.shard_cache import ShardCache
+
+    fill_cache(str(tmp_path), 300, size=1000)
+    cache = ShardCache(tmp_path, limit="10MB")
+    usage = cache.usage()
+    assert usage["files"] == 300 and usage["bytes"] == 300 * 1000
+    assert usage["occupied"] == 300 * cache.footprint(1000) + cache.state_bytes()
+
+
+def test_remote_cpu_rows_name_their_transport_and_the_files_cached_beforehand():
+    from bench.remote_cpu import _row_setup
+
+    assert _row_setup("w2 shuffled") == ("w2 shuffled", "auto", 0)
+    assert _row_setup("stream w0 sequential") == ("w0 sequential", "obstore-stream", 0)
+    assert _row_setup("stream w0 sequential +2000 cached") == ("w0 sequential", "obstore-stream", 2000)
+    assert _row_setup("w0 shuffled +10 cached") == ("w0 shuffled", "auto", 10)
