@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastload.formats.errors import ChecksumError
-from fastload.remote.cache.shard_cache import CacheBudgetError, CacheStateError, Download, ShardCache
+from fastload.remote.cache.shard_cache import CacheBudgetError, CacheStateError, Download, ShardCache, owner_alive
 
 KB = 1000
 
@@ -619,3 +619,37 @@ def test_a_cache_of_the_earlier_layout_keeps_its_files_as_entries(tmp_path):
     cache, src = ShardCache(tmp_path, limit="1MB"), Source()
     assert cache.contains("k1") and not (tmp_path / "state.0.json").exists()
     assert read(src.acquire(cache, 1)) == blob(1) and src.fetches == []
+
+
+def test_an_owner_is_dead_once_its_process_is_gone_or_a_zombie_past_the_recheck(monkeypatch):
+    """`owner_alive`: a process that exited and was reaped is dead at once; one killed but not
+    reaped (a zombie, which `kill(pid, 0)` still reaches) is dead from its next full check,
+    at most `RECHECK_S` after the last; a pid reused by another process is not the owner."""
+    import subprocess
+
+    import psutil
+
+    from fastload.remote.cache import state as state_mod
+
+    def owner_of(proc: subprocess.Popen) -> str:
+        return f"{proc.pid}-{psutil.Process(proc.pid).create_time():.2f}-1"
+
+    reaped = subprocess.Popen(["sleep", "30"])
+    zombie = subprocess.Popen(["sleep", "30"])
+    try:
+        owners = {"reaped": owner_of(reaped), "zombie": owner_of(zombie)}
+        assert all(owner_alive(o) for o in owners.values())
+        reaped.kill()
+        reaped.wait()
+        zombie.kill()
+        time.sleep(0.2)  # exited, not reaped: a zombie
+        assert not owner_alive(owners["reaped"])
+        assert owner_alive(owners["zombie"])  # verified less than RECHECK_S ago
+        monkeypatch.setattr(state_mod, "RECHECK_S", 0.0)
+        assert not owner_alive(owners["zombie"])
+        other_start = f"{zombie.pid}-12345.00-1"  # same pid, another start time
+        assert not owner_alive(other_start)
+    finally:
+        for proc in (reaped, zombie):
+            proc.kill()
+            proc.wait()

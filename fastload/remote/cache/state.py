@@ -32,6 +32,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from types import MappingProxyType
 from typing import Any
@@ -92,19 +93,32 @@ def _collected(owner: str) -> bool:
     return owner in _COLLECTED and owner.split("-", 1)[0] == str(os.getpid())
 
 
+RECHECK_S = 1.0  # how long a process's identity (start time, not a zombie) stays verified
+_VERIFIED: dict[str, float] = {}  # owner -> when its process was last found to be that owner
+
+
 def owner_alive(owner: str) -> bool:
-    """Whether the process named by an owner id still runs (`os.kill(pid, 0)` plus start time)."""
+    """Whether the process named by an owner id still runs: `os.kill(pid, 0)` on every call, and
+    the process's start time (a reused pid) and state (a zombie) once per `RECHECK_S` per owner,
+    since reading them costs 40 us and every update asks for every other owner of the cache."""
     try:
         pid_s, start_s = owner.split("-")[:2]
         pid = int(pid_s)
         os.kill(pid, 0)
     except (ValueError, ProcessLookupError):
+        _VERIFIED.pop(owner, None)
         return False
     except PermissionError:
         return True
+    now = time.monotonic()
+    if now - _VERIFIED.get(owner, -RECHECK_S) < RECHECK_S:
+        return True
     start = _start_time(pid)
-    return start is not None and abs(start - float(start_s)) < 0.05
-
+    if start is None or abs(start - float(start_s)) >= 0.05:
+        _VERIFIED.pop(owner, None)
+        return False
+    _VERIFIED[owner] = now
+    return True
 
 
 # SQLite is not fork-safe: a child forked while a thread of its parent is inside a SQLite call can
@@ -133,7 +147,7 @@ class EntryTable(MutableMapping[str, Mapping[str, Any]]):
     """The cache's complete files, one row each in `state.db`, read and changed inside an update.
 
     A lookup, insert, touch or removal costs the same whatever the number of entries; the totals
-    (`count`, `bytes`) are kept by triggers. An entry reads as a read-only mapping (`size`, `used`,
+    (`len`, `bytes`) are kept by triggers. An entry reads as a read-only mapping (`size`, `used`,
     `stamp`): change it with `touch` or `set_stamp`, so that no change is lost on a copy."""
 
     def __init__(self, conn: sqlite3.Connection, block: int) -> None:
