@@ -244,7 +244,7 @@ class RemoteStorage:
             f"{self.url}: cache_limit={format_size(self.cache.limit)} ({self.cache.root}) cannot hold this reader's "
             f"{what} (up to {format_size(self._biggest)} each, {self._shard_bytes} bytes on its file system) next "
             f"to the {format_size(others)} that other readers sharing the cache need at least and the cache's "
-            f"state files; use cache_limit >= {_exact(need)} (the sum over every reader: each dataset object in "
+            f"state file; use cache_limit >= {_exact(need)} (the sum over every reader: each dataset object in "
             f"each process, loader workers included)"
             + ("" if self._auto else " or a smaller max_open_shards")
         )

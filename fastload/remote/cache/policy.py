@@ -148,7 +148,7 @@ class LruPolicy:
             f"waits for room for another shard ({format_size(size)}). Raise cache_limit to at least the sum, "
             f"over every reader sharing the cache (each dataset object in each process, loader workers "
             f"included), of (max_open_shards + 1) x (largest shard, rounded up to the file system's block), plus "
-            f"the state files, or open fewer shards at once."
+            f"the state file, or open fewer shards at once."
         )
 
 

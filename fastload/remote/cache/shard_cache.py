@@ -14,7 +14,7 @@ Parts, one concept each:
 
 The bytes the cache occupies on its file system never exceed `limit`: every file counts at its
 block footprint (complete files, downloads, which reserve their full size before their temp file is
-created, and retired files), the state files count too, and a file something still maps is never
+created, and retired files), the state file counts too, and a file something still maps is never
 evicted (`LruPolicy`). Readers sharing the directory split the budget through their claims
 (`claim`, `cache_policy.split_budget`).
 
@@ -185,7 +185,7 @@ class ShardCache:
     def usage(self) -> dict[str, int]:
         """Bytes and files held now: `bytes` (complete + reserved + retired, at their sizes), `files`,
         `pinned`, `reserved`, `retired` (files removed while still mapped, counted until unmapped),
-        `occupied` (what the budget counts: every file at its block footprint plus the state files)."""
+        `occupied` (what the budget counts: every file at its block footprint plus the state file)."""
         with self._locked() as state:
             return {
                 "bytes": CacheState.used(state),
@@ -202,7 +202,7 @@ class ShardCache:
         return footprint(size, self.block)
 
     def state_bytes(self) -> int:
-        """What the budget counts for the cache's own state files now (see `LruPolicy.occupied`)."""
+        """What the budget counts for the cache's own state file now (see `LruPolicy.state_overhead`)."""
         with self._locked():  # the state file exists from here on
             return self._policy().state_overhead()
 
