@@ -653,3 +653,25 @@ def test_an_owner_is_dead_once_its_process_is_gone_or_a_zombie_past_the_recheck(
         for proc in (reaped, zombie):
             proc.kill()
             proc.wait()
+
+
+def test_a_state_locked_by_another_program_is_an_error_not_damage(tmp_path, monkeypatch):
+    """`state.db` held by a program outside the cache (a `sqlite3` shell in a transaction) makes an
+    update fail with `CacheStateError` once SQLite's wait ends; the state is not rebuilt over it."""
+    from fastload.remote.cache import state as state_mod
+
+    monkeypatch.setattr(state_mod, "_BUSY_S", 0.2)
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    src.acquire(cache, 1)
+    cache.release("k1")
+    cache.close()
+    shell = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    shell.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(CacheStateError, match=r"state.db cannot be updated \(database is locked\)"):
+            ShardCache(tmp_path, limit="1MB")
+    finally:
+        shell.execute("ROLLBACK")
+        shell.close()
+    again = ShardCache(tmp_path, limit="1MB")
+    assert again.contains("k1") and again.state()["entries"]["k1"]["stamp"] is not None  # not rebuilt

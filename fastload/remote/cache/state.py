@@ -211,6 +211,22 @@ class EntryTable(MutableMapping[str, Mapping[str, Any]]):
         return {k: {"size": s, "used": u, "stamp": _loads_stamp(st)} for k, s, u, st in rows}
 
 
+# SQLite's primary result codes that mean the file is not the state this module wrote: SQLITE_ERROR
+# (a table or column missing), SQLITE_CORRUPT, SQLITE_NOTADB. Others (busy, locked, read-only, I/O,
+# disk full) say the state could not be reached now, not that it is wrong: never rebuilt for them.
+_DAMAGE_CODES = (1, 11, 26)
+
+
+def _damaged(exc: BaseException) -> bool:
+    """Whether `exc`, raised reading or writing `state.db`, means the state is damaged."""
+    if isinstance(exc, (ValueError, TypeError)):
+        return True
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is None or code & 0xFF in _DAMAGE_CODES  # None: raised here (a failed quick_check)
+
+
 def _loads_stamp(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
@@ -341,6 +357,8 @@ class _StateDb:
                 conn.execute("ROLLBACK")
                 raise
         except (sqlite3.Error, ValueError, TypeError) as exc:
+            if not _damaged(exc):
+                raise CacheStateError(f"cache {self.root}: {_DB} cannot be updated ({exc})") from exc
             why = f"{type(exc).__name__}: {exc}"
         if not self._sole_user():
             raise CacheStateError(
@@ -369,7 +387,7 @@ class _StateDb:
     def rollback(self, exc: BaseException) -> None:
         """End the update leaving the state as it was; an update that hit damage has the database
         checked again by the next one (which rebuilds it, or says why it cannot)."""
-        if isinstance(exc, sqlite3.DatabaseError):
+        if isinstance(exc, sqlite3.Error) and _damaged(exc):
             self._checked = False
         if self._conn is not None and self._conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
@@ -502,8 +520,9 @@ class CacheState:
                 self._file.commit(raw, state)
             except BaseException as exc:
                 self._file.rollback(exc)
-                if isinstance(exc, sqlite3.DatabaseError):
-                    raise CacheStateError(f"cache {self.root}: the shared state is damaged ({exc})") from exc
+                if isinstance(exc, sqlite3.Error):
+                    what = "the shared state is damaged" if _damaged(exc) else f"{_DB} cannot be updated"
+                    raise CacheStateError(f"cache {self.root}: {what} ({exc})") from exc
                 raise
 
     def file_bytes(self) -> int:
