@@ -39,7 +39,8 @@ from typing import Any
 
 import psutil
 
-__all__ = ["CacheBudgetError", "CacheState", "CacheStateError", "EntryTable", "owner_alive", "owner_id", "unlink"]
+__all__ = ["STATE_SLACK", "CacheBudgetError", "CacheState", "CacheStateError", "EntryTable", "owner_alive", "owner_id",
+           "unlink"]
 
 log = logging.getLogger(__name__)
 
