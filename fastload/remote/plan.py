@@ -9,6 +9,11 @@ entries, keeping at most `depth` shards fetched-but-not-acquired or in flight, a
 `GetWindow.target` GETs in flight (a reader's own fetch counts as one). Acquiring a shard takes
 it off the plan; a plan entry already acquired is skipped.
 
+Waiting threads are woken only as many as can start a prefetch now (`_wake`): a reader's every
+acquire and release changes the plan, and waking every thread for each costs a context switch and a
+look under the lock per thread. One waiting thread at a time (the poller) also wakes every
+`CONSUMED_POLL_S` to look for prefetched shards used elsewhere; the others sleep up to `IDLE_WAIT_S`.
+
 One object per storage and process; every field changes under `lock`. The threads hold the
 storage's `fetch` and `key_of` weakly: a storage dropped without `close` is collected, and its
 finalizer (`stop`) ends them.
@@ -32,6 +37,7 @@ from fastload.remote.get_window import GetWindow
 __all__ = ["CONSUMED_POLL_S", "DemandSlot", "PrefetchPlan"]
 
 CONSUMED_POLL_S = 0.1  # while prefetched shards wait, how often the threads (together) look for ones used elsewhere
+IDLE_WAIT_S = 1.0  # the longest a prefetch thread other than the poller sleeps between looks at the plan
 
 log = logging.getLogger("fastload.remote.storage")
 
@@ -104,6 +110,7 @@ class PrefetchPlan:
         self._taken: set[str] = set()  # plan entries acquired since the plan was set
         self._demand = 0  # fetches run by readers themselves (GETs in flight beside the prefetches)
         self._polled = float("-inf")  # when a thread last looked for prefetched shards consumed elsewhere
+        self._poller: int | None = None  # the waiting thread that wakes every CONSUMED_POLL_S
         self._workers: list[threading.Thread] = []
         self._stop = threading.Event()
 
@@ -131,7 +138,7 @@ class PrefetchPlan:
             self._plan_pos = {n: i for i, n in enumerate(order)}
             self._taken = set()
             self._start_threads()
-            self._cond.notify_all()
+            self._wake()
             stale_keys = [self.keys[n] for n in stale if n in self.keys]
         if stale_keys:
             self.cache.unsoft(stale_keys)
@@ -151,12 +158,12 @@ class PrefetchPlan:
                 self._taken.add(name)
                 while self._plan and self._plan[0] in self._taken:
                     self._plan.popleft()
-            self._cond.notify_all()
+            self._wake()
 
     def released(self, name: str) -> str | None:
         """The reader released `name`: its cache key (None if never acquired); wakes waiting threads."""
         with self.lock:
-            self._cond.notify_all()
+            self._wake()
             return self.keys.get(name)
 
     @property
@@ -176,26 +183,26 @@ class PrefetchPlan:
         with self.lock:
             self._demand += delta
             if wake:
-                self._cond.notify_all()
+                self._wake()
 
     def wake(self) -> None:
         """Wake the prefetch threads to look at the plan again (a first batch's hold was released)."""
         with self.lock:
-            self._cond.notify_all()
+            self._wake()
 
     def finished(self) -> None:
         """One GET finished: feed `window` the bytes received so far (wakes the threads if it resized)."""
         before = self.window.target
         if self.window.finished(now=time.perf_counter(), received=self.cache.transfer.received()) != before:
             with self.lock:
-                self._cond.notify_all()
+                self._wake()
 
     def stop(self) -> None:
         """Tell the prefetch threads to end (each after its current fetch); does not wait for them."""
         self._stop.set()
         with self.lock:
             self._plan.clear()
-            self._cond.notify_all()
+            self._wake()
 
     def close(self, timeout: float = 10.0) -> None:
         """`stop`, then wait up to `timeout` for each prefetch thread, and up to `timeout` for the
@@ -218,7 +225,25 @@ class PrefetchPlan:
             t.start()
             self._workers.append(t)
 
+    def _startable(self) -> int:
+        """How many prefetches could start now (under `lock`): room in the GET window and in `depth`,
+        shards left in the plan; the first batch's hold is the woken threads' own look."""
+        window = self.window.target - len(self._inflight) - self._demand
+        depth = self.depth - len(self._ready) - len(self._inflight)
+        return max(0, min(window, depth, len(self._plan)))
+
+    def _wake(self) -> None:
+        """Wake as many waiting threads as `_startable` says (under `lock`); all of them once stopped
+        (`close` waits for the readers' fetches on the same condition)."""
+        if self._stop.is_set():
+            self._cond.notify_all()
+            return
+        n = self._startable()
+        if n:
+            self._cond.notify(n)
+
     def _next_job(self) -> str | None:
+        me = threading.get_ident()
         while not self._stop.is_set():
             held = self.hold.remaining()
             with self.lock:
@@ -229,10 +254,16 @@ class PrefetchPlan:
                         continue
                     self._inflight.add(name)
                     return name
-                self._cond.wait(timeout=min(held, CONSUMED_POLL_S) if held else CONSUMED_POLL_S)
+                if self._poller is None:
+                    self._poller = me
+                poller = self._poller == me
+                timeout = CONSUMED_POLL_S if poller else IDLE_WAIT_S
+                self._cond.wait(timeout=min(held, timeout) if held else timeout)
+                if poller:
+                    self._poller = None  # the next thread to wait takes the role over
                 now = time.monotonic()
-                # one look at the shared state per interval for all threads: every acquire and release
-                # wakes each of them, and a look reads (and rewrites) the cache's state under its lock
+                # one look at the shared state per interval for all threads: a look reads (and
+                # rewrites) the cache's state under its lock
                 poll = bool(self._plan) and bool(self._ready) and now - self._polled >= CONSUMED_POLL_S
                 if poll:
                     self._polled = now
@@ -247,7 +278,7 @@ class PrefetchPlan:
             gone = {n for n in self._ready if self.keys.get(n) not in soft}
             if gone:
                 self._ready -= gone
-                self._cond.notify_all()
+                self._wake()
 
     def _loop(self) -> None:
         while (name := self._next_job()) is not None:
@@ -286,4 +317,4 @@ class PrefetchPlan:
             elif not ok and name in self._plan_pos and name not in self._taken:
                 self._plan.appendleft(name)  # no room now: try again after a release
                 self._cond.wait(timeout=0.2)
-            self._cond.notify_all()
+            self._wake()

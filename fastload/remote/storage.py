@@ -72,8 +72,9 @@ __all__ = [
 ]
 
 ARRIVING_MIN_BYTES = 8 << 20  # shards from this size on are read while they arrive (`acquire_arriving`)
-# Body bytes per Python call in an arriving shard's own GETs (a reader's GETs, which it waits on, come in
-# `STREAM_CHUNK`s): the per-piece work of verifying by block is paid a quarter as often.
+# Body bytes per Python call in a shard's own download, whole or by block (a reader's GETs, which it
+# waits on, come in `STREAM_CHUNK`s): the per-piece work (receive, write, hash, verify) is paid a
+# quarter as often.
 DOWNLOAD_CHUNK = 1 << 20
 FSSPEC_PART_BYTES = 8 << 20  # an arriving shard's GETs through fsspec (each comes whole)
 WANT_RUN_BLOCKS = 64  # at most this many blocks of an arriving shard in one out-of-order GET for a reader
@@ -668,7 +669,7 @@ class RemoteStorage:
             except NoRanges:
                 self._ranges_ok = False
                 sink.reset()
-        self.obstore.stream_into(rpath, sink, stats)
+        self.obstore.stream_into(rpath, sink, stats, DOWNLOAD_CHUNK)
 
     def _get_range(self, rpath: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of `rpath` in one ranged GET (a store that ignores `Range` may send the
