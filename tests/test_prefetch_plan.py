@@ -87,7 +87,7 @@ def test_acquires_and_releases_that_open_no_room_wake_no_thread(plan):
     p.replace(list("abcd"), known)
     _wait_for(lambda: len(cache.prefetched) == 2)  # depth 2: two shards ahead, the threads wait
     time.sleep(0.05)
-    assert cache.prefetched == ["a", "b"]
+    assert sorted(cache.prefetched) == ["a", "b"]  # by two threads at once
     looks = hold.looks
     t0 = time.monotonic()
     for _ in range(50):
@@ -103,7 +103,7 @@ def test_acquires_and_releases_that_open_no_room_wake_no_thread(plan):
     assert cache.prefetched[2] == "c"
     p.acquired("b", "b", 1, "0" * 16)
     _wait_for(lambda: len(cache.prefetched) == 4)
-    assert cache.prefetched == list("abcd")
+    assert cache.prefetched[3] == "d"
 
 
 def test_close_ends_every_thread_at_once(plan):

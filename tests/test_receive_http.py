@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import os
 import socket
 import threading
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from s3_fixtures import moto, upload_dir  # noqa: F401
 
+from fastload.remote import receive_http
 from fastload.remote.receive_http import HttpReceiver, HTTPStatusError
 from fastload.remote.retry import is_transient
 from fastload.remote.transfer_stats import TransferStats
@@ -116,6 +118,62 @@ def test_a_body_comes_whole_in_full_pieces_of_one_reused_buffer(server):
     # the next GET reuses the connection and the buffer
     assert b"".join(bytes(p) for p in rx.body(f"{server.url}/data", "obj", stats, 65536)) == DATA
     assert server.connections == 1
+    rx.close()
+
+
+def _get(rx: HttpReceiver, url: str, stats: TransferStats) -> bytes:
+    return b"".join(bytes(p) for p in rx.body(url, "obj", stats, 1 << 20))
+
+
+def test_threads_one_after_another_share_one_connection(server):
+    rx, stats = _receiver(), TransferStats()
+    got: list[bytes] = []
+    for _ in range(6):  # each GET in a thread of its own, as a download thread per shard does
+        t = threading.Thread(target=lambda: got.append(_get(rx, f"{server.url}/data", stats)))
+        t.start()
+        t.join()
+    assert got == [DATA] * 6
+    assert server.connections == 1 and rx.opened == 1 and stats.snapshot()["connections"] == 1
+    rx.close()
+
+
+def test_gets_at_once_open_a_connection_each_and_later_ones_reuse_them(server, monkeypatch):
+    rx, stats = _receiver(), TransferStats()
+    first, second = (rx.body(f"{server.url}/data", "obj", stats, 4096) for _ in range(2))
+    assert bytes(next(first)) == bytes(next(second)) == DATA[:4096]  # both responses under way at once
+    assert b"".join(bytes(p) for p in first) == b"".join(bytes(p) for p in second) == DATA[4096:]
+    assert server.connections == 2
+    assert [_get(rx, f"{server.url}/data", stats) for _ in range(3)] == [DATA] * 3
+    assert server.connections == 2
+    # a full pool closes what is given back beyond it
+    monkeypatch.setattr(receive_http, "MAX_IDLE", 1)
+    rx.close()
+    first, second = (rx.body(f"{server.url}/data", "obj", stats, 1 << 20) for _ in range(2))
+    next(first), next(second)
+    list(first), list(second)
+    assert server.connections == 4
+    third, fourth = (rx.body(f"{server.url}/data", "obj", stats, 1 << 20) for _ in range(2))
+    next(third), next(fourth)
+    list(third), list(fourth)
+    assert server.connections == 5 and rx.opened == 5
+    rx.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_opens_its_own_connection_and_leaves_the_parents(server):
+    rx, stats = _receiver(), TransferStats()
+    assert _get(rx, f"{server.url}/data", stats) == DATA
+    pid = os.fork()
+    if pid == 0:  # the child: its GET must not go over the parent's idle connection
+        code = 1
+        try:
+            code = 0 if _get(rx, f"{server.url}/data", TransferStats()) == DATA and rx.opened == 2 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _get(rx, f"{server.url}/data", stats) == DATA  # the parent's connection still serves it
+    assert server.connections == 2 and rx.opened == 1
     rx.close()
 
 

@@ -9,7 +9,10 @@ cache file and hashed. `bench.remote` and `bench.remote_cpu` measure the two sid
 A piece (`memoryview`) is valid until the receiver is asked for the next one: whoever takes a piece
 keeps no reference to it after that (`Download` copies the part of a block a piece ends inside).
 
-Each thread keeps one keep-alive connection per host. Every wait is bounded: `connect_timeout` for
+Keep-alive connections are pooled per host, across threads: a GET takes the most recently used idle
+one (or opens one) and gives it back once its body was read to the end, so a thread started for one
+download (or one ranged part) reuses a connection an earlier GET left, and a cold epoch over HTTPS
+pays a TLS handshake per connection in use at once, not per thread. Every wait is bounded: `connect_timeout` for
 the connection, `read_timeout` for each read. A connection reused from an earlier GET that fails
 before any response arrives (the server closed it while idle) is replaced and the request sent once
 more; every other failure is raised as the standard exception `fastload.retry.is_transient` judges:
@@ -33,6 +36,7 @@ from fastload.remote.transfer_stats import TransferStats
 __all__ = ["HTTPStatusError", "HttpReceiver"]
 
 _ERROR_BODY = 4096  # bytes of an error response's body kept for the message
+MAX_IDLE = 32  # idle connections kept per host; one given back beyond that is closed
 
 
 class HTTPStatusError(OSError):
@@ -43,34 +47,18 @@ class HTTPStatusError(OSError):
         self.status = status
 
 
-class _ThreadState:
-    """One thread's connections by (scheme, host:port) and its receive buffer; the connections close
-    when the thread ends (or the receiver is dropped). A child forked while the thread received drops
-    them unclosed: its copy of a response's reader may be locked by the thread that is not there."""
-
-    def __init__(self) -> None:
-        self.conns: dict[tuple[str, str], http.client.HTTPConnection] = {}
-        self.buffer = memoryview(b"")
-        self.pid = os.getpid()
-
-    def close(self) -> None:
-        conns, self.conns = self.conns, {}
-        if os.getpid() == self.pid:
-            for conn in conns.values():
-                conn.close()
-
-    def __del__(self) -> None:
-        self.close()
-
-
 class HttpReceiver:
     """GETs of URLs through `http.client`, bodies handed over in pieces of one reused buffer."""
 
     def __init__(self, *, connect_timeout: float, read_timeout: float, headers: dict[str, str] | None = None) -> None:
         self.connect_timeout, self.read_timeout = float(connect_timeout), float(read_timeout)
         self.headers = dict(headers or {})
-        self._local = threading.local()
+        self.opened = 0  # connections opened so far
+        self._local = threading.local()  # each thread's receive buffer
         self._tls: ssl.SSLContext | None = None
+        self._lock = threading.Lock()  # guards `_idle` and `opened`
+        self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}  # by (scheme, host:port)
+        self._pid = os.getpid()
 
     def body(self, url: str, what: str, stats: TransferStats, chunk: int,
              byte_range: tuple[int, int] | None = None) -> Iterator[memoryview]:
@@ -84,7 +72,7 @@ class HttpReceiver:
             start, end = byte_range
             headers["Range"] = f"bytes={start}-{end - 1}"
         t0 = time.perf_counter()
-        conn, resp = self._respond(url, what, headers)
+        key, conn, resp = self._respond(url, what, headers, stats)
         t1 = time.perf_counter()
         recv = 0.0
         done = False
@@ -107,76 +95,92 @@ class HttpReceiver:
                 raise ConnectionError(f"{what}: the body ended after {got} of its {expected} bytes")
             done = resp.isclosed() or self._drained(resp)
         finally:
-            if not done:  # a body not read to its end (dropped, failed): the connection cannot be reused
-                self._drop(url, conn)
+            if done:
+                self._give_back(key, conn)
+            else:  # a body not read to its end (dropped, failed): the connection cannot be reused
+                conn.close()
             stats.add_many(request_s=t1 - t0, receive_s=recv)
 
     def close(self) -> None:
-        """Close this thread's connections (other threads' close when their threads end)."""
-        self._state().close()
+        """Close the idle connections (one in use by a GET now is given back, or closed, when it ends)."""
+        with self._pool_lock():
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_pid", None) == os.getpid():
+            self.close()
 
     # -- internals ---------------------------------------------------------------------------------
-    def _state(self) -> _ThreadState:
-        state = getattr(self._local, "state", None)
-        if state is None:
-            state = self._local.state = _ThreadState()
-        return state
-
     def _buffer(self, size: int) -> memoryview:
         """This thread's buffer of `size` bytes (a new one when the size changes: a caller uses one)."""
-        state = self._state()
-        if len(state.buffer) != size:
-            state.buffer = memoryview(bytearray(size))
-        return state.buffer
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) != size:
+            buffer = self._local.buffer = memoryview(bytearray(size))
+        return buffer
 
-    def _connection(self, url: str) -> tuple[http.client.HTTPConnection, bool]:
-        """(connection to `url`'s host, whether it served an earlier GET)."""
-        parts = urllib.parse.urlsplit(url)
-        key = (parts.scheme, parts.netloc)
-        conns = self._state().conns
-        conn = conns.get(key)
-        if conn is not None:
-            return conn, True
+    def _pool_lock(self) -> threading.Lock:
+        """The pool's lock. A forked child starts with an empty pool: the idle connections are its
+        parent's (left unclosed), and the lock may have been held by a thread the child does not have."""
+        if self._pid != os.getpid():
+            self._lock, self._idle, self._pid = threading.Lock(), {}, os.getpid()
+        return self._lock
+
+    def _give_back(self, key: tuple[str, str], conn: http.client.HTTPConnection) -> None:
+        """Return a connection whose response was read to its end to the idle pool (closed when full)."""
+        with self._pool_lock():
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < MAX_IDLE:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def _connection(self, key: tuple[str, str], parts: urllib.parse.SplitResult,
+                    stats: TransferStats) -> tuple[http.client.HTTPConnection, bool]:
+        """(an idle connection to `parts`' host, else a new one (counted in `stats` as `connections`),
+        whether it served an earlier GET)."""
+        with self._pool_lock():
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop(), True
+            self.opened += 1
+        stats.add("connections", 1)
         if parts.scheme == "https":
             if self._tls is None:
                 self._tls = ssl.create_default_context()  # honours SSL_CERT_FILE / SSL_CERT_DIR
             conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=self.connect_timeout,
                                                context=self._tls)
-        elif parts.scheme == "http":
-            conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=self.connect_timeout)
         else:
-            raise ValueError(f"{url.split('?', 1)[0]}: not an http(s) URL")
-        conns[key] = conn
+            conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=self.connect_timeout)
         return conn, False
 
-    def _drop(self, url: str, conn: http.client.HTTPConnection) -> None:
-        conn.close()
+    def _respond(
+        self, url: str, what: str, headers: dict[str, str], stats: TransferStats
+    ) -> tuple[tuple[str, str], http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send the GET and read the response's headers: (pool key, connection, response). A reused
+        connection that fails before any response is closed and the request sent once more."""
         parts = urllib.parse.urlsplit(url)
-        conns = self._state().conns
-        if conns.get((parts.scheme, parts.netloc)) is conn:
-            del conns[(parts.scheme, parts.netloc)]
-
-    def _respond(self, url: str, what: str, headers: dict[str, str]) -> tuple[http.client.HTTPConnection,
-                                                                              http.client.HTTPResponse]:
-        """Send the GET and read the response's headers; a reused connection that fails before any
-        response is replaced and the request sent once more."""
-        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"{url.split('?', 1)[0]}: not an http(s) URL")
+        key = (parts.scheme, parts.netloc)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         while True:
-            conn, reused = self._connection(url)
+            conn, reused = self._connection(key, parts, stats)
             try:
                 if conn.sock is None:
                     conn.connect()
                     conn.sock.settimeout(self.read_timeout)
                 conn.request("GET", target or "/", headers=headers)
-                return conn, conn.getresponse()
+                return key, conn, conn.getresponse()
             except (BrokenPipeError, ConnectionResetError) as exc:  # http.client.RemoteDisconnected too
-                self._drop(url, conn)
+                conn.close()
                 if reused:
-                    continue  # closed by the server while idle: once more on a new connection
+                    continue  # closed by the server while idle: once more on another connection
                 raise ConnectionError(f"{what}: {exc or type(exc).__name__}") from exc
             except BaseException as exc:
-                self._drop(url, conn)
+                conn.close()
                 raise _standard(exc, what, self) from exc
 
     def _check(self, resp: http.client.HTTPResponse, what: str, byte_range: tuple[int, int] | None) -> int | None:

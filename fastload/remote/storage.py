@@ -588,7 +588,7 @@ class RemoteStorage:
             self._receivers_final()  # closes the receive loops' sessions, stops and joins their threads
             self._receivers = self._receivers_final = None
         if self._obstore is not None:
-            self._obstore.close()  # this thread's connections (the ended threads' went with them)
+            self._obstore.close()  # the receiver's idle connections
         self.cache.unsoft()
 
     def __enter__(self) -> Self:

@@ -21,7 +21,9 @@ bytes received), `fetched` / `fetched_bytes` (downloads verified and committed),
 `waits` (acquires that took over 1 ms), `side_gets` and `side_bytes` (ranged GETs of blocks a
 reader of an arriving shard waited for, ahead of the download's order, and their bytes, which are
 not in `bytes`: the download receives those blocks again), `side_rejected` (such GETs whose bytes
-failed their block checksum: the blocks are left to the download, which fetches them again).
+failed their block checksum: the blocks are left to the download, which fetches them again),
+`connections` (HTTP connections the receiver opened: one per GET in flight at once when they are
+reused, more when a server closes them).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ __all__ = ["TransferStats"]
 
 _TIMES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s")
 _COUNTS = ("requests", "ranged_parts", "bytes", "fetched", "fetched_bytes", "demand_fetches", "prefetched", "retries",
-           "waits", "side_gets", "side_bytes", "side_rejected")
+           "waits", "side_gets", "side_bytes", "side_rejected", "connections")
 
 
 class TransferStats:

@@ -257,7 +257,7 @@ class ObstoreTransport:
             return None
 
     def close(self) -> None:
-        """Close the calling thread's connections of the receiver."""
+        """Close the receiver's idle connections."""
         if self.receiver is not None:
             self.receiver.close()
 
