@@ -12,13 +12,13 @@ keeps no reference to it after that (`Download` copies the part of a block a pie
 Keep-alive connections are pooled per host, across threads: a GET takes the most recently used idle
 one (or opens one) and gives it back once its body was read to the end, so a thread started for one
 download (or one ranged part) reuses a connection an earlier GET left, and a cold epoch over HTTPS
-pays a TLS handshake per connection in use at once, not per thread. Every wait is bounded: `connect_timeout` for
-the connection, `read_timeout` for each read. A connection reused from an earlier GET that fails
-before any response arrives (the server closed it while idle) is replaced and the request sent once
-more; every other failure is raised as the standard exception `fastload.retry.is_transient` judges:
-`TimeoutError`, `ConnectionError` (refused, reset, a body cut short), `FileNotFoundError` (404),
-`PermissionError` (401, 403), `HTTPStatusError` (any other status). Messages name the object, never a
-signed URL's query.
+pays a TLS handshake per connection in use at once, not per thread. Every wait is bounded:
+`connect_timeout` for the connection, `read_timeout` for each read. A connection reused from an
+earlier GET that fails before any response arrives (the server closed it while idle) is replaced
+and the request sent once more; every other failure is raised as the standard exception
+`fastload.retry.is_transient` judges: `TimeoutError`, `ConnectionError` (refused, reset, a body cut
+short), `FileNotFoundError` (404), `PermissionError` (401, 403), `HTTPStatusError` (any other
+status). Messages name the object, never a signed URL's query.
 """
 
 from __future__ import annotations
