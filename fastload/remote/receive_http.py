@@ -53,10 +53,9 @@ class HttpReceiver:
     def __init__(self, *, connect_timeout: float, read_timeout: float, headers: dict[str, str] | None = None) -> None:
         self.connect_timeout, self.read_timeout = float(connect_timeout), float(read_timeout)
         self.headers = dict(headers or {})
-        self.opened = 0  # connections opened so far
         self._local = threading.local()  # each thread's receive buffer
         self._tls: ssl.SSLContext | None = None
-        self._lock = threading.Lock()  # guards `_idle` and `opened`
+        self._lock = threading.Lock()  # guards `_idle`
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}  # by (scheme, host:port)
         self._pid = os.getpid()
 
@@ -145,7 +144,6 @@ class HttpReceiver:
             idle = self._idle.get(key)
             if idle:
                 return idle.pop(), True
-            self.opened += 1
         stats.add("connections", 1)
         if parts.scheme == "https":
             if self._tls is None:

@@ -82,7 +82,8 @@ class LruPolicy:
                 if state["pins"].get(k):
                     continue
                 if k in state["soft"]:
-                    warm.append((k, size))
+                    if not soft:
+                        warm.append((k, size))
                     continue
                 yield k, size
             if not soft:
