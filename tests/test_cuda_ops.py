@@ -317,12 +317,12 @@ def test_normalize_kernel_source_matches_reference(host_emulator, variant, batch
     vec4 = img.shape[3] == 3 and img.shape[2] % 4 == 0
     vec8 = vec4 and img.shape[2] % 8 == 0 and dtype != torch.float32
     name = str(dtype).removeprefix("torch.")
-    runnable = {"auto": (NORMALIZE_VEC_FUNCTIONS if vec4 else NORMALIZE_FUNCTIONS)[name],
-                "generic": NORMALIZE_FUNCTIONS[name]}
+    runnable = {"generic": NORMALIZE_FUNCTIONS[name]}
     if vec4:
         runnable["vec4"] = NORMALIZE_VEC_FUNCTIONS[name]
     if vec8:
         runnable["vec8"] = NORMALIZE_VEC8_FUNCTIONS[name]
+    runnable["auto"] = runnable["vec8" if vec8 else "vec4" if vec4 else "generic"]  # the widest that runs
     ref = cuda_ops.normalize_batch_reference(images, mean=mean, std=std, flip=flip_t, layout=layout, dtype=dtype)
     for kernel, function in runnable.items():
         launch.calls.clear()
@@ -379,7 +379,10 @@ def _images(shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
     ((2, 224, 224, 3), 1, torch.float32, "auto", ("fl_normalize_f32", (224, 2, 1), (224, 1, 1))),  # odd data_ptr
     ((2, 5, 7, 3), 0, torch.float32, "auto", ("fl_normalize_f32", (1, 2, 1), (32, 5, 1))),  # W % 4 != 0
     ((2, 5, 8, 4), 0, torch.float32, "auto", ("fl_normalize_f32", (1, 2, 1), (32, 5, 1))),  # 4 channels
-    ((2, 224, 224, 3), 0, torch.float16, "auto", ("fl_normalize_vec_f16", (56, 2, 1), (64, 4, 1))),  # auto: never vec8
+    ((2, 224, 224, 3), 0, torch.float16, "auto", ("fl_normalize_vec8_f16", (28, 2, 1), (32, 8, 1))),  # 16-bit: vec8
+    ((2, 224, 224, 3), 0, torch.bfloat16, "auto", ("fl_normalize_vec8_bf16", (28, 2, 1), (32, 8, 1))),
+    ((2, 224, 228, 3), 0, torch.float16, "auto", ("fl_normalize_vec_f16", (56, 2, 1), (64, 4, 1))),  # W % 8 != 0
+    ((2, 224, 224, 3), 4, torch.bfloat16, "auto", ("fl_normalize_vec_bf16", (56, 2, 1), (64, 4, 1))),  # 4-byte aligned
     ((2, 224, 224, 3), 4, torch.float16, "vec4", ("fl_normalize_vec_f16", (56, 2, 1), (64, 4, 1))),
     ((2, 224, 224, 3), 0, torch.float16, "vec8", ("fl_normalize_vec8_f16", (28, 2, 1), (32, 8, 1))),  # 8 pixels/thread
     ((2, 224, 224, 3), 0, torch.bfloat16, "vec8", ("fl_normalize_vec8_bf16", (28, 2, 1), (32, 8, 1))),
