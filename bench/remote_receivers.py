@@ -3,7 +3,7 @@ stream, over HTTP and over HTTPS.
 
 nginx (one worker, sendfile; with `--tls`, HTTPS with a test CA the clients trust through
 `SSL_CERT_FILE`) serves `--objects` objects of `--size` bytes; `raw_pipeline` GETs them on 4 threads
-through the obstore transport in 1 MiB pieces, each written to a file and hashed with xxh3 as it
+through the obstore transport in `DOWNLOAD_CHUNK` pieces (2 MiB), each written to a file and hashed with xxh3 as it
 comes (what a shard's download does), with client "http" (the default receiver) and
 "obstore-stream", alternating, over `--rounds` rounds. Per receiver: MB/s and this process's user
 and total CPU seconds per GB (`getrusage`; nginx's CPU is its own process's, not counted), median

@@ -394,12 +394,12 @@ def test_a_connection_dropped_mid_shard_is_retried_in_place(dataset, server, tmp
 
 
 def test_blocks_a_reader_fetched_ahead_are_not_received_again(tmp_path):
-    """The download's GET is held near the start of an 8 MB shard while a reader reads all of it: the
+    """The download's GET is held near the start of a 16 MB shard while a reader reads all of it: the
     reader's own GETs take over the blocks the held GET has not brought, and once released the held
     GET stops where its blocks were taken, so every byte of the shard is received about once (not
     the reader's blocks twice), and the shard lands whole. (obstore streams GETs; fsspec's come whole.)"""
     root = tmp_path / "root"
-    write((_sample(i) for i in range(1000)), str(root / "ds"), shard_size=16_000_000, progress=False)
+    write((_sample(i) for i in range(2000)), str(root / "ds"), shard_size=32_000_000, progress=False)
     local = FastloadDataset(str(root / "ds"))
     info = local.manifest.shards[0]
     assert len(local.manifest.shards) == 1 and info.bytes > 6 * DOWNLOAD_CHUNK

@@ -54,7 +54,7 @@ OBSTORE_SCHEMES = {
     "abfss": "azure", "http": "http", "https": "http",
 }
 # Body bytes handed to the sink per Python call (a reader's streamed GET; a shard's own download uses
-# `storage.DOWNLOAD_CHUNK`): a piece that fits the CPU's L2 is still cached when it is written and hashed.
+# `storage.DOWNLOAD_CHUNK`): a piece this small is still in the CPU's L2 when it is written and hashed.
 STREAM_CHUNK = 256 << 10
 _PARTS_IN_FLIGHT = 4  # ranged GETs of one shard outstanding at once
 SIGN_EXPIRES_S = 3600  # a signed URL is made for each GET: its life only has to cover that GET
