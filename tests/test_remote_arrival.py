@@ -206,8 +206,9 @@ def test_an_epochs_first_batch_holds_back_the_gets_it_does_not_wait_for(dataset,
     served = RemoteStorage.first_batch_served
 
     def snapshot(self):
+        lanes = {t.name for t in threading.enumerate() if t.name.startswith("fastload-part")}
         with lock:
-            at_release.append((dict(peak), set(seen)))
+            at_release.append((dict(peak), set(seen), lanes))
         served(self)
 
     monkeypatch.setattr(RemoteStorage, "_range_into", counted)
@@ -219,9 +220,10 @@ def test_an_epochs_first_batch_holds_back_the_gets_it_does_not_wait_for(dataset,
     ds.bind_run(SimpleNamespace(epoch=0))
     _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))
     time.sleep(0.2)
-    ((peaks, paths),) = at_release
+    ((peaks, paths, lanes),) = at_release
     assert {p.rsplit("/", 1)[-1] for p in paths} == {first.rsplit("/", 1)[-1]}  # no prefetch while held
     assert max(peaks.values()) == 1  # one download GET at a time while held
+    assert len(lanes) <= 1, lanes  # the other parts' threads start once the hold is off, not beside the first GET
     server.release()
     deadline = time.monotonic() + 20
     while len(set(seen)) < len(local.manifest.shards) and time.monotonic() < deadline:

@@ -771,9 +771,7 @@ class RemoteStorage:
         failed = threading.Event()
         patience = sum(self._timeouts)
 
-        def lane(number: int) -> None:
-            if number:
-                self._hold.wait()  # while a first batch is pending, the shard comes in one GET from its start
+        def lane() -> None:
             cursor = 0
             while not failed.is_set():
                 got = arrival.claim_next(cursor, part)
@@ -802,10 +800,14 @@ class RemoteStorage:
                 cursor = stop
 
         if lanes == 1:
-            lane(0)
+            lane()
             return
         with ThreadPoolExecutor(lanes, thread_name_prefix="fastload-part") as pool:
-            futures = [pool.submit(lane, i) for i in range(lanes)]
+            futures = [pool.submit(lane)]
+            # while a first batch is pending, the shard comes in one GET from its start; the other lanes'
+            # threads start after it, not beside the first GET's receipt
+            self._hold.wait()
+            futures += [pool.submit(lane) for _ in range(lanes - 1)]
         for f in futures:
             f.result()
 
