@@ -22,7 +22,14 @@ Needs `perf` with user-mode sampling allowed (`kernel.perf_event_paranoid` <= 2,
 each) already in the cache, as a cache that served other shards before holds them, and prints each
 such row's fetch cost over the same row's with an empty cache (it should not depend on N).
 
-Run: `python -m bench.remote_cpu [--shards 12 --shard-size 32MB --rounds 5 --cache-entries 0 2000]`.
+`--against TREE` runs every row a second time from another source tree (e.g. `git worktree add
+../base <commit>`, its C extensions built in place and `fastload/formats` linked to `../formats`,
+as an editable install has it), in the same rounds, alternating with this tree's run of the row,
+so both commits see the same state of the machine; those rows carry the suffix " @base", and each
+row's fetch cost is printed over its base's, with the per-round ratios.
+
+Run: `python -m bench.remote_cpu [--shards 12 --shard-size 32MB --rounds 5 --cache-entries 0 2000]
+[--against ../base]`.
 """
 
 from __future__ import annotations
@@ -146,15 +153,37 @@ def count_samples(text: str, windows: dict[str, list[float]]) -> dict[str, colle
     return counts
 
 
+def check_tree(tree: str) -> str:
+    """`tree` as an absolute path, once it holds what a child needs to run fastload from it (its own
+    `fastload` package with `fastload/formats`, and the formats C extension built in place: without
+    it the blocks would be hashed in Python and the comparison would measure that); else SystemExit
+    saying what is missing."""
+    tree = os.path.abspath(tree)
+    formats = os.path.join(tree, "formats")
+    built = os.path.isdir(formats) and any(n.startswith("_ranges") and n.endswith(".so") for n in os.listdir(formats))
+    missing = [what for what, ok in (
+        ("fastload/__init__.py", os.path.isfile(os.path.join(tree, "fastload", "__init__.py"))),
+        ("fastload/formats (a link to ../formats)", os.path.isdir(os.path.join(tree, "fastload", "formats"))),
+        ("formats/_ranges*.so (`python setup.py build_ext --inplace` there)", built),
+    ) if not ok]
+    if missing:
+        raise SystemExit(f"--against {tree}: missing {', '.join(missing)}")
+    return tree
+
+
 def run_row(
-    row: str, url: str, seed: int, work: str, transport: str = "auto", cache_entries: int = 0
+    row: str, url: str, seed: int, work: str, transport: str = "auto", cache_entries: int = 0,
+    tree: str | None = None,
 ) -> dict[str, Any]:
-    """One row in a child process under perf: {window: {thread: user CPU seconds}, "bytes": n}."""
+    """One row in a child process under perf, run from `tree` (default this one): {window: {thread:
+    user CPU seconds}, "bytes": n}."""
     out, data = os.path.join(work, "row.json"), os.path.join(work, "row.perf")
     cmd = ["perf", "record", "-q", "-k", "mono", "-e", "cpu-clock:u", "-F", str(SAMPLE_HZ), "-o", data, "--",
            sys.executable, "-m", "bench.remote_cpu", "--child", row, "--url", url, "--seed", str(seed),
            "--work", work, "--out", out, "--transport", transport, "--cache-entries", str(cache_entries)]
-    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=1800, check=False)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
+    proc = subprocess.run(cmd, cwd=tree or _REPO, env=env, capture_output=True, text=True, timeout=1800,
+                          check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{row}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     with open(out) as f:
@@ -166,6 +195,12 @@ def run_row(
     return res
 
 
+def _ratios(mine: list[float], base: list[float]) -> str:
+    """Median [min-max] of the per-round ratios mine[r] / base[r] (both runs of a row in one round)."""
+    got = [a / b for a, b in zip(mine, base) if b > 0]
+    return _med(got) if got else "-"
+
+
 def _med(v: list[float]) -> str:
     return f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]"
 
@@ -173,9 +208,13 @@ def _med(v: list[float]) -> str:
 RAW_ROWS = ("raw plain", "raw obstore", "raw http")
 
 
+BASE = " @base"  # the suffix of the rows run from `--against`'s tree
+
+
 def _row_setup(row: str) -> tuple[str, str, int]:
     """(the child's row, its `transport`, files cached beforehand) of a row name: Loader rows of
-    "obstore-stream" carry the prefix "stream ", rows starting with N files cached the suffix " +N cached"."""
+    "obstore-stream" carry the prefix "stream ", rows starting with N files cached the suffix " +N cached"
+    (before a `BASE` suffix, which `main` strips)."""
     entries = 0
     m = re.fullmatch(r"(.*) \+(\d+) cached", row)
     if m:
@@ -197,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cache-entries", type=int, nargs="+", default=[0],
                     help="files the cache already holds when a cold epoch starts (other shards cached earlier); "
                          "each value beyond 0 adds the Loader rows again with that many")
+    ap.add_argument("--against", default=None, metavar="TREE",
+                    help="also run every row from this source tree (another commit), alternating with this one's")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
@@ -218,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loader_rows += [f"stream {row}" for row in loader_rows]
     loader_rows += [f"{row} +{n} cached" for n in args.cache_entries if n > 0 for row in loader_rows]
     rows = [*RAW_ROWS, *loader_rows]
+    against = None if args.against is None else check_tree(args.against)
     work = tempfile.mkdtemp(prefix="fastload-bench-cpu-")
     user: dict[str, list[float]] = collections.defaultdict(list)  # "row window" -> user s/GB per round
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # cold, by thread
@@ -227,9 +269,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         server = Nginx(root, work)
         try:
             for r in range(args.rounds):
-                for row in rows[r % len(rows):] + rows[: r % len(rows)]:
-                    name, transport, entries = _row_setup(row)
-                    got = run_row(name, f"{server.url}/ds", r, work, transport=transport, cache_entries=entries)
+                at = r % len(rows)
+                # a row's base run right beside it, first in every other round
+                runs = [(row, None) for row in rows[at:] + rows[:at]] if against is None else [
+                    pair for row in rows[at:] + rows[:at]
+                    for pair in [(row, None), (row + BASE, against)][:: -1 if r % 2 else 1]]
+                for row, tree in runs:
+                    name, transport, entries = _row_setup(row.removesuffix(BASE))
+                    got = run_row(name, f"{server.url}/ds", r, work, transport=transport, cache_entries=entries,
+                                  tree=tree)
                     gb = got.pop("bytes") / 1e9
                     for window, by_thread in got.items():
                         user[f"{row} {window}"].append(sum(by_thread.values()) / gb)
@@ -254,10 +302,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if base != row:
             ratio = statistics.median(user[f"{row} fetch cost"]) / statistics.median(user[f"{base} fetch cost"])
             print(f"{row}: fetch cost / the same row with an empty cache = {ratio:.2f}")
+    if against is not None:
+        print(f"rows{BASE} ran from {against}; this tree / base, median of the per-round ratios [min-max]:")
+        for name in RAW_ROWS:
+            print(f"{name:24s} raw user CPU {_ratios(user[f'{name} raw'], user[f'{name}{BASE} raw'])}")
+        for row in loader_rows:
+            print(f"{row:24s} fetch cost {_ratios(user[f'{row} fetch cost'], user[f'{row}{BASE} fetch cost'])}"
+                  f"  cold {_ratios(user[f'{row} cold'], user[f'{row}{BASE} cold'])}"
+                  f"  (base: fetch cost {_med(user[f'{row}{BASE} fetch cost'])})")
     print("cold epochs by thread, mean s/GB:")
     for row in loader_rows:
         print(f"  {row:22s} " + ", ".join(f"{k}={v:.3f}" for k, v in threads[row].most_common(6)))
-    res = {"rounds": args.rounds, "cache_entries": args.cache_entries, "user_s_per_GB": dict(user),
+    res = {"rounds": args.rounds, "cache_entries": args.cache_entries, "against": against, "user_s_per_GB": dict(user),
            "cold_threads": {k: dict(v) for k, v in threads.items()},
            "raw_medians": raw}
     write_json(args.json, res)

@@ -264,3 +264,28 @@ def test_remote_cpu_rows_name_their_transport_and_the_files_cached_beforehand():
     assert _row_setup("stream w0 sequential") == ("w0 sequential", "obstore-stream", 0)
     assert _row_setup("stream w0 sequential +2000 cached") == ("w0 sequential", "obstore-stream", 2000)
     assert _row_setup("w0 shuffled +10 cached") == ("w0 shuffled", "auto", 10)
+
+
+def test_remote_cpu_against_a_tree_names_what_it_lacks(tmp_path):
+    """`bench.remote_cpu --against TREE` refuses a tree a child could not run fastload from as it was
+    built (a missing C extension would have the blocks hashed in Python), naming each missing piece."""
+    from bench.remote_cpu import check_tree
+
+    (tmp_path / "fastload").mkdir()
+    (tmp_path / "fastload" / "__init__.py").write_text("")
+    (tmp_path / "formats").mkdir()
+    with pytest.raises(SystemExit, match=r"missing fastload/formats .*, formats/_ranges\*\.so"):
+        check_tree(str(tmp_path))
+    (tmp_path / "fastload" / "formats").symlink_to("../formats")
+    (tmp_path / "formats" / "_ranges.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    assert check_tree(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(SystemExit, match="missing fastload/__init__.py"):
+        check_tree(str(tmp_path / "formats"))
+
+
+def test_remote_cpu_pairs_each_round_of_a_row_with_its_base():
+    """A row and its base's run in the same round are compared with each other, round by round."""
+    from bench.remote_cpu import _ratios
+
+    assert _ratios([0.2, 0.1, 0.3], [0.1, 0.1, 0.6]) == "1.000 [0.500-2.000]"
+    assert _ratios([0.2], [0.0]) == "-"
