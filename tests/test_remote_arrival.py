@@ -818,3 +818,29 @@ def test_arrival_waits_ask_once_wake_on_publish_fail_and_time_out(shard_bytes, t
     with pytest.raises(TimeoutError, match=r"ds/shard-0: block 2 .*did not arrive"):
         new(0.2).wait(np.array([2]))
     assert time.monotonic() - t0 < 2
+
+
+def test_an_epochs_start_readies_a_side_thread_for_the_first_batchs_own_gets(dataset, server, tmp_path):
+    """`hold_for_first_batch` (a cold epoch's start, before any GET) starts one side thread, so the
+    first batch's own GETs are handed to a running thread instead of waiting for one to start; the
+    storage's close ends it, and a storage that reads no shard while it arrives starts none."""
+    def side_threads() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("fastload-side")}
+
+    before = side_threads()
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"))
+    assert side_threads() == before
+    ds.storage.hold_for_first_batch()
+    started = side_threads() - before
+    assert len(started) == 1
+    local = dataset[1]
+    _same(ds.get_batch(np.arange(16)), local.get_batch(np.arange(16)))
+    ds.storage.first_batch_served()
+    ds.close()
+    ds.storage.close()
+    assert not (side_threads() & started)
+    whole = FastloadDataset(storage=RemoteStorage(f"{server.url}/ds", cache_dir=str(tmp_path / "w"),
+                                                  cache_limit="64MB", arriving_min_bytes=None))
+    whole.storage.hold_for_first_batch()
+    assert side_threads() == before  # shards come whole: no reader GETs of its own
+    whole.storage.close()

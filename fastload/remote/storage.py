@@ -88,6 +88,10 @@ MAX_OPEN_SHARDS = 64  # the most it keeps open
 _READERS: weakref.WeakSet[RemoteStorage] = weakref.WeakSet()  # this process's storages (`_trim_readers`)
 
 
+def _no_op() -> None:
+    """A task that only starts a pool's thread."""
+
+
 def _exact(nbytes: int) -> str:
     """A budget to recommend: exact bytes (a rounded size could fall short), with the readable size."""
     return f"{nbytes} ({format_size(nbytes)})"
@@ -548,9 +552,13 @@ class RemoteStorage:
         """A reader starts an epoch whose shards are not all cached: until `first_batch_served` (or
         `FIRST_BATCH_HOLD_S`, or until the batch wants `FIRST_BATCH_BULK_BYTES` through GETs of its
         own), start no GET its first batch does not wait for (`FirstBatchHold`): no prefetch, and one
-        GET per arriving shard rather than one per part."""
+        GET per arriving shard rather than one per part. One side thread is started now, before any
+        GET, so that the batch's own GETs (`_want`) do not wait for a thread to start while the
+        downloads' receipts hold the GIL."""
         self._check_pid()
         self._hold.begin()
+        if self.arriving_min_bytes is not None and self._ranges_ok:
+            self._side_pool().submit(_no_op)  # an idle worker is left for the first `_want`
 
     def first_batch_served(self) -> None:
         """The reader served its epoch's first batch: GETs held back (`hold_for_first_batch`) start."""
@@ -811,6 +819,13 @@ class RemoteStorage:
         for f in futures:
             f.result()
 
+    def _side_pool(self) -> ThreadPoolExecutor:
+        """The threads of readers' own GETs (`_want`), made on first use."""
+        with self._receive_lock:
+            if self._side is None:
+                self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
+            return self._side
+
     def _want(self, rpath: str, sink: Download, runs: list[tuple[int, int, int]]) -> None:
         """A reader waits for blocks nobody fetched yet: `runs` (claim, first block, end block) claimed for
         it (see `Arrival.set_want`), fetched on this process's side threads: through obstore, runs of up
@@ -822,10 +837,7 @@ class RemoteStorage:
         shift, end = arrival.spec.shift, arrival.sections_end
         spans = [(claim, first << shift, min(stop << shift, end)) for claim, first, stop in runs]
         self._hold.wanted(sum(b - a for _, a, b in spans))  # a first batch that wants this much holds nothing back
-        with self._receive_lock:
-            if self._side is None:
-                self._side = ThreadPoolExecutor(SIDE_GETS, thread_name_prefix="fastload-side")
-            pool = self._side
+        pool = self._side_pool()
         batched: list[tuple[int, int, int]] = []  # short runs, several to an obstore `get_ranges` call
         streamed: list[tuple[int, int, int]] = []
         for span in spans:
