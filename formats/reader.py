@@ -8,8 +8,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from functools import partial
 from types import MappingProxyType
 from typing import Any
@@ -194,24 +193,24 @@ class _Runs:
 
 
 def _gather_group(
-    reader: ShardReader, wanted: list[Any], g: int, a: int, b: int, rows: np.ndarray,
-    cols: dict[str, np.ndarray], runs: dict[str, _Runs], *, copy: bool, places: np.ndarray | None = None,
-    ahead: bool = False,
+    reader: ShardReader, wanted: list[Any], fixed: list[Any], variable: list[Any], g: int, a: int, b: int,
+    rows: np.ndarray, cols: dict[str, np.ndarray], runs: dict[str, _Runs], *, copy: bool,
+    places: np.ndarray | None = None, ahead: bool = False,
 ) -> None:
-    """Sorted batch positions [a, b) (group `g`) from `reader`: fixed fields into `cols` (at rows [a, b),
-    or at `places`, the caller's positions of these rows in a batch that was not in shard order),
-    variable fields' runs into `runs` (their items copied out when `copy`: nothing here keeps the
-    mapping then). `ahead`: an arriving shard's blocks are fetched ahead of its download
-    (`ShardReader.verify_blocks`)."""
+    """Sorted batch positions [a, b) (group `g`) from `reader`: the `fixed` fields of `wanted` into
+    `cols` (at rows [a, b), or at `places`, the caller's positions of these rows in a batch that was
+    not in shard order), the `variable` fields' runs into `runs` (their items copied out when `copy`:
+    nothing here keeps the mapping then). `ahead`: an arriving shard's blocks are fetched ahead of
+    its download (`ShardReader.verify_blocks`)."""
     # every field's blocks at once (an arriving shard: asked for together)
     reader.ensure_fields(wanted, rows, ahead=ahead)
-    for f in wanted:
-        if f.is_fixed:
-            if places is None:
-                reader.fixed[f.name].take(rows, axis=0, out=cols[f.name][a:b], mode="clip")
-            else:
-                take_rows_into(reader.fixed[f.name], rows, cols[f.name], places)
-            continue
+    columns = reader.fixed
+    for f in fixed:
+        if places is None:
+            columns[f.name].take(rows, axis=0, out=cols[f.name][a:b], mode="clip")
+        else:
+            take_rows_into(columns[f.name], rows, cols[f.name], places)
+    for f in variable:
         run = runs[f.name]
         offs, values = reader.ragged[f.name]
         lo = offs[rows]
@@ -295,6 +294,9 @@ class FastloadDataset:
             )
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._fields = list(self.schema)
+        self._variable = any(not f.is_fixed for f in self._fields)
+        # fixed and variable fields: a shard-by-shard read returns the fixed ones first (`get_batch` reorders)
+        self._mixed = self._variable and any(f.is_fixed for f in self._fields)
         self._starts_list = self._starts.tolist()
         self._resident: dict[str, np.ndarray] | None = None
         self._spliced: dict[str, SplicedColumn] | None = None
@@ -476,20 +478,23 @@ class FastloadDataset:
             if hold is not None and not self._all_shards_at_hand():
                 hold()
 
-    @contextmanager
-    def _read(self) -> Iterator[bool]:
-        """One read of samples; yields whether it is the epoch's first (it fetches ahead of the
+    def _begin_read(self) -> bool:
+        """Start one read of samples: whether it is the epoch's first (it fetches ahead of the
         downloads): True for one read after each `bind_run` that started an epoch (and for a new
-        dataset's first read). When that read ends (served or failed), GETs a storage held back for it
-        start (`first_batch_served`)."""
+        dataset's first read). A read that gets True calls `_end_first_read` when it ends (served
+        or failed). Read without the lock first: a stale False only means another read took the
+        first one."""
+        if not self._fetch_ahead:
+            return False
         with self._first_lock:
             first, self._fetch_ahead = self._fetch_ahead, False
-        try:
-            yield first
-        finally:
-            served = getattr(self.storage, "first_batch_served", None) if first else None
-            if served is not None:
-                served()
+        return first
+
+    def _end_first_read(self) -> None:
+        """The epoch's first read ended: GETs a storage held back for it start (`first_batch_served`)."""
+        served = getattr(self.storage, "first_batch_served", None)
+        if served is not None:
+            served()
 
     def _lost_arrival(self, k: int, exc: BaseException) -> BaseException:
         """Shard k's download failed while it was read as it arrived: its reader goes (the next read
@@ -831,6 +836,9 @@ class FastloadDataset:
                 self._checked_indices(idx)  # raises the error that names the dataset
                 raise
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
+        if self._spliced is None and not self._all_shards_at_hand():  # shards still to open or arriving
+            read = self._gather_by_shard(indices, wanted)
+            return read if len(read) == 1 or not self._mixed else {f.name: read[f.name] for f in wanted}
         resident, spliced = self._resident_columns(), self._spliced_columns()
         ragged = self._ragged or {}
         rest = [f for f in wanted if f.name not in resident and f.name not in spliced and f.name not in ragged]
@@ -849,35 +857,41 @@ class FastloadDataset:
                 self._checked_indices(idx)  # raises the error that names the dataset
                 raise
         if rest:
-            self._gather_by_shard(indices, rest, out)
+            out.update(self._gather_by_shard(indices, rest))
         return out if len(out) == 1 else {f.name: out[f.name] for f in wanted}
 
-    def _gather_by_shard(self, indices: Any, wanted: list[Any], out: dict[str, Any]) -> None:
+    def _gather_by_shard(self, indices: Any, wanted: list[Any]) -> dict[str, Any]:
         """Gather `wanted` fields shard by shard, one shard at a time: each shard's reader is let go
         before the next is opened, so a batch over more shards than `max_open_shards` never keeps
         more of them mapped than that (a shard cache counts every mapped shard against its budget,
         until its last mapping goes). Variable fields are copied out of each cached shard as it is
-        visited; a local dataset's files stay, so they are joined straight from its mappings."""
+        visited; a local dataset's files stay, so they are joined straight from its mappings.
+        Returns the fixed fields (in `wanted`'s order), then the variable ones."""
         idx, order, groups = self._plan(indices)
         m = len(idx)
-        cols = {f.name: np.empty((m, *f.shape), dtype=f.dtype) for f in wanted if f.is_fixed}
-        runs = {f.name: _Runs(m, len(f.shape) if f.kind == "vndarray" else 0) for f in wanted if not f.is_fixed}
+        fixed = wanted if wanted is self._fields and not self._variable else [f for f in wanted if f.is_fixed]
+        variable = [] if fixed is wanted else [f for f in wanted if not f.is_fixed]
+        cols = {f.name: np.empty((m, *f.shape), dtype=f.dtype) for f in fixed}
+        runs = {f.name: _Runs(m, len(f.shape) if f.kind == "vndarray" else 0) for f in variable}
         # variable fields are put back in the caller's order afterwards (fixed ones went straight to their places)
         inverse = None if order is None or not runs else order.argsort()
         copy = not isinstance(self.storage, LocalStorage)
-        with self._read() as first:
+        first = self._begin_read()
+        try:
             if first and len(groups) > 1:
                 # an epoch's first batch over several arriving shards: ask for every shard's blocks (as
                 # many shards as may stay open) before waiting for any, so their GETs run at once
                 for k, _, _, rows in groups[: self._open_cap()]:
                     (self._open.get(k) or self.shard(k)).request_fields(wanted, rows, ahead=True)
+            opened = self._open
             for g, (k, a, b, rows) in enumerate(groups):
-                _gather_group(self._open.get(k) or self.shard(k), wanted, g, a, b, rows, cols, runs, copy=copy,
-                              places=None if order is None else order[a:b], ahead=first)
-        out.update(cols)
-        for f in wanted:
-            if f.is_fixed:
-                continue
+                _gather_group(opened.get(k) or self.shard(k), wanted, fixed, variable, g, a, b, rows, cols, runs,
+                              copy=copy, places=None if order is None else order[a:b], ahead=first)
+        finally:
+            if first:
+                self._end_first_read()
+        out: dict[str, Any] = cols
+        for f in variable:
             run = runs[f.name]
             src_of, starts, lengths = run.source_of, run.starts, run.lengths
             if inverse is not None:
@@ -888,6 +902,7 @@ class FastloadDataset:
                 continue
             origin = partial(self._batch_where, f.name, idx) if f.kind == "string" else None
             out[f.name] = Ragged(values, offsets, f.kind, origin=origin)
+        return out
 
     def where(self, index: int, name: str) -> str:
         """Where field `name` of sample `index` is stored (file, shard, sample, field), for messages."""
@@ -910,8 +925,12 @@ class FastloadDataset:
         _, _, groups = self._plan([index])
         k, _, _, rows = groups[0]
         reader, i = self.shard(k), int(rows[0])
-        with self._read() as first:
+        first = self._begin_read()
+        try:
             reader.ensure_fields(list(self.schema), rows, ahead=first)
+        finally:
+            if first:
+                self._end_first_read()
         out: dict[str, Any] = {}
         for f in self.schema:
             if f.kind == "scalar":
