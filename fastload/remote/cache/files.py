@@ -175,9 +175,12 @@ class Download:
             mine = None if held is None else held[: last + 1 - first]
             if mine is None or mine.all():
                 self._put_blocks(claim, offset, view)
-            else:
-                for j in np.flatnonzero(mine).tolist():  # blocks taken over by another claim are left alone
-                    lo, hi = max(offset, (first + j) << shift), min(end, (first + j + 1) << shift)
+            else:  # blocks taken over by another claim are left alone; each run of held ones in one call
+                bounded = np.zeros(len(mine) + 2, dtype=bool)
+                bounded[1:-1] = mine
+                edges = np.flatnonzero(bounded[1:] != bounded[:-1]).tolist()  # each run's start and end
+                for a, b in zip(edges[::2], edges[1::2]):
+                    lo, hi = max(offset, (first + a) << shift), min(end, (first + b) << shift)
                     self._put_blocks(claim, lo, view[lo - offset : hi - offset])
         return more and end < arrival.sections_end
 
@@ -189,8 +192,9 @@ class Download:
         with self._lock:
             self._tails.pop(claim, None)
             held = np.flatnonzero(arrival.owned(claim, 0, len(arrival.published)) & ~arrival.published)
-            for j in held.tolist():
-                self._forget_partial(j)
+            self._filled[held] = 0
+            for j in self._filler.keys() & set(held.tolist()):
+                del self._filler[j]
             arrival.unclaim(claim)
 
     def _forget_partial(self, j: int) -> None:
