@@ -627,12 +627,11 @@ def test_an_owner_is_dead_once_its_process_is_gone_or_a_zombie_past_the_recheck(
     at most `RECHECK_S` after the last; a pid reused by another process is not the owner."""
     import subprocess
 
-    import psutil
-
     from fastload.remote.cache import state as state_mod
+    from fastload.system import process_start
 
     def owner_of(proc: subprocess.Popen) -> str:
-        return f"{proc.pid}-{psutil.Process(proc.pid).create_time():.2f}-1"
+        return f"{proc.pid}-{process_start(proc.pid):.2f}-1"
 
     reaped = subprocess.Popen(["sleep", "30"])
     zombie = subprocess.Popen(["sleep", "30"])
@@ -675,3 +674,31 @@ def test_a_state_locked_by_another_program_is_an_error_not_damage(tmp_path, monk
         shell.close()
     again = ShardCache(tmp_path, limit="1MB")
     assert again.contains("k1") and again.state()["entries"]["k1"]["stamp"] is not None  # not rebuilt
+
+
+def test_a_step_of_the_wall_clock_leaves_every_owner_alive(monkeypatch, tmp_path):
+    """Owner ids carry start times from boot: when the wall clock steps (NTP, a VM's host), and with
+    it the boot time psutil computes from it, this process and a worker's parent still read as
+    themselves, and a cache object's pins stay; an owner id written with a wall clock start time
+    (an earlier version) reads as alive while its pid runs."""
+    import psutil
+    import psutil._pslinux as pslinux
+
+    from fastload.remote.cache import state as state_mod
+    from fastload.remote.cache.state import owner_id
+    from fastload.workers.processes import _process_start
+
+    other = ShardCache(tmp_path, limit="1MB")
+    src = Source()
+    src.acquire(other, 1)
+    me, parent_start = owner_id(), _process_start(os.getppid())
+    wall = psutil.Process().create_time()
+    wall_owner = f"{os.getpid()}-{wall:.2f}-9"
+    monkeypatch.setattr(state_mod, "RECHECK_S", 0.0)  # every call checks the start time again
+    boot = pslinux.boot_time()
+    monkeypatch.setattr(pslinux, "boot_time", lambda: boot + 1.0)  # /proc/stat's btime after a step
+    assert psutil.Process().create_time() == pytest.approx(wall + 1.0)  # what psutil says moved
+    assert owner_alive(me) and owner_alive(wall_owner)
+    assert _process_start(os.getppid()) == parent_start  # a forkserver worker's check of its parent
+    ShardCache(tmp_path, limit="1MB").state()  # another cache object's update prunes dead owners' pins
+    assert set(other.state()["pins"]) == {"k1"}

@@ -37,6 +37,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from fastload.fetch.collate import flatten, leaf_nbytes, pack_into, unflatten, views_from
 from fastload.fetch.plan import PlanSlice
+from fastload.system import process_start
 from fastload.transfer.ring import referenced_beyond, storage_refs
 from fastload.workers.base import WorkerError, fetch_planned
 
@@ -47,13 +48,10 @@ PARENT_POLL_S = 0.5  # how often a worker process checks that its parent still r
 
 
 def _process_start(pid: int) -> float | None:
-    """When process `pid` started (None if it does not run, or is a zombie; -1.0 if it runs but
-    cannot be inspected)."""
+    """When process `pid` started (`fastload.system.process_start`; None if it does not run, or is a
+    zombie; -1.0 if it runs but cannot be inspected)."""
     try:
-        proc = psutil.Process(pid)
-        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
+        return process_start(pid)
     except psutil.Error:
         return -1.0
 

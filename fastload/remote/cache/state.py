@@ -5,7 +5,8 @@ The single place pins are counted. State of `root`, shared by every process usin
 - `state.db` (SQLite, see `_StateDb`): entries (size, last use, verification stamp), one row each,
   and one document with pins, soft pins, reservations, waiters, budget claims and retired files
   (`tmp/` names of files removed from the cache while still mapped, with their size), each keyed
-  by an owner id `"<pid>-<start time>-<n>"` (one per `CacheState` object in a process). Owners
+  by an owner id `"<pid>-<start time>-<n>"` (start time in seconds from boot, which a step of the
+  wall clock leaves alone; one per `CacheState` object in a process). Owners
   that no longer run are dropped on every update, so a crashed process leaves no pins,
   reservations or temp files behind.
 - `.lock`: `fcntl.flock` lock taken around every update.
@@ -39,6 +40,8 @@ from typing import Any
 
 import psutil
 
+from fastload.system import process_start
+
 __all__ = ["STATE_SLACK", "CacheBudgetError", "CacheState", "CacheStateError", "EntryTable", "owner_alive", "owner_id",
            "unlink"]
 
@@ -65,11 +68,8 @@ class CacheStateError(OSError):
 
 def _start_time(pid: int) -> float | None:
     try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc.create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return process_start(pid)
+    except psutil.AccessDenied:
         return None
 
 
@@ -77,7 +77,8 @@ _OWNER: tuple[int, str] | None = None
 
 
 def owner_id() -> str:
-    """This process as a cache owner: pid plus start time, so a reused pid is not mistaken for it."""
+    """This process as a cache owner: pid plus start time (`process_start`: from boot, so a step of
+    the wall clock leaves it as it is), so a reused pid is not mistaken for it."""
     global _OWNER
     pid = os.getpid()
     if _OWNER is None or _OWNER[0] != pid:
@@ -94,6 +95,8 @@ def _collected(owner: str) -> bool:
     return owner in _COLLECTED and owner.split("-", 1)[0] == str(os.getpid())
 
 
+# an owner id's start time above this (seconds) is a wall clock time (an earlier version's), not one from boot
+_WALL_CLOCK_STARTS = 1e8
 RECHECK_S = 1.0  # how long a process's identity (start time, not a zombie) stays verified
 _VERIFIED: dict[str, float] = {}  # owner -> when its process was last found to be that owner
 
@@ -114,6 +117,8 @@ def owner_alive(owner: str) -> bool:
     now = time.monotonic()
     if now - _VERIFIED.get(owner, -RECHECK_S) < RECHECK_S:
         return True
+    if float(start_s) > _WALL_CLOCK_STARTS:  # written by a version that took start times from the wall
+        return True  # clock, which cannot be compared with one from boot: the pid runs, so it may be that owner
     start = _start_time(pid)
     if start is None or abs(start - float(start_s)) >= 0.05:
         _VERIFIED.pop(owner, None)
