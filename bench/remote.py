@@ -197,9 +197,11 @@ def run_peer_table(data_dir: str, *, shards: int, shard_size: int, rounds: int, 
 
 class Nginx:
     """nginx serving `root` on a free 127.0.0.1 port (one worker, sendfile; over HTTPS with `tls`, a
-    (certificate, key) pair of PEM files); `stop()` ends it."""
+    (certificate, key) pair of PEM files; each response sent at most `limit_rate` bytes a second
+    when given, so that GETs last long enough to overlap); `stop()` ends it."""
 
-    def __init__(self, root: str, work: str, *, tls: tuple[str, str] | None = None) -> None:
+    def __init__(self, root: str, work: str, *, tls: tuple[str, str] | None = None,
+                 limit_rate: int | None = None) -> None:
         exe = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
         if exe is None:
             raise RuntimeError("nginx not found on PATH (apt-get install -y nginx)")
@@ -218,6 +220,7 @@ class Nginx:
                 f" scgi_temp_path {work}/s;\n"
                 f"  server {{ listen 127.0.0.1:{self.port}{' ssl' if tls else ''}; root {root};"
                 + (f" ssl_certificate {tls[0]}; ssl_certificate_key {tls[1]};" if tls else "")
+                + (f" limit_rate {int(limit_rate)};" if limit_rate else "")
                 + " } }\n"
             )
         self.proc = subprocess.Popen([exe, "-c", conf, "-p", work], stderr=subprocess.DEVNULL)

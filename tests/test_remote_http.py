@@ -20,8 +20,7 @@ from fastload.loader import Loader
 pytestmark = pytest.mark.nginx
 
 
-@pytest.fixture()
-def served(tmp_path):
+def _serve(tmp_path, limit_rate=None):
     from bench.remote import Nginx
 
     root = tmp_path / "root"
@@ -29,7 +28,7 @@ def served(tmp_path):
     write(({"x": np.full(1000, i % 251, np.uint8), "label": i} for i in range(n)), str(root / "ds"),
           shard_size=100_000, progress=False)
     try:
-        server = Nginx(str(root), str(tmp_path))
+        server = Nginx(str(root), str(tmp_path), limit_rate=limit_rate)
     except RuntimeError as e:
         pytest.skip(str(e))
     try:
@@ -38,9 +37,21 @@ def served(tmp_path):
         server.stop()
 
 
+@pytest.fixture()
+def served(tmp_path):
+    yield from _serve(tmp_path)
+
+
+@pytest.fixture()
+def served_slowly(tmp_path):
+    """`served`, each response sent at 2 MB/s: a 100 KB shard's GET lasts ~50 ms, so GETs that run at
+    once overlap on any machine (unlimited, one may end before the next starts)."""
+    yield from _serve(tmp_path, limit_rate=2_000_000)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-def test_http_epoch_exact_and_no_unawaited_close(served, tmp_path, workers, monkeypatch):
-    url, n = served
+def test_http_epoch_exact_and_no_unawaited_close(served_slowly, tmp_path, workers, monkeypatch):
+    url, n = served_slowly
     before = _threads()
     unraisable: list[str] = []  # a warning raised inside __del__ (an un-awaited close) lands here
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(f"{u.exc_value!r} in {u.object!r}"))
