@@ -29,7 +29,7 @@ def process_start(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold ")"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # the latter: it exited while its entry was read
         if os.path.exists("/proc/self/stat"):
             return None  # Linux: no such process
     else:
