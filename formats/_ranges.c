@@ -39,6 +39,15 @@
  * int64 buffers of equal length), with the GIL released and the next rows' first cache lines
  * prefetched. Every index is bounds-checked before anything is copied (IndexError).
  *
+ *   take_rows(sources, which, rows, rowbytes, dst) -> None
+ *
+ * Rows from several sources in the caller's order: dst[i] = sources[which[i]][rows[i]] for rows of
+ * `rowbytes` bytes (sources: a sequence of C-contiguous buffers holding whole rows, None where no
+ * row is taken; which: None (every row from sources[0]) or a C-contiguous int64 buffer; rows: a
+ * C-contiguous int64 buffer of as many entries; dst: a writable C-contiguous buffer of exactly
+ * len(rows) rows), with the GIL released and the next rows' first cache lines prefetched. Every
+ * index is bounds-checked before anything is copied (IndexError).
+ *
  *   xxh3_blocks(buf, ids, shift, end, out) -> None
  *
  * buf: any buffer; ids: a C-contiguous int64 buffer of block numbers; out: a writable C-contiguous
@@ -533,6 +542,90 @@ fail_src:
     return result;
 }
 
+static PyObject *take_rows(PyObject *self, PyObject *args) {
+    PyObject *sources_obj, *which_obj, *rows_obj, *dst_obj, *seq, *result = NULL;
+    Py_ssize_t rowbytes;
+    if (!PyArg_ParseTuple(args, "OOOnO", &sources_obj, &which_obj, &rows_obj, &rowbytes, &dst_obj)) return NULL;
+    if (rowbytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "rowbytes must be positive");
+        return NULL;
+    }
+    seq = PySequence_Fast(sources_obj, "sources must be a sequence");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t ns = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *views = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(Py_buffer));
+    const char **base = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(char *));
+    int64_t *count = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(int64_t));
+    char *got = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, 1); /* 1 where views[j] holds a buffer */
+    Py_ssize_t held = 0;
+    Py_buffer which = {0}, rows = {0}, dst = {0};
+    int have_which = 0, have_rows = 0, have_dst = 0;
+    if (views == NULL || base == NULL || count == NULL || got == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < ns; held++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, held);
+        if (item == Py_None) continue;
+        if (PyObject_GetBuffer(item, &views[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        got[held] = 1;
+        base[held] = (const char *)views[held].buf;
+        count[held] = (int64_t)(views[held].len / rowbytes);
+    }
+    if (which_obj != Py_None) {
+        if (get_i64(which_obj, &which, "which") < 0) goto done;
+        have_which = 1;
+    }
+    if (get_i64(rows_obj, &rows, "rows") < 0) goto done;
+    have_rows = 1;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    have_dst = 1;
+    {
+        const Py_ssize_t n = rows.len / 8;
+        const int64_t *r = (const int64_t *)rows.buf, *w = have_which ? (const int64_t *)which.buf : NULL;
+        if (have_which && which.len != rows.len) {
+            PyErr_SetString(PyExc_ValueError, "which and rows differ in length");
+            goto done;
+        }
+        if (dst.len != n * rowbytes) {
+            PyErr_Format(PyExc_ValueError, "dst holds %zd bytes, not %zd rows of %zd", dst.len, n, rowbytes);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const int64_t s = w ? w[i] : 0;
+            if (s < 0 || s >= ns || !got[s] || r[i] < 0 || r[i] >= count[s]) {
+                PyErr_Format(PyExc_IndexError, "row %lld of source %lld: no such row (%lld sources)", (long long)r[i],
+                             (long long)s, (long long)ns);
+                goto done;
+            }
+        }
+        char *out = (char *)dst.buf;
+        const size_t unit = (size_t)rowbytes;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_start(base[w ? w[i] : 0] + (size_t)r[i] * unit, unit);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t j = i + PREFETCH_AHEAD;
+            if (j < n) prefetch_start(base[w ? w[j] : 0] + (size_t)r[j] * unit, unit);
+            memcpy(out + (size_t)i * unit, base[w ? w[i] : 0] + (size_t)r[i] * unit, unit);
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+done:
+    if (have_dst) PyBuffer_Release(&dst);
+    if (have_rows) PyBuffer_Release(&rows);
+    if (have_which) PyBuffer_Release(&which);
+    for (Py_ssize_t j = 0; j < held; j++)
+        if (got[j]) PyBuffer_Release(&views[j]);
+    PyMem_Free(got);
+    PyMem_Free(views);
+    PyMem_Free(base);
+    PyMem_Free(count);
+    Py_DECREF(seq);
+    return result;
+}
+
 /* missing_blocks(lo, hi, shift, bits, out): the blocks of 2**shift bytes that the byte ranges [lo[i], hi[i])
  * touch (empty ranges touch none) whose byte in `bits` is 0, each once and ascending, written to `out`
  * (int64, at least len(bits) long); returns how many. IndexError for a range outside the len(bits) blocks. */
@@ -607,6 +700,8 @@ static PyMethodDef methods[] = {
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
     {"scatter_rows", scatter_rows, METH_VARARGS,
      "scatter_rows(src, rows, rowbytes, dst, positions): dst[positions[i]] = src[rows[i]], GIL released."},
+    {"take_rows", take_rows, METH_VARARGS,
+     "take_rows(sources, which, rows, rowbytes, dst): dst[i] = sources[which[i]][rows[i]], GIL released."},
     {"split", split, METH_VARARGS, "split(values, offsets, utf8): the items of a ragged byte buffer as a list."},
     {"offsets_match", offsets_match, METH_VARARGS,
      "offsets_match(offsets, lengths, total): whether an offsets table is sound and agrees with lengths."},

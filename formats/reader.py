@@ -30,8 +30,9 @@ from .storage import Arrival, LocalStorage, Storage
 
 try:  # the C extension copies rows into their places in one call, GIL released (numpy otherwise)
     from ._ranges import scatter_rows as _c_scatter_rows
+    from ._ranges import take_rows as _c_take_rows
 except ImportError:  # pragma: no cover - a build without the C extension
-    _c_scatter_rows = None
+    _c_scatter_rows = _c_take_rows = None
 
 __all__ = [
     "RESIDENT_ITEM_BYTES",
@@ -45,6 +46,7 @@ __all__ = [
 
 RESIDENT_ITEM_BYTES = 64  # fixed fields up to this size per sample are kept in memory (local datasets)
 RESIDENT_LIMIT = 256 << 20  # at most this many bytes of them per dataset
+SPAN_SHARDS = 64  # a batch over open shards within this many of each other is gathered field by field in one pass
 HUGE_FRACTION = 0.5  # datasets up to this fraction of physical memory are mapped in huge-page units
 VERIFY_MODES = ("auto", "full", "none")
 
@@ -742,16 +744,22 @@ class FastloadDataset:
 
     def _checked_indices(self, indices: Any) -> np.ndarray:
         """`indices` as int64, bounds-checked, negative ones counted from the end."""
+        return self._bounded(indices)[0]
+
+    def _bounded(self, indices: Any) -> tuple[np.ndarray, int, int]:
+        """`_checked_indices(indices)` and its smallest and largest index (0, -1 when empty)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if not len(idx):
+            return idx, 0, -1
         n = len(self)
-        if len(idx):
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -n or hi >= n:
+            bad = lo if lo < -n else hi
+            raise IndexError(f"sample index {bad} out of range for a dataset of {n} samples ({self.root})")
+        if lo < 0:
+            idx = np.where(idx < 0, idx + n, idx)
             lo, hi = int(idx.min()), int(idx.max())
-            if lo < -n or hi >= n:
-                bad = lo if lo < -n else hi
-                raise IndexError(f"sample index {bad} out of range for a dataset of {n} samples ({self.root})")
-            if lo < 0:
-                idx = np.where(idx < 0, idx + n, idx)
-        return idx
+        return idx, lo, hi
 
     def direct_takes(
         self, gather: Callable[[np.ndarray], Callable[[np.ndarray], Any] | None] | None = None
@@ -867,10 +875,14 @@ class FastloadDataset:
         until its last mapping goes). Variable fields are copied out of each cached shard as it is
         visited; a local dataset's files stay, so they are joined straight from its mappings.
         Returns the fixed fields (in `wanted`'s order), then the variable ones."""
+        fixed = wanted if wanted is self._fields and not self._variable else [f for f in wanted if f.is_fixed]
+        variable = [] if fixed is wanted or len(fixed) == len(wanted) else [f for f in wanted if not f.is_fixed]
+        if not variable:
+            read = self._gather_open(indices, fixed)
+            if read is not None:
+                return read
         idx, order, groups = self._plan(indices)
         m = len(idx)
-        fixed = wanted if wanted is self._fields and not self._variable else [f for f in wanted if f.is_fixed]
-        variable = [] if fixed is wanted else [f for f in wanted if not f.is_fixed]
         cols = {f.name: np.empty((m, *f.shape), dtype=f.dtype) for f in fixed}
         runs = {f.name: _Runs(m, len(f.shape) if f.kind == "vndarray" else 0) for f in variable}
         # variable fields are put back in the caller's order afterwards (fixed ones went straight to their places)
@@ -902,6 +914,54 @@ class FastloadDataset:
                 continue
             origin = partial(self._batch_where, f.name, idx) if f.kind == "string" else None
             out[f.name] = Ragged(values, offsets, f.kind, origin=origin)
+        return out
+
+    def _gather_open(self, indices: Any, fixed: list[Any]) -> dict[str, np.ndarray] | None:
+        """Fixed fields `fixed` of a batch whose shards are all open: their blocks under the batch's rows
+        verified shard by shard, then each field copied in one pass in the caller's order
+        (`_ranges.take_rows`: no sort, no copy per shard). None (read shard by shard instead) when a
+        shard of the batch is not open yet (that read opens one at a time), the shards lie more than
+        `SPAN_SHARDS` apart, or the C extension is missing."""
+        if _c_take_rows is None:
+            return None
+        idx, lo, hi = self._bounded(indices)
+        starts_list, opened = self._starts_list, self._open
+        k0 = bisect.bisect_right(starts_list, lo) - 1
+        k1 = bisect.bisect_right(starts_list, hi) - 1
+        if not len(idx) or k1 - k0 >= SPAN_SHARDS:
+            return None
+        readers = [opened.get(k) for k in range(k0, k1 + 1)]
+        if k0 == k1:
+            if readers[0] is None:
+                return None
+            which, rows = None, idx - starts_list[k0]
+        else:
+            starts = self._starts
+            which = starts[k0 + 1 : k1 + 1].searchsorted(idx, side="right")
+            rows = idx - starts[k0 : k1 + 1].take(which)
+            if any(r is None for r in readers):
+                counts = np.bincount(which, minlength=len(readers)).tolist()
+                if any(r is None and n for r, n in zip(readers, counts)):
+                    return None
+        parts = [(r, rows if which is None else rows[which == j])
+                 for j, r in enumerate(readers) if r is not None and not r.all_verified]
+        first = self._begin_read()  # also for a batch with nothing to verify: its end frees held GETs
+        try:
+            if first and len(parts) > 1:  # their GETs at once (see `_gather_by_shard`)
+                for reader, part in parts:
+                    reader.request_fields(fixed, part, ahead=True)
+            for reader, part in parts:
+                if len(part):
+                    reader.ensure_fields(fixed, part, ahead=first)
+        finally:
+            if first:
+                self._end_first_read()
+        out = {}
+        for f in fixed:
+            col = np.empty((len(idx), *f.shape), dtype=f.dtype)
+            if col.nbytes:
+                _c_take_rows([None if r is None else r.fixed[f.name] for r in readers], which, rows, f.item_bytes, col)
+            out[f.name] = col
         return out
 
     def where(self, index: int, name: str) -> str:

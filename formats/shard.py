@@ -451,6 +451,12 @@ class ShardReader:
         """Whether reads of this shard are verified (a version-2 shard opened with `bits`)."""
         return self.bits is not None
 
+    @property
+    def all_verified(self) -> bool:
+        """Whether no read of this shard needs a block check any more (every block verified, or
+        reads not verified at all)."""
+        return self.bits is None or self._all_verified
+
     def verify_blocks(self, ids: np.ndarray, *, ahead: bool = False) -> None:
         """Verify the blocks `ids` (unique, local) now, whatever their bits say. A mismatch raises
         `on_corrupt(error)` when the opener set that hook (a cached copy: it says so), else the error.

@@ -202,3 +202,46 @@ def test_take_rows_into_puts_each_row_in_its_place(n, shape, picks, c_ext):
         with pytest.raises(ValueError, match="cannot go into"):
             reader.take_rows_into(src, rows, out.astype(np.float64), places)
         assert np.array_equal(out, before)
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(0, 20), min_size=1, max_size=5), shape=st.sampled_from([(), (3,), (2, 5)]),
+       picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), max_size=40), one=st.booleans())
+def test_take_rows_copies_each_row_from_its_source_in_order(sizes, shape, picks, one):
+    """`take_rows` writes sources[which[i]][rows[i]] at dst[i] (which None: every row from sources[0]); a
+    source that is None, a source number or row out of range, or a dst of another size raises before
+    anything is copied."""
+    per = int(np.prod(shape, dtype=int))
+    sources = [np.arange(n * per, dtype=np.float32).reshape(n, *shape) + 1000 * s for s, n in enumerate(sizes)]
+    usable = [s for s, n in enumerate(sizes) if n and (not one or s == 0)]
+    if not usable:
+        return
+    which = np.array([usable[a % len(usable)] for a, _ in picks], dtype=np.int64)
+    rows = np.array([b % sizes[s] for s, (_, b) in zip(which.tolist(), picks)], dtype=np.int64)
+    if one:
+        which_arg = None
+    else:
+        which_arg = which
+        sources = [src if s in set(which.tolist()) else None for s, src in enumerate(sources)]  # unused: None
+    dst = np.full((len(rows), *shape), -1, dtype=np.float32)
+    _ranges.take_rows(sources, which_arg, rows, 4 * per, dst)
+    want = [sources[s][r] for s, r in zip(which.tolist(), rows.tolist())]
+    assert np.array_equal(dst, np.array(want, dtype=np.float32).reshape(dst.shape))
+    before = dst.copy()
+    if len(rows):
+        bad_row = rows.copy()
+        bad_row[-1] = sizes[int(which[-1])]
+        with pytest.raises(IndexError, match="no such row"):
+            _ranges.take_rows(sources, which_arg, bad_row, 4 * per, dst)
+        if not one:
+            bad_source = which.copy()
+            bad_source[0] = len(sources)
+            with pytest.raises(IndexError, match="no such row"):
+                _ranges.take_rows(sources, bad_source, rows, 4 * per, dst)
+            for s in [s for s, src in enumerate(sources) if src is None][:1]:  # a row from a source left out
+                bad_source[0] = s
+                with pytest.raises(IndexError, match="no such row"):
+                    _ranges.take_rows(sources, bad_source, rows, 4 * per, dst)
+        with pytest.raises(ValueError, match="not"):
+            _ranges.take_rows(sources, which_arg, rows, 4 * per, dst[:-1])
+    assert np.array_equal(dst, before)

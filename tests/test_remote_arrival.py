@@ -526,6 +526,88 @@ def test_loader_epochs_over_arriving_shards_are_exact(dataset, server, tmp_path,
     ds.storage.close()
 
 
+@pytest.fixture(scope="module")
+def fixed_only(tmp_path_factory):
+    """Fixed fields only (x, label), about 250 samples a shard: a batch over open shards is read in one
+    pass per field (`_ranges.take_rows`)."""
+    root = tmp_path_factory.mktemp("fixed") / "root"
+    samples = ({"x": np.full(8000, i % 251, np.uint8), "label": i} for i in range(N))
+    write(samples, str(root / "ds"), shard_size=2_000_000, progress=False)
+    return str(root), FastloadDataset(str(root / "ds"))
+
+
+def _counting_take_rows(monkeypatch) -> list[int]:
+    from fastload.formats import reader
+
+    calls: list[int] = []
+    take = reader._c_take_rows
+    if take is None:
+        pytest.skip("the C extension is built by `make install`")
+
+    def counted(sources, *args):
+        calls.append(len(sources))
+        return take(sources, *args)
+
+    monkeypatch.setattr(reader, "_c_take_rows", counted)
+    return calls
+
+
+def test_a_batch_over_open_arriving_shards_is_read_in_one_pass_exactly(fixed_only, tmp_path, monkeypatch):
+    """Once every shard of a batch is open (still arriving, held mid-body), a shuffled batch over all of them
+    is one `take_rows` per field, byte for byte, its blocks verified as they arrive."""
+    root, local = fixed_only
+    starts = local.shard_boundaries.tolist()
+    assert len(starts) >= 4  # three shards or more (starts, then the end)
+    calls = _counting_take_rows(monkeypatch)
+    srv = ArrivalServer(root)
+    try:
+        srv.pause(HELD)
+        ds = _open(f"{srv.url}/ds", str(tmp_path / "c"), prefetch_depth=0)
+        _same(ds.get_batch(starts[:-1]), local.get_batch(starts[:-1]))  # opens every shard, one at a time
+        assert calls == []
+        held_rows = HELD // 8000 - 10  # samples whose x lies before the held byte of each shard
+        rng = np.random.default_rng(0)
+        spans = [np.arange(a, min(a + held_rows, b)) for a, b in zip(starts, starts[1:])]
+        rows = rng.permutation(np.concatenate(spans))
+        _same(ds.get_batch(rows[:200]), local.get_batch(rows[:200]))
+        assert calls == [len(starts) - 1] * 2  # x and label, each over every shard in one call
+        assert srv.paused.is_set() and not any(n.endswith("shard-00000.fls") for n in _cached(ds))  # still held
+        srv.release()
+        everything = rng.permutation(N)
+        for i in range(0, N, 128):
+            _same(ds.get_batch(everything[i : i + 128]), local.get_batch(everything[i : i + 128]))
+        ds.close()
+        ds.storage.close()
+    finally:
+        srv.stop()
+
+
+def test_a_block_corrupt_at_the_source_raises_in_a_batch_over_open_shards(fixed_only, tmp_path, monkeypatch):
+    """The one-pass read waits for each shard's blocks as the shard-by-shard read does: a block corrupt at
+    the source ends in the error that names the shard and the block, and no row of the batch is returned."""
+    root, local = fixed_only
+    starts = local.shard_boundaries.tolist()
+    calls = _counting_take_rows(monkeypatch)
+    j = _block_of(local, 200)
+    srv = ArrivalServer(root)
+    try:
+        srv.pause(HELD)
+        srv.corrupt((j << 16) + 5, times=None)
+        ds = _open(f"{srv.url}/ds", str(tmp_path / "c"), prefetch_depth=0,
+                   retry=RetryPolicy(attempts=2, base=0.01, cap=0.02, total=10))
+        _same(ds.get_batch(starts[:-1]), local.get_batch(starts[:-1]))
+        srv.release()
+        with pytest.raises(RemoteFetchError) as info:
+            ds.get_batch(np.array([starts[1] + 1, 200, starts[2] + 1]))
+        msg = str(info.value)
+        assert "shards/shard-00000" in msg and f"(block {j})" in msg and "do not match their checksum" in msg, msg
+        assert calls == []  # nothing was copied
+        ds.close()
+        ds.storage.close()
+    finally:
+        srv.stop()
+
+
 def _mapped(paths_under: str) -> list[str]:
     """This process's mappings of files under `paths_under` (Linux: /proc/self/maps)."""
     with open("/proc/self/maps") as f:
