@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import buffers as batch_buffers
+from .rows import gather_rows
 
 __all__ = [
     "ColumnPart", "OpenFiles", "SplicedColumn", "advise_huge", "hold_while_mapped", "splice_available", "splice_column",
@@ -145,9 +146,8 @@ class SplicedColumn:
 
         Raises IndexError for an index out of range.
         """
-        rows = self.row_numbers(indices)  # in bounds: "clip" changes nothing, and spares take's buffered copy
-        out = batch_buffers.empty((len(rows), *self.rows.shape[1:]), self.rows.dtype)
-        return self.rows.take(rows, axis=0, out=out, mode="clip")
+        rows = self.row_numbers(indices)
+        return gather_rows(self.rows, rows, batch_buffers.empty((len(rows), *self.rows.shape[1:]), self.rows.dtype))
 
     def row_numbers(self, indices: np.ndarray) -> np.ndarray:
         """Where the rows at `indices` are in `rows` (`take` is `rows.take(row_numbers(indices), axis=0)`),

@@ -245,3 +245,34 @@ def test_take_rows_copies_each_row_from_its_source_in_order(sizes, shape, picks,
         with pytest.raises(ValueError, match="not"):
             _ranges.take_rows(sources, which_arg, rows, 4 * per, dst[:-1])
     assert np.array_equal(dst, before)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 30), shape=st.sampled_from([(), (3,), (70,), (2, 40)]), dtype=st.sampled_from(DTYPES),
+       picks=st.lists(st.integers(0, 10**6), max_size=40), c_ext=st.booleans(), strided=st.booleans(),
+       into=st.booleans())
+def test_gather_rows_is_take_and_refuses_rows_out_of_range(n, shape, dtype, picks, c_ext, strided, into):
+    """`gather_rows` gives `src.take(rows, axis=0)` whichever way it copies (the C extension for rows of
+    `C_MIN_ROW_BYTES` or more, else numpy; a strided source through numpy), into `out` when given; a row
+    out of range (negative ones too: no wrapping) raises IndexError and leaves `out` as it was."""
+    from fastload.formats import rows as rows_module
+
+    per = int(np.prod(shape, dtype=int))
+    base = np.arange(2 * n * per, dtype=dtype).reshape(2 * n, *shape)
+    src = base[::2] if strided else base[:n]
+    rows = np.array([p % n for p in picks] if n else [], dtype=np.int64)
+    with pytest.MonkeyPatch.context() as mp:
+        if not c_ext:
+            mp.setattr(rows_module, "_c_take_rows", None)
+        out = np.full((len(rows), *shape), 7, dtype=dtype) if into else None
+        got = rows_module.gather_rows(src, rows, out)
+        assert got.dtype == src.dtype and got.flags.c_contiguous and np.array_equal(got, src.take(rows, axis=0))
+        assert out is None or got is out
+        keep = got.copy()
+        for bad in ([n], [-1], [0, n + 5]):
+            if n == 0 and bad == [0, n + 5]:
+                continue
+            into_got = got[: len(bad)] if len(got) >= len(bad) else None
+            with pytest.raises(IndexError):
+                rows_module.gather_rows(src, np.array(bad, dtype=np.int64), into_got)
+        assert np.array_equal(got, keep)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from fastload.formats.rows import gather_rows
+
 __all__ = ["BATCH_BYTES", "PLAN_MAX_BYTES", "EpochPlan", "PlanSlice"]
 
 PLAN_MAX_BYTES = 256 << 20  # an epoch is planned only while its plan (8 bytes a row number) fits this
@@ -35,7 +37,7 @@ class EpochPlan:
 
     `fields`: per field `(name, data, rows, gather_alone)` as `direct_plan` gives them, plus the
     engine a lone fetcher gathers `rows` with (`gather_alone(row_numbers) -> tensor`, or None to
-    use `np.take`). A batch's values are views of `data`. `source`: what the plan was read
+    use `gather_rows`). A batch's values are views of `data`. `source`: what the plan was read
     through (the fetcher's takes); a fetcher reads a slice only while its own takes are that.
     """
 
@@ -73,7 +75,7 @@ class EpochPlan:
             elif alone and gather_alone is not None:
                 out[name] = gather_alone(data[a:b])
             else:
-                out[name] = torch.from_numpy(rows.take(data[a:b], axis=0))
+                out[name] = torch.from_numpy(gather_rows(rows, data[a:b]))
         return out
 
 
