@@ -7,9 +7,10 @@ Builds (once, cached in --path) 200k x 3 KiB fixed records in the fastload forma
 
 * raw: `np.take` over an `np.memmap` of shuffled batches of 256 (the fastest numpy gather,
   faster than `mm[idx]` fancy indexing), on one thread and on one thread per core (each taking
-  every other batch, no consumer), and `torch.index_select` over the same memmap on torch's
+  every other batch, no consumer), the C extension's row copy (`formats.rows.gather_rows`) on one
+  thread per core the same way, and `torch.index_select` over the same memmap on torch's
   intra-op threads (one call per batch); each keeps the previous batch while gathering the next,
-  as a consumer does; the limit is the fastest of the three; and `get_batch` on one thread per
+  as a consumer does; the limit is the fastest of the four; and `get_batch` on one thread per
   core the same way (the dataset layer without the Loader);
 * fastload.Loader on the format (seeded shuffle; num_workers 0/1/2, thread workers), and in
   drop-in torch-order mode (shuffle=True + generator, no seed);
@@ -58,6 +59,7 @@ from torch.utils.data import DataLoader
 
 import fastload.formats as formats
 from fastload.fetch.fetcher import Fetcher
+from fastload.formats.rows import gather_rows
 from fastload.loader import Loader
 from fastload.system import usable_cores
 
@@ -260,9 +262,12 @@ def raw_torch_gather(raw: str, epochs: int) -> Iterable[torch.Tensor]:
         yield torch.index_select(source, 0, torch.from_numpy(b))
 
 
-def raw_gather_parallel(raw: str, epochs: int, threads: int) -> float:
-    """The machine's gather limit with all its cores: `np.take` over a fresh memmap on `threads` threads."""
+def raw_gather_parallel(raw: str, epochs: int, threads: int, *, c: bool = False) -> float:
+    """The machine's gather limit with all its cores: `np.take` over a fresh memmap on `threads` threads
+    (`c`: `formats.rows.gather_rows`, the C extension's row copy that fastload's own gathers use)."""
     mm = np.load(raw, mmap_mode="r")
+    if c:
+        return gather_parallel(lambda b: gather_rows(mm, b), len(mm), epochs, threads, sort=False)
     return gather_parallel(lambda b: mm.take(b, axis=0), len(mm), epochs, threads, sort=False)
 
 
@@ -407,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict[str, Callable[[], float]] = {
         "raw memmap gather, 1 thread": lambda: rate(raw_gather(raw, epochs), limit, len),
         f"raw memmap gather, {CORES} threads": lambda: raw_gather_parallel(raw, epochs, CORES),
+        f"raw memmap gather_rows (C), {CORES} threads": lambda: raw_gather_parallel(raw, epochs, CORES, c=True),
         f"raw torch.index_select, {torch.get_num_threads()} intra-op threads": lambda: rate(
             raw_torch_gather(raw, epochs), limit, len
         ),
