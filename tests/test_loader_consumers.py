@@ -331,6 +331,52 @@ def test_no_noise_at_interpreter_exit():
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_a_worker_stopped_while_it_first_shares_a_slot_exits_without_noise():
+    """A process worker's first new slot goes to the parent through multiprocessing's fd sharer,
+    which its result queue's feeder thread starts (a socket in the worker's temporary directory). A
+    worker told to stop while that start is under way waits for it, so the exit's cleanup of the
+    directory does not race it. Staged: worker 1's sharer starts slowly, and the cleanup lists the
+    directory, waits, then removes what it listed (as `shutil.rmtree` does, slower)."""
+    proc = run_script(
+        """
+        import os, shutil, time
+        import multiprocessing.connection as mp_connection
+        import numpy as np
+        import torch.utils.data as tud
+        from fastload.loader import Loader
+
+        start_listener, rmtree = mp_connection.SocketListener.__init__, shutil.rmtree
+
+        def slow_listener(self, address, *args, **kwargs):
+            info = tud.get_worker_info()
+            time.sleep(0.4 if info is not None and info.id == 1 else 0.1)
+            start_listener(self, address, *args, **kwargs)
+
+        def listing_rmtree(path, *args, **kwargs):
+            if not os.path.basename(path).startswith("pymp-"):
+                return rmtree(path, *args, **kwargs)
+            names = os.listdir(path)
+            time.sleep(0.4)
+            for name in names:
+                os.unlink(os.path.join(path, name))
+            os.rmdir(path)
+
+        mp_connection.SocketListener.__init__, shutil.rmtree = slow_listener, listing_rmtree
+
+        class DS:
+            def __len__(self): return 64
+            def __getitem__(self, i): return np.zeros(4, np.float32)
+            def get_batch(self, idx): return {"x": np.zeros((len(idx), 4), np.float32)}
+
+        it = iter(Loader(DS(), batch_size=4, num_workers=2, worker_type="process", persistent_workers=True))
+        next(it)
+        print("ok")
+        """
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
 def test_resuming_at_the_end_of_an_epoch_moves_to_the_next():
     loader = Loader(IdxDS(50), batch_size=8, shuffle=True, seed=4)
     it = iter(loader)

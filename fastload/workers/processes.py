@@ -45,6 +45,7 @@ __all__ = ["PARENT_POLL_S", "ProcessSource"]
 
 _POLL = 0.1
 PARENT_POLL_S = 0.5  # how often a worker process checks that its parent still runs
+STOP_FLUSH_S = 0.5  # a worker told to stop waits this long for its last results to go (its parent waits 1 s)
 
 
 def _process_start(pid: int) -> float | None:
@@ -117,6 +118,7 @@ def _worker_main(
                 return
             continue
         if task is None:
+            _flush(result_q, STOP_FLUSH_S)
             return
         gen, j, indices, sid, retired, run = task
         for r in retired:
@@ -140,6 +142,18 @@ def _worker_main(
         except Exception:  # noqa: BLE001 - shipped to the main process and re-raised there
             err = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
             result_q.put((gen, j, wid, sid, None, err, None))
+
+
+def _flush(result_q: Any, timeout: float) -> None:
+    """Close `result_q` and wait up to `timeout` for its feeder thread to hand over what was put. A new
+    slot's descriptor is shared through multiprocessing's fd sharer, which the feeder starts on first
+    use, with a socket in this process's temporary directory: a worker that returned while the
+    feeder was still starting it had the exit's cleanup remove that directory under it ("Directory
+    not empty" on stderr). Only result_q's feeder runs in a worker (it never puts to a task queue)."""
+    result_q.close()
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread":  # multiprocessing.Queue's feeder
+            thread.join(timeout)
 
 
 def _shutdown(procs: list[Any], task_qs: list[Any], result_q: Any) -> None:
