@@ -149,11 +149,13 @@ def _flush(result_q: Any, timeout: float) -> None:
     slot's descriptor is shared through multiprocessing's fd sharer, which the feeder starts on first
     use, with a socket in this process's temporary directory: a worker that returned while the
     feeder was still starting it had the exit's cleanup remove that directory under it ("Directory
-    not empty" on stderr). Only result_q's feeder runs in a worker (it never puts to a task queue)."""
+    not empty" on stderr). The worker puts to no other queue (a dataset's own queues' feeders are
+    waited for within the same `timeout`)."""
     result_q.close()
+    deadline = time.monotonic() + timeout
     for thread in threading.enumerate():
         if thread.name == "QueueFeederThread":  # multiprocessing.Queue's feeder
-            thread.join(timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _shutdown(procs: list[Any], task_qs: list[Any], result_q: Any) -> None:
