@@ -6,9 +6,10 @@
 Rows:
 - conversion MB/s vs raw sequential write bandwidth (the same bytes written and fsynced to one file);
 - fastload batched random read (batch 256, shuffled, warm page cache) vs the raw gather of the
-  same bytes in one flat `np.memmap`: the faster of fancy indexing (`raw[idx]`) and `np.take`
-  (the limit); both in the caller's order and with the batch's indices sorted; for the shuffled
-  order also the same dataset with its columns spliced page-aligned only, and not spliced at all;
+  same bytes in one flat `np.memmap`: the fastest of fancy indexing (`raw[idx]`), `np.take` and
+  the C extension's row copy (`formats.rows.gather_rows`) (the limit); both in the caller's order
+  and with the batch's indices sorted; for the shuffled order also the same dataset with its
+  columns spliced page-aligned only, and not spliced at all;
 - LMDB: batched `get_batch` vs per-record `txn.get`; HDF5 contiguous and chunked: `get_batch`
   vs per-record `ds[i]`.
 Throughputs are best-of-N passes (CPU time of this process, robust to other load on the machine).
@@ -37,6 +38,7 @@ from fastload.formats import (
     spliced,
     write,
 )
+from fastload.formats.rows import gather_rows
 
 __all__ = ["main"]
 
@@ -138,17 +140,19 @@ def main(argv: list[str] | None = None) -> None:
         _rate(lambda b: raw[b], batches, 1)  # warm the page cache and mappings
         _rate(ds.get_batch, batches, 1)
         fancy, take = (lambda b: raw[b]), (lambda b: raw.take(b, axis=0))
+        c_rows = lambda b: gather_rows(raw, b)  # noqa: E731 - the C row copy fastload's own gathers use
         paged, by_shard = _variants(os.path.join(root, "ds"))
-        raw_fancy, raw_take, fl_rate, paged_rate, by_shard_rate = _interleaved(
-            [fancy, take, ds.get_batch, paged.get_batch, by_shard.get_batch], batches, args.repeats
+        raw_fancy, raw_take, raw_c, fl_rate, paged_rate, by_shard_rate = _interleaved(
+            [fancy, take, c_rows, ds.get_batch, paged.get_batch, by_shard.get_batch], batches, args.repeats
         )
-        raw_rate = max(raw_fancy, raw_take)
-        raw_sorted_fancy, raw_sorted_take, fl_sorted = _interleaved(
-            [fancy, take, ds.get_batch], sorted_batches, args.repeats
+        raw_rate = max(raw_fancy, raw_take, raw_c)
+        raw_sorted_fancy, raw_sorted_take, raw_sorted_c, fl_sorted = _interleaved(
+            [fancy, take, c_rows, ds.get_batch], sorted_batches, args.repeats
         )
-        raw_sorted = max(raw_sorted_fancy, raw_sorted_take)
+        raw_sorted = max(raw_sorted_fancy, raw_sorted_take, raw_sorted_c)
         rows.append(("raw np.memmap raw[idx], shuffled", f"{raw_fancy / 1e6:.2f} M rec/s", ""))
         rows.append(("raw np.memmap take(idx), shuffled", f"{raw_take / 1e6:.2f} M rec/s", ""))
+        rows.append(("raw np.memmap gather_rows(idx) (C), shuffled", f"{raw_c / 1e6:.2f} M rec/s", ""))
         rows.append(
             (
                 "fastload get_batch, shuffled",
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             ("  same, gathered shard by shard (no splice)", by_shard_rate),
         ):
             rows.append((name, f"{rate / 1e6:.2f} M rec/s", f"{rate / raw_rate:.0%} of raw (faster)"))
-        rows.append(("raw np.memmap gather, sorted batch", f"{raw_sorted / 1e6:.2f} M rec/s", "faster of the two"))
+        rows.append(("raw np.memmap gather, sorted batch", f"{raw_sorted / 1e6:.2f} M rec/s", "fastest of the three"))
         rows.append(
             (
                 "fastload get_batch, sorted batch",
