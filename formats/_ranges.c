@@ -32,21 +32,15 @@
  * writable C-contiguous int64 buffers of the same length, filled with each buffer's start address
  * and size in bytes.
  *
- *   scatter_rows(src, rows, rowbytes, dst, positions) -> None
+ *   take_rows(sources, which, rows, rowbytes, dst, positions=None) -> None
  *
- * Row gather into chosen places: dst[positions[i]] = src[rows[i]] for rows of `rowbytes` bytes
- * (src, dst: C-contiguous buffers holding whole rows, dst writable; rows, positions: C-contiguous
- * int64 buffers of equal length), with the GIL released and the next rows' first cache lines
- * prefetched. Every index is bounds-checked before anything is copied (IndexError).
- *
- *   take_rows(sources, which, rows, rowbytes, dst) -> None
- *
- * Rows from several sources in the caller's order: dst[i] = sources[which[i]][rows[i]] for rows of
- * `rowbytes` bytes (sources: a sequence of C-contiguous buffers holding whole rows, None where no
- * row is taken; which: None (every row from sources[0]) or a C-contiguous int64 buffer; rows: a
- * C-contiguous int64 buffer of as many entries; dst: a writable C-contiguous buffer of exactly
- * len(rows) rows), with the GIL released and the next rows' first cache lines prefetched. Every
- * index is bounds-checked before anything is copied (IndexError).
+ * Rows from several sources: dst[i] = sources[which[i]][rows[i]] for rows of `rowbytes` bytes, or
+ * with positions dst[positions[i]] = ... (rows put in chosen places). sources: a sequence of
+ * C-contiguous buffers holding whole rows, None where no row is taken; which: None (every row from
+ * sources[0]) or a C-contiguous int64 buffer; rows (and positions): C-contiguous int64 buffers of as
+ * many entries; dst: a writable C-contiguous buffer of whole rows, exactly len(rows) of them without
+ * positions. The GIL is released and the next rows' first cache lines are prefetched. Every index is
+ * bounds-checked before anything is copied (IndexError).
  *
  *   xxh3_blocks(buf, ids, shift, end, out) -> None
  *
@@ -490,62 +484,11 @@ fail_piece:
     return result;
 }
 
-static PyObject *scatter_rows(PyObject *self, PyObject *args) {
-    PyObject *src_obj, *rows_obj, *dst_obj, *pos_obj, *result = NULL;
-    Py_ssize_t rowbytes;
-    if (!PyArg_ParseTuple(args, "OOnOO", &src_obj, &rows_obj, &rowbytes, &dst_obj, &pos_obj)) return NULL;
-    if (rowbytes <= 0) {
-        PyErr_SetString(PyExc_ValueError, "rowbytes must be positive");
-        return NULL;
-    }
-    Py_buffer src, rows, dst, pos;
-    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (get_i64(rows_obj, &rows, "rows") < 0) goto fail_src;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto fail_rows;
-    if (get_i64(pos_obj, &pos, "positions") < 0) goto fail_dst;
-    {
-        Py_ssize_t n = rows.len / 8;
-        const int64_t *r = (const int64_t *)rows.buf, *q = (const int64_t *)pos.buf;
-        const int64_t src_rows = (int64_t)(src.len / rowbytes), dst_rows = (int64_t)(dst.len / rowbytes);
-        if (pos.len != rows.len) {
-            PyErr_SetString(PyExc_ValueError, "rows and positions differ in length");
-            goto done;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (r[i] < 0 || r[i] >= src_rows || q[i] < 0 || q[i] >= dst_rows) {
-                PyErr_Format(PyExc_IndexError, "row %lld -> place %lld lies outside %lld source / %lld destination rows",
-                             (long long)r[i], (long long)q[i], (long long)src_rows, (long long)dst_rows);
-                goto done;
-            }
-        }
-        const char *in = (const char *)src.buf;
-        char *out = (char *)dst.buf;
-        const size_t unit = (size_t)rowbytes;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_start(in + (size_t)r[i] * unit, unit);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (i + PREFETCH_AHEAD < n) prefetch_start(in + (size_t)r[i + PREFETCH_AHEAD] * unit, unit);
-            memcpy(out + (size_t)q[i] * unit, in + (size_t)r[i] * unit, unit);
-        }
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
-done:
-    PyBuffer_Release(&pos);
-fail_dst:
-    PyBuffer_Release(&dst);
-fail_rows:
-    PyBuffer_Release(&rows);
-fail_src:
-    PyBuffer_Release(&src);
-    return result;
-}
-
 static PyObject *take_rows(PyObject *self, PyObject *args) {
-    PyObject *sources_obj, *which_obj, *rows_obj, *dst_obj, *seq, *result = NULL;
+    PyObject *sources_obj, *which_obj, *rows_obj, *dst_obj, *pos_obj = Py_None, *seq, *result = NULL;
     Py_ssize_t rowbytes;
-    if (!PyArg_ParseTuple(args, "OOOnO", &sources_obj, &which_obj, &rows_obj, &rowbytes, &dst_obj)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOnO|O", &sources_obj, &which_obj, &rows_obj, &rowbytes, &dst_obj, &pos_obj))
+        return NULL;
     if (rowbytes <= 0) {
         PyErr_SetString(PyExc_ValueError, "rowbytes must be positive");
         return NULL;
@@ -558,8 +501,8 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
     int64_t *count = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(int64_t));
     char *got = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, 1); /* 1 where views[j] holds a buffer */
     Py_ssize_t held = 0;
-    Py_buffer which = {0}, rows = {0}, dst = {0};
-    int have_which = 0, have_rows = 0, have_dst = 0;
+    Py_buffer which = {0}, rows = {0}, dst = {0}, pos = {0};
+    int have_which = 0, have_rows = 0, have_dst = 0, have_pos = 0;
     if (views == NULL || base == NULL || count == NULL || got == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -578,17 +521,23 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
     }
     if (get_i64(rows_obj, &rows, "rows") < 0) goto done;
     have_rows = 1;
+    if (pos_obj != Py_None) {
+        if (get_i64(pos_obj, &pos, "positions") < 0) goto done;
+        have_pos = 1;
+    }
     if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
     have_dst = 1;
     {
         const Py_ssize_t n = rows.len / 8;
         const int64_t *r = (const int64_t *)rows.buf, *w = have_which ? (const int64_t *)which.buf : NULL;
-        if (have_which && which.len != rows.len) {
-            PyErr_SetString(PyExc_ValueError, "which and rows differ in length");
+        const int64_t *q = have_pos ? (const int64_t *)pos.buf : NULL, dst_rows = (int64_t)(dst.len / rowbytes);
+        if ((have_which && which.len != rows.len) || (have_pos && pos.len != rows.len)) {
+            PyErr_SetString(PyExc_ValueError, "which, rows and positions differ in length");
             goto done;
         }
-        if (dst.len != n * rowbytes) {
-            PyErr_Format(PyExc_ValueError, "dst holds %zd bytes, not %zd rows of %zd", dst.len, n, rowbytes);
+        if (have_pos ? dst.len % rowbytes != 0 : dst.len != n * rowbytes) {
+            PyErr_Format(PyExc_ValueError, "dst holds %zd bytes, not %s %zd rows of %zd", dst.len,
+                         have_pos ? "whole" : "exactly", n, rowbytes);
             goto done;
         }
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -596,6 +545,11 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
             if (s < 0 || s >= ns || !got[s] || r[i] < 0 || r[i] >= count[s]) {
                 PyErr_Format(PyExc_IndexError, "row %lld of source %lld: no such row (%lld sources)", (long long)r[i],
                              (long long)s, (long long)ns);
+                goto done;
+            }
+            if (q && (q[i] < 0 || q[i] >= dst_rows)) {
+                PyErr_Format(PyExc_IndexError, "place %lld: no such row in dst (%lld rows)", (long long)q[i],
+                             (long long)dst_rows);
                 goto done;
             }
         }
@@ -606,13 +560,14 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < n; i++) {
             const Py_ssize_t j = i + PREFETCH_AHEAD;
             if (j < n) prefetch_start(base[w ? w[j] : 0] + (size_t)r[j] * unit, unit);
-            memcpy(out + (size_t)i * unit, base[w ? w[i] : 0] + (size_t)r[i] * unit, unit);
+            memcpy(out + (size_t)(q ? q[i] : i) * unit, base[w ? w[i] : 0] + (size_t)r[i] * unit, unit);
         }
         Py_END_ALLOW_THREADS
         result = Py_None;
         Py_INCREF(result);
     }
 done:
+    if (have_pos) PyBuffer_Release(&pos);
     if (have_dst) PyBuffer_Release(&dst);
     if (have_rows) PyBuffer_Release(&rows);
     if (have_which) PyBuffer_Release(&which);
@@ -698,10 +653,9 @@ fail_lo:
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, starts, lengths, itemsize, dst): copy item ranges of src into dst, GIL released."},
-    {"scatter_rows", scatter_rows, METH_VARARGS,
-     "scatter_rows(src, rows, rowbytes, dst, positions): dst[positions[i]] = src[rows[i]], GIL released."},
     {"take_rows", take_rows, METH_VARARGS,
-     "take_rows(sources, which, rows, rowbytes, dst): dst[i] = sources[which[i]][rows[i]], GIL released."},
+     "take_rows(sources, which, rows, rowbytes, dst, positions=None): dst[i] (or dst[positions[i]]) = "
+     "sources[which[i]][rows[i]], GIL released."},
     {"split", split, METH_VARARGS, "split(values, offsets, utf8): the items of a ragged byte buffer as a list."},
     {"offsets_match", offsets_match, METH_VARARGS,
      "offsets_match(offsets, lengths, total): whether an offsets table is sound and agrees with lengths."},

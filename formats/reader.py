@@ -21,6 +21,7 @@ from .errors import ChecksumError, FormatError
 from .forksafe import reset_in_child
 from .manifest import MANIFEST_NAME, Manifest
 from .ragged import Ragged
+from .rows import take_rows_into
 from .schema import Schema
 from .shapes import ShapedBatch
 from .shard import ShardIdentity, ShardReader
@@ -28,11 +29,10 @@ from .spliced import ColumnPart, OpenFiles, SplicedColumn, splice_available, spl
 from .spliced_ragged import SplicedRagged
 from .storage import Arrival, LocalStorage, Storage
 
-try:  # the C extension copies rows into their places in one call, GIL released (numpy otherwise)
-    from ._ranges import scatter_rows as _c_scatter_rows
+try:  # the C extension copies a batch's rows from several shards in one call, GIL released
     from ._ranges import take_rows as _c_take_rows
 except ImportError:  # pragma: no cover - a build without the C extension
-    _c_scatter_rows = _c_take_rows = None
+    _c_take_rows = None
 
 __all__ = [
     "RESIDENT_ITEM_BYTES",
@@ -63,22 +63,6 @@ def _gather_rows(
     gather: Callable[[np.ndarray], Any], row_numbers: Callable[[np.ndarray], np.ndarray], indices: np.ndarray
 ) -> Any:
     return gather(row_numbers(indices))
-
-
-def take_rows_into(src: np.ndarray, rows: np.ndarray, out: np.ndarray, places: np.ndarray) -> None:
-    """`out[places[i]] = src[rows[i]]` along the first axis: rows gathered straight into their places in
-    the batch (one copy; C-contiguous `src` and `out` of one row layout). IndexError for a row or
-    place out of range."""
-    if out.shape[1:] != src.shape[1:] or out.dtype != src.dtype:
-        raise ValueError(
-            f"rows of {src.dtype}{list(src.shape[1:])} cannot go into rows of {out.dtype}{list(out.shape[1:])}"
-        )
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    places = np.ascontiguousarray(places, dtype=np.int64)
-    if _c_scatter_rows is not None and src.flags.c_contiguous and out.flags.c_contiguous and len(src) and len(out):
-        _c_scatter_rows(src, rows, src.nbytes // len(src), out, places)
-        return
-    out[places] = src.take(rows, axis=0)
 
 
 def gather_ragged(

@@ -1,4 +1,5 @@
-"""`gather_rows`: whole rows of an array at given row numbers, in that order, into a new array.
+"""Row gathers: `gather_rows` (whole rows at given row numbers, in that order) and `take_rows_into`
+(rows put straight into given places of a batch).
 
 The C extension copies each row with one `memcpy`, the next rows' first cache lines prefetched,
 the GIL released (`_ranges.take_rows`): for rows of a few hundred bytes or more that is faster
@@ -15,7 +16,7 @@ try:
 except ImportError:  # pragma: no cover - a build without the C extension
     _c_take_rows = None
 
-__all__ = ["C_MIN_ROW_BYTES", "gather_rows"]
+__all__ = ["C_MIN_ROW_BYTES", "gather_rows", "take_rows_into"]
 
 C_MIN_ROW_BYTES = 256  # rows at least this large are copied by the C extension (np.take is as fast below)
 
@@ -37,3 +38,19 @@ def gather_rows(src: np.ndarray, row_numbers: np.ndarray, out: np.ndarray | None
         bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
         raise IndexError(f"row {bad} is out of bounds for {len(src)} rows")
     return src.take(rows, axis=0, out=out, mode="clip")
+
+
+def take_rows_into(src: np.ndarray, rows: np.ndarray, out: np.ndarray, places: np.ndarray) -> None:
+    """`out[places[i]] = src[rows[i]]` along the first axis: rows gathered straight into their places in
+    the batch (one copy; C-contiguous `src` and `out` of one row layout). IndexError for a row or
+    place out of range."""
+    if out.shape[1:] != src.shape[1:] or out.dtype != src.dtype:
+        raise ValueError(
+            f"rows of {src.dtype}{list(src.shape[1:])} cannot go into rows of {out.dtype}{list(out.shape[1:])}"
+        )
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    places = np.ascontiguousarray(places, dtype=np.int64)
+    if _c_take_rows is not None and src.flags.c_contiguous and out.flags.c_contiguous and len(src) and len(out):
+        _c_take_rows((src,), None, rows, src.nbytes // len(src), out, places)
+        return
+    out[places] = src.take(rows, axis=0)

@@ -186,6 +186,7 @@ def test_take_rows_into_puts_each_row_in_its_place(n, shape, picks, c_ext):
     """`take_rows_into` (the C extension's one call, or numpy without it) writes src[rows[i]] at out[places[i]]
     and nothing else; a row or place out of range raises IndexError before anything is copied."""
     from fastload.formats import reader
+    from fastload.formats import rows as rows_module
 
     src = np.arange(n * int(np.prod(shape, dtype=int)), dtype=np.float32).reshape(n, *shape)
     rows = np.array([p % n for p in picks], dtype=np.int64)
@@ -193,12 +194,14 @@ def test_take_rows_into_puts_each_row_in_its_place(n, shape, picks, c_ext):
     out = np.full((len(rows), *shape), -1, dtype=np.float32)
     with pytest.MonkeyPatch.context() as mp:
         if not c_ext:
-            mp.setattr(reader, "_c_scatter_rows", None)
+            mp.setattr(rows_module, "_c_take_rows", None)
         reader.take_rows_into(src, rows, out, places)
         assert np.array_equal(out[places], src[rows])
         before = out.copy()
         with pytest.raises(IndexError):
             reader.take_rows_into(src, np.array([n], dtype=np.int64), out, np.array([0], dtype=np.int64))
+        with pytest.raises(IndexError):
+            reader.take_rows_into(src, np.array([0], dtype=np.int64), out, np.array([len(out)], dtype=np.int64))
         with pytest.raises(ValueError, match="cannot go into"):
             reader.take_rows_into(src, rows, out.astype(np.float64), places)
         assert np.array_equal(out, before)
