@@ -44,9 +44,10 @@ def served(tmp_path):
 
 @pytest.fixture()
 def served_slowly(tmp_path):
-    """`served`, each response sent at 2 MB/s: a 100 KB shard's GET lasts ~50 ms, so GETs that run at
-    once overlap on any machine (unlimited, one may end before the next starts)."""
-    yield from _serve(tmp_path, limit_rate=2_000_000)
+    """`served`, each response sent at 500 kB/s: a 100 KB shard's GET lasts ~200 ms, so GETs that run at
+    once overlap on any machine, also one whose threads wait tens of ms for a core (unlimited, or at
+    2 MB/s under load, one may end before the next starts)."""
+    yield from _serve(tmp_path, limit_rate=500_000)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
