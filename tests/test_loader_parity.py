@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import random
 import re
 import signal
@@ -357,8 +358,10 @@ def test_worker_killed_by_a_signal_is_reported_as_torch_does():
     got = _error(Loader, dataset=SegfaultDS(8), batch_size=2, num_workers=1, worker_type="process")
     assert isinstance(got, RuntimeError)
     assert pid_free(got) == pid_free(want) == "DataLoader worker (pid(s) N) exited unexpectedly"
-    assert type(got.__cause__) is type(want.__cause__) is RuntimeError
     killed = "DataLoader worker (pid N) is killed by signal: Segmentation fault. "
-    assert pid_free(got.__cause__) == pid_free(want.__cause__) == killed
+    # torch's cause depends on timing: its SIGCHLD handler's error when the signal lands during the
+    # queue wait, else the wait's queue.Empty; ours always names the signal
+    assert isinstance(want.__cause__, queue.Empty) or pid_free(want.__cause__) == killed, repr(want.__cause__)
+    assert type(got.__cause__) is RuntimeError and pid_free(got.__cause__) == killed
     pid = re.search(r"\d+", str(got)).group()
     assert str(got.__cause__) == f"DataLoader worker (pid {pid}) is killed by signal: Segmentation fault. "

@@ -23,6 +23,7 @@ from s3_fixtures import (  # noqa: F401
 
 from fastload.formats import FastloadDataset, FormatError, Ragged, write
 from fastload.order.shard_shuffle import ShardWindowSampler
+from fastload.remote.cache.files import disk_bytes
 from fastload.remote.cache.shard_cache import CacheBudgetError, ShardCache
 from fastload.remote.storage import RemoteFetchError, RemoteStorage, RetryPolicy
 
@@ -424,26 +425,6 @@ def test_stream_writes_on_the_event_loop_in_pieces_and_a_failing_write_stops_the
 
 
 # -- budget: bytes on disk, readers sharing one cache --------------------------------------------------
-def _sizes(folder: str) -> dict[str, int]:
-    sizes = {}
-    with os.scandir(folder) as it:
-        for de in it:
-            with contextlib.suppress(FileNotFoundError):
-                sizes[de.name] = de.stat().st_size
-    return sizes
-
-
-def _dir_bytes(root: str) -> int:
-    """Bytes of the files in data/ and tmp/ that exist together: data/ is listed before and after tmp/,
-    and a data file counts only when in both lists (one evicted while tmp/ was listed never coexisted
-    with a download created meanwhile at its full size; one renamed in from tmp/ is counted there)."""
-    data = os.path.join(root, "data")
-    before = _sizes(data)
-    tmp = _sizes(os.path.join(root, "tmp"))
-    after = _sizes(data)
-    return sum(tmp.values()) + sum(n for name, n in before.items() if name in after)
-
-
 def test_disk_bytes_stay_within_budget_at_every_moment(remote, local_ds, proxy, tmp_path):
     """A 3.2-shard budget with prefetching: a thread samples the bytes in data/ + tmp/ (downloads in
     flight included) all through two epochs."""
@@ -455,7 +436,7 @@ def test_disk_bytes_stay_within_budget_at_every_moment(remote, local_ds, proxy, 
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], _dir_bytes(str(tmp_path)))
+            peak[0] = max(peak[0], disk_bytes(str(tmp_path)))
             samples[0] += 1
             time.sleep(0.0001)
 

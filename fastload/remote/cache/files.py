@@ -23,7 +23,7 @@ from fastload.formats.errors import ChecksumError
 from fastload.remote.cache.arrival import Arrival
 from fastload.remote.transfer_stats import TransferStats
 
-__all__ = ["Download", "check_key", "file_xxh3", "footprint", "in_use", "stamp"]
+__all__ = ["Download", "check_key", "disk_bytes", "file_xxh3", "footprint", "in_use", "stamp"]
 
 
 class Download:
@@ -379,6 +379,27 @@ def check_key(key: str) -> str:
 def footprint(size: int, block: int) -> int:
     """Bytes a file of `size` bytes occupies on a file system of `block`-byte blocks."""
     return -(-int(size) // block) * block
+
+
+def disk_bytes(root: str) -> int:
+    """Bytes of the files in a cache's `data/` and `tmp/` that exist together, at their sizes. The
+    listing is not atomic: `data/` is listed before and after `tmp/`, and a data file counts only when
+    in both lists (one evicted while `tmp/` was listed never coexisted with a download created
+    meanwhile at its full size; one renamed in from `tmp/` is counted there)."""
+
+    def sizes(folder: str) -> dict[str, int]:
+        out = {}
+        with os.scandir(folder) as it:
+            for entry in it:
+                with contextlib.suppress(FileNotFoundError):
+                    out[entry.name] = entry.stat().st_size
+        return out
+
+    data = os.path.join(root, "data")
+    before = sizes(data)
+    downloads = sizes(os.path.join(root, "tmp"))
+    after = sizes(data)
+    return sum(downloads.values()) + sum(n for name, n in before.items() if name in after)
 
 
 def in_use(path: str) -> bool:

@@ -43,7 +43,7 @@ from typing import Any
 from fastload.formats.forksafe import reset_in_child
 from fastload.formats.units import format_size, parse_size
 from fastload.remote.cache.arrival import Arrival, BlockSpec
-from fastload.remote.cache.files import Download, check_key, footprint
+from fastload.remote.cache.files import Download, check_key, disk_bytes, footprint
 from fastload.remote.cache.fill import CacheFill
 from fastload.remote.cache.policy import LruPolicy, split_budget
 from fastload.remote.cache.state import CacheBudgetError, CacheState, CacheStateError, owner_alive, owner_id
@@ -217,14 +217,8 @@ class ShardCache:
         return self.path(key)
 
     def disk_bytes(self) -> int:
-        """Bytes of the files under `data/` and `tmp/` right now, measured on disk (for tests)."""
-        total = 0
-        for d in (self.data_dir, self.tmp_dir):
-            with os.scandir(d) as it:
-                for de in it:
-                    with contextlib.suppress(FileNotFoundError):
-                        total += de.stat().st_size
-        return total
+        """Bytes of the files under `data/` and `tmp/` that exist together, measured on disk (for tests)."""
+        return disk_bytes(self.root)
 
     def stats(self) -> dict[str, float]:
         """This process's download timings and counters (see `fastload.remote.transfer_stats`)."""
