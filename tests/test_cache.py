@@ -702,3 +702,35 @@ def test_a_step_of_the_wall_clock_leaves_every_owner_alive(monkeypatch, tmp_path
     assert _process_start(os.getppid()) == parent_start  # a forkserver worker's check of its parent
     ShardCache(tmp_path, limit="1MB").state()  # another cache object's update prunes dead owners' pins
     assert set(other.state()["pins"]) == {"k1"}
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_disk_bytes_never_counts_a_file_evicted_while_the_downloads_were_listed(tmp_path, monkeypatch, replaced):
+    """An eviction and a new download between the two listings of data/: the evicted file is not
+    counted beside the download (nor is a new file of the same name renamed in meanwhile)."""
+    from fastload.remote.cache import files
+
+    data, tmp = tmp_path / "data", tmp_path / "tmp"
+    data.mkdir()
+    tmp.mkdir()
+    for name in ("a", "b", "c"):
+        (data / name).write_bytes(b"x" * 1000)
+    real_scandir = os.scandir
+    old_a = os.open(data / "a", os.O_RDONLY)  # its inode number stays taken: a new `a` gets another
+
+    def scandir(folder):
+        if os.fspath(folder) == str(tmp):  # the cache evicts `a` and reserves the next download now
+            os.unlink(data / "a")
+            (tmp / "d.1.1").write_bytes(b"y" * 1000)
+            if replaced:  # and another download of `a` completes: a new file of the old name
+                (tmp / "a.1.2").write_bytes(b"z" * 1000)
+                os.replace(tmp / "a.1.2", data / "a")
+        return real_scandir(folder)
+
+    monkeypatch.setattr(files.os, "scandir", scandir)
+    try:
+        assert files.disk_bytes(str(tmp_path)) == 3000  # b, c and the download of d: never 4000
+    finally:
+        os.close(old_a)
+    monkeypatch.setattr(files.os, "scandir", real_scandir)
+    assert files.disk_bytes(str(tmp_path)) == (4000 if replaced else 3000)

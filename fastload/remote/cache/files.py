@@ -382,24 +382,25 @@ def footprint(size: int, block: int) -> int:
 
 
 def disk_bytes(root: str) -> int:
-    """Bytes of the files in a cache's `data/` and `tmp/` that exist together, at their sizes. The
-    listing is not atomic: `data/` is listed before and after `tmp/`, and a data file counts only when
-    in both lists (one evicted while `tmp/` was listed never coexisted with a download created
-    meanwhile at its full size; one renamed in from `tmp/` is counted there)."""
+    """Bytes of the files in a cache's `data/` and `tmp/` that exist together, at their sizes, never
+    more. The listing is not atomic: `data/` is listed before and after `tmp/`, and a data file counts
+    only when the same file (inode) is in both lists, so it existed all through the listing of `tmp/`
+    (one evicted meanwhile never coexisted with a download created at its full size). A download
+    renamed into `data/` while `data/` was first listed may be missed."""
 
-    def sizes(folder: str) -> dict[str, int]:
+    def sizes(folder: str) -> dict[tuple[str, int], int]:
         out = {}
         with os.scandir(folder) as it:
             for entry in it:
                 with contextlib.suppress(FileNotFoundError):
-                    out[entry.name] = entry.stat().st_size
+                    out[entry.name, entry.inode()] = entry.stat().st_size
         return out
 
     data = os.path.join(root, "data")
     before = sizes(data)
     downloads = sizes(os.path.join(root, "tmp"))
     after = sizes(data)
-    return sum(downloads.values()) + sum(n for name, n in before.items() if name in after)
+    return sum(downloads.values()) + sum(n for file, n in before.items() if file in after)
 
 
 def in_use(path: str) -> bool:
