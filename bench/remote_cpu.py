@@ -8,8 +8,9 @@ measures user CPU by sampling instead (4,000 samples per CPU-second, user mode o
 by thread (the Loader's reader, the download threads, obstore's runtime).
 
 Each row of each round runs in a child Python process under `perf record -k mono`. The child first
-reads a batch through another cache and GETs one shard raw (what a process pays once: imports,
-clients, first calls), then marks the time windows it measures: the raw pass, or the cold epoch and
+reads a batch through another cache, with the row's own Loader (its workers and sampler), and GETs
+one shard raw (what a process pays once: imports, clients, first calls of each code path), then
+marks the time windows it measures: the raw pass, or the cold epoch and
 then the warm epoch of the same Loader and order; the samples in each window are counted. Rows (the
 raw pipeline on obstore, and the Loader with `num_workers` 0 and 2, shuffled and sequential) rotate
 within each round; the page cache is recycled before every raw pass and cold epoch (as
@@ -92,9 +93,19 @@ def child(
     from fastload.order.shard_shuffle import ShardWindowSampler
 
     cache = os.path.join(work, f"cache-{os.getpid()}")
-    # what a process pays once (imports, clients, first calls) is paid here, before any window
+
+    def loader(ds: Any, row: str) -> Loader:
+        """The row's Loader over `ds`: `num_workers` thread workers, shuffled by shard window or in order."""
+        workers, order = int(row.split()[0][1:]), row.split()[1]
+        sampler = ShardWindowSampler.from_dataset(ds, window=4, seed=seed) if order == "shuffled" else None
+        return Loader(ds, batch_size=256, sampler=sampler, num_workers=workers, worker_type="thread")
+
+    # what a process pays once (imports, clients, first calls) is paid here, before any window: a batch
+    # through the row's own Loader configuration (its workers and sampler), from another cache
     warm_up = open_dataset(url, cache_dir=cache + "-warm-up", cache_limit="1TB", transport=transport)
-    next(iter(Loader(warm_up, batch_size=256, num_workers=0)))
+    first = loader(warm_up, row) if not row.startswith("raw ") else Loader(warm_up, batch_size=256)
+    next(iter(first))
+    first.close()
     client = row.split()[1] if row.startswith("raw ") else "obstore"
     raw_pipeline(url, list(warm_up.manifest.shards[:1]), os.path.join(work, f"raw-{os.getpid()}"), client=client)
     warm_up.close()
@@ -112,16 +123,14 @@ def child(
         ds.close()
         ds.storage.close()
     else:
-        workers, order = int(row.split()[0][1:]), row.split()[1]
         for epoch in ("cold", "warm"):
-            sampler = ShardWindowSampler.from_dataset(ds, window=4, seed=seed) if order == "shuffled" else None
-            loader = Loader(ds, batch_size=256, sampler=sampler, num_workers=workers, worker_type="thread")
+            epoch_loader = loader(ds, row)
             if epoch == "cold":
                 recycle_page_cache(work, nbytes)
             t0 = time.monotonic()
-            n = sum(len(batch["x"]) for batch in loader)
+            n = sum(len(batch["x"]) for batch in epoch_loader)
             windows[epoch] = [t0, time.monotonic()]
-            loader.close()
+            epoch_loader.close()
             if n != len(ds):
                 raise RuntimeError(f"{row} {epoch}: {n} samples, the dataset has {len(ds)}")
         ds.close()
@@ -262,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     against = None if args.against is None else check_tree(args.against)
     work = tempfile.mkdtemp(prefix="fastload-bench-cpu-")
     user: dict[str, list[float]] = collections.defaultdict(list)  # "row window" -> user s/GB per round
-    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # cold, by thread
+    # "row window" -> user s/GB by thread, mean over rounds (cold and warm epochs)
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     try:
         root = os.path.join(work, "root")
         make_dataset(os.path.join(root, "ds"), shards=args.shards, shard_size=parse_size(args.shard_size))
@@ -281,8 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     gb = got.pop("bytes") / 1e9
                     for window, by_thread in got.items():
                         user[f"{row} {window}"].append(sum(by_thread.values()) / gb)
-                        if window == "cold":
-                            threads[row].update({k: v / gb / args.rounds for k, v in by_thread.items()})
+                        if window in ("cold", "warm"):
+                            threads[f"{row} {window}"].update({k: v / gb / args.rounds for k, v in by_thread.items()})
                     if "cold" in got:
                         user[f"{row} fetch cost"].append(user[f"{row} cold"][-1] - user[f"{row} warm"][-1])
         finally:
@@ -310,11 +320,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{row:24s} fetch cost {_ratios(user[f'{row} fetch cost'], user[f'{row}{BASE} fetch cost'])}"
                   f"  cold {_ratios(user[f'{row} cold'], user[f'{row}{BASE} cold'])}"
                   f"  (base: fetch cost {_med(user[f'{row}{BASE} fetch cost'])})")
-    print("cold epochs by thread, mean s/GB:")
+    # a warm epoch's reading threads are the baseline of the fetch cost: with 0 workers the main thread
+    # gathers through the epoch plan, with workers they read spliced columns
+    print("cold and warm epochs by thread, mean s/GB:")
     for row in loader_rows:
-        print(f"  {row:22s} " + ", ".join(f"{k}={v:.3f}" for k, v in threads[row].most_common(6)))
+        for window in ("cold", "warm"):
+            top = threads[f"{row} {window}"].most_common(6)
+            print(f"  {row:22s} {window} " + ", ".join(f"{k}={v:.3f}" for k, v in top))
     res = {"rounds": args.rounds, "cache_entries": args.cache_entries, "against": against, "user_s_per_GB": dict(user),
-           "cold_threads": {k: dict(v) for k, v in threads.items()},
+           "threads": {k: dict(v) for k, v in threads.items()},
            "raw_medians": raw}
     write_json(args.json, res)
     return res
