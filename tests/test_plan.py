@@ -209,9 +209,15 @@ def test_plan_rejects_what_it_cannot_plan():
 
 @pytest.fixture
 def plan_calls(monkeypatch) -> list[str]:
-    """The thread of every `direct_plan` call."""
+    """The thread of every `direct_plan` call, from the test's start: a next epoch's order an earlier
+    test's Loader still computes on its own "fastload-order" thread is awaited first (it reads the
+    same module-wide dataset's plan, and would be counted as this test's)."""
     import threading
 
+    deadline = time.monotonic() + 30
+    while any(t.name == "fastload-order" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "an earlier test's order thread did not end"
+        time.sleep(0.001)
     calls: list[str] = []
     direct_plan = FastloadDataset.direct_plan
 
