@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import buffers as batch_buffers
 from .blocks import BlockLedger, ColumnGuard
 from .columns import Block
 from .errors import ChecksumError, FormatError
@@ -671,7 +672,8 @@ class FastloadDataset:
         arriving (its file moves into the cache when it completes)."""
         if isinstance(self.storage, LocalStorage):
             return True
-        return len(self._open) == self.num_shards and not any(r.arriving for r in list(self._open.values()))
+        # newest first: the shards still arriving are the last opened, so one is usually found at once
+        return len(self._open) == self.num_shards and not any(r.arriving for r in reversed(list(self._open.values())))
 
     def _splice(self, f: Any, files: OpenFiles) -> SplicedColumn | None:
         parts = []
@@ -867,7 +869,7 @@ class FastloadDataset:
                 return read
         idx, order, groups = self._plan(indices)
         m = len(idx)
-        cols = {f.name: np.empty((m, *f.shape), dtype=f.dtype) for f in fixed}
+        cols = {f.name: batch_buffers.empty((m, *f.shape), f.dtype) for f in fixed}
         runs = {f.name: _Runs(m, len(f.shape) if f.kind == "vndarray" else 0) for f in variable}
         # variable fields are put back in the caller's order afterwards (fixed ones went straight to their places)
         inverse = None if order is None or not runs else order.argsort()
@@ -914,21 +916,26 @@ class FastloadDataset:
         k1 = bisect.bisect_right(starts_list, hi) - 1
         if not len(idx) or k1 - k0 >= SPAN_SHARDS:
             return None
-        readers = [opened.get(k) for k in range(k0, k1 + 1)]
         if k0 == k1:
-            if readers[0] is None:
+            reader = opened.get(k0)
+            if reader is None:
                 return None
+            readers: list[ShardReader | None] = [reader]
             which, rows = None, idx - starts_list[k0]
+            parts = [] if reader.all_verified else [(reader, rows)]
         else:
             starts = self._starts
             which = starts[k0 + 1 : k1 + 1].searchsorted(idx, side="right")
             rows = idx - starts[k0 : k1 + 1].take(which)
-            if any(r is None for r in readers):
-                counts = np.bincount(which, minlength=len(readers)).tolist()
-                if any(r is None and n for r, n in zip(readers, counts)):
+            # only the shards the batch has rows in are looked up (a shuffled window's shards lie apart)
+            readers = [None] * (k1 - k0 + 1)
+            parts = []
+            for j in np.flatnonzero(np.bincount(which, minlength=len(readers))).tolist():
+                reader = readers[j] = opened.get(k0 + j)
+                if reader is None:
                     return None
-        parts = [(r, rows if which is None else rows[which == j])
-                 for j, r in enumerate(readers) if r is not None and not r.all_verified]
+                if not reader.all_verified:
+                    parts.append((reader, rows[which == j]))
         first = self._begin_read()  # also for a batch with nothing to verify: its end frees held GETs
         try:
             if first and len(parts) > 1:  # their GETs at once (see `_gather_by_shard`)
@@ -942,9 +949,10 @@ class FastloadDataset:
                 self._end_first_read()
         out = {}
         for f in fixed:
-            col = np.empty((len(idx), *f.shape), dtype=f.dtype)
+            col = batch_buffers.empty((len(idx), *f.shape), f.dtype)
             if col.nbytes:
-                _c_take_rows([None if r is None else r.fixed[f.name] for r in readers], which, rows, f.item_bytes, col)
+                _c_take_rows([None if r is None else r.fixed[f.name] for r in readers], which, rows,
+                             col.nbytes // len(idx), col)
             out[f.name] = col
         return out
 
