@@ -100,6 +100,50 @@ def test_a_mapped_column_is_not_a_batch_buffer(tmp_path):
     ds.close()
 
 
+class _ShardByShard:
+    """Local files behind a storage that is not `LocalStorage`: the dataset reads them shard by shard, as it
+    reads a remote cache's, until every shard is open."""
+
+    def __init__(self, root) -> None:
+        from fastload.formats.storage import LocalStorage
+
+        self.local, self.root = LocalStorage(root), str(root)
+
+    def read_small(self, name: str) -> bytes:
+        return self.local.read_small(name)
+
+    def acquire(self, name: str, *, size: int, xxh3: str) -> str:
+        return self.local.acquire(name, size=size, xxh3=xxh3)
+
+    def release(self, name: str) -> None:
+        self.local.release(name)
+
+    def prefetch(self, names: list[str]) -> None:
+        pass
+
+
+def test_batches_read_shard_by_shard_go_into_batch_buffers(tmp_path):
+    """A shuffled batch over three of four shards: read while its shards open (one at a time), then
+    again with them open (one copy per field over the open shards): both times into a batch buffer,
+    byte for byte, with the mapping left as it was."""
+    from fastload.formats import FastloadDataset, Field, Schema, write
+
+    schema = Schema((Field("x", "ndarray", np.dtype(np.uint8), (1024,)), Field("i", "scalar", np.dtype(np.int64))))
+    write([{"x": np.full(1024, i % 251, np.uint8), "i": i} for i in range(800)], str(tmp_path / "ds"),
+          schema=schema, shard_size=200 << 10, progress=False)
+    ds = FastloadDataset(storage=_ShardByShard(tmp_path / "ds"))
+    assert ds.num_shards >= 4
+    inside = int(ds.shard_boundaries[3])  # samples of the first three shards
+    idx = np.random.default_rng(5).permutation(inside)[:300]
+    for _ in range(2):
+        batch = ds.get_batch(idx)
+        assert buffers.is_batch_buffer(batch["x"])
+        assert batch["i"].tolist() == idx.tolist()
+        assert np.array_equal(batch["x"], np.repeat((idx % 251).astype(np.uint8)[:, None], 1024, axis=1))
+        assert ds.open_shards == 3  # the fourth is not open: no spliced columns yet
+    ds.close()
+
+
 def test_loader_batches_held_across_epochs_stay_exact(tmp_path):
     """Batch views of a mixed dataset through the Loader, every batch of an epoch held (so later
     batches cannot reuse their buffers) or each dropped at once (so they do): every sample exactly
