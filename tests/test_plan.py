@@ -208,10 +208,10 @@ def test_plan_rejects_what_it_cannot_plan():
 
 
 @pytest.fixture
-def plan_calls(monkeypatch) -> list[str]:
-    """The thread of every `direct_plan` call, from the test's start: a next epoch's order an earlier
-    test's Loader still computes on its own "fastload-order" thread is awaited first (it reads the
-    same module-wide dataset's plan, and would be counted as this test's)."""
+def plan_calls(monkeypatch, dataset) -> list[str]:
+    """The thread of every `direct_plan` call on the module-wide `dataset`, from the test's start: a
+    next epoch's order an earlier test's Loader still computes on its own "fastload-order" thread is
+    awaited first (it reads the same dataset's plan, and would be counted as this test's)."""
     import threading
 
     deadline = time.monotonic() + 30
@@ -223,7 +223,8 @@ def plan_calls(monkeypatch) -> list[str]:
 
     def spy(self, indices, **kw):
         out = direct_plan(self, indices, **kw)
-        calls.append(threading.current_thread().name)  # once read
+        if self is dataset:
+            calls.append(threading.current_thread().name)  # once read
         return out
 
     monkeypatch.setattr(FastloadDataset, "direct_plan", spy)
@@ -234,7 +235,7 @@ def test_the_next_epochs_plan_is_prepared_ahead(dataset, plan_calls, count_plann
     """With the order computed ahead, the next epoch's plan is read on that background thread and
     used when the epoch starts (no read there); a `set_epoch` elsewhere reads its own."""
     kw = dict(batch_size=64, shuffle=True, seed=4)
-    ref = _batches(Loader(dataset, **kw), epochs=4)
+    ref = _batches(Loader(dataset, order_ahead=False, **kw), epochs=4)  # its own order threads would be counted
     loader = Loader(dataset, order_ahead=True, **kw)
     plan_calls.clear()
     got = _batches(loader, epochs=3)
@@ -250,7 +251,10 @@ def test_the_next_epochs_plan_is_prepared_ahead(dataset, plan_calls, count_plann
 
 def test_a_plan_prepared_before_the_dataset_was_reopened_is_not_used(dataset, plan_calls):
     kw = dict(batch_size=64, shuffle=True, seed=6)
-    ref = _batches(Loader(dataset, **kw), epochs=2)
+    # the reference computes nothing ahead: the only order thread is `loader`'s (one of the reference's
+    # would let the wait below end before `loader` prepared epoch 1, which then happens after the
+    # close, against the new mappings, and is rightly used)
+    ref = _batches(Loader(dataset, order_ahead=False, **kw), epochs=2)
     loader = Loader(dataset, order_ahead=True, **kw)
     first = _batches(loader, epochs=1)  # epoch 1's order and plan are computed ahead meanwhile
     deadline = time.monotonic() + 30
