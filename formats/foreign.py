@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
@@ -38,7 +39,9 @@ class FileRanges:
     """Reads byte ranges of local paths (``os.pread``) or fsspec URLs (seek + read).
 
     Open handles live per thread and per process (a forked encoder opens its own), at most
-    `_OPEN_PER_THREAD` per thread; a short read raises `FormatError` naming the file.
+    `_OPEN_PER_THREAD` per thread; a short read raises `FormatError` naming the file. A handle is a
+    file object: it closes when evicted, and when its thread ends or this object is collected (the
+    per-thread handles go with them), so no descriptor outlives the reads.
     """
 
     def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
@@ -117,15 +120,14 @@ class FileRanges:
         handles = self._handles()
         handle = handles.get(path)
         if handle is None:
-            handle = os.open(path, os.O_RDONLY) if not is_url(path) else self.open(path)
+            handle = io.FileIO(path, "r") if not is_url(path) else self.open(path)
             handles[path] = handle
             if len(handles) > _OPEN_PER_THREAD:
-                _, old = handles.popitem(last=False)
-                os.close(old) if isinstance(old, int) else old.close()
+                handles.popitem(last=False)[1].close()
         else:
             handles.move_to_end(path)
-        if isinstance(handle, int):
-            data = os.pread(handle, length, offset)
+        if isinstance(handle, io.FileIO):
+            data = os.pread(handle.fileno(), length, offset)
         else:
             handle.seek(offset)
             data = handle.read(length)
