@@ -9,6 +9,7 @@ before, in the same committed snapshot, is one ranged copy out of the file, with
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import numpy as np
@@ -20,8 +21,9 @@ from .schema import Field, Schema
 
 __all__ = ["LMDBDataset"]
 
-# py-lmdb refuses to open one environment twice in a process: readers of the same path share it.
-_ENVIRONMENTS: dict[tuple[str, bool, int], Any] = {}
+# py-lmdb refuses to open one environment twice in a process: readers of the same path share it, and it
+# closes once no reader (and no transaction) holds it any more.
+_ENVIRONMENTS: weakref.WeakValueDictionary[tuple[str, bool, int], Any] = weakref.WeakValueDictionary()
 
 
 class LMDBDataset:
@@ -82,9 +84,10 @@ class LMDBDataset:
         return len(self._keys)
 
     def close(self) -> None:
-        """Drop this dataset's own mapping of the data file (the environment is shared per path and
-        stays open); a later read maps it again."""
+        """Drop this dataset's own mapping of the data file and its hold on the environment (shared per
+        path: it closes once no other reader of the path holds it); a later read opens them again."""
         self._spans.close()
+        self._env, self._pid = None, -1
 
     @property
     def learnt_values(self) -> int:

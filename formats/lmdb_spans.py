@@ -98,9 +98,12 @@ class ValueSpans:
         self._new_lock()
 
     def close(self) -> None:
-        """Drop this object's mapping of the data file (unmapped once no batch refers to it); a
-        later read maps it again."""
-        self._file = None
+        """Drop this object's mapping of the data file (unmapped once no batch refers to it) and its
+        hold on the environment (closed once no reader holds it); a later read maps the file again,
+        and the next `learn` locates the mapping of the environment it reads through."""
+        with self._lock:
+            self._file = None
+            self._env = self._base = None
 
     def reset(self, txnid: int) -> None:
         """Forget every span: they now describe snapshot `txnid`, of which nothing is known yet."""

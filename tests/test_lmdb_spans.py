@@ -103,3 +103,38 @@ def test_fuzz_any_batches_equal_txn_get(db_path, batches):
         batch = db.get_batch(idx)
         assert batch["value"].to_list() == _expected(db, idx)
         assert batch["key"].to_list() == [db.keys()[i] for i in idx]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists open files through /proc")
+def test_the_environment_closes_when_its_last_reader_goes(db_path):
+    """Readers of one path share its environment; closing or dropping one leaves the others reading,
+    and the files close once no reader holds them (a process that reads many LMDB paths does not keep
+    them all open); a closed reader reads again, byte for byte."""
+    import gc
+    import os
+
+    def data_file_open() -> bool:
+        fds = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor, closed meanwhile
+                continue
+        return any(p.startswith(db_path) for p in fds)
+
+    idx = [3, 0, 79, 41, 3]
+    one, two = LMDBDataset(db_path), LMDBDataset(db_path)
+    want = [_records(0)[f"k{i:04d}".encode()] for i in idx]
+    for _ in range(2):  # learns the spans, then reads through them
+        assert one.get_batch(idx)["value"].to_list() == want
+    one.close()
+    assert two.get_batch(idx)["value"].to_list() == want  # the shared environment stayed open for it
+    del two
+    gc.collect()
+    assert not data_file_open()  # nothing holds the path now
+    for _ in range(2):  # the closed reader opens it again
+        assert one.get_batch(idx)["value"].to_list() == want
+    assert data_file_open()
+    one.close()
+    gc.collect()
+    assert not data_file_open()
