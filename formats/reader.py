@@ -916,26 +916,21 @@ class FastloadDataset:
         k1 = bisect.bisect_right(starts_list, hi) - 1
         if not len(idx) or k1 - k0 >= SPAN_SHARDS:
             return None
+        readers = [opened.get(k) for k in range(k0, k1 + 1)]
         if k0 == k1:
-            reader = opened.get(k0)
-            if reader is None:
+            if readers[0] is None:
                 return None
-            readers: list[ShardReader | None] = [reader]
             which, rows = None, idx - starts_list[k0]
-            parts = [] if reader.all_verified else [(reader, rows)]
         else:
             starts = self._starts
             which = starts[k0 + 1 : k1 + 1].searchsorted(idx, side="right")
             rows = idx - starts[k0 : k1 + 1].take(which)
-            # only the shards the batch has rows in are looked up (a shuffled window's shards lie apart)
-            readers = [None] * (k1 - k0 + 1)
-            parts = []
-            for j in np.flatnonzero(np.bincount(which, minlength=len(readers))).tolist():
-                reader = readers[j] = opened.get(k0 + j)
-                if reader is None:
+            if any(r is None for r in readers):
+                counts = np.bincount(which, minlength=len(readers)).tolist()
+                if any(r is None and n for r, n in zip(readers, counts)):
                     return None
-                if not reader.all_verified:
-                    parts.append((reader, rows[which == j]))
+        parts = [(r, rows if which is None else rows[which == j])
+                 for j, r in enumerate(readers) if r is not None and not r.all_verified]
         first = self._begin_read()  # also for a batch with nothing to verify: its end frees held GETs
         try:
             if first and len(parts) > 1:  # their GETs at once (see `_gather_by_shard`)
@@ -951,8 +946,7 @@ class FastloadDataset:
         for f in fixed:
             col = batch_buffers.empty((len(idx), *f.shape), f.dtype)
             if col.nbytes:
-                _c_take_rows([None if r is None else r.fixed[f.name] for r in readers], which, rows,
-                             col.nbytes // len(idx), col)
+                _c_take_rows([None if r is None else r.fixed[f.name] for r in readers], which, rows, f.item_bytes, col)
             out[f.name] = col
         return out
 
