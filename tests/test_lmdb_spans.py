@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from open_files import LISTS_OPEN_FILES, open_under
 
 from fastload.formats import FormatError, LMDBDataset, lmdb_spans
 
@@ -105,22 +106,12 @@ def test_fuzz_any_batches_equal_txn_get(db_path, batches):
         assert batch["key"].to_list() == [db.keys()[i] for i in idx]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists open files through /proc")
+@pytest.mark.skipif(not LISTS_OPEN_FILES, reason="lists open files through /proc")
 def test_the_environment_closes_when_its_last_reader_goes(db_path):
     """Readers of one path share its environment; closing or dropping one leaves the others reading,
     and the files close once no reader holds them (a process that reads many LMDB paths does not keep
     them all open); a closed reader reads again, byte for byte."""
     import gc
-    import os
-
-    def data_file_open() -> bool:
-        fds = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                fds.append(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:  # the listing's own descriptor, closed meanwhile
-                continue
-        return any(p.startswith(db_path) for p in fds)
 
     idx = [3, 0, 79, 41, 3]
     one, two = LMDBDataset(db_path), LMDBDataset(db_path)
@@ -131,10 +122,10 @@ def test_the_environment_closes_when_its_last_reader_goes(db_path):
     assert two.get_batch(idx)["value"].to_list() == want  # the shared environment stayed open for it
     del two
     gc.collect()
-    assert not data_file_open()  # nothing holds the path now
+    assert not open_under(db_path)  # nothing holds the path now
     for _ in range(2):  # the closed reader opens it again
         assert one.get_batch(idx)["value"].to_list() == want
-    assert data_file_open()
+    assert open_under(db_path)
     one.close()
     gc.collect()
-    assert not data_file_open()
+    assert not open_under(db_path)

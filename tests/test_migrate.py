@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from open_files import LISTS_OPEN_FILES, open_under
 
 from fastload.benchmark.remote_peers import import_streaming_base
 from fastload.cli import main
@@ -619,20 +620,7 @@ def test_on_ray_the_local_bytes_and_report(tmp_path, monkeypatch):
     assert f"{tmp_path / 'wds' / 'shards-000001.tar'}: sample 5 (key 'dir/s00020')" in report
 
 
-def _open_under(folder: str) -> list[str]:
-    """The files under `folder` this process has open now."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile (the listing's own descriptor)
-            continue
-        if target.startswith(folder):
-            out.append(target)
-    return out
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+@pytest.mark.skipif(not LISTS_OPEN_FILES, reason="lists open files through /proc")
 def test_file_ranges_close_what_they_open(tmp_path):
     """A source's per-thread file handles: at most `_OPEN_PER_THREAD` open at once, each read exact,
     and none left open once their thread ended or the `FileRanges` is gone (a long-lived process
@@ -654,17 +642,17 @@ def test_file_ranges_close_what_they_open(tmp_path):
     def read_all(reader: foreign.FileRanges) -> None:
         for i, path in enumerate(paths):
             assert reader.read(path, 98, 5) == bytes([i, i]) + b"end"
-            assert len(_open_under(str(folder))) <= foreign._OPEN_PER_THREAD
+            assert len(open_under(str(folder))) <= foreign._OPEN_PER_THREAD
 
     worker = threading.Thread(target=read_all, args=(ranges,))
     worker.start()
     worker.join()
     gc.collect()
-    assert _open_under(str(folder)) == []  # the thread's handles went with it
+    assert open_under(str(folder)) == []  # the thread's handles went with it
     read_all(ranges)
-    assert len(_open_under(str(folder))) == foreign._OPEN_PER_THREAD
+    assert len(open_under(str(folder))) == foreign._OPEN_PER_THREAD
     with pytest.raises(FormatError, match="f0.bin: the file ends at byte 103"):
         ranges.read(paths[0], 100, 10)
     del ranges
     gc.collect()
-    assert _open_under(str(folder)) == []
+    assert open_under(str(folder)) == []
