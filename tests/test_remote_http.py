@@ -44,10 +44,12 @@ def served(tmp_path):
 
 @pytest.fixture()
 def served_slowly(tmp_path):
-    """`served`, each response sent at 500 kB/s: a 100 KB shard's GET lasts ~200 ms, so GETs that run at
-    once overlap on any machine, also one whose threads wait tens of ms for a core (unlimited, or at
-    2 MB/s under load, one may end before the next starts)."""
-    yield from _serve(tmp_path, limit_rate=500_000)
+    """`served`, each response paced by nginx's `limit_rate` at 90 kB/s. nginx sends the first second's
+    allowance at once, so a ~100 KB shard's GET lasts about a second (its last ~10 KB wait for the next
+    second): GETs started together overlap on any machine, also one whose threads wait tens of ms for
+    a core. (At a rate above the shard size, every GET ends within a millisecond and, under load, one
+    may end before the next starts.)"""
+    yield from _serve(tmp_path, limit_rate=90_000)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
