@@ -154,6 +154,14 @@ class HDF5Dataset:
         values, _ = gather_ranges(whole, starts, np.full(len(idx), row_bytes, dtype=np.int64))
         return values.view(dtype).reshape(len(idx), *shape[1:])
 
+    def close(self) -> None:
+        """Close the HDF5 file and drop this dataset's mappings of it and its cached chunks (so that
+        their pages can be evicted); a later read opens them again."""
+        file, self._file, self._pid = self._file, None, -1
+        self._maps, self._chunks, self._chunk_bytes = {}, {}, 0
+        if file is not None:
+            file.close()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_file"], state["_pid"], state["_maps"] = None, -1, {}

@@ -135,6 +135,38 @@ def test_hdf5_reader_contiguous_chunked_vlen_and_conversion(tmp_path):
     assert out[999]["tok"].tolist() == list(range(999 % 7))
 
 
+def test_hdf5_close_unmaps_and_a_later_read_reopens(tmp_path):
+    """`HDF5Dataset.close()` closes the file and unmaps it (its pages can be evicted: what the
+    benchmarks' cold reads rely on); a read after it opens them again, byte for byte."""
+    import h5py
+    from open_files import LISTS_OPEN_FILES, open_under
+
+    if not LISTS_OPEN_FILES:
+        pytest.skip("needs /proc/self/fd and /proc/self/maps")
+    path = str(tmp_path / "d.h5")
+    x = np.random.default_rng(0).integers(0, 255, (300, 8), dtype=np.uint8)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=x)  # contiguous: mapped
+        f.create_dataset("y", data=np.arange(300), chunks=(32,))  # chunked, unfiltered: mapped whole
+        f.create_dataset("z", data=np.arange(300) * 3, chunks=(32,), compression="gzip")  # read by h5py
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as maps:
+            return any(line.rstrip().endswith(path) for line in maps)
+
+    ds = HDF5Dataset(path)
+    idx = [299, 0, 17, 17]
+    for _ in range(2):  # the second time after close(): opened and mapped again
+        b = ds.get_batch(idx)
+        np.testing.assert_array_equal(b["x"], x[idx])
+        np.testing.assert_array_equal(b["y"], np.array(idx))
+        np.testing.assert_array_equal(b["z"], np.array(idx) * 3)
+        assert mapped() and open_under(path)
+        del b
+        ds.close()
+        assert not open_under(path) and not mapped()
+
+
 def test_verify_exit_codes(tmp_path, capsys):
     np.save(tmp_path / "x.npy", np.zeros((3000, 100), np.uint8))
     main(["convert", str(tmp_path / "x.npy"), str(tmp_path / "ds"), "--quiet", "--shard-size", "64KiB"])

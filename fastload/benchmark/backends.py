@@ -8,7 +8,6 @@ the first batch), and a row counts all of it.
 from __future__ import annotations
 
 import gc
-import os
 import shutil
 import tempfile
 import time
@@ -80,21 +79,11 @@ def open_backend(name: str, path: str) -> Backend:
 
 
 def release(ds: Any) -> None:
-    """Unmap a dataset's files so that eviction can drop their pages (LMDB environments are shared per path)."""
+    """Close a dataset's files and mappings so that eviction can drop their pages (an LMDB environment,
+    shared per path, closes once no other reader of the path holds it)."""
     close = getattr(ds, "close", None)
     if callable(close):
         close()
-    path = getattr(ds, "path", None)
-    if path is not None and type(ds).__name__ == "LMDBDataset":
-        from fastload.formats import lmdb_dataset
-
-        real = os.path.realpath(path)
-        for key in [k for k in lmdb_dataset._ENVIRONMENTS if k[0] == real]:
-            lmdb_dataset._ENVIRONMENTS.pop(key).close()
-    h5 = getattr(ds, "_file", None)
-    if h5 is not None and hasattr(h5, "close"):
-        ds._maps = {}
-        h5.close()
     gc.collect()
 
 
