@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import http.server
 import threading
+from typing import Any
 
 
 class ShardServer:
@@ -67,3 +68,13 @@ class ShardServer:
         """Release frozen requests and stop."""
         self._thaw.set()
         self.kill()
+
+
+def assert_attempts_within_total(attempts: int, stated: float, retry: Any, read_s: float) -> None:
+    """Attempts that each wait `read_s` start while less than `retry.total` has passed: ceil(total /
+    read_s) of them when each attempt's own set-up is quick. One fewer only when the set-ups
+    of the earlier ones took so long that the next would have started past `total` (a starved
+    machine), never more."""
+    expected = -(-retry.total // read_s)
+    assert attempts == expected or (attempts == expected - 1 and stated >= retry.total - retry.cap - 0.05), (
+        attempts, stated)

@@ -322,8 +322,8 @@ def test_other_process_pins_block_eviction_until_released(tmp_path):
     proc.start()
     assert pinned.wait(30)
     cache, src = ShardCache(tmp_path, limit=250 * KB, deadlock_grace=0.2), Source()
+    t0 = time.monotonic()  # before the release: the other reader holds its pins 0.3 s after it
     release.set()
-    t0 = time.monotonic()
     assert read(src.acquire(cache, 3)) == blob(3)  # waits for the other reader, no error
     assert time.monotonic() - t0 >= 0.25
     assert not cache.contains("k1") and cache.contains("k2")

@@ -125,7 +125,7 @@ def test_timeout_raises(wt):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="timed out"):
         next(iter(loader))
-    assert time.monotonic() - t0 < 2.5
+    assert time.monotonic() - t0 < 10  # the batch takes 12 s: the timeout ended the wait (bound: a slow worker start)
 
 
 @pytest.mark.parametrize("how", ["break", "del", "close"])

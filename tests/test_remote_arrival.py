@@ -90,7 +90,8 @@ def test_a_batch_is_served_while_its_shard_is_held_mid_body(dataset, server, tmp
     shuffled = np.random.default_rng(0).permutation(n0)[:32]  # samples from all over shard 0
     for rows in (first, shuffled):
         _same(ds.get_batch(rows), local.get_batch(rows))
-    assert server.paused.is_set() and server.pause_at == HELD  # still held: shard 0 has not arrived whole
+    # the download reaches the held byte (it may after the batch came) and stays there: shard 0 is not whole
+    assert server.paused.wait(10) and server.pause_at == HELD
     assert not any(name.endswith("shard-00000.fls") for name in _cached(ds))
     assert ds.storage.stats()["remote_side_gets"] >= 1  # the label column lies at the end of the shard
     server.release()
@@ -335,27 +336,31 @@ def test_an_arriving_shards_header_comes_with_its_block_table(dataset, server, t
 
 
 def test_a_first_batch_hold_ends_when_released_or_after_its_limit():
-    hold = first_batch.FirstBatchHold(limit_s=0.3)
+    hold = first_batch.FirstBatchHold(limit_s=30)
     woken = []
     hold.on_release(lambda: woken.append(1))
     assert hold.remaining() == 0.0
     hold.wait()  # off: returns at once
     hold.begin()
-    assert 0.2 < hold.remaining() <= 0.3
-    t0 = time.monotonic()
-    waiter = threading.Thread(target=hold.wait)
+    assert 29 < hold.remaining() <= 30
+    started = threading.Event()
+    waiter = threading.Thread(target=lambda: (started.set(), hold.wait()))
     waiter.start()
+    started.wait(10)
     time.sleep(0.05)
-    assert waiter.is_alive()
+    assert waiter.is_alive()  # held (30 s)
     hold.release()
-    waiter.join(1)
-    assert not waiter.is_alive() and time.monotonic() - t0 < 0.25 and woken == [1]
+    waiter.join(10)
+    assert not waiter.is_alive() and woken == [1]  # the release ended the wait
     hold.release()  # released already: no second call
     assert woken == [1]
-    hold.begin()
+    short = first_batch.FirstBatchHold(limit_s=0.3)
+    short.on_release(lambda: woken.append(2))
     t0 = time.monotonic()
-    hold.wait()  # runs out by itself
-    assert 0.25 < time.monotonic() - t0 < 1.0 and hold.remaining() == 0.0 and woken == [1]
+    short.begin()
+    assert 0 < short.remaining() <= 0.3
+    short.wait()  # runs out by itself: no release call (waits bounded by `remaining` need none)
+    assert 0.3 <= time.monotonic() - t0 < 5.0 and short.remaining() == 0.0 and woken == [1]
 
 
 def test_a_first_batch_hold_ends_once_the_batch_wants_bulk():
@@ -411,7 +416,7 @@ def test_blocks_a_reader_fetched_ahead_are_not_received_again(tmp_path):
         ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport="obstore", prefetch_depth=0)
         rows = np.arange(info.num_samples)
         _same(ds.get_batch(rows), local.get_batch(rows))
-        assert server.paused.is_set() and server.pause_at == 100_000  # served while the download's GET is held
+        assert server.paused.wait(10) and server.pause_at == 100_000  # served while the download's GET is held
         server.release()
         _wait_cached(ds, "shard-00000.fls")
         stats = ds.storage.stats()
@@ -571,7 +576,7 @@ def test_a_batch_over_open_arriving_shards_is_read_in_one_pass_exactly(fixed_onl
         rows = rng.permutation(np.concatenate(spans))
         _same(ds.get_batch(rows[:200]), local.get_batch(rows[:200]))
         assert calls == [len(starts) - 1] * 2  # x and label, each over every shard in one call
-        assert srv.paused.is_set() and not any(n.endswith("shard-00000.fls") for n in _cached(ds))  # still held
+        assert srv.paused.wait(10) and not any(n.endswith("shard-00000.fls") for n in _cached(ds))  # still held
         srv.release()
         everything = rng.permutation(N)
         for i in range(0, N, 128):
@@ -798,7 +803,30 @@ def test_download_publishes_only_verified_blocks_in_any_order(shard_bytes, tmp_p
         sink.close()
 
 
-def test_blocks_wanted_from_all_over_a_shard_are_left_to_its_download(tmp_path):
+class _StepClock:
+    """A stand-in for `arrival`'s `time`: `monotonic()` moves only when the test steps it, so that "no
+    progress for `STALLED_S`" holds exactly when the test says (a real clock may pass it in one stall)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def step(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture()
+def arrival_clock(monkeypatch) -> _StepClock:
+    from fastload.remote.cache import arrival as arrival_module
+
+    clock = _StepClock()
+    monkeypatch.setattr(arrival_module, "time", clock)
+    return clock
+
+
+def test_blocks_wanted_from_all_over_a_shard_are_left_to_its_download(tmp_path, arrival_clock):
     """Fetching ahead, a reader takes over the blocks its batch needs from far ahead of the download's
     GET; unless GETs for them would cover most of the shard (`AHEAD_MOST`): the download brings those
     in file order at least as soon, and taking them over would only cut its GET into pieces. Blocks
@@ -822,11 +850,11 @@ def test_blocks_wanted_from_all_over_a_shard_are_left_to_its_download(tmp_path):
                    spec=BlockSpec("0" * 16, 16), where="ds/shard-1", stall_s=5)
     free.set_want(lambda runs: None, gap=16, run=64)
     assert free.claim_wanted(spread, ahead=True) == []  # no GET holds them yet, but the download just began
-    time.sleep(1.5 * STALLED_S)  # and shows no progress since: nobody else fetches these, the reader's GETs do
+    arrival_clock.step(1.5 * STALLED_S)  # and shows no progress since: nobody else fetches these, the reader's GETs do
     assert free.claim_wanted(spread, ahead=True) != []
 
 
-def test_a_following_read_leaves_blocks_nobody_holds_to_a_download_under_way(tmp_path):
+def test_a_following_read_leaves_blocks_nobody_holds_to_a_download_under_way(tmp_path, arrival_clock):
     """A read that follows the downloads (any but an epoch's first) claims none of the blocks it waits for
     that no GET holds yet (a large shard's parts not started, a download whose body GET has not begun):
     the download's GETs claim every block in file order. Only once the download shows no progress for
@@ -853,7 +881,7 @@ def test_a_following_read_leaves_blocks_nobody_holds_to_a_download_under_way(tmp
     early.ask(wanted, ahead=False)
     early.set_want(lambda runs: early_asked.append([(x, y) for _, x, y in runs]), gap=16, run=64)
     assert early_asked == [] and not early.claimed.any()
-    time.sleep(1.5 * STALLED_S)  # no block since: the reader's own GETs fetch what it waits for
+    arrival_clock.step(1.5 * STALLED_S)  # no block since: the reader's own GETs fetch what it waits for
     early.ask(wanted, ahead=False)
     assert early_asked == [[(200, 202), (300, 301)]]
 
@@ -874,9 +902,9 @@ def test_arrival_waits_ask_once_wake_on_publish_fail_and_time_out(shard_bytes, t
                        stall_s=stall_s)
 
     arrival, asked, got = new(5), [], []
+    arrival.ask(np.array([3, 7]))  # asked for (as a wait asks first) before the block table arrived: kept
     waiter = threading.Thread(target=lambda: got.append(arrival.wait(np.array([3, 7]))))
-    waiter.start()
-    time.sleep(0.1)  # waiting before the block table arrived: nothing to ask yet
+    waiter.start()  # its own ask comes before or after the table: the blocks are asked for once either way
     arrival.set_want(lambda runs: asked.append([(a, b) for _, a, b in runs]), gap=0, run=1)
     assert asked == [[(3, 4), (7, 8)]]
     arrival.publish([3, 7])

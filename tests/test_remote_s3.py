@@ -227,8 +227,7 @@ def test_server_killed_and_restarted_mid_epoch(local_ds, tmp_path):
     )
     outage = threading.Event()
 
-    def crash_and_recover() -> None:
-        server.kill()  # connections refused: the proxy resets them
+    def recover() -> None:
         time.sleep(0.5)
         proxy.down = True  # S3 answers 503 while the restarted node gets its data back
         server.start()
@@ -238,12 +237,12 @@ def test_server_killed_and_restarted_mid_epoch(local_ds, tmp_path):
         proxy.down = False
         outage.set()
 
-    helper = threading.Thread(target=crash_and_recover)
+    helper = threading.Thread(target=recover)
 
     def on_batch(b: int) -> None:
-        if b == 3:
+        if b == 3:  # the server goes down before the epoch reads on, and comes back while it does
+            server.kill()  # connections refused: the proxy resets them
             helper.start()
-            time.sleep(0.2)
 
     try:
         out = run_epoch(ds, local, ShardWindowSampler.from_dataset(ds, window=1, seed=4), batch=32, on_batch=on_batch)

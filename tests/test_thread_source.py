@@ -17,9 +17,9 @@ from fastload.system import usable_cores
 from fastload.workers import ThreadSource
 
 
-def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset()):
+def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset(), release_at: int | None = None):
     """A fetch that records which thread ran each batch; batch 0 waits for `gate` (and sets
-    `fetch.started0` when it begins)."""
+    `fetch.started0` when it begins); running batch `release_at` sets `gate`."""
     ran_by: dict[int, str] = {}
     started0 = threading.Event()
 
@@ -29,6 +29,8 @@ def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset()):
             started0.set()
             assert gate.wait(10), "batch 0 was never released"
         ran_by[j] = threading.current_thread().name
+        if j == release_at:
+            gate.set()
         if j in fail:
             raise ValueError(f"bad batch {j}")
         return {"j": j}, {"read": 0.0}
@@ -38,14 +40,14 @@ def _recording_fetch(gate: threading.Event, fail: set[int] = frozenset()):
 
 
 def _stuck_on_batch_0(fail: set[int] = frozenset()) -> tuple[ThreadSource, dict[int, str]]:
-    """One worker that has started batch 0 of 4 and stays on it for 0.3 s (batches 1..3 unstarted)."""
+    """One worker that has started batch 0 of 4 and stays on it until batch 3 runs (batches 1..3
+    unstarted: a consumer that steals them releases it, however slowly its thread is scheduled)."""
     gate = threading.Event()
-    fetch, ran_by = _recording_fetch(gate, fail)
+    fetch, ran_by = _recording_fetch(gate, fail, release_at=3)
     src = ThreadSource(fetch, 1)
     for j in range(4):
         src.put(j, np.array([j]))
     assert fetch.started0.wait(10)
-    threading.Timer(0.3, gate.set).start()
     return src, ran_by
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from fastload.remote.get import BYTES_IN_FLIGHT, MAX_GETS, gets_in_flight
 from fastload.remote.transfer_stats import TransferStats
 
@@ -19,7 +21,11 @@ def test_gets_in_flight_follows_shard_size_and_budget():
     assert gets_in_flight(32 * MB, 2 * 32 * MB) == 1  # never none
 
 
-def test_in_flight_gauge_mean_and_max():
+def test_in_flight_gauge_mean_and_max(monkeypatch):
+    from types import SimpleNamespace
+
+    from fastload.remote import transfer_stats
+
     st = TransferStats()
     gate, inside = threading.Event(), threading.Barrier(3)
 
@@ -28,7 +34,7 @@ def test_in_flight_gauge_mean_and_max():
             inside.wait()
             gate.wait()
 
-    threads = [threading.Thread(target=one) for _ in range(2)]
+    threads = [threading.Thread(target=one) for _ in range(2)]  # from two threads: both counted at once
     for t in threads:
         t.start()
     inside.wait()
@@ -39,10 +45,22 @@ def test_in_flight_gauge_mean_and_max():
     st.add_many(write_s=0.5, bytes=20)
     snap = st.snapshot("remote_")
     assert snap["remote_gets_in_flight_max"] == 2 and snap["remote_bytes_in_flight_max"] == 20
-    assert 1.5 < snap["remote_gets_in_flight_mean"] <= 2.0  # both outstanding for most of the busy time
+    assert 1.0 < snap["remote_gets_in_flight_mean"] <= 2.0  # both outstanding for part of the busy time
     assert snap["remote_get_busy_s"] >= 0.05 and snap["remote_write_s"] == 0.5 and snap["remote_bytes"] == 20
     st.reset()
     assert st.snapshot()["gets_in_flight_max"] == 0 and st.snapshot()["bytes"] == 0
+    clock = SimpleNamespace(now=100.0)  # the mean, exactly: GETs outstanding weighted by time
+    monkeypatch.setattr(transfer_stats, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    with st.get(10):  # one from 100.00
+        clock.now = 100.01
+        with st.get(30):  # two from 100.01 to 100.11
+            clock.now = 100.11
+        clock.now = 100.12  # one to 100.12
+    clock.now = 105.0  # idle time is not busy time
+    snap = st.snapshot()
+    assert snap["get_busy_s"] == pytest.approx(0.12) and snap["gets_in_flight_max"] == 2
+    assert snap["gets_in_flight_mean"] == pytest.approx((0.01 + 2 * 0.10 + 0.01) / 0.12)
+    assert snap["bytes_in_flight_max"] == 40
 
 
 def _drive(window, rate_at) -> list[int]:
