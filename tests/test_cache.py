@@ -315,6 +315,27 @@ def _pin_two_then_release(root: str, pinned, release) -> None:
     time.sleep(0.5)
 
 
+def test_state_updates_are_counted_per_operation(tmp_path):
+    """`stats()` counts the shared-state updates (`state_updates`) and their time (`state_s`): a miss
+    takes two (reserve, then record the download), a hit one, a pin this owner holds already none, and
+    only the release of a key's last pin one."""
+    cache, src = ShardCache(tmp_path, limit="1MB"), Source()
+    counts = [cache.stats()["state_updates"]]
+
+    def step(fn) -> int:
+        fn()
+        counts.append(cache.stats()["state_updates"])
+        return counts[-1] - counts[-2]
+
+    assert step(lambda: src.acquire(cache, 1)) == 2  # missing: reserved, fetched, recorded
+    assert step(lambda: cache.release("k1")) == 1
+    assert step(lambda: src.acquire(cache, 1)) == 1  # cached: pinned
+    assert step(lambda: src.acquire(cache, 1)) == 0  # pinned by this owner already: counted locally
+    assert step(lambda: cache.release("k1")) == 0  # one pin of two
+    assert step(lambda: cache.release("k1")) == 1
+    assert cache.stats()["state_s"] > 0
+
+
 def test_other_process_pins_block_eviction_until_released(tmp_path):
     ctx = mp.get_context("spawn")
     pinned, release = ctx.Event(), ctx.Event()

@@ -42,7 +42,8 @@ import xxhash
 
 __all__ = ["STAGES", "fetch_costs", "format_remote", "raw_pipeline", "run_remote"]
 
-STAGES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s", "get_busy_s")
+STAGES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s", "state_s", "state_updates",
+          "get_busy_s")
 
 
 def _whole_object_get(url: str, storage_options: dict[str, Any] | None) -> Callable[[str], bytes]:

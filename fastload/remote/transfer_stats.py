@@ -9,6 +9,9 @@ seconds: with several GETs in flight they add up to more than the wall time):
 - `fsync_s`: `os.fsync` of finished downloads (0 unless `fsync=True`);
 - `commit_s`: renaming a verified download into place and recording it in the cache state;
 - `wait_s`: time readers waited inside `acquire` for a shard that was not ready;
+- `state_s`: time in updates of the cache's shared state (`state_updates` of them: pins, reservations,
+  budget claims, entries; each under the cache's cross-process lock, waits for it included; the update
+  that records a download counts in `commit_s` too);
 - `gets_in_flight_mean` / `gets_in_flight_max`: GETs outstanding at once (the mean is weighted by
   time over the periods when at least one was outstanding), `bytes_in_flight_max` their sizes;
 - `get_busy_s`: wall time with at least one GET outstanding; `bytes` / `get_busy_s` is the
@@ -35,9 +38,9 @@ from contextlib import contextmanager
 
 __all__ = ["TransferStats"]
 
-_TIMES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s")
+_TIMES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s", "state_s")
 _COUNTS = ("requests", "ranged_parts", "bytes", "fetched", "fetched_bytes", "demand_fetches", "prefetched", "retries",
-           "waits", "side_gets", "side_bytes", "side_rejected", "connections")
+           "waits", "side_gets", "side_bytes", "side_rejected", "connections", "state_updates")
 
 
 class TransferStats:

@@ -125,9 +125,9 @@ class ShardCache:
     def _reset_process_state(self) -> None:
         reset_in_child(self, ShardCache._reset_process_state)  # no lock crosses a fork locked
         self._pid = os.getpid()
-        self._store = CacheState(root=self.root, data_dir=self.data_dir, tmp_dir=self.tmp_dir)
-        self._mutex = self._store.mutex  # serialises this owner's threads (taken by `_locked` too)
         self.transfer = TransferStats()  # this process's download timings (`stats()`)
+        self._store = CacheState(root=self.root, data_dir=self.data_dir, tmp_dir=self.tmp_dir, stats=self.transfer)
+        self._mutex = self._store.mutex  # serialises this owner's threads (taken by `_locked` too)
         if hasattr(self, "limit"):  # set in __init__ after the first call (it needs the state)
             self._fill = self._new_fill()
 

@@ -36,11 +36,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from fastload.system import process_start
+
+if TYPE_CHECKING:
+    from fastload.remote.transfer_stats import TransferStats
 
 __all__ = ["STATE_SLACK", "CacheBudgetError", "CacheState", "CacheStateError", "EntryTable", "owner_alive", "owner_id",
            "unlink"]
@@ -466,8 +469,9 @@ class _StateDb:
 class CacheState:
     """Shared state of the cache in `root` (`data_dir`, `tmp_dir` inside it) plus this owner's pins."""
 
-    def __init__(self, *, root: str, data_dir: str, tmp_dir: str) -> None:
+    def __init__(self, *, root: str, data_dir: str, tmp_dir: str, stats: TransferStats | None = None) -> None:
         self.root, self.data_dir, self.tmp_dir = root, data_dir, tmp_dir
+        self.stats = stats  # counts each update (`state_updates`) and its time, lock waits included (`state_s`)
         self.pid = os.getpid()
         _INSTANCES[0] += 1
         self.owner = f"{owner_id()}-{_INSTANCES[0]}"
@@ -515,21 +519,27 @@ class CacheState:
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, Any]]:
         """Hold `mutex` and the cross-process lock; yield the state (its parts, and `entries`, an
-        `EntryTable`), committed on normal exit and rolled back on an exception."""
-        with self.mutex, self._file.exclusive(), _gate():
-            raw, state, entries = self._file.begin()
-            try:
-                self._prune(state)
-                self._publish(state)
-                state["entries"] = entries
-                yield state
-                self._file.commit(raw, state)
-            except BaseException as exc:
-                self._file.rollback(exc)
-                if isinstance(exc, sqlite3.Error):
-                    what = "the shared state is damaged" if _damaged(exc) else f"{_DB} cannot be updated"
-                    raise CacheStateError(f"cache {self.root}: {what} ({exc})") from exc
-                raise
+        `EntryTable`), committed on normal exit and rolled back on an exception. Each update is counted
+        in `stats` with its time from asking for the locks to the commit (the caller's work inside included)."""
+        t0 = time.perf_counter()
+        try:
+            with self.mutex, self._file.exclusive(), _gate():
+                raw, state, entries = self._file.begin()
+                try:
+                    self._prune(state)
+                    self._publish(state)
+                    state["entries"] = entries
+                    yield state
+                    self._file.commit(raw, state)
+                except BaseException as exc:
+                    self._file.rollback(exc)
+                    if isinstance(exc, sqlite3.Error):
+                        what = "the shared state is damaged" if _damaged(exc) else f"{_DB} cannot be updated"
+                        raise CacheStateError(f"cache {self.root}: {what} ({exc})") from exc
+                    raise
+        finally:
+            if self.stats is not None:
+                self.stats.add_many(state_updates=1, state_s=time.perf_counter() - t0)
 
     def file_bytes(self) -> int:
         """Bytes of the state's files now."""
