@@ -187,8 +187,12 @@ class JsonLines:
         return {**self.__dict__, "_fd": -1, "_pid": -1}
 
     def __del__(self) -> None:
-        if getattr(self, "_fd", -1) >= 0 and self._pid == os.getpid():
-            os.close(self._fd)
+        # module globals may already be None at interpreter exit (the OS closes the file then)
+        try:
+            if getattr(self, "_fd", -1) >= 0 and self._pid == os.getpid():
+                os.close(self._fd)
+        except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
+            pass
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         # os.pread: no shared file offset, so forked encoder processes can read concurrently.

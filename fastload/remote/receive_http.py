@@ -109,8 +109,12 @@ class HttpReceiver:
                 conn.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_pid", None) == os.getpid():
-            self.close()
+        # module globals may already be None at interpreter exit (the OS closes the sockets then)
+        try:
+            if getattr(self, "_pid", None) == os.getpid():
+                self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
+            pass
 
     # -- internals ---------------------------------------------------------------------------------
     def _buffer(self, size: int) -> memoryview:

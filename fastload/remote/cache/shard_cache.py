@@ -168,9 +168,13 @@ class ShardCache:
             self._store.close()
 
     def __del__(self) -> None:
-        store = getattr(self, "_store", None)  # no lock here: see `CacheState.collected`
-        if store is not None and getattr(self, "_pid", None) == os.getpid():
-            store.collected()
+        # module globals may already be None at interpreter exit (the OS drops the flocks then)
+        try:
+            store = getattr(self, "_store", None)  # no lock here: see `CacheState.collected`
+            if store is not None and getattr(self, "_pid", None) == os.getpid():
+                store.collected()
+        except Exception:  # noqa: BLE001 - nothing to report to during interpreter shutdown
+            pass
 
     # -- public ---------------------------------------------------------------------------------
     def path(self, key: str) -> str:
