@@ -78,7 +78,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, IterableDataset
 
 from fastload.frameworks import gradient_state, refuse_uncounted_resume, step_counting_caller
 from fastload.loader_views import BatchRelay, EpochBatchSampler, torch_collate
@@ -95,7 +95,7 @@ from fastload.order.record import Order
 from fastload.order.sampling import SamplerOrder, SeededOrder
 from fastload.pipeline import EpochHooks, EpochIterator, EpochStages, ThreadProbe
 from fastload.pipeline.config import describe_settings, order_ahead_rule
-from fastload.pipeline.intake import TORCH_ARGS, build_stages
+from fastload.pipeline.intake import TORCH_ARGS, build_stages, torch_loader
 from fastload.pipeline.progress import EpochProgress
 from fastload.run import (
     COMPONENT_ROLES,
@@ -185,12 +185,14 @@ class Loader(Generic[T_co]):
         del init_args["self"]
         init_args.pop("__class__", None)
         # torch validates the arguments (same errors) and builds the same default samplers
-        dl = DataLoader(**{name: init_args[name] for name in TORCH_ARGS})
+        dl = torch_loader(**{name: init_args[name] for name in TORCH_ARGS})
         validate_loader_args(num_workers=num_workers, seed=seed, device=device, rank=rank, world_size=world_size,
                              prefetch=prefetch, ring_slots=ring_slots, worker_type=worker_type)
         self._init_args = init_args
         self._iterable = isinstance(dataset, IterableDataset)
         self._dl = dl if self._iterable else None  # an IterableDataset is iterated by torch's DataLoader
+        if self._iterable:
+            dl.check_worker_number_rationality()  # torch's own worker processes
         self.dataset, self.batch_size, self.drop_last = dl.dataset, dl.batch_size, dl.drop_last
         self.sampler, self.batch_sampler, self.collate_fn = dl.sampler, dl.batch_sampler, dl.collate_fn
         self.num_workers, self.prefetch_factor, self.timeout = dl.num_workers, dl.prefetch_factor, dl.timeout

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -37,10 +38,15 @@ def is_array_record(path: str) -> bool:
 
 
 def load_decoder(spec: str) -> Callable[[bytes], dict[str, Any]]:
-    """The function `spec` names as ``MODULE:FUNC`` (the module imported as usual, from sys.path)."""
+    """The function `spec` names as ``MODULE:FUNC``: the module imported as usual, from `sys.path`, and
+    from the current directory, as `python -m` and `python script.py` find one (the `fastload`
+    command's own `sys.path` lacks it)."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"--decode {spec!r}: expected MODULE:FUNC, e.g. mypkg.records:decode")
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.append(here)  # after the installed packages: a local file does not shadow one of them
     try:
         func = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:

@@ -249,10 +249,12 @@ class WebDataset(ForeignSource):
             )
         head = self._head(first)
         out: list[Field] = [Field(KEY_FIELD, "string")]
+        json_keys: dict[str, list[str]] = {}  # every JSON member's fields, kept or not (for the error below)
         for ext in self._exts:
             spec = _spec(ext)
             if spec == "json":
                 jf = JsonFields(ext, [h[ext] for h in head if ext in h])
+                json_keys[ext] = [f.name for f in jf.fields()]
                 chosen = [f for f in jf.fields() if keep is None or ext in keep or f.name in keep]
                 if chosen:
                     self._json[ext] = jf
@@ -267,7 +269,8 @@ class WebDataset(ForeignSource):
         if fields is not None:
             unknown = [f for f in fields if f not in names and f not in self._json]
             if unknown:
-                raise SchemaError(f"{self.src}: no field {unknown[0]!r} to keep; the fields are {names}")
+                every = [KEY_FIELD, *(k for e in exts for k in [e, *json_keys.get(e, [])])]  # a JSON member, its keys
+                raise SchemaError(f"{self.src}: no field {unknown[0]!r} to keep; the fields are {every}")
             if KEY_FIELD not in fields:
                 out = out[1:]
         if not out:

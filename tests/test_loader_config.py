@@ -70,6 +70,20 @@ def test_worker_type_overrides_the_rule(kind):
     assert sorted(int(y) for b in loader for y in b["y"]) == list(range(64))
 
 
+@pytest.mark.parametrize(("ds", "kind"), [(ColumnsDS, "thread"), (ItemDS, "process")])
+def test_torchs_warning_about_worker_processes_only_for_processes(ds, kind):
+    """More workers than cores: torch's DataLoader warns that it "will create N worker processes";
+    a Loader gives that warning when its workers are processes, not when they are threads."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = Loader(ds(), batch_size=16, num_workers=512)  # built, not iterated: no worker starts
+    assert loader.describe()["worker_kind"] == kind
+    said = [str(w.message) for w in caught if "worker processes in total" in str(w.message)]
+    assert len(said) == (1 if kind == "process" else 0), said
+
+
 @pytest.mark.parametrize("cores", [2, 8, 64])
 @pytest.mark.parametrize("workers", [0, 1, 4, 16, 64])
 def test_the_rules_on_a_faked_core_count(cores, workers):

@@ -23,6 +23,7 @@ from fastload.formats import FastloadDataset
 from fastload.formats.errors import ChecksumError, FormatError, SchemaError
 from fastload.formats.sources import detect_kind, open_source
 from fastload.formats.verify import verify_dataset
+from fastload.formats.webdataset import WebDataset
 
 pytestmark = pytest.mark.migrate
 
@@ -136,6 +137,11 @@ def test_webdataset_pattern_file_url_and_fields(tmp_path):
     assert sub[29]["jpg"] == samples[29]["jpg"] and sub[29]["json.score"] == 29 / 4
     assert _convert(src, tmp_path / "js", "--fields", "json") == 0  # a JSON member's extension: all its keys
     assert FastloadDataset(tmp_path / "js").schema.names == ["json.width", "json.score", "json.tags", "json.meta"]
+    with pytest.raises(SchemaError, match="no field 'nope' to keep") as info:  # naming every field there is
+        WebDataset(str(src), fields=["jpg", "nope"])
+    listed = str(info.value).split("the fields are ")[1]
+    for name in ("__key__", "cls", "jpg", "json", "json.score", "json.meta", "npy", "txt"):
+        assert repr(name) in listed, name
 
 
 def test_webdataset_pickles_are_refused_by_name(tmp_path, capsys):

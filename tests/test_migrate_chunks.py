@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 import textwrap
 from io import BytesIO
 from pathlib import Path
@@ -231,6 +232,22 @@ def test_array_record_decode_plugin(record_dir, tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "out"), str(tmp_path / "x"), "--decode", "my_records:decode"]) == 2
     assert "--decode applies to ArrayRecord sources, not to a fastload source" in capsys.readouterr().err
+
+
+def test_array_record_decode_plugin_found_in_the_current_directory(record_dir, tmp_path, monkeypatch):
+    """`--decode mypkg.records:decode` run from the folder that holds `mypkg/`, as docs/migrate.md
+    shows: the `fastload` command's `sys.path` has no entry for the current directory, yet the
+    module is found there, in the converting process and its workers."""
+    here = tmp_path / "project"
+    (here / "mypkg").mkdir(parents=True)
+    (here / "mypkg" / "__init__.py").write_text("")
+    (here / "mypkg" / "records.py").write_text("import json\n\ndef decode(data):\n"
+                                                "    return {'id': json.loads(data)['id']}\n")
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(here))])
+    assert main(["convert", str(record_dir), str(tmp_path / "out"), "--quiet", "--decode", "mypkg.records:decode",
+                 "--workers", "2"]) == 0
+    assert FastloadDataset(tmp_path / "out").get_batch(np.arange(60))["id"].tolist() == list(range(60))
 
 
 def test_array_record_bad_records_and_files_are_named(record_dir, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from fastload.fetch.views import accepts_batch_views
 from fastload.pipeline.config import COLUMNAR_MODES, LoaderConfig, batch_rule, resolve_config, worker_kind_rule
 from fastload.workers.kept import WorkerSet
 
-__all__ = ["TORCH_ARGS", "LoaderStages", "build_stages", "fetch_mode"]
+__all__ = ["TORCH_ARGS", "LoaderStages", "build_stages", "fetch_mode", "torch_loader"]
 
 TORCH_ARGS = (
     "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn", "pin_memory",
@@ -58,6 +59,15 @@ class LoaderStages:
     workers: WorkerSet
 
 
+def torch_loader(**args: Any) -> DataLoader:
+    """torch's `DataLoader` of the same arguments (it validates them, with torch's errors, and builds
+    the default samplers), minus its warning about more worker processes than cores: that warning is
+    given once the workers are known to be processes (`build_stages`; thread workers are not)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        return DataLoader(**args)
+
+
 def build_stages(
     dl: DataLoader,
     *,
@@ -82,6 +92,8 @@ def build_stages(
         timeout=timeout, worker_init=dl.worker_init_fn is not None, pin_memory=dl.pin_memory, device=device,
         **settings,
     )
+    if config.worker_kind == "process":
+        dl.check_worker_number_rationality()  # torch's warning, as a DataLoader of these arguments gives it
     fetcher = Fetcher(
         dataset, mode=mode, collate_fn=fast_collate if (default and batched) else dl.collate_fn, transform=transform,
         scalar_fields=_scalar_fields(dataset) if mode in COLUMNAR_MODES else frozenset(),
