@@ -336,6 +336,27 @@ def test_state_updates_are_counted_per_operation(tmp_path):
     assert cache.stats()["state_s"] > 0
 
 
+def test_a_claim_repeated_reads_the_state_only_after_another_owner_wrote_it(tmp_path):
+    """A reader asks for its share at every shard it opens: the same claim again makes no update
+    while no other owner has written the state since this owner's last update, and reads the state
+    as soon as one has (here another cache object, as another process would), so a new claim
+    shrinks this one's share at its next look."""
+    mine, other = ShardCache(tmp_path, limit="1MB"), ShardCache(tmp_path, limit="1MB")
+    alone = mine.claim(800 * KB, least=100 * KB)
+    updates = mine.stats()["state_updates"]
+    for _ in range(3):
+        assert mine.claim(800 * KB, least=100 * KB) == alone
+    assert mine.stats()["state_updates"] == updates  # nothing written, nothing read under the lock
+    assert other.claim(800 * KB, least=100 * KB) is not None
+    shared = mine.claim(800 * KB, least=100 * KB)
+    assert shared is not None and shared < alone and mine.stats()["state_updates"] == updates + 1
+    assert mine.claim(800 * KB, least=100 * KB) == shared and mine.stats()["state_updates"] == updates + 1
+    other.claim(0)  # withdrawn: the share grows back at the next look
+    assert mine.claim(800 * KB, least=100 * KB) == alone
+    assert mine.claim(500 * KB, least=100 * KB) is not None  # another claim than the recorded one: written
+    assert mine.stats()["state_updates"] == updates + 3
+
+
 def test_other_process_pins_block_eviction_until_released(tmp_path):
     ctx = mp.get_context("spawn")
     pinned, release = ctx.Event(), ctx.Event()

@@ -314,6 +314,12 @@ class ShardCache:
                     return 0
             want = [int(most if least is None else least), int(most)]
             me = self._store.owner
+            if not record or self._store.claim == want:  # nothing to write: no update when nobody else wrote
+                others = self._store.others_claims()
+                if others is not None:
+                    shares = split_budget(self.limit - self._policy().state_overhead(), {**others, me: want})
+                    if shares is not None:
+                        return shares[me]
             with self._locked() as state:
                 claims = {o: c for o, c in state["claims"].items() if o != me}
                 claims[me] = want

@@ -282,6 +282,7 @@ class _StateDb:
         self._lock_fd: int | None = None
         self._users_fd: int | None = None
         self._conn: sqlite3.Connection | None = None
+        self._connections = 0  # connections opened so far (part of `version`'s token)
         self._checked = False  # `PRAGMA quick_check` passed on this connection
         self._block = 0
 
@@ -332,6 +333,15 @@ class _StateDb:
             yield
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def version(self) -> tuple[int, int] | None:
+        """A token that changes once another connection (another owner: process or cache object)
+        commits to the database, SQLite's `data_version` of this connection; None when this owner
+        has no connection. This connection's own commits leave it as it is."""
+        conn = self._conn
+        if conn is None:
+            return None
+        return self._connections, conn.execute("PRAGMA data_version").fetchone()[0]
 
     def file_bytes(self) -> int:
         """Bytes of `state.db` now (its journal is empty between updates)."""
@@ -427,6 +437,7 @@ class _StateDb:
             conn.close()
             raise
         self._conn = conn
+        self._connections += 1
         return conn
 
     def _create(self, conn: sqlite3.Connection) -> None:
@@ -480,6 +491,8 @@ class CacheState:
         self.usable: set[str] = set()  # held keys whose file is in place and verified (acquire's fast path)
         self.claim: list[int] | None = None  # [least, most] bytes this owner pins at once (published with its pins)
         self._file = _StateDb(root=root, data_dir=data_dir)
+        # the other owners' claims as this owner's last update left them, with `_file.version()` then
+        self._claims_seen: tuple[tuple[int, int] | None, dict[str, Any]] | None = None
 
     @property
     def opened(self) -> bool:
@@ -530,8 +543,11 @@ class CacheState:
                     self._publish(state)
                     state["entries"] = entries
                     yield state
+                    seen = self._file.version()  # under the flock: no other owner commits until it is let go
                     self._file.commit(raw, state)
+                    self._claims_seen = (seen, {o: c for o, c in state["claims"].items() if o != self.owner})
                 except BaseException as exc:
+                    self._claims_seen = None
                     self._file.rollback(exc)
                     if isinstance(exc, sqlite3.Error):
                         what = "the shared state is damaged" if _damaged(exc) else f"{_DB} cannot be updated"
@@ -544,6 +560,18 @@ class CacheState:
     def file_bytes(self) -> int:
         """Bytes of the state's files now."""
         return self._file.file_bytes()
+
+    def others_claims(self) -> dict[str, Any] | None:
+        """The other owners' budget claims, without an update: those this owner's last update found,
+        when no other owner has committed to the state since (SQLite's `data_version`), so they are
+        still the state's; None when only an update can tell (`locked`)."""
+        with self.mutex:
+            seen = self._claims_seen
+            if seen is None or seen[0] is None or not self.opened:
+                return None
+            with _gate():
+                now = self._file.version()
+            return dict(seen[1]) if now == seen[0] else None
 
     @property
     def block(self) -> int:
