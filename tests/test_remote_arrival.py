@@ -454,6 +454,42 @@ def test_an_acquire_counts_as_a_get_in_flight_until_its_download_ends(dataset, s
     ds.storage.close()
 
 
+def test_a_second_reader_of_a_download_under_way_pins_it_without_a_state_update(dataset, server, tmp_path):
+    """A reader that opens a shard this process is downloading by block pins it in the owner's ledger
+    only; the state holds the file as this owner's reservation meanwhile, and the download's own
+    update publishes the pin with the file's entry, so no other owner ever sees the file unpinned."""
+    from fastload.remote.cache.shard_cache import ShardCache
+
+    _, local = dataset
+    info = local.manifest.shards[0]
+    server.pause(HELD)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), prefetch_depth=0)
+    storage = ds.storage
+    _, first = storage.acquire_arriving(info.file, size=info.bytes, xxh3=info.xxh3)  # starts the download
+    assert first is not None and server.paused.wait(10)
+    (key, pins), = storage.cache.pinned_keys().items()
+    assert pins == 1
+    updates = storage.stats()["remote_state_updates"]
+    _, second = storage.acquire_arriving(info.file, size=info.bytes, xxh3=info.xxh3)
+    assert second is first and storage.cache.pinned_keys() == {key: 2}
+    assert storage.stats()["remote_state_updates"] == updates  # no update: the reservation protects the file
+    other = ShardCache(storage.cache.root, limit="64MB")  # another owner's view of the shared state
+    seen = other.state()
+    assert key in seen["reserved"] and key not in seen["entries"]
+    server.release()
+    assert first.wait_all()
+    _wait_cached(ds, "shard-00000.fls")
+    seen = other.state()
+    assert key in seen["entries"] and key not in seen["reserved"]
+    assert list(seen["pins"][key].values()) == [2]  # published with the entry
+    storage.release(info.file)
+    storage.release(info.file)
+    assert key not in other.state()["pins"]
+    other.close()
+    ds.close()
+    storage.close()
+
+
 def _block_of(local: FastloadDataset, sample: int) -> int:
     """The block holding field x of `sample` (in shard 0)."""
     reader = local.shard(0)

@@ -40,6 +40,7 @@ class _Flight:
         self.done = threading.Event()
         self.error: Exception | None = None
         self.arrival = arrival
+        self.recorded = False  # its end is in the shared state (entry, or reservation dropped): under the mutex
 
     def wait(self) -> None:
         """Wait for the download; raise its error when it failed (its retries were spent: a thread
@@ -125,6 +126,8 @@ class CacheFill:
             if flight is not None and not (arriving and flight.arrival is not None):
                 flight.wait()
                 continue
+            if flight is not None and self._attach_before_recorded(key, flight):
+                return flight.arrival.path, flight.arrival  # type: ignore[union-attr]  (checked just above)
             kind, value = self._find_or_reserve(
                 key, size=size, where=where, soft=soft, blocks=blocks, arriving=arriving
             )
@@ -242,6 +245,18 @@ class CacheFill:
         # room held by mapped files frees when their readers let go, whoever waits
         return "wait", (room, not room.mapped and self._policy.deadlocked(state, me))
 
+    def _attach_before_recorded(self, key: str, flight: _Flight) -> bool:
+        """Pin `key` for a reader of this process's download of it by block without a state update,
+        while that download has not recorded its end: the shared state holds the file as this owner's
+        reservation until then, and the pin is published by this owner's next update, that one at the
+        latest (`CacheState.hold_unpublished`), so the state never holds the file without the pin.
+        False once the download recorded its end (an update decides then: `_step`)."""
+        with self._mutex:
+            if flight.recorded or self._inflight.get(key) is not flight:
+                return False
+            self._store.hold_unpublished(key)
+            return True
+
     def _wait_inflight(self, key: str) -> _Flight | None:
         with self._mutex:
             return self._inflight.get(key)
@@ -292,6 +307,7 @@ class CacheFill:
             vouch_file(info)  # every byte was hashed against the manifest above: readers here skip their block hashes
             st = stamp(info)
             with self._store.locked() as state:
+                flight.recorded = True
                 state["reserved"].pop(key, None)
                 state["entries"].put(key, size=size, used=time.time(), stamp=st)
                 held = key in self._store.held  # a reader of the arriving file pins it
@@ -313,6 +329,7 @@ class CacheFill:
         finally:
             if not ok:
                 with self._store.locked() as state:
+                    flight.recorded = True
                     state["reserved"].pop(key, None)
                     if arrival is not None and in_use(tmp_path):  # a reader maps it: counted until it lets go
                         state["retired"][tmp] = size

@@ -619,6 +619,13 @@ class CacheState:
         self.held[key] = self.held.get(key, 0) + 1
         self._publish_key(state, key)
 
+    def hold_unpublished(self, key: str) -> None:
+        """One more pin of `key` in this owner's ledger only: every update publishes the ledger, so
+        the shared state shows it from this owner's next update on. For a file the state protects
+        until then by other means (this owner's reservation of it: `CacheFill._attach_before_recorded`)."""
+        with self.mutex:
+            self.held[key] = self.held.get(key, 0) + 1
+
     def unhold(self, state: dict[str, Any], key: str) -> None:
         """One pin of `key` fewer (caller holds `locked()`)."""
         n = self.held.get(key, 0) - 1
