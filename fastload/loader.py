@@ -191,8 +191,6 @@ class Loader(Generic[T_co]):
         self._init_args = init_args
         self._iterable = isinstance(dataset, IterableDataset)
         self._dl = dl if self._iterable else None  # an IterableDataset is iterated by torch's DataLoader
-        if self._iterable:
-            dl.check_worker_number_rationality()  # torch's own worker processes
         self.dataset, self.batch_size, self.drop_last = dl.dataset, dl.batch_size, dl.drop_last
         self.sampler, self.batch_sampler, self.collate_fn = dl.sampler, dl.batch_sampler, dl.collate_fn
         self.num_workers, self.prefetch_factor, self.timeout = dl.num_workers, dl.prefetch_factor, dl.timeout
@@ -228,6 +226,8 @@ class Loader(Generic[T_co]):
                                                        run=_run_binder(self, self._facts), relay=relay)
                 self.sampler = self.batch_sampler.sampler
             self.collate_fn = torch_collate(dl.collate_fn, self._fetcher, dataset, relay)
+        if self._iterable or self.config.worker_kind == "process":  # torch's warning, for worker processes only
+            dl.check_worker_number_rationality()
         self._initialized = True
 
     def __setattr__(self, name: str, value: Any) -> None:

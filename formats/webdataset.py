@@ -254,8 +254,9 @@ class WebDataset(ForeignSource):
             spec = _spec(ext)
             if spec == "json":
                 jf = JsonFields(ext, [h[ext] for h in head if ext in h])
-                json_keys[ext] = [f.name for f in jf.fields()]
-                chosen = [f for f in jf.fields() if keep is None or ext in keep or f.name in keep]
+                every_key = jf.fields()
+                json_keys[ext] = [f.name for f in every_key]
+                chosen = [f for f in every_key if keep is None or ext in keep or f.name in keep]
                 if chosen:
                     self._json[ext] = jf
                     out += chosen

@@ -12,6 +12,7 @@ from io import BytesIO
 
 import numpy as np
 import pytest
+from open_files import LISTS_OPEN_FILES, open_under
 
 from fastload.cli import main
 from fastload.formats import FastloadDataset, HDF5Dataset, LMDBDataset
@@ -139,8 +140,6 @@ def test_hdf5_close_unmaps_and_a_later_read_reopens(tmp_path):
     """`HDF5Dataset.close()` closes the file and unmaps it (its pages can be evicted: what the
     benchmarks' cold reads rely on); a read after it opens them again, byte for byte."""
     import h5py
-    from open_files import LISTS_OPEN_FILES, open_under
-
     if not LISTS_OPEN_FILES:
         pytest.skip("needs /proc/self/fd and /proc/self/maps")
     path = str(tmp_path / "d.h5")

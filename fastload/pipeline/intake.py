@@ -62,7 +62,7 @@ class LoaderStages:
 def torch_loader(**args: Any) -> DataLoader:
     """torch's `DataLoader` of the same arguments (it validates them, with torch's errors, and builds
     the default samplers), minus its warning about more worker processes than cores: that warning is
-    given once the workers are known to be processes (`build_stages`; thread workers are not)."""
+    given by the Loader once its workers are known to be processes (thread workers are not)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         return DataLoader(**args)
@@ -92,8 +92,6 @@ def build_stages(
         timeout=timeout, worker_init=dl.worker_init_fn is not None, pin_memory=dl.pin_memory, device=device,
         **settings,
     )
-    if config.worker_kind == "process":
-        dl.check_worker_number_rationality()  # torch's warning, as a DataLoader of these arguments gives it
     fetcher = Fetcher(
         dataset, mode=mode, collate_fn=fast_collate if (default and batched) else dl.collate_fn, transform=transform,
         scalar_fields=_scalar_fields(dataset) if mode in COLUMNAR_MODES else frozenset(),
