@@ -74,8 +74,9 @@ __all__ = [
 ARRIVING_MIN_BYTES = 8 << 20  # shards from this size on are read while they arrive (`acquire_arriving`)
 # Body bytes per Python call in a shard's own download, whole or by block (a reader's GETs, which it
 # waits on, come in `STREAM_CHUNK`s): the per-piece Python (receive, write, hash, verify, publish:
-# about 90 calls) is paid once per 2 MiB (4 MiB measured no cheaper: bench/RESULTS.md, "Download
-# pieces of 2 MiB"). Each fetch thread keeps one buffer of this size.
+# about 90 calls) is paid once per 2 MiB. 1 and 4 MiB measured no cheaper, 8 MiB dearer: a buffer that
+# large leaves the CPU's caches between its receipt, write and hash (bench/RESULTS.md, "Download pieces
+# of 2 MiB" and "A cold epoch's cost per shard"). Each fetch thread keeps one buffer of this size.
 DOWNLOAD_CHUNK = 2 << 20
 FSSPEC_PART_BYTES = 8 << 20  # an arriving shard's GETs through fsspec (each comes whole)
 WANT_RUN_BLOCKS = 64  # at most this many blocks of an arriving shard in one out-of-order GET for a reader
