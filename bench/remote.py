@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from typing import Any
 from unittest import mock
 
@@ -198,7 +199,10 @@ def run_peer_table(data_dir: str, *, shards: int, shard_size: int, rounds: int, 
 class Nginx:
     """nginx serving `root` on a free 127.0.0.1 port (one worker, sendfile; over HTTPS with `tls`, a
     (certificate, key) pair of PEM files; each response sent at most `limit_rate` bytes a second
-    when given, so that GETs last long enough to overlap); `stop()` ends it."""
+    when given, so that GETs last long enough to overlap); `stop()` ends it, and so does the
+    interpreter's exit or the object's collection (a script that fails before `stop()` leaves no
+    server). nginx gets none of the caller's standard streams: a caller reading this process's
+    output through a pipe sees its end when this process ends."""
 
     def __init__(self, root: str, work: str, *, tls: tuple[str, str] | None = None,
                  limit_rate: int | None = None) -> None:
@@ -223,7 +227,9 @@ class Nginx:
                 + (f" limit_rate {int(limit_rate)};" if limit_rate else "")
                 + " } }\n"
             )
-        self.proc = subprocess.Popen([exe, "-c", conf, "-p", work], stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([exe, "-c", conf, "-p", work], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._end = weakref.finalize(self, _end_process, self.proc)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -237,13 +243,18 @@ class Nginx:
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self._end()
+
+
+def _end_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate `proc` (killed after 10 s) and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _tests_on_path() -> None:

@@ -78,3 +78,40 @@ def test_a_remote_epoch_then_exit_prints_nothing(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "read 200"
     assert run.stderr == "", run.stderr
+
+
+@pytest.mark.nginx
+def test_a_script_that_fails_leaves_no_nginx_and_no_open_pipe(tmp_path):
+    """`bench.remote.Nginx` in a script that raises before `stop()`: the script's output ends with it
+    (nginx holds none of its streams) and the server is gone once the script exited."""
+    (tmp_path / "root").mkdir()
+    script = textwrap.dedent(f"""
+        from bench.remote import Nginx
+        server = Nginx({str(tmp_path / "root")!r}, {str(tmp_path)!r})
+        print(server.proc.pid, flush=True)
+        raise SystemExit("failed before stop()")
+    """)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=repo)
+    if "nginx" in run.stderr and "failed before stop()" not in run.stderr:
+        pytest.skip(run.stderr.strip().splitlines()[-1])
+    assert run.stderr.strip() == "failed before stop()"
+    pid = int(run.stdout)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.nginx
+def test_an_nginx_object_collected_stops_its_server(tmp_path):
+    from bench.remote import Nginx
+
+    (tmp_path / "root").mkdir()
+    try:
+        server = Nginx(str(tmp_path / "root"), str(tmp_path))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    proc = server.proc
+    assert proc.poll() is None
+    del server
+    gc.collect()
+    assert proc.poll() is not None
