@@ -317,14 +317,13 @@ class ShardCache:
             if not record or self._store.claim == want:  # nothing to write: no update when nobody else wrote
                 others = self._store.others_claims()
                 if others is not None:
-                    shares = split_budget(self.limit - self._policy().state_overhead(), {**others, me: want})
+                    shares = self._shares({**others, me: want})
                     if shares is not None:
                         return shares[me]
             with self._locked() as state:
                 claims = {o: c for o, c in state["claims"].items() if o != me}
                 claims[me] = want
-                overhead = self._policy().state_overhead()
-                shares = split_budget(self.limit - overhead, claims)
+                shares = self._shares(claims)
                 if record:
                     self._store.claim = None if shares is None else want
                     if shares is None:
@@ -332,6 +331,10 @@ class ShardCache:
                     else:
                         state["claims"][me] = want
                 return None if shares is None else shares[me]
+
+    def _shares(self, claims: dict[str, Any]) -> dict[str, int] | None:
+        """Each claim's share of what the budget holds beside the state files (`split_budget`)."""
+        return split_budget(self.limit - self._policy().state_overhead(), claims)
 
     def claimed_by_others(self) -> int:
         """The least bytes that other live owners of this cache have claimed (see `claim`)."""
