@@ -21,7 +21,7 @@ $(VENV)/.torch:
 	$(PIP) install torch==2.13.0
 	touch $@
 
-$(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c
+$(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c fastload/remote/_recv.c
 	$(PIP) install -e '.[dev,dali,image,plot,frameworks,ray,docs,migrate,migrate-test]' torch==2.13.0
 	# Test writers installed without their dependencies, which pull a torchvision built for another torch
 	# (or downgrade numpy): LitData's `optimize` (tests/test_migrate_chunks.py) and MosaicML Streaming's
@@ -30,7 +30,7 @@ $(STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lu
 	touch $(STAMP)
 
 # The demo needs only the image decoder (its synthetic JPEGs) and matplotlib (bench.png).
-$(DEMO_STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c
+$(DEMO_STAMP): setup.py $(VENV)/.torch fastload/vision/_jpegwin.c fastload/vision/_lut.c formats/_ranges.c fastload/remote/_recv.c
 	$(PIP) install -e '.[image,plot]' torch==2.13.0
 	touch $(DEMO_STAMP)
 

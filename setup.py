@@ -127,9 +127,12 @@ setup(
     # fastload.formats._ranges: GIL-free copy of a batch's variable-length ranges and block checksums
     # (optional like the vision ones: without it, reads join memoryview slices and blocks are hashed one
     # Python call each; same bytes, slower)
+    # fastload.remote._recv: an HTTP body's recv loop in C (optional too: without it `http.client` reads
+    # the body, one Python call per recv)
     ext_modules=[
         *_vision_extensions(),
         _ranges_extension(),
+        Extension("fastload.remote._recv", ["fastload/remote/_recv.c"], extra_compile_args=["-O2"]),
     ],
     cmdclass={"build_ext": _OptionalBuildExt},
     entry_points={"console_scripts": ["fastload=fastload.cli:main"]},

@@ -1,7 +1,8 @@
 """`HttpReceiver`: bodies and ranges byte for byte in full pieces of one reused buffer, keep-alive
 connections (and a replaced stale one), errors by status, bodies cut short, ranges ignored, bounded
-waits; the obstore transport's choice of receiver (signed S3 URLs, anonymous stores streaming through
-obstore); a piece's buffer reused after `Download` took it."""
+waits, each through both ways of receiving a body (the C recv loop `_recv.recv_into`, and
+`http.client`); which bodies take the C loop; the obstore transport's choice of receiver (signed S3
+URLs, anonymous stores streaming through obstore); a piece's buffer reused after `Download` took it."""
 
 from __future__ import annotations
 
@@ -67,6 +68,17 @@ class _Server:
                 elif self.path == "/short":
                     self._send(200, DATA[:1000], length=5000)
                     self.close_connection = True
+                elif self.path == "/together":  # the status, the headers and the body in one send
+                    head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(DATA)}\r\n\r\n".encode()
+                    self.wfile.write(head + DATA)
+                elif self.path == "/chunked":
+                    self.send_response(200)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for at in range(0, len(DATA), 300_000):
+                        part = DATA[at : at + 300_000]
+                        self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                    self.wfile.write(b"0\r\n\r\n")
                 elif self.path == "/slow":
                     self.send_response(200)
                     self.send_header("Content-Length", "10")
@@ -94,8 +106,13 @@ class _Server:
         self.httpd.server_close()
 
 
-@pytest.fixture
-def server():
+@pytest.fixture(params=["c", "http.client"])
+def server(request, monkeypatch):
+    """The server, with bodies received by the C loop (`c`) or by `http.client` (the fallback)."""
+    if request.param == "http.client":
+        monkeypatch.setattr(receive_http, "_c_recv_into", None)
+    elif receive_http._c_recv_into is None:
+        pytest.skip("fastload.remote._recv was not built (no C compiler)")
     s = _Server()
     yield s
     s.stop()
@@ -237,6 +254,74 @@ def test_every_wait_is_bounded(server):
         port = s.getsockname()[1]  # nothing listens there once closed
     with pytest.raises(ConnectionError):
         list(_receiver().body(f"http://127.0.0.1:{port}/x", "obj", TransferStats(), 4096))
+
+
+def _socket_reads(monkeypatch) -> list[int]:
+    """Counts `http.client`'s reads of a socket (one Python call each) from now on."""
+    calls: list[int] = []
+    read = socket.SocketIO.readinto
+
+    def counted(self, b):
+        calls.append(1)
+        return read(self, b)
+
+    monkeypatch.setattr(socket.SocketIO, "readinto", counted)
+    return calls
+
+
+def test_a_plain_body_of_known_length_is_received_in_c(server, monkeypatch):
+    rx, stats = _receiver(), TransferStats()
+    assert _get(rx, f"{server.url}/data", stats) == DATA  # the connection's first GET, before counting
+    calls = _socket_reads(monkeypatch)
+    for path in ("/data", "/together"):  # /together: body bytes come in the headers' read
+        assert b"".join(bytes(p) for p in rx.body(f"{server.url}{path}", "obj", stats, 65536)) == DATA
+    assert server.connections == 1  # read to its end around http.client, the connection is reused
+    if receive_http._c_recv_into is not None:
+        assert len(calls) <= 4  # per body: the headers' read, and at most one more for its first bytes
+    else:
+        assert len(calls) > 10  # one Python call per recv
+    rx.close()
+
+
+def test_a_chunked_body_is_read_by_http_client(server):
+    rx, stats = _receiver(), TransferStats()
+    pieces = [bytes(p) for p in rx.body(f"{server.url}/chunked", "obj", stats, 65536)]
+    assert b"".join(pieces) == DATA
+    assert [len(p) for p in pieces[:-1]] == [65536] * (len(pieces) - 1)
+    assert _get(rx, f"{server.url}/data", stats) == DATA
+    assert server.connections == 1
+    rx.close()
+
+
+@pytest.mark.skipif(receive_http._c_recv_into is None, reason="fastload.remote._recv was not built")
+def test_recv_into_fills_the_buffer_stops_at_the_end_and_bounds_each_wait():
+    from fastload.remote._recv import recv_into
+
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5.0)  # non-blocking underneath, as a Python socket with a timeout is
+        threading.Timer(0.05, lambda: a.sendall(DATA[:300_000])).start()
+        buf = bytearray(200_000)
+        assert recv_into(b.fileno(), buf, 2.0) == 200_000 and buf == DATA[:200_000]
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no data for 0.2 s"):
+            recv_into(b.fileno(), bytearray(200_000), 0.2)  # 100,000 bytes, then nothing more
+        assert time.monotonic() - t0 < 2
+        a.sendall(b"tail")
+        a.shutdown(socket.SHUT_WR)
+        buf = bytearray(100)
+        assert recv_into(b.fileno(), buf, 2.0) == 4 and buf[:4] == b"tail"  # the stream ended
+        with pytest.raises(ValueError, match="timeout"):
+            recv_into(b.fileno(), buf, 0.0)
+        with pytest.raises(ValueError, match="closed"):
+            recv_into(-1, buf, 1.0)
+        with pytest.raises(BufferError):
+            recv_into(b.fileno(), b"read-only", 1.0)
+    c, d = socket.socketpair()
+    with c, d:
+        c.shutdown(socket.SHUT_RDWR)
+        c.close()
+        assert recv_into(d.fileno(), bytearray(10), 1.0) == 0  # a blocking socket whose peer is gone
 
 
 def test_a_download_keeps_no_view_of_a_piece_after_taking_it(tmp_path):

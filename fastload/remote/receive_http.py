@@ -4,7 +4,10 @@ obstore hands each received piece to Python as a new `bytes` (zero-filled, then 
 user mode over every byte, and a fresh buffer that evicts the cache the batches are read from).
 Here `http.client` reads the body with `readinto` into one buffer per thread, kept across GETs: the
 kernel copies each byte once, into memory that stays in the CPU's cache while it is written to the
-cache file and hashed. `bench.remote` and `bench.remote_cpu` measure the two side by side.
+cache file and hashed. `bench.remote` and `bench.remote_cpu` measure the two side by side. Over plain
+HTTP, a body whose length the response gives is received from the socket by `_recv.recv_into` (a C
+loop over recv, the GIL released) once the bytes `http.client` read with the headers are taken: the
+standard library would make one Python call for each recv of about 100 KB.
 
 A piece (`memoryview`) is valid until the receiver is asked for the next one: whoever takes a piece
 keeps no reference to it after that (`Download` copies the part of a block a piece ends inside).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import socket
 import ssl
 import threading
 import time
@@ -32,6 +36,11 @@ import urllib.parse
 from collections.abc import Iterator
 
 from fastload.remote.transfer_stats import TransferStats
+
+try:
+    from fastload.remote._recv import recv_into as _c_recv_into
+except ImportError:  # built without it: `http.client` reads every body
+    _c_recv_into = None
 
 __all__ = ["HTTPStatusError", "HttpReceiver"]
 
@@ -78,10 +87,16 @@ class HttpReceiver:
         try:
             expected = self._check(resp, what, byte_range)
             view = self._buffer(chunk)
+            fd = self._direct_fd(conn, resp, expected)
+            buffered = 0 if fd is None else self._buffered(resp, what, expected)
             got = 0
             while True:
                 t = time.perf_counter()
-                n = self._fill(resp, view, what)
+                if fd is None:
+                    n = self._fill(resp, view, what)
+                else:
+                    n = self._fill_direct(resp, fd, view[: min(chunk, (expected or 0) - got)], what, buffered)
+                    buffered = max(0, buffered - n)
                 recv += time.perf_counter() - t
                 got += n
                 if n == 0:
@@ -92,7 +107,11 @@ class HttpReceiver:
                     break
             if expected is not None and got != expected:
                 raise ConnectionError(f"{what}: the body ended after {got} of its {expected} bytes")
-            done = resp.isclosed() or self._drained(resp)
+            if fd is not None:  # read to its end around `http.client`: closing the response frees the connection
+                resp.close()
+                done = True
+            else:
+                done = resp.isclosed() or self._drained(resp)
         finally:
             if done:
                 self._give_back(key, conn)
@@ -210,6 +229,40 @@ class HttpReceiver:
                     f"{expected if expected is not None else 'unknown'} bytes"
                 )
         return expected
+
+    @staticmethod
+    def _direct_fd(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
+                   expected: int | None) -> int | None:
+        """The socket to receive the body from in C (`_fill_direct`): a plain TCP connection kept open
+        after the response, whose body has the length `expected` (not chunked); else None (`_fill`)."""
+        sock = conn.sock
+        if (_c_recv_into is None or expected is None or resp.chunked or resp.will_close or sock is None
+                or type(sock) is not socket.socket or resp.length != expected):
+            return None
+        return sock.fileno()
+
+    def _buffered(self, resp: http.client.HTTPResponse, what: str, expected: int) -> int:
+        """How many of the body's first bytes `http.client` holds in its buffer (read with the headers;
+        when none are, one read of the socket brings some)."""
+        if not expected:
+            return 0
+        try:
+            return min(len(resp.fp.peek()), expected)
+        except BaseException as exc:
+            raise _standard(exc, what, self) from exc
+
+    def _fill_direct(self, resp: http.client.HTTPResponse, fd: int, view: memoryview, what: str, buffered: int) -> int:
+        """`_fill` for a body received from socket `fd` in C: fills `view` (at most what the body still
+        owes), the first `buffered` bytes from `http.client`'s buffer (they came with the headers)."""
+        n = 0
+        try:
+            if buffered and len(view):
+                n = resp.readinto(view[: min(buffered, len(view))])  # from the buffer only: no read of the socket
+            if n < len(view):
+                n += _c_recv_into(fd, view[n:], self.read_timeout)
+        except BaseException as exc:
+            raise _standard(exc, what, self) from exc
+        return n
 
     def _fill(self, resp: http.client.HTTPResponse, view: memoryview, what: str) -> int:
         """Read into `view` until it is full or the body ended: bytes read."""
