@@ -42,6 +42,22 @@
  * positions. The GIL is released and the next rows' first cache lines are prefetched. Every index is
  * bounds-checked before anything is copied (IndexError).
  *
+ *   take_sharded(sources, starts, indices, rowbytes, dst, ready=None, offsets=None, shift=0) -> int
+ *
+ * Rows of a dataset split into shards, by dataset index: shard k holds indices [starts[k],
+ * starts[k + 1]) as the rows of sources[k]; dst[i] = sources[k][indices[i] - starts[k]] for the k whose
+ * range holds indices[i]. sources: a sequence of S C-contiguous buffers of whole rows, None for a shard
+ * not to be read now; starts: a C-contiguous int64 buffer of S + 1 non-decreasing entries; indices: a
+ * C-contiguous int64 buffer; dst: a writable C-contiguous buffer of exactly len(indices) rows. With
+ * ready (a sequence of S), a row of shard k is read only when ready[k] is None or every block of
+ * 2**shift bytes its bytes [offsets[k] + row * rowbytes, + rowbytes) touch in its file has a nonzero
+ * byte in ready[k] (a C-contiguous byte buffer, one per block: blocks verified so far); offsets: a
+ * C-contiguous int64 buffer of S entries. Returns -1 once every row was copied (GIL released, the next
+ * rows prefetched). Returns the position of the first index that cannot be read here, with nothing
+ * copied: outside [0, starts[S]), in a shard whose source is None, past the rows its source holds, or
+ * over a block not ready (the caller reads that batch another way, which waits, verifies and reports
+ * errors).
+ *
  *   xxh3_blocks(buf, ids, shift, end, out) -> None
  *
  * buf: any buffer; ids: a C-contiguous int64 buffer of block numbers; out: a writable C-contiguous
@@ -581,6 +597,173 @@ done:
     return result;
 }
 
+/* The shard holding dataset index `i`: the k with starts[k] <= i < starts[k + 1], trying `hint` first. */
+static inline Py_ssize_t shard_of(const int64_t *starts, Py_ssize_t ns, int64_t i, Py_ssize_t hint) {
+    if (hint >= 0 && hint < ns && starts[hint] <= i && i < starts[hint + 1]) return hint;
+    Py_ssize_t lo = 0, hi = ns; /* starts[lo] <= i < starts[hi] */
+    while (hi - lo > 1) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (starts[mid] <= i)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static PyObject *take_sharded(PyObject *self, PyObject *args) {
+    PyObject *sources_obj, *starts_obj, *indices_obj, *dst_obj, *ready_obj = Py_None, *offsets_obj = Py_None;
+    PyObject *seq, *ready_seq = NULL, *result = NULL;
+    Py_ssize_t rowbytes;
+    int shift = 0;
+    if (!PyArg_ParseTuple(args, "OOOnO|OOi", &sources_obj, &starts_obj, &indices_obj, &rowbytes, &dst_obj, &ready_obj,
+                          &offsets_obj, &shift))
+        return NULL;
+    if (rowbytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "rowbytes must be positive");
+        return NULL;
+    }
+    if (shift < 0 || shift > 40) {
+        PyErr_SetString(PyExc_ValueError, "shift must be in [0, 40]");
+        return NULL;
+    }
+    seq = PySequence_Fast(sources_obj, "sources must be a sequence");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t ns = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer starts = {0}, indices = {0}, dst = {0}, offsets = {0};
+    int have_starts = 0, have_indices = 0, have_dst = 0, have_offsets = 0;
+    Py_buffer *views = NULL, *readies = NULL;
+    char *got = NULL, *got_ready = NULL; /* got_ready[k]: 1 readies[k] holds a buffer, 2 ready[k] is None */
+    Py_ssize_t *shard = NULL;
+    if (ready_obj != Py_None) {
+        ready_seq = PySequence_Fast(ready_obj, "ready must be a sequence");
+        if (ready_seq == NULL) goto done;
+        if (PySequence_Fast_GET_SIZE(ready_seq) != ns) {
+            PyErr_SetString(PyExc_ValueError, "ready and sources differ in length");
+            goto done;
+        }
+        if (get_i64(offsets_obj, &offsets, "offsets") < 0) goto done;
+        have_offsets = 1;
+        if (offsets.len / 8 != ns) {
+            PyErr_SetString(PyExc_ValueError, "offsets and sources differ in length");
+            goto done;
+        }
+        readies = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(Py_buffer));
+        got_ready = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, 1);
+        if (readies == NULL || got_ready == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    if (get_i64(starts_obj, &starts, "starts") < 0) goto done;
+    have_starts = 1;
+    if (get_i64(indices_obj, &indices, "indices") < 0) goto done;
+    have_indices = 1;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    have_dst = 1;
+    if (starts.len / 8 != ns + 1) {
+        PyErr_Format(PyExc_ValueError, "starts holds %zd entries, not one more than the %zd sources", starts.len / 8, ns);
+        goto done;
+    }
+    const Py_ssize_t n = indices.len / 8;
+    if (dst.len != n * rowbytes) {
+        PyErr_Format(PyExc_ValueError, "dst holds %zd bytes, not exactly %zd rows of %zd", dst.len, n, rowbytes);
+        goto done;
+    }
+    views = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(Py_buffer));
+    got = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, 1); /* 1 where views[k] holds a buffer */
+    shard = PyMem_Malloc((n > 0 ? (size_t)n : 1) * sizeof(Py_ssize_t));
+    if (views == NULL || got == NULL || shard == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        const int64_t *st = (const int64_t *)starts.buf, *idx = (const int64_t *)indices.buf;
+        for (Py_ssize_t k = 0; k < ns; k++) {
+            if (st[k] > st[k + 1]) {
+                PyErr_Format(PyExc_ValueError, "starts decrease at shard %zd", k);
+                goto done;
+            }
+        }
+        const int64_t total = ns > 0 ? st[ns] : 0;
+        Py_ssize_t hint = 0;
+        for (Py_ssize_t i = 0; i < n; i++) { /* every row checked (and its source's buffer taken) before any copy */
+            if (ns == 0 || idx[i] < st[0] || idx[i] >= total) {
+                result = PyLong_FromSsize_t(i);
+                goto done;
+            }
+            const Py_ssize_t k = hint = shard_of(st, ns, idx[i], hint);
+            if (!got[k]) {
+                PyObject *item = PySequence_Fast_GET_ITEM(seq, k);
+                if (item == Py_None) {
+                    result = PyLong_FromSsize_t(i);
+                    goto done;
+                }
+                if (PyObject_GetBuffer(item, &views[k], PyBUF_C_CONTIGUOUS) < 0) goto done;
+                got[k] = 1;
+            }
+            if (idx[i] - st[k] >= (int64_t)(views[k].len / rowbytes)) {
+                result = PyLong_FromSsize_t(i);
+                goto done;
+            }
+            if (ready_seq != NULL) {
+                if (!got_ready[k]) {
+                    PyObject *item = PySequence_Fast_GET_ITEM(ready_seq, k);
+                    if (item == Py_None)
+                        got_ready[k] = 2;
+                    else if (PyObject_GetBuffer(item, &readies[k], PyBUF_C_CONTIGUOUS) < 0)
+                        goto done;
+                    else
+                        got_ready[k] = 1;
+                }
+                if (got_ready[k] == 1) {
+                    const int64_t off = ((const int64_t *)offsets.buf)[k], lo = off + (idx[i] - st[k]) * rowbytes;
+                    const int64_t first = lo >> shift, last = (lo + rowbytes - 1) >> shift;
+                    const unsigned char *have = (const unsigned char *)readies[k].buf;
+                    int ok = off >= 0 && last < (int64_t)readies[k].len;
+                    for (int64_t b = first; ok && b <= last; b++) ok = have[b] != 0;
+                    if (!ok) {
+                        result = PyLong_FromSsize_t(i);
+                        goto done;
+                    }
+                }
+            }
+            shard[i] = k;
+        }
+        char *out = (char *)dst.buf;
+        const size_t unit = (size_t)rowbytes;
+#define ROW_AT(i) ((const char *)views[shard[i]].buf + (size_t)(idx[i] - st[shard[i]]) * unit)
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_start(ROW_AT(i), unit);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i + PREFETCH_AHEAD < n) prefetch_start(ROW_AT(i + PREFETCH_AHEAD), unit);
+            memcpy(out + (size_t)i * unit, ROW_AT(i), unit);
+        }
+        Py_END_ALLOW_THREADS
+#undef ROW_AT
+        result = PyLong_FromLong(-1);
+    }
+done:
+    if (got != NULL)
+        for (Py_ssize_t k = 0; k < ns; k++)
+            if (got[k]) PyBuffer_Release(&views[k]);
+    if (got_ready != NULL)
+        for (Py_ssize_t k = 0; k < ns; k++)
+            if (got_ready[k] == 1) PyBuffer_Release(&readies[k]);
+    PyMem_Free(got);
+    PyMem_Free(views);
+    PyMem_Free(got_ready);
+    PyMem_Free(readies);
+    PyMem_Free(shard);
+    Py_XDECREF(ready_seq);
+    if (have_offsets) PyBuffer_Release(&offsets);
+    if (have_dst) PyBuffer_Release(&dst);
+    if (have_indices) PyBuffer_Release(&indices);
+    if (have_starts) PyBuffer_Release(&starts);
+    Py_DECREF(seq);
+    return result;
+}
+
 /* missing_blocks(lo, hi, shift, bits, out): the blocks of 2**shift bytes that the byte ranges [lo[i], hi[i])
  * touch (empty ranges touch none) whose byte in `bits` is 0, each once and ascending, written to `out`
  * (int64, at least len(bits) long); returns how many. IndexError for a range outside the len(bits) blocks. */
@@ -660,6 +843,10 @@ static PyMethodDef methods[] = {
     {"offsets_match", offsets_match, METH_VARARGS,
      "offsets_match(offsets, lengths, total): whether an offsets table is sound and agrees with lengths."},
     {"spans", spans, METH_VARARGS, "spans(buffers, addresses, lengths): each buffer's address and size."},
+    {"take_sharded", take_sharded, METH_VARARGS,
+     "take_sharded(sources, starts, indices, rowbytes, dst, ready=None, offsets=None, shift=0): dst[i] = the row of "
+     "dataset index indices[i] in its shard's source (its blocks ready), GIL released; -1, or the position of the "
+     "first index not readable here (nothing copied)."},
     {"xxh3_blocks", xxh3_blocks, METH_VARARGS,
      "xxh3_blocks(buf, ids, shift, end, out): XXH3-64 of each block of buf, GIL released."},
     {"write_blocks", write_blocks, METH_VARARGS,

@@ -21,6 +21,7 @@ from .columns import Block
 from .errors import ChecksumError, FormatError
 from .forksafe import reset_in_child
 from .manifest import MANIFEST_NAME, Manifest
+from .open_columns import OpenColumns
 from .ragged import Ragged
 from .rows import take_rows_into
 from .schema import Schema
@@ -290,6 +291,7 @@ class FastloadDataset:
         self._direct: list[tuple[str, Any]] | None = None  # (field, take) when every field is resident/spliced
         self._ragged: dict[str, SplicedRagged] | None = None  # variable fields spliced over all shards
         self._takes: list[tuple[str, Any]] | None = None  # (field, take) for every field, variable ones too
+        self._open_columns = self._new_open_columns()  # all fields fixed: a batch over open shards in one pass
         # the epoch's first batch (the first read after `bind_run` started an epoch) fetches the blocks it
         # waits for ahead of the shards' downloads; later ones follow the downloads (`_read`)
         self._fetch_ahead = True
@@ -308,6 +310,12 @@ class FastloadDataset:
         self._first_lock = threading.Lock()  # `_fetch_ahead`, taken by one read (not `_lock`: held while a shard opens)
         reset_in_child(self, FastloadDataset._new_locks)
 
+    def _new_open_columns(self) -> OpenColumns | None:
+        """The columns of the open shards, read by index (`OpenColumns`), when every field is fixed."""
+        if self._variable or not OpenColumns.available():
+            return None
+        return OpenColumns(self._fields, self._starts, self.manifest.block_log2 if self.manifest.version >= 2 else 0)
+
     def _new_ledger(self) -> BlockLedger | None:
         """This process's record of verified blocks (None when nothing is verified per block)."""
         if self.verify == "none" or self.manifest.version < 2:
@@ -321,7 +329,7 @@ class FastloadDataset:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"], state["_resident"], state["_spliced"], state["_direct"] = OrderedDict(), None, None, None
-        state["_ragged"] = state["_takes"] = None
+        state["_ragged"] = state["_takes"] = state["_open_columns"] = None
         del state["_lock"], state["_direct_lock"], state["_first_lock"], state["_ledger"]
         return state
 
@@ -329,6 +337,7 @@ class FastloadDataset:
         self.__dict__.update(state)
         self._new_locks()
         self._ledger = self._new_ledger()  # each process verifies what it reads itself
+        self._open_columns = self._new_open_columns()
         self._attach()
 
     def _attach(self) -> None:
@@ -404,6 +413,8 @@ class FastloadDataset:
                 self.storage.release(info.file)
                 raise
             self._open[k] = reader
+            if self._open_columns is not None:
+                self._open_columns.add(k, reader)
             self._close_beyond(cap)
             return reader
 
@@ -429,6 +440,8 @@ class FastloadDataset:
         """Close the longest-open shards beyond `cap` (caller holds `_lock`), releasing them to the storage."""
         while len(self._open) > cap:
             old_k, old = self._open.popitem(last=False)
+            if self._open_columns is not None:
+                self._open_columns.remove(old_k)
             old.close()
             self.storage.release(self.manifest.shards[old_k].file)
 
@@ -519,6 +532,8 @@ class FastloadDataset:
         with self._lock:
             reader = self._open.pop(k, None)
             if reader is not None:
+                if self._open_columns is not None:
+                    self._open_columns.remove(k)
                 reader.close()
                 self.storage.release(self.manifest.shards[k].file)
 
@@ -556,6 +571,8 @@ class FastloadDataset:
         with self._lock:
             while self._open:
                 k, reader = self._open.popitem()
+                if self._open_columns is not None:
+                    self._open_columns.remove(k)
                 reader.close()
                 self.storage.release(self.manifest.shards[k].file)
 
@@ -816,7 +833,9 @@ class FastloadDataset:
         ones, `ShapedBatch` for vndarray fields.
 
         Fixed fields of a local dataset are one `take` each over a resident copy or a spliced mapping
-        of all shards. Other fields are gathered shard by shard with one `np.take` each; when
+        of all shards. Before every shard is at hand (a remote dataset's cold epoch), a batch of fixed
+        fields over open shards whose blocks under it are verified is one C call per field
+        (`OpenColumns`). Other fields are gathered shard by shard with one `np.take` each; when
         `indices` are not grouped by shard (a shuffled batch), a fixed field's rows are copied
         straight into their places (`take_rows_into`) and a variable field's items are put back in
         the caller's order in one more pass.
@@ -829,6 +848,11 @@ class FastloadDataset:
             except IndexError:
                 self._checked_indices(idx)  # raises the error that names the dataset
                 raise
+        opened = self._open_columns if fields is None else None
+        if opened is not None and not self._fetch_ahead:  # (an epoch's first read fetches ahead: the general way)
+            read = opened.read(indices)  # a batch over open shards whose blocks under it are verified
+            if read is not None:
+                return read
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
         if self._spliced is None and not self._all_shards_at_hand():  # shards still to open or arriving
             read = self._gather_by_shard(indices, wanted)

@@ -457,6 +457,15 @@ class ShardReader:
         reads not verified at all)."""
         return self.bits is None or self._all_verified
 
+    def ready_blocks(self) -> np.ndarray | None:
+        """The blocks a read may take as verified now, one bool each, in an array that only ever gains
+        blocks: an arriving file's, those its download verified and published; else those this process
+        verified. None when every block is (or reads are not verified)."""
+        if self.all_verified:
+            return None
+        arrival = self.arrival
+        return arrival.published if arrival is not None else self.bits
+
     def verify_blocks(self, ids: np.ndarray, *, ahead: bool = False) -> None:
         """Verify the blocks `ids` (unique, local) now, whatever their bits say. A mismatch raises
         `on_corrupt(error)` when the opener set that hook (a cached copy: it says so), else the error.

@@ -91,6 +91,12 @@ class Arrival(Protocol):
         """Whether every block has arrived."""
         ...
 
+    @property
+    def published(self) -> np.ndarray:
+        """One bool per block, True once the block arrived and matched its checksum (never set back:
+        a published block's bytes are final)."""
+        ...
+
     def wait(self, ids: np.ndarray, *, ahead: bool = True) -> bool:
         """Block until blocks `ids` (the shard's local block numbers) have arrived; True when the download
         verified them in this process (the reader takes them as verified), False when the reader

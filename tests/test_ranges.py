@@ -1,6 +1,6 @@
-"""The `_ranges` extension's gather (which reads ranges ahead) and offsets check, and what a
-dataset's first batch after an open relies on: guards that know what this process verified,
-and mappings that go when the dataset is closed."""
+"""The `_ranges` extension's gathers (ranges read ahead, rows from several sources, rows by dataset index
+from their shards) and offsets check, and what a dataset's first batch after an open relies on: guards
+that know what this process verified, and mappings that go when the dataset is closed."""
 
 from __future__ import annotations
 
@@ -248,6 +248,69 @@ def test_take_rows_copies_each_row_from_its_source_in_order(sizes, shape, picks,
         with pytest.raises(ValueError, match="not"):
             _ranges.take_rows(sources, which_arg, rows, 4 * per, dst[:-1])
     assert np.array_equal(dst, before)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 20), min_size=1, max_size=6), shape=st.sampled_from([(), (3,), (2, 5)]),
+       absent=st.lists(st.booleans(), min_size=6, max_size=6), short=st.lists(st.booleans(), min_size=6, max_size=6),
+       picks=st.lists(st.integers(-3, 130), max_size=40), checked=st.booleans(), shift=st.integers(2, 6),
+       data=st.data())
+def test_take_sharded_copies_each_index_from_its_shard_or_says_which_it_cannot(sizes, shape, absent, short, picks,
+                                                                               checked, shift, data):
+    """`take_sharded` writes the row of dataset index i (shard k holds [starts[k], starts[k + 1])) at dst[i],
+    and returns -1; given an index out of range, in a shard whose source is None, past its source's rows, or
+    (with `ready`) over a block of its file not marked ready, it returns that index's position and copies
+    nothing."""
+    per = int(np.prod(shape, dtype=int))
+    row_bytes = 4 * per
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    sources = [None if absent[k] else np.arange(max(n - short[k], 0) * per, dtype=np.float32).reshape(-1, *shape)
+               + 1000 * k for k, n in enumerate(sizes)]
+    offsets = np.array([data.draw(st.integers(0, 300)) for _ in sizes], dtype=np.int64)
+    ready: list | None = None
+    if checked:  # per shard: None (every block ready) or one flag per block of its file
+        ready = []
+        for k, n in enumerate(sizes):
+            blocks = ((int(offsets[k]) + n * row_bytes) >> shift) + 1
+            ready.append(None if data.draw(st.booleans()) else
+                         np.array(data.draw(st.lists(st.booleans(), min_size=blocks, max_size=blocks)), dtype=bool))
+    indices = np.array(picks, dtype=np.int64)
+    dst = np.full((len(indices), *shape), -1, dtype=np.float32)
+    extra = () if ready is None else (ready, offsets, shift)
+    got = _ranges.take_sharded(sources, starts, indices, row_bytes, dst, *extra)
+
+    def shard(i: int) -> int:
+        return int(np.searchsorted(starts, i, side="right")) - 1
+
+    def readable(i: int) -> bool:
+        if not 0 <= i < starts[-1]:
+            return False
+        k = shard(i)
+        if sources[k] is None or i - starts[k] >= len(sources[k]):
+            return False
+        if ready is None or ready[k] is None:
+            return True
+        lo = int(offsets[k]) + (i - int(starts[k])) * row_bytes
+        return bool(ready[k][lo >> shift : ((lo + row_bytes - 1) >> shift) + 1].all())
+
+    bad = [p for p, i in enumerate(picks) if not readable(i)]
+    if bad:
+        assert got == bad[0]
+        assert (dst == -1).all()
+    else:
+        assert got == -1
+        want = [sources[shard(i)][i - starts[shard(i)]] for i in picks]
+        assert np.array_equal(dst, np.array(want, dtype=np.float32).reshape(dst.shape))
+    with pytest.raises(ValueError, match="not exactly"):
+        _ranges.take_sharded(sources, starts, indices, row_bytes, np.zeros(len(indices) * per + 1, np.float32))
+    with pytest.raises(ValueError, match="one more than"):
+        _ranges.take_sharded(sources, starts[:-1], indices, row_bytes, dst)
+    with pytest.raises(ValueError, match="differ in length"):
+        _ranges.take_sharded(sources, starts, indices, row_bytes, dst, [None] * (len(sizes) + 1), offsets, shift)
+    if len(sizes) > 1 and starts[1] > 0:
+        with pytest.raises(ValueError, match="decrease"):
+            _ranges.take_sharded(sources, starts[::-1].copy(), indices, row_bytes, dst)
 
 
 @settings(max_examples=80, deadline=None)

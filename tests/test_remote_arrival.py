@@ -649,6 +649,102 @@ def test_a_block_corrupt_at_the_source_raises_in_a_batch_over_open_shards(fixed_
         srv.stop()
 
 
+def _counting_take_sharded(monkeypatch) -> list[int]:
+    """The results of `_ranges.take_sharded` from now on (-1: a field of a batch read over open shards)."""
+    from fastload.formats import open_columns
+
+    results: list[int] = []
+    take = open_columns._c_take_sharded
+    if take is None:
+        pytest.skip("the C extension is built by `make install`")
+
+    def counted(*args):
+        results.append(take(*args))
+        return results[-1]
+
+    monkeypatch.setattr(open_columns, "_c_take_sharded", counted)
+    return results
+
+
+def test_a_batch_over_open_shards_and_verified_blocks_is_one_call_per_field(fixed_only, tmp_path, monkeypatch):
+    """Before every shard is at hand (here never: one fewer may stay open than there are shards), a batch
+    whose rows all lie in open shards, over blocks already verified (published by the download while the
+    shard arrives, or verified earlier), is one `take_sharded` per field, byte for byte; a batch over a
+    block still to arrive, or over a shard to open, is read the general way (which waits and verifies)."""
+    root, local = fixed_only
+    starts = local.shard_boundaries.tolist()
+    shards = len(starts) - 1
+    results = _counting_take_sharded(monkeypatch)
+    srv = ArrivalServer(root)
+    try:
+        srv.pause(HELD)  # every shard's body stops at byte HELD until released
+        storage = RemoteStorage(f"{srv.url}/ds", cache_dir=str(tmp_path / "c"), cache_limit="64MB",
+                                arriving_min_bytes=0, prefetch_depth=0)
+        ds = FastloadDataset(storage=storage, max_open_shards=shards - 1)
+        _same(ds.get_batch(starts[:-2]), local.get_batch(starts[:-2]))  # the first read opens all shards but one
+        held_rows = HELD // 8000 - 10  # rows whose x lies before the held byte
+        early = [np.arange(a, min(a + held_rows, b)) for a, b in zip(starts[:-2], starts[1:-1])]
+        rng = np.random.default_rng(1)
+        order = rng.permutation(np.concatenate(early))
+        results.clear()
+        for i in range(0, len(order), 100):  # their blocks fetched (the readers' own GETs) and verified
+            _same(ds.get_batch(order[i : i + 100]), local.get_batch(order[i : i + 100]))
+            if not i:
+                assert results[:1] == [0]  # blocks still to arrive: not read here, nothing copied
+        for _ in range(3):
+            results.clear()
+            rows = rng.permutation(np.concatenate(early))[:100]
+            _same(ds.get_batch(rows), local.get_batch(rows))
+            assert results == [-1, -1]  # x and label, over shards still arriving
+        results.clear()
+        late = np.array([starts[0] + 1, starts[-2]])  # the last shard's first row: that shard is not open
+        _same(ds.get_batch(late), local.get_batch(late))
+        assert results == [1]
+        srv.release()
+        batches = [np.arange(i, min(i + 40, N)) for i in range(0, N, 40)]
+        for _ in range(2):  # in order, through every shard (one closes as the last one opens)
+            results.clear()
+            for rows in batches:
+                _same(ds.get_batch(rows), local.get_batch(rows))
+        # every batch but those that open a shard: x and label, one call each
+        assert results.count(-1) >= 2 * (len(batches) - 2 * shards), (results, len(batches))
+        with pytest.raises(IndexError, match="out of range"):
+            ds.get_batch([0, N])  # an index out of range: the general way names the dataset
+        ds.close()
+        storage.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_a_shard_closed_beyond_max_open_shards_is_unmapped_with_its_reader(fixed_only, tmp_path, monkeypatch):
+    """Batches read over verified shards keep no closed shard mapped: with `max_open_shards=2`, a pass in
+    order through every shard leaves at most two shard files mapped, and every batch is exact."""
+    root, local = fixed_only
+    results = _counting_take_sharded(monkeypatch)
+    cache = str(tmp_path / "c")
+    srv = ArrivalServer(root)
+    enabled = gc.isenabled()
+    gc.disable()  # mappings must go with their readers, not at a collection
+    try:
+        ds = FastloadDataset(storage=RemoteStorage(f"{srv.url}/ds", cache_dir=cache, cache_limit="64MB",
+                                                   arriving_min_bytes=0), max_open_shards=2)
+        for _ in range(2):
+            for i in range(0, N, 50):
+                rows = np.arange(i, min(i + 50, N))
+                _same(ds.get_batch(rows), local.get_batch(rows))
+                files = {line.split()[-1] for line in _mapped(cache)}
+                assert len(files) <= 2, files
+        assert -1 in results  # batches within one verified shard took one call per field
+        ds.close()
+        assert _mapped(cache) == []
+        ds.storage.close()
+    finally:
+        if enabled:
+            gc.enable()
+        srv.stop()
+
+
 def _mapped(paths_under: str) -> list[str]:
     """This process's mappings of files under `paths_under` (Linux: /proc/self/maps)."""
     with open("/proc/self/maps") as f:
