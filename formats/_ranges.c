@@ -42,7 +42,7 @@
  * positions. The GIL is released and the next rows' first cache lines are prefetched. Every index is
  * bounds-checked before anything is copied (IndexError).
  *
- *   take_sharded(sources, starts, indices, rowbytes, dst, ready=None, offsets=None, shift=0) -> int
+ *   take_sharded(sources, starts, indices, rowbytes, dst, ready=None, offsets=None, shift=0, record=None) -> int
  *
  * Rows of a dataset split into shards, by dataset index: shard k holds indices [starts[k],
  * starts[k + 1]) as the rows of sources[k]; dst[i] = sources[k][indices[i] - starts[k]] for the k whose
@@ -52,8 +52,10 @@
  * ready (a sequence of S), a row of shard k is read only when ready[k] is None or every block of
  * 2**shift bytes its bytes [offsets[k] + row * rowbytes, + rowbytes) touch in its file has a nonzero
  * byte in ready[k] (a C-contiguous byte buffer, one per block: blocks verified so far); offsets: a
- * C-contiguous int64 buffer of S entries. Returns -1 once every row was copied (GIL released, the next
- * rows prefetched). Returns the position of the first index that cannot be read here, with nothing
+ * C-contiguous int64 buffer of S entries. record (with ready): a sequence of S, each None or a writable
+ * byte buffer like ready[k], in which the blocks of the rows read are set to 1 (a ledger of blocks
+ * verified, kept beside the ready record it takes them from). Returns -1 once every row was copied (GIL
+ * released, the next rows prefetched). Returns the position of the first index that cannot be read here, with nothing
  * copied: outside [0, starts[S]), in a shard whose source is None, past the rows its source holds, or
  * over a block not ready (the caller reads that batch another way, which waits, verifies and reports
  * errors).
@@ -611,13 +613,67 @@ static inline Py_ssize_t shard_of(const int64_t *starts, Py_ssize_t ns, int64_t 
     return lo;
 }
 
+/* One buffer (or None) per shard, each taken on first use and released by `shard_buffers_close`. */
+typedef struct {
+    PyObject *seq;     /* the sequence, through PySequence_Fast */
+    Py_buffer *views;  /* views[k] holds shard k's buffer where state[k] == 1 */
+    char *state;       /* 0 not looked at yet, 1 a buffer, 2 None */
+    int flags;         /* PyObject_GetBuffer flags */
+} shard_buffers;
+
+/* Open `obj`, a sequence of buffers or None, of `expected` entries unless that is negative (`what` names it
+ * in errors): its length, or -1 with an exception set. */
+static Py_ssize_t shard_buffers_open(shard_buffers *b, PyObject *obj, Py_ssize_t expected, const char *what,
+                                     int flags) {
+    char message[80];
+    snprintf(message, sizeof message, "%s must be a sequence", what);
+    b->flags = flags;
+    b->seq = PySequence_Fast(obj, message);
+    if (b->seq == NULL) return -1;
+    const Py_ssize_t ns = PySequence_Fast_GET_SIZE(b->seq);
+    if (expected >= 0 && ns != expected) {
+        PyErr_Format(PyExc_ValueError, "%s and sources differ in length", what);
+        return -1;
+    }
+    b->views = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(Py_buffer));
+    b->state = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, 1);
+    if (b->views == NULL || b->state == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return ns;
+}
+
+/* Shard k's entry: 1 (its buffer is b->views[k]), 2 (None), or -1 with an exception set. */
+static int shard_buffer(shard_buffers *b, Py_ssize_t k) {
+    if (!b->state[k]) {
+        PyObject *item = PySequence_Fast_GET_ITEM(b->seq, k);
+        if (item == Py_None)
+            b->state[k] = 2;
+        else if (PyObject_GetBuffer(item, &b->views[k], b->flags) < 0)
+            return -1;
+        else
+            b->state[k] = 1;
+    }
+    return b->state[k];
+}
+
+static void shard_buffers_close(shard_buffers *b, Py_ssize_t ns) {
+    if (b->state != NULL)
+        for (Py_ssize_t k = 0; k < ns; k++)
+            if (b->state[k] == 1) PyBuffer_Release(&b->views[k]);
+    PyMem_Free(b->state);
+    PyMem_Free(b->views);
+    Py_XDECREF(b->seq);
+}
+
 static PyObject *take_sharded(PyObject *self, PyObject *args) {
     PyObject *sources_obj, *starts_obj, *indices_obj, *dst_obj, *ready_obj = Py_None, *offsets_obj = Py_None;
-    PyObject *seq, *ready_seq = NULL, *result = NULL;
+    PyObject *record_obj = Py_None, *result = NULL;
     Py_ssize_t rowbytes;
     int shift = 0;
-    if (!PyArg_ParseTuple(args, "OOOnO|OOi", &sources_obj, &starts_obj, &indices_obj, &rowbytes, &dst_obj, &ready_obj,
-                          &offsets_obj, &shift))
+    if (!PyArg_ParseTuple(args, "OOOnO|OOiO", &sources_obj, &starts_obj, &indices_obj, &rowbytes, &dst_obj, &ready_obj,
+                          &offsets_obj, &shift, &record_obj))
         return NULL;
     if (rowbytes <= 0) {
         PyErr_SetString(PyExc_ValueError, "rowbytes must be positive");
@@ -627,34 +683,27 @@ static PyObject *take_sharded(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "shift must be in [0, 40]");
         return NULL;
     }
-    seq = PySequence_Fast(sources_obj, "sources must be a sequence");
-    if (seq == NULL) return NULL;
-    const Py_ssize_t ns = PySequence_Fast_GET_SIZE(seq);
+    shard_buffers sources = {0}, ready = {0}, record = {0};
+    const int checked = ready_obj != Py_None, recorded = checked && record_obj != Py_None;
     Py_buffer starts = {0}, indices = {0}, dst = {0}, offsets = {0};
     int have_starts = 0, have_indices = 0, have_dst = 0, have_offsets = 0;
-    Py_buffer *views = NULL, *readies = NULL;
-    char *got = NULL, *got_ready = NULL; /* got_ready[k]: 1 readies[k] holds a buffer, 2 ready[k] is None */
     Py_ssize_t *shard = NULL;
-    if (ready_obj != Py_None) {
-        ready_seq = PySequence_Fast(ready_obj, "ready must be a sequence");
-        if (ready_seq == NULL) goto done;
-        if (PySequence_Fast_GET_SIZE(ready_seq) != ns) {
-            PyErr_SetString(PyExc_ValueError, "ready and sources differ in length");
-            goto done;
-        }
+    const Py_ssize_t ns = shard_buffers_open(&sources, sources_obj, -1, "sources", PyBUF_C_CONTIGUOUS);
+    if (ns < 0) {
+        shard_buffers_close(&sources, 0);
+        return NULL;
+    }
+    if (checked) {
+        if (shard_buffers_open(&ready, ready_obj, ns, "ready", PyBUF_C_CONTIGUOUS) < 0) goto done;
         if (get_i64(offsets_obj, &offsets, "offsets") < 0) goto done;
         have_offsets = 1;
         if (offsets.len / 8 != ns) {
             PyErr_SetString(PyExc_ValueError, "offsets and sources differ in length");
             goto done;
         }
-        readies = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(Py_buffer));
-        got_ready = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, 1);
-        if (readies == NULL || got_ready == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
     }
+    if (recorded && shard_buffers_open(&record, record_obj, ns, "record", PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
     if (get_i64(starts_obj, &starts, "starts") < 0) goto done;
     have_starts = 1;
     if (get_i64(indices_obj, &indices, "indices") < 0) goto done;
@@ -670,15 +719,14 @@ static PyObject *take_sharded(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "dst holds %zd bytes, not exactly %zd rows of %zd", dst.len, n, rowbytes);
         goto done;
     }
-    views = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(Py_buffer));
-    got = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, 1); /* 1 where views[k] holds a buffer */
     shard = PyMem_Malloc((n > 0 ? (size_t)n : 1) * sizeof(Py_ssize_t));
-    if (views == NULL || got == NULL || shard == NULL) {
+    if (shard == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     {
         const int64_t *st = (const int64_t *)starts.buf, *idx = (const int64_t *)indices.buf;
+        const int64_t *off = checked ? (const int64_t *)offsets.buf : NULL;
         for (Py_ssize_t k = 0; k < ns; k++) {
             if (st[k] > st[k + 1]) {
                 PyErr_Format(PyExc_ValueError, "starts decrease at shard %zd", k);
@@ -687,52 +735,43 @@ static PyObject *take_sharded(PyObject *self, PyObject *args) {
         }
         const int64_t total = ns > 0 ? st[ns] : 0;
         Py_ssize_t hint = 0;
-        for (Py_ssize_t i = 0; i < n; i++) { /* every row checked (and its source's buffer taken) before any copy */
+        for (Py_ssize_t i = 0; i < n; i++) { /* every row checked (and its buffers taken) before any copy */
             if (ns == 0 || idx[i] < st[0] || idx[i] >= total) {
                 result = PyLong_FromSsize_t(i);
                 goto done;
             }
             const Py_ssize_t k = hint = shard_of(st, ns, idx[i], hint);
-            if (!got[k]) {
-                PyObject *item = PySequence_Fast_GET_ITEM(seq, k);
-                if (item == Py_None) {
-                    result = PyLong_FromSsize_t(i);
-                    goto done;
-                }
-                if (PyObject_GetBuffer(item, &views[k], PyBUF_C_CONTIGUOUS) < 0) goto done;
-                got[k] = 1;
-            }
-            if (idx[i] - st[k] >= (int64_t)(views[k].len / rowbytes)) {
+            const int has = shard_buffer(&sources, k);
+            if (has < 0) goto done;
+            if (has == 2 || idx[i] - st[k] >= (int64_t)(sources.views[k].len / rowbytes)) {
                 result = PyLong_FromSsize_t(i);
                 goto done;
             }
-            if (ready_seq != NULL) {
-                if (!got_ready[k]) {
-                    PyObject *item = PySequence_Fast_GET_ITEM(ready_seq, k);
-                    if (item == Py_None)
-                        got_ready[k] = 2;
-                    else if (PyObject_GetBuffer(item, &readies[k], PyBUF_C_CONTIGUOUS) < 0)
-                        goto done;
-                    else
-                        got_ready[k] = 1;
-                }
-                if (got_ready[k] == 1) {
-                    const int64_t off = ((const int64_t *)offsets.buf)[k], lo = off + (idx[i] - st[k]) * rowbytes;
-                    const int64_t first = lo >> shift, last = (lo + rowbytes - 1) >> shift;
-                    const unsigned char *have = (const unsigned char *)readies[k].buf;
-                    int ok = off >= 0 && last < (int64_t)readies[k].len;
-                    for (int64_t b = first; ok && b <= last; b++) ok = have[b] != 0;
-                    if (!ok) {
-                        result = PyLong_FromSsize_t(i);
-                        goto done;
-                    }
+            const int gate = checked ? shard_buffer(&ready, k) : 2;
+            if (gate < 0 || (recorded && gate == 1 && shard_buffer(&record, k) < 0)) goto done;
+            if (gate == 1) {
+                const int64_t lo = off[k] + (idx[i] - st[k]) * rowbytes, last = (lo + rowbytes - 1) >> shift;
+                const unsigned char *have = (const unsigned char *)ready.views[k].buf;
+                int ok = off[k] >= 0 && last < (int64_t)ready.views[k].len;
+                for (int64_t b = lo >> shift; ok && b <= last; b++) ok = have[b] != 0;
+                if (!ok) {
+                    result = PyLong_FromSsize_t(i);
+                    goto done;
                 }
             }
             shard[i] = k;
         }
+        for (Py_ssize_t i = 0; recorded && i < n; i++) { /* every row is readable: record the blocks read from `ready` */
+            const Py_ssize_t k = shard[i];
+            if (ready.state[k] != 1 || record.state[k] != 1) continue;
+            const int64_t lo = off[k] + (idx[i] - st[k]) * rowbytes;
+            unsigned char *mark = (unsigned char *)record.views[k].buf;
+            for (int64_t b = lo >> shift; b <= (lo + rowbytes - 1) >> shift && b < (int64_t)record.views[k].len; b++)
+                mark[b] = 1;
+        }
         char *out = (char *)dst.buf;
         const size_t unit = (size_t)rowbytes;
-#define ROW_AT(i) ((const char *)views[shard[i]].buf + (size_t)(idx[i] - st[shard[i]]) * unit)
+#define ROW_AT(i) ((const char *)sources.views[shard[i]].buf + (size_t)(idx[i] - st[shard[i]]) * unit)
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_start(ROW_AT(i), unit);
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -744,23 +783,14 @@ static PyObject *take_sharded(PyObject *self, PyObject *args) {
         result = PyLong_FromLong(-1);
     }
 done:
-    if (got != NULL)
-        for (Py_ssize_t k = 0; k < ns; k++)
-            if (got[k]) PyBuffer_Release(&views[k]);
-    if (got_ready != NULL)
-        for (Py_ssize_t k = 0; k < ns; k++)
-            if (got_ready[k] == 1) PyBuffer_Release(&readies[k]);
-    PyMem_Free(got);
-    PyMem_Free(views);
-    PyMem_Free(got_ready);
-    PyMem_Free(readies);
+    shard_buffers_close(&record, ns);
+    shard_buffers_close(&ready, ns);
+    shard_buffers_close(&sources, ns);
     PyMem_Free(shard);
-    Py_XDECREF(ready_seq);
     if (have_offsets) PyBuffer_Release(&offsets);
     if (have_dst) PyBuffer_Release(&dst);
     if (have_indices) PyBuffer_Release(&indices);
     if (have_starts) PyBuffer_Release(&starts);
-    Py_DECREF(seq);
     return result;
 }
 
@@ -844,7 +874,7 @@ static PyMethodDef methods[] = {
      "offsets_match(offsets, lengths, total): whether an offsets table is sound and agrees with lengths."},
     {"spans", spans, METH_VARARGS, "spans(buffers, addresses, lengths): each buffer's address and size."},
     {"take_sharded", take_sharded, METH_VARARGS,
-     "take_sharded(sources, starts, indices, rowbytes, dst, ready=None, offsets=None, shift=0): dst[i] = the row of "
+     "take_sharded(sources, starts, indices, rowbytes, dst, ready=None, offsets=None, shift=0, record=None): dst[i] = the row of "
      "dataset index indices[i] in its shard's source (its blocks ready), GIL released; -1, or the position of the "
      "first index not readable here (nothing copied)."},
     {"xxh3_blocks", xxh3_blocks, METH_VARARGS,

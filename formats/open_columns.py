@@ -6,7 +6,9 @@ under the batch, then copies, in some hundred Python calls a batch. Most batches
 none of that: their shards are open and the blocks under their rows already verified (by this
 process's download as they arrived, or by an earlier read). For those, `read` is one
 `_ranges.take_sharded` call per field: it finds each row's shard, checks the blocks under the row in
-that shard's record of verified blocks (`ShardReader.ready_blocks`), and copies the rows, the GIL
+that shard's record of verified blocks (`ShardReader.ready_blocks`), sets them in this process's
+ledger of verified blocks when it took them from an arriving file's download (as the general read
+does, so that columns spliced over the shards later find them verified), and copies the rows, the GIL
 released; a batch with any row elsewhere (a shard not open, a block not verified yet, an index out of
 range) gets None, having copied nothing, and is read the general way.
 
@@ -43,6 +45,7 @@ class OpenColumns:
         self._fields = [(f.name, tuple(f.shape), f.dtype, f.item_bytes, [None] * count, np.zeros(count, np.int64))
                         for f in fields]
         self._ready: list[np.ndarray | None] = [None] * count  # each listed shard's blocks verified so far
+        self._ledger: list[np.ndarray | None] = [None] * count  # where blocks read from `_ready` are recorded
 
     @staticmethod
     def available() -> bool:
@@ -51,7 +54,7 @@ class OpenColumns:
 
     def add(self, k: int, reader: ShardReader) -> None:
         """List shard k's open reader (caller holds the dataset's lock, and removes it before the reader closes)."""
-        self._ready[k] = reader.ready_blocks()
+        self._ready[k], self._ledger[k] = reader.ready_blocks()
         for name, _, _, _, columns, offsets in self._fields:
             offsets[k] = reader.fixed_offset[name]
             columns[k] = reader.fixed[name]
@@ -60,17 +63,17 @@ class OpenColumns:
         """Shard k's reader closes (caller holds the dataset's lock): its columns are no longer read here."""
         for _, _, _, _, columns, _ in self._fields:
             columns[k] = None
-        self._ready[k] = None
+        self._ready[k] = self._ledger[k] = None
 
     def read(self, indices: Any) -> dict[str, np.ndarray] | None:
         """Every field at `indices`, each into a recycled batch buffer (`buffers.empty`), when every row lies
         in a listed shard over verified blocks; else None (nothing to use: read the batch the general way)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        ready, starts, shift = self._ready, self._starts, self._shift
+        ready, ledger, starts, shift = self._ready, self._ledger, self._starts, self._shift
         out = {}
         for name, shape, dtype, row_bytes, columns, offsets in self._fields:
             col = batch_buffers.empty((len(idx), *shape), dtype)
-            if _c_take_sharded(columns, starts, idx, row_bytes, col, ready, offsets, shift) >= 0:
+            if _c_take_sharded(columns, starts, idx, row_bytes, col, ready, offsets, shift, ledger) >= 0:
                 return None  # a field after the first fails only if a shard was removed meanwhile
             out[name] = col
         return out

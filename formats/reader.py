@@ -848,13 +848,13 @@ class FastloadDataset:
             except IndexError:
                 self._checked_indices(idx)  # raises the error that names the dataset
                 raise
-        opened = self._open_columns if fields is None else None
-        if opened is not None and not self._fetch_ahead:  # (an epoch's first read fetches ahead: the general way)
-            read = opened.read(indices)  # a batch over open shards whose blocks under it are verified
-            if read is not None:
-                return read
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
         if self._spliced is None and not self._all_shards_at_hand():  # shards still to open or arriving
+            opened = self._open_columns if fields is None else None
+            if opened is not None and not self._fetch_ahead:  # (an epoch's first read fetches ahead: the general way)
+                read = opened.read(indices)  # a batch over open shards whose blocks under it are verified
+                if read is not None:
+                    return read
             read = self._gather_by_shard(indices, wanted)
             return read if len(read) == 1 or not self._mixed else {f.name: read[f.name] for f in wanted}
         resident, spliced = self._resident_columns(), self._spliced_columns()

@@ -457,14 +457,17 @@ class ShardReader:
         reads not verified at all)."""
         return self.bits is None or self._all_verified
 
-    def ready_blocks(self) -> np.ndarray | None:
-        """The blocks a read may take as verified now, one bool each, in an array that only ever gains
-        blocks: an arriving file's, those its download verified and published; else those this process
-        verified. None when every block is (or reads are not verified)."""
+    def ready_blocks(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """For reads that check blocks themselves: (ready, ledger). `ready`: one bool per block, True where a
+        read may take the block as verified now, in an array that only ever gains blocks (an arriving
+        file's: those its download verified and published; else those this process verified); None when
+        every block is verified (or reads are not). `ledger`: this process's record of verified blocks, in
+        which such a read sets the blocks it took from `ready` (as `verify_blocks` does for an arriving
+        file), or None when `ready` is that record."""
         if self.all_verified:
-            return None
+            return None, None
         arrival = self.arrival
-        return arrival.published if arrival is not None else self.bits
+        return (arrival.published, self.bits) if arrival is not None else (self.bits, None)
 
     def verify_blocks(self, ids: np.ndarray, *, ahead: bool = False) -> None:
         """Verify the blocks `ids` (unique, local) now, whatever their bits say. A mismatch raises

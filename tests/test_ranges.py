@@ -258,9 +258,9 @@ def test_take_rows_copies_each_row_from_its_source_in_order(sizes, shape, picks,
 def test_take_sharded_copies_each_index_from_its_shard_or_says_which_it_cannot(sizes, shape, absent, short, picks,
                                                                                checked, shift, data):
     """`take_sharded` writes the row of dataset index i (shard k holds [starts[k], starts[k + 1])) at dst[i],
-    and returns -1; given an index out of range, in a shard whose source is None, past its source's rows, or
-    (with `ready`) over a block of its file not marked ready, it returns that index's position and copies
-    nothing."""
+    and returns -1, having set in `record` the blocks of the rows it read from a `ready` array; given an index
+    out of range, in a shard whose source is None, past its source's rows, or (with `ready`) over a block of
+    its file not marked ready, it returns that index's position and copies and records nothing."""
     per = int(np.prod(shape, dtype=int))
     row_bytes = 4 * per
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
@@ -277,7 +277,8 @@ def test_take_sharded_copies_each_index_from_its_shard_or_says_which_it_cannot(s
                          np.array(data.draw(st.lists(st.booleans(), min_size=blocks, max_size=blocks)), dtype=bool))
     indices = np.array(picks, dtype=np.int64)
     dst = np.full((len(indices), *shape), -1, dtype=np.float32)
-    extra = () if ready is None else (ready, offsets, shift)
+    record = None if ready is None else [None if r is None else np.zeros(len(r), dtype=bool) for r in ready]
+    extra = () if ready is None else (ready, offsets, shift, record)
     got = _ranges.take_sharded(sources, starts, indices, row_bytes, dst, *extra)
 
     def shard(i: int) -> int:
@@ -295,6 +296,7 @@ def test_take_sharded_copies_each_index_from_its_shard_or_says_which_it_cannot(s
         return bool(ready[k][lo >> shift : ((lo + row_bytes - 1) >> shift) + 1].all())
 
     bad = [p for p, i in enumerate(picks) if not readable(i)]
+    marked = [None if r is None else np.zeros(len(r), dtype=bool) for r in record or ()]
     if bad:
         assert got == bad[0]
         assert (dst == -1).all()
@@ -302,6 +304,14 @@ def test_take_sharded_copies_each_index_from_its_shard_or_says_which_it_cannot(s
         assert got == -1
         want = [sources[shard(i)][i - starts[shard(i)]] for i in picks]
         assert np.array_equal(dst, np.array(want, dtype=np.float32).reshape(dst.shape))
+        for i in picks if record is not None else ():
+            k = shard(i)
+            if marked[k] is not None:
+                lo = int(offsets[k]) + (i - int(starts[k])) * row_bytes
+                marked[k][lo >> shift : ((lo + row_bytes - 1) >> shift) + 1] = True
+    for have, want_marked in zip(record or (), marked):
+        assert (have is None) == (want_marked is None)
+        assert have is None or np.array_equal(have, want_marked)
     with pytest.raises(ValueError, match="not exactly"):
         _ranges.take_sharded(sources, starts, indices, row_bytes, np.zeros(len(indices) * per + 1, np.float32))
     with pytest.raises(ValueError, match="one more than"):

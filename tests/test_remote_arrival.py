@@ -716,6 +716,36 @@ def test_a_batch_over_open_shards_and_verified_blocks_is_one_call_per_field(fixe
         srv.stop()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_cold_epoch_leaves_the_blocks_it_read_verified_for_the_spliced_columns(fixed_only, tmp_path, monkeypatch,
+                                                                                workers):
+    """Blocks a cold epoch read over arriving shards (most batches in one call per field) are recorded as
+    verified in the process's ledger, as the general read records them: the columns spliced over every shard
+    after that epoch need no check, so the next epoch's reads are planned ahead (`direct_plan`)."""
+    root, local = fixed_only
+    results = _counting_take_sharded(monkeypatch)
+    srv = ArrivalServer(root)
+    try:
+        srv.pause(HELD)  # the downloads stay held: every shard arrives (its blocks come by the readers' GETs)
+        ds = _open(f"{srv.url}/ds", str(tmp_path / "c"))
+        loader = Loader(ds, batch_size=50, num_workers=workers, worker_type="thread", shuffle=True, seed=1)
+        order = []
+        for batch in loader:
+            order += batch["label"].tolist()
+            _same({k: v.numpy() for k, v in batch.items()}, local.get_batch(batch["label"].numpy()))
+        assert sorted(order) == list(range(N))
+        assert -1 in results  # batches over blocks an earlier batch's GETs brought: one call per field
+        srv.release()
+        for info in ds.manifest.shards:
+            _wait_cached(ds, os.path.basename(info.file))
+        assert ds.direct_plan(np.arange(N)) is not None  # spliced, and no block left to check
+        loader.close()
+        ds.close()
+        ds.storage.close()
+    finally:
+        srv.stop()
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
 def test_a_shard_closed_beyond_max_open_shards_is_unmapped_with_its_reader(fixed_only, tmp_path, monkeypatch):
     """Batches read over verified shards keep no closed shard mapped: with `max_open_shards=2`, a pass in
