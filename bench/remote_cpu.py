@@ -27,7 +27,9 @@ such row's fetch cost over the same row's with an empty cache (it should not dep
 ../base <commit>`, its C extensions built in place and `fastload/formats` linked to `../formats`,
 as an editable install has it), in the same rounds, alternating with this tree's run of the row,
 so both commits see the same state of the machine; those rows carry the suffix " @base", and each
-row's fetch cost is printed over its base's, with the per-round ratios.
+row's fetch cost is printed over its base's, with the per-round ratios, beside its cold epoch's, its
+warm epoch's and the two together: a change that moves work into the warm epoch lowers the fetch cost
+without saving anything, which only the warm and cold + warm ratios show.
 
 Run: `python -m bench.remote_cpu [--shards 12 --shard-size 32MB --rounds 5 --cache-entries 0 2000]
 [--against ../base]`.
@@ -317,8 +319,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in RAW_ROWS:
             print(f"{name:24s} raw user CPU {_ratios(user[f'{name} raw'], user[f'{name}{BASE} raw'])}")
         for row in loader_rows:
+            both = [c + w for c, w in zip(user[f"{row} cold"], user[f"{row} warm"])]
+            both_base = [c + w for c, w in zip(user[f"{row}{BASE} cold"], user[f"{row}{BASE} warm"])]
             print(f"{row:24s} fetch cost {_ratios(user[f'{row} fetch cost'], user[f'{row}{BASE} fetch cost'])}"
                   f"  cold {_ratios(user[f'{row} cold'], user[f'{row}{BASE} cold'])}"
+                  f"  warm {_ratios(user[f'{row} warm'], user[f'{row}{BASE} warm'])}"
+                  f"  cold + warm {_ratios(both, both_base)}"
                   f"  (base: fetch cost {_med(user[f'{row}{BASE} fetch cost'])})")
     # a warm epoch's reading threads are the baseline of the fetch cost: with 0 workers the main thread
     # gathers through the epoch plan, with workers they read spliced columns

@@ -4,7 +4,8 @@
  *
  * Receives from socket `fd` into the writable buffer until it is full or the peer ends the stream
  * (recv returns 0); returns the bytes received. Each wait for data (poll) lasts at most `timeout_s`
- * seconds, as each read of a Python socket with a timeout does: TimeoutError past it. The socket may be
+ * seconds (and at most INT_MAX ms), as each read of a Python socket with a timeout does: TimeoutError
+ * past it. The socket may be
  * blocking or not (Python's sockets with a timeout are non-blocking underneath). Errors of recv or poll
  * raise OSError with their errno (ConnectionResetError and the like); an interrupted wait runs Python's
  * signal handlers (KeyboardInterrupt reaches the caller) and goes on.
@@ -16,6 +17,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -30,15 +33,16 @@ static PyObject *recv_into(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "recv_into: the socket is closed (negative file descriptor)");
         return NULL;
     }
-    if (!(timeout_s > 0) || timeout_s > 86400.0 * 365) {
-        PyErr_SetString(PyExc_ValueError, "recv_into: the timeout must be positive and at most a year");
+    if (!(timeout_s > 0)) {
+        PyErr_SetString(PyExc_ValueError, "recv_into: the timeout must be positive");
         return NULL;
     }
     Py_buffer buf;
     if (PyObject_GetBuffer(buffer_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     char *out = (char *)buf.buf;
     Py_ssize_t size = buf.len, got = 0;
-    int timeout_ms = (int)(timeout_s * 1000.0 + 0.999);
+    /* poll's limit, INT_MAX ms (about 24.8 days), bounds the longest wait (an infinite timeout too) */
+    const int timeout_ms = timeout_s * 1000.0 >= (double)INT_MAX ? INT_MAX : (int)ceil(timeout_s * 1000.0);
     int err = 0, timed_out = 0;
     for (;;) {
         int interrupted = 0;
