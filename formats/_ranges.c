@@ -127,6 +127,19 @@ static inline void prefetch_start(const char *p, size_t nbytes) {
     for (size_t k = 0; k < PREFETCH_LINES && k * 64 < nbytes; k++) __builtin_prefetch(p + k * 64);
 }
 
+/* Rows of `unit` bytes, checked by the caller: out[places ? places[i] : i] = base[which ? which[i] : 0] + rows[i]
+ * rows in, the next rows' first lines prefetched. Needs no GIL (the callers release it). */
+static void copy_rows(char *out, const char *const *base, const int64_t *which, const int64_t *rows,
+                      const int64_t *places, Py_ssize_t n, size_t unit) {
+#define ROW_AT(i) (base[which ? which[i] : 0] + (size_t)rows[i] * unit)
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_start(ROW_AT(i), unit);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) prefetch_start(ROW_AT(i + PREFETCH_AHEAD), unit);
+        memcpy(out + (size_t)(places ? places[i] : i) * unit, ROW_AT(i), unit);
+    }
+#undef ROW_AT
+}
+
 static PyObject *gather(PyObject *self, PyObject *args) {
     PyObject *src_obj, *starts_obj, *lengths_obj, *dst_obj;
     Py_ssize_t itemsize;
@@ -571,15 +584,8 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
                 goto done;
             }
         }
-        char *out = (char *)dst.buf;
-        const size_t unit = (size_t)rowbytes;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_start(base[w ? w[i] : 0] + (size_t)r[i] * unit, unit);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const Py_ssize_t j = i + PREFETCH_AHEAD;
-            if (j < n) prefetch_start(base[w ? w[j] : 0] + (size_t)r[j] * unit, unit);
-            memcpy(out + (size_t)(q ? q[i] : i) * unit, base[w ? w[i] : 0] + (size_t)r[i] * unit, unit);
-        }
+        copy_rows((char *)dst.buf, base, w, r, q, n, (size_t)rowbytes);
         Py_END_ALLOW_THREADS
         result = Py_None;
         Py_INCREF(result);
@@ -687,7 +693,8 @@ static PyObject *take_sharded(PyObject *self, PyObject *args) {
     const int checked = ready_obj != Py_None, recorded = checked && record_obj != Py_None;
     Py_buffer starts = {0}, indices = {0}, dst = {0}, offsets = {0};
     int have_starts = 0, have_indices = 0, have_dst = 0, have_offsets = 0;
-    Py_ssize_t *shard = NULL;
+    int64_t *which = NULL;    /* each row's shard, then (which + n) its row in that shard */
+    const char **base = NULL; /* each shard's rows, once its buffer is taken */
     const Py_ssize_t ns = shard_buffers_open(&sources, sources_obj, -1, "sources", PyBUF_C_CONTIGUOUS);
     if (ns < 0) {
         shard_buffers_close(&sources, 0);
@@ -719,8 +726,9 @@ static PyObject *take_sharded(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "dst holds %zd bytes, not exactly %zd rows of %zd", dst.len, n, rowbytes);
         goto done;
     }
-    shard = PyMem_Malloc((n > 0 ? (size_t)n : 1) * sizeof(Py_ssize_t));
-    if (shard == NULL) {
+    which = PyMem_Malloc((n > 0 ? 2 * (size_t)n : 1) * sizeof(int64_t));
+    base = PyMem_Calloc(ns > 0 ? (size_t)ns : 1, sizeof(char *));
+    if (which == NULL || base == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -741,16 +749,17 @@ static PyObject *take_sharded(PyObject *self, PyObject *args) {
                 goto done;
             }
             const Py_ssize_t k = hint = shard_of(st, ns, idx[i], hint);
+            const int64_t row = idx[i] - st[k];
             const int has = shard_buffer(&sources, k);
             if (has < 0) goto done;
-            if (has == 2 || idx[i] - st[k] >= (int64_t)(sources.views[k].len / rowbytes)) {
+            if (has == 2 || row >= (int64_t)(sources.views[k].len / rowbytes)) {
                 result = PyLong_FromSsize_t(i);
                 goto done;
             }
             const int gate = checked ? shard_buffer(&ready, k) : 2;
             if (gate < 0 || (recorded && gate == 1 && shard_buffer(&record, k) < 0)) goto done;
             if (gate == 1) {
-                const int64_t lo = off[k] + (idx[i] - st[k]) * rowbytes, last = (lo + rowbytes - 1) >> shift;
+                const int64_t lo = off[k] + row * rowbytes, last = (lo + rowbytes - 1) >> shift;
                 const unsigned char *have = (const unsigned char *)ready.views[k].buf;
                 int ok = off[k] >= 0 && last < (int64_t)ready.views[k].len;
                 for (int64_t b = lo >> shift; ok && b <= last; b++) ok = have[b] != 0;
@@ -759,34 +768,29 @@ static PyObject *take_sharded(PyObject *self, PyObject *args) {
                     goto done;
                 }
             }
-            shard[i] = k;
+            base[k] = (const char *)sources.views[k].buf;
+            which[i] = k;
+            which[n + i] = row;
         }
         for (Py_ssize_t i = 0; recorded && i < n; i++) { /* every row is readable: record the blocks read from `ready` */
-            const Py_ssize_t k = shard[i];
+            const Py_ssize_t k = (Py_ssize_t)which[i];
             if (ready.state[k] != 1 || record.state[k] != 1) continue;
-            const int64_t lo = off[k] + (idx[i] - st[k]) * rowbytes;
+            const int64_t lo = off[k] + which[n + i] * rowbytes;
             unsigned char *mark = (unsigned char *)record.views[k].buf;
             for (int64_t b = lo >> shift; b <= (lo + rowbytes - 1) >> shift && b < (int64_t)record.views[k].len; b++)
                 mark[b] = 1;
         }
-        char *out = (char *)dst.buf;
-        const size_t unit = (size_t)rowbytes;
-#define ROW_AT(i) ((const char *)sources.views[shard[i]].buf + (size_t)(idx[i] - st[shard[i]]) * unit)
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_start(ROW_AT(i), unit);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (i + PREFETCH_AHEAD < n) prefetch_start(ROW_AT(i + PREFETCH_AHEAD), unit);
-            memcpy(out + (size_t)i * unit, ROW_AT(i), unit);
-        }
+        copy_rows((char *)dst.buf, base, which, which + n, NULL, n, (size_t)rowbytes);
         Py_END_ALLOW_THREADS
-#undef ROW_AT
         result = PyLong_FromLong(-1);
     }
 done:
     shard_buffers_close(&record, ns);
     shard_buffers_close(&ready, ns);
     shard_buffers_close(&sources, ns);
-    PyMem_Free(shard);
+    PyMem_Free(base);
+    PyMem_Free(which);
     if (have_offsets) PyBuffer_Release(&offsets);
     if (have_dst) PyBuffer_Release(&dst);
     if (have_indices) PyBuffer_Release(&indices);
