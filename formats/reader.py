@@ -828,6 +828,16 @@ class FastloadDataset:
             self._checked_indices(idx)  # raises the error that names the dataset
             raise
 
+    def direct_read(self, indices: Any) -> dict[str, np.ndarray] | None:
+        """Every field at `indices` in one C call per field (`OpenColumns`), when that is how `get_batch`
+        reads them now: while some shard is not at hand (a cold epoch), for a batch whose rows all lie in
+        open shards over verified blocks, and not for an epoch's first read (it fetches ahead). Else
+        None, having read nothing: `get_batch` reads the batch (and raises for a bad index)."""
+        opened = self._open_columns
+        if opened is None or self._fetch_ahead or self._spliced is not None or self._all_shards_at_hand():
+            return None
+        return opened.read(indices)
+
     def get_batch(self, indices: Any, *, fields: list[str] | None = None) -> dict[str, Any]:
         """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable
         ones, `ShapedBatch` for vndarray fields.
@@ -850,11 +860,9 @@ class FastloadDataset:
                 raise
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
         if self._spliced is None and not self._all_shards_at_hand():  # shards still to open or arriving
-            opened = self._open_columns if fields is None else None
-            if opened is not None and not self._fetch_ahead:  # (an epoch's first read fetches ahead: the general way)
-                read = opened.read(indices)  # a batch over open shards whose blocks under it are verified
-                if read is not None:
-                    return read
+            read = self.direct_read(indices) if fields is None else None
+            if read is not None:
+                return read
             read = self._gather_by_shard(indices, wanted)
             return read if len(read) == 1 or not self._mixed else {f.name: read[f.name] for f in wanted}
         resident, spliced = self._resident_columns(), self._spliced_columns()

@@ -32,6 +32,9 @@ class DirectIdxDS(IdxDS):
             return None
         return [("i", np.array(indices, dtype=np.int64), None)]
 
+    def direct_read(self, indices) -> None:
+        return None  # it has takes: never asked
+
 
 class PyDS(IdxDS):
     """Per-sample `__getitem__` only (generic path)."""

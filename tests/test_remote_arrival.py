@@ -746,6 +746,55 @@ def test_a_cold_epoch_leaves_the_blocks_it_read_verified_for_the_spliced_columns
         srv.stop()
 
 
+@pytest.mark.parametrize("transform", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_cold_loader_reads_batches_over_open_shards_without_the_general_path(fixed_only, tmp_path, monkeypatch,
+                                                                                 workers, transform):
+    """In a cold epoch, a batch over open shards and verified blocks comes from the dataset's `direct_read`:
+    `get_batch` (and the run context around it) is called only for the other batches, and every batch is
+    exact. With a `transform`, every batch goes through `get_batch` inside its run context, which the
+    transform sees."""
+    from fastload.run import current_batch
+
+    root, local = fixed_only
+    results = _counting_take_sharded(monkeypatch)
+    contexts: list[bool] = []
+
+    def seen(cols):
+        ctx = current_batch()
+        contexts.append(ctx is not None and sorted(ctx.indices) == sorted(cols["label"].tolist()))
+        return cols
+
+    srv = ArrivalServer(root)
+    try:
+        srv.pause(HELD)  # blocks past HELD come by the readers' GETs: batches after them are over verified blocks
+        ds = _open(f"{srv.url}/ds", str(tmp_path / "c"))
+        general: list[int] = []
+        get_batch = ds.get_batch
+        monkeypatch.setattr(ds, "get_batch", lambda idx, **kw: general.append(1) or get_batch(idx, **kw))
+        loader = Loader(ds, batch_size=50, num_workers=workers, worker_type="thread", shuffle=True, seed=1,
+                        transform=seen if transform else None)
+        results.clear()
+        order, batches = [], 0
+        for batch in loader:
+            batches += 1
+            order += batch["label"].tolist()
+            _same({k: v.numpy() for k, v in batch.items()}, local.get_batch(batch["label"].numpy()))
+        assert sorted(order) == list(range(N))
+        if transform:
+            assert len(contexts) == batches and all(contexts)  # every batch in its run context
+            assert len(general) >= batches
+        else:
+            direct = results.count(-1) // 2  # x and label: one call each for a batch read directly
+            assert direct > 0 and len(general) + direct >= batches and len(general) < batches, (general, results)
+        srv.release()
+        loader.close()
+        ds.close()
+        ds.storage.close()
+    finally:
+        srv.stop()
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
 def test_a_shard_closed_beyond_max_open_shards_is_unmapped_with_its_reader(fixed_only, tmp_path, monkeypatch):
     """Batches read over verified shards keep no closed shard mapped: with `max_open_shards=2`, a pass in

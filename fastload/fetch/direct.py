@@ -2,7 +2,9 @@
 
 A dataset whose fields are all fixed-size and each one `take` over all its shards (a local
 `FastloadDataset`) implements it; the `Fetcher` then reads a batch as those takes wrapped by
-`torch.from_numpy`, and an epoch's small reads at once (`fastload.fetch.plan`). A wrapper that
+`torch.from_numpy`, and an epoch's small reads at once (`fastload.fetch.plan`). While it has no takes
+(a remote dataset's cold epoch), `direct_read` may still give a batch's columns without the general
+path (no run context, no collate: nothing of the user's runs for such a batch). A wrapper that
 changes what `get_batch` returns (`fastload.vision.IndexedDataset` adds a column) must not pass
 these methods through: the takes would no longer be its batch.
 """
@@ -19,7 +21,7 @@ __all__ = ["DIRECT_READER_METHODS", "DirectReader", "Gather", "Take"]
 Take = Callable[[np.ndarray], Any]  # int64 indices -> one field's values (an array, or a tensor with a gather)
 Gather = Callable[[np.ndarray], Callable[[np.ndarray], Any] | None]  # rows -> gather(row_numbers), or None
 
-DIRECT_READER_METHODS = ("direct_takes", "direct_plan")
+DIRECT_READER_METHODS = ("direct_takes", "direct_plan", "direct_read")
 
 
 @runtime_checkable
@@ -38,3 +40,7 @@ class DirectReader(Protocol):
         self, indices: Any, *, max_bytes: int | None = None
     ) -> list[tuple[str, np.ndarray, np.ndarray | None]] | None:
         """Per field `(name, data, rows)`: the small reads of `direct_takes()` for all of `indices`."""
+
+    def direct_read(self, indices: Any) -> dict[str, np.ndarray] | None:
+        """The batch's columns when they can be read now without the general path (while `direct_takes()`
+        is None), else None having read nothing."""
