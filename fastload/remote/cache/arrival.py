@@ -77,8 +77,10 @@ class Arrival:
             raise ValueError(f"{where}: {size} bytes cannot hold blocks of 2**{spec.shift} bytes and their table")
         self.sections_end, count = span
         self.spec, self.size, self.where, self.stall_s = spec, size, where, float(stall_s)
-        self.published = np.zeros(count, dtype=bool)  # False -> True only, set under `_cond`
-        self._cond = threading.Condition()
+        self.published = np.zeros(count, dtype=bool)  # False -> True only, set under `_lock`
+        # guards the ledger and the state below; a plain lock (no method takes it twice), waited on through `_cond`
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._pid = os.getpid()
         self._path, self._final = path, final_path
         self._ident: tuple[int, int] | None = None  # (device, inode) of the temp file, once created
@@ -106,16 +108,16 @@ class Arrival:
     # -- the download's side -----------------------------------------------------------------------
     def created(self, st: os.stat_result) -> None:
         """The temp file exists at its full size (`st`: its stat)."""
-        with self._cond:
+        with self._lock:
             self._ident = (st.st_dev, st.st_ino)
 
     def publish(self, ids: list[int]) -> None:
         """Blocks `ids` are in the file and matched their checksums: readers may read them (a reader
         is woken once all the blocks it waits for are here, not for each block)."""
-        with self._cond:
+        with self._lock:
             self.published[ids] = True
             self._last = time.monotonic()
-            if any(bool(self.published[want].all()) for want in self._waiting.values()):
+            if self._waiting and any(bool(self.published[want].all()) for want in self._waiting.values()):
                 self._cond.notify_all()
 
     def set_want(self, want: Callable[[list[tuple[int, int, int]]], None], *, gap: int, run: int,
@@ -123,7 +125,7 @@ class Arrival:
         """Install `on_want` (once the block table is known) and `on_follow` (`follow`), and hand
         `on_want` runs claimed for the blocks readers already wait for. Wanted blocks less than `gap`
         apart share a run (the unclaimed blocks between come along), of at most `run` blocks."""
-        with self._cond:
+        with self._lock:
             if self._state != "running":
                 return
             self.on_want, self.on_follow, self._gap, self._run = want, follow, int(gap), max(1, int(run))
@@ -169,7 +171,7 @@ class Arrival:
     def claim_next(self, start: int, most: int) -> tuple[int, int, int] | None:
         """Claim the next run of at most `most` blocks nobody published or claimed, from block `start`
         on (then from block 0): (claim id, first block, end block), or None when there is none."""
-        with self._cond:
+        with self._lock:
             free = self._free()
             after = np.flatnonzero(free[start:])
             if len(after):
@@ -192,7 +194,7 @@ class Arrival:
         `SKIP_THROUGH` from `upto` (a few blocks a reader's GET took over are received and dropped
         rather than ending the GET and starting another). A download's claim records `upto` as where
         its GET has got to (`STEAL_AHEAD`)."""
-        with self._cond:
+        with self._lock:
             if claim in self._fronts:
                 self._fronts[claim] = (upto, time.monotonic())
             if claim in self._intact:
@@ -204,7 +206,7 @@ class Arrival:
         """Claim runs (claim id, first block, end block) covering the blocks of `ids` that nobody holds,
         that the download's stalled GETs hold, or (`ahead`) that its GETs hold well ahead of where they
         got to (`STEAL_AHEAD`), grouped as `set_want` says."""
-        with self._cond:
+        with self._lock:
             return self._claim_wanted(ids, ahead)[0]
 
     def _claim_wanted(self, ids: np.ndarray, ahead: bool = True) -> tuple[list[tuple[int, int, int]], bool]:
@@ -243,12 +245,12 @@ class Arrival:
 
     def owned(self, claim: int, first: int, end: int) -> np.ndarray:
         """Which of blocks [first, end) claim `claim` holds (bools)."""
-        with self._cond:
+        with self._lock:
             return self.claimed[first:end] == claim
 
     def unclaim(self, claim: int) -> None:
         """Claim `claim` ended without bringing all its blocks: the unpublished ones are free again."""
-        with self._cond:
+        with self._lock:
             self._fronts.pop(claim, None)
             self._intact.discard(claim)
             lost = (self.claimed == claim) & ~self.published
@@ -258,14 +260,14 @@ class Arrival:
 
     def outstanding(self) -> list[int]:
         """Claims that hold unpublished blocks."""
-        with self._cond:
+        with self._lock:
             return sorted(set(self.claimed[~self.published].tolist()) - {0})
 
     def wait_free(self, timeout: float) -> bool:
         """Wait (up to `timeout` s) until every block is published (True) or some block is unclaimed
         and unpublished (True); False when neither happened in time."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while not (self.published.all() or self._free().any()):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -275,18 +277,18 @@ class Arrival:
 
     def progress(self) -> None:
         """The download is alive (an attempt started): restarts the readers' stall clock."""
-        with self._cond:
+        with self._lock:
             self._last = time.monotonic()
 
     def move(self, rename: Callable[[], None], final_path: str) -> None:
         """Run `rename` (the temp file to `final_path`) and record it in one step: `path` is never stale."""
-        with self._cond:
+        with self._lock:
             rename()
             self._path = final_path
 
     def finish(self, final_path: str) -> None:
         """Every block was verified and the file was renamed to `final_path`."""
-        with self._cond:
+        with self._lock:
             self._path = final_path
             self.published[:] = True
             self._state = "complete"
@@ -295,7 +297,7 @@ class Arrival:
 
     def fail(self, error: BaseException) -> None:
         """The download failed for good: waiters raise `error`."""
-        with self._cond:
+        with self._lock:
             if self._state == "running":
                 self._state, self._error = "failed", error
             self.on_want = self.on_follow = None
@@ -307,7 +309,7 @@ class Arrival:
         """Where the file is now: the temp file, or the cached file once renamed in."""
         if os.getpid() != self._pid:
             return self._final if self._landed() else self._path
-        with self._cond:
+        with self._lock:
             return self._path
 
     @property
@@ -332,7 +334,7 @@ class Arrival:
         while True:
             if ask:  # first, then after each quiet `ASK_AGAIN_S`: a stalled GET's blocks become free to claim
                 self._ask(ids, ahead=ahead)
-            with self._cond:
+            with self._lock:
                 self._waiting.pop(me, None)
                 if self._state == "failed":
                     raise _again(self._error, self.where)
@@ -361,7 +363,7 @@ class Arrival:
         does nothing."""
         if os.getpid() != self._pid:
             return
-        with self._cond:
+        with self._lock:
             want = self.on_want
             if self._state != "running":
                 return
