@@ -71,8 +71,8 @@ class HttpReceiver:
     def body(self, url: str, what: str, stats: TransferStats, chunk: int,
              byte_range: tuple[int, int] | None = None) -> Iterator[memoryview]:
         """One GET of `url` (bytes [start, end) with `byte_range`), its body in pieces of `chunk` bytes
-        (the last may be shorter), each valid until the next is asked for; counted in `stats` as
-        obstore's are (`bytes` per piece, `request_s` to the response headers, `receive_s` waiting
+        (the last may be shorter), each valid until the next is asked for; counted in `stats` when
+        the GET ends (`bytes` received, `request_s` to the response headers, `receive_s` waiting
         for pieces). `what` names the object in errors. A body shorter than the response says raises
         `ConnectionError`; a ranged GET answered with the whole object raises `ConnectionError` too."""
         headers = dict(self.headers)
@@ -84,24 +84,29 @@ class HttpReceiver:
         t1 = time.perf_counter()
         recv = 0.0
         done = False
+        got = 0
         try:
             expected = self._check(resp, what, byte_range)
             view = self._buffer(chunk)
             fd = self._direct_fd(conn, resp, expected)
             buffered = 0 if fd is None else self._buffered(resp, what, expected)
-            got = 0
+            timeout = self.read_timeout
             while True:
                 t = time.perf_counter()
                 if fd is None:
                     n = self._fill(resp, view, what)
-                else:
+                elif buffered:  # the first piece: bytes read with the headers first
                     n = self._fill_direct(resp, fd, view[: min(chunk, (expected or 0) - got)], what, buffered)
                     buffered = max(0, buffered - n)
+                else:
+                    try:
+                        n = _c_recv_into(fd, view[: min(chunk, (expected or 0) - got)], timeout)
+                    except BaseException as exc:
+                        raise _standard(exc, what, self) from exc
                 recv += time.perf_counter() - t
                 got += n
                 if n == 0:
                     break
-                stats.add("bytes", n)
                 yield view[:n]
                 if n < chunk:
                     break
@@ -117,7 +122,7 @@ class HttpReceiver:
                 self._give_back(key, conn)
             else:  # a body not read to its end (dropped, failed): the connection cannot be reused
                 conn.close()
-            stats.add_many(request_s=t1 - t0, receive_s=recv)
+            stats.add_many(request_s=t1 - t0, receive_s=recv, bytes=got)
 
     def close(self) -> None:
         """Close the idle connections (one in use by a GET now is given back, or closed, when it ends)."""

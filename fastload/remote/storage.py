@@ -743,10 +743,7 @@ class RemoteStorage:
         they arrive (obstore streams the range in pieces of `chunk` bytes; fsspec brings it in one piece)."""
         stats = self.cache.transfer
         stats.add("requests", 1)
-
-        def write(offset: int, data: Any) -> bool:
-            return sink.write_claimed(claim, offset, data)
-
+        write = partial(sink.write_claimed, claim)  # (offset, data) -> whether the GET goes on
         if self._via_obstore():
             self.obstore.range_into(rpath, start, end, write, stats, chunk=chunk)
             return

@@ -82,6 +82,7 @@ class Download:
         # claim -> (offset, bytes) of the block its last piece ended inside, not counted in `_filled` yet
         self._tails: dict[int, tuple[int, memoryview]] = {}
         self.stats = stats if stats is not None else TransferStats()
+        self._block_times = [0.0, 0.0]  # by-block mode: write_s and verify_s not in `stats` yet (added as claims end)
         self._lock = threading.Lock()  # by-block mode: writes and claim releases from several threads
         if arrival is not None:
             arrival.created(os.fstat(self._fd))
@@ -190,12 +191,20 @@ class Download:
         arrival = self.arrival
         assert arrival is not None
         with self._lock:
+            self._add_block_times()
             self._tails.pop(claim, None)
             held = np.flatnonzero(arrival.owned(claim, 0, len(arrival.published)) & ~arrival.published)
             self._filled[held] = 0
             for j in self._filler.keys() & set(held.tolist()):
                 del self._filler[j]
             arrival.unclaim(claim)
+
+    def _add_block_times(self) -> None:
+        """Add the time spent writing and verifying blocks since the last call to `stats` (caller holds `_lock`)."""
+        write_s, verify_s = self._block_times
+        if write_s or verify_s:
+            self.stats.add_many(write_s=write_s, verify_s=verify_s)
+            self._block_times = [0.0, 0.0]
 
     def _forget_partial(self, j: int) -> None:
         self._filled[j] = 0
@@ -269,7 +278,9 @@ class Download:
                 self._tails[claim] = tail
         if done:
             arrival.publish(done)
-        self.stats.add_many(write_s=write_s, verify_s=verify_s + time.perf_counter() - t0)
+        times = self._block_times  # added to `stats` when the claim ends (`release`): not a call per piece
+        times[0] += write_s
+        times[1] += verify_s + time.perf_counter() - t0
 
     def _count_partial(self, claim: int, lo: int, piece: memoryview) -> list[int]:
         """Bytes [lo, lo + len(piece)) of one block, for `claim`, counted towards that block (`_partial`):
@@ -330,6 +341,7 @@ class Download:
     def close(self) -> None:
         """Close the temp file (idempotent)."""
         with self._lock:
+            self._add_block_times()
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
