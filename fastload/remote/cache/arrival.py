@@ -162,6 +162,12 @@ class Arrival:
             free[held] = ~self.published[held]
         return free
 
+    def _stalled(self) -> bool:
+        """Whether the download published nothing for `STALLED_S`, or one of its GETs received nothing for
+        as long (`_free_for_readers` then frees blocks for a following read; caller holds the lock)."""
+        now = time.monotonic()
+        return now - self._last > STALLED_S or any(now - seen > STALLED_S for _, seen in self._fronts.values())
+
     def _claim(self, first: int, end: int) -> tuple[int, int, int]:
         self._claims += 1
         self.claimed[first:end] = self._claims
@@ -211,6 +217,8 @@ class Arrival:
 
     def _claim_wanted(self, ids: np.ndarray, ahead: bool = True) -> tuple[list[tuple[int, int, int]], bool]:
         """(`claim_wanted`'s runs, whether fetching ahead they were left to the download: `AHEAD_MOST`)."""
+        if not ahead and not self._stalled():  # a following read takes blocks only from a stalled download
+            return [], False
         ids = np.unique(ids)
         left = ahead and self._covers_most(ids)
         free = self._free_for_readers(ahead and not left)
