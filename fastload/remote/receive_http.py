@@ -71,8 +71,8 @@ class HttpReceiver:
     def body(self, url: str, what: str, stats: TransferStats, chunk: int,
              byte_range: tuple[int, int] | None = None) -> Iterator[memoryview]:
         """One GET of `url` (bytes [start, end) with `byte_range`), its body in pieces of `chunk` bytes
-        (the last may be shorter), each valid until the next is asked for; counted in `stats` when
-        the GET ends (`bytes` received, `request_s` to the response headers, `receive_s` waiting
+        (the last may be shorter), each valid until the next is asked for; counted in `stats` as
+        obstore's are (`bytes` per piece, `request_s` to the response headers, `receive_s` waiting
         for pieces). `what` names the object in errors. A body shorter than the response says raises
         `ConnectionError`; a ranged GET answered with the whole object raises `ConnectionError` too."""
         headers = dict(self.headers)
@@ -84,13 +84,13 @@ class HttpReceiver:
         t1 = time.perf_counter()
         recv = 0.0
         done = False
-        got = 0
         try:
             expected = self._check(resp, what, byte_range)
             view = self._buffer(chunk)
             fd = self._direct_fd(conn, resp, expected)
             buffered = 0 if fd is None else self._buffered(resp, what, expected)
             timeout = self.read_timeout
+            got = 0
             while True:
                 t = time.perf_counter()
                 if fd is None:
@@ -107,6 +107,7 @@ class HttpReceiver:
                 got += n
                 if n == 0:
                     break
+                stats.add("bytes", n)  # as it arrives: the read-ahead's window measures the rate from it
                 yield view[:n]
                 if n < chunk:
                     break
@@ -122,7 +123,7 @@ class HttpReceiver:
                 self._give_back(key, conn)
             else:  # a body not read to its end (dropped, failed): the connection cannot be reused
                 conn.close()
-            stats.add_many(request_s=t1 - t0, receive_s=recv, bytes=got)
+            stats.add_many(request_s=t1 - t0, receive_s=recv)
 
     def close(self) -> None:
         """Close the idle connections (one in use by a GET now is given back, or closed, when it ends)."""
