@@ -829,14 +829,20 @@ class FastloadDataset:
             raise
 
     def direct_read(self, indices: Any) -> dict[str, np.ndarray] | None:
-        """Every field at `indices` in one C call per field (`OpenColumns`), when that is how `get_batch`
-        reads them now: while some shard is not at hand (a cold epoch), for a batch whose rows all lie in
-        open shards over verified blocks, and not for an epoch's first read (it fetches ahead). Else
-        None, having read nothing: `get_batch` reads the batch (and raises for a bad index)."""
-        opened = self._open_columns
-        if opened is None or self._fetch_ahead or self._spliced is not None or self._all_shards_at_hand():
+        """Every field at `indices`, as `get_batch` reads them while some shard is not at hand (a cold
+        epoch), for a dataset whose fields are all fixed (see `_read_cold`). None, having read nothing,
+        once every shard is at hand or with a variable field: `get_batch` reads the batch then."""
+        if self._open_columns is None or self._spliced is not None or self._all_shards_at_hand():
             return None
-        return opened.read(indices)
+        return self._read_cold(indices, self._fields)
+
+    def _read_cold(self, indices: Any, wanted: list[Any]) -> dict[str, Any]:
+        """The fields `wanted` at `indices` while some shard is not at hand: every field in one C call
+        (`OpenColumns`) for a batch whose rows all lie in open shards over verified blocks (not an epoch's
+        first read: it fetches ahead), else shard by shard (which opens, waits, verifies and raises)."""
+        opened = self._open_columns if wanted is self._fields else None
+        read = None if opened is None or self._fetch_ahead else opened.read(indices)
+        return read if read is not None else self._gather_by_shard(indices, wanted)
 
     def get_batch(self, indices: Any, *, fields: list[str] | None = None) -> dict[str, Any]:
         """Columns of the samples at `indices`: (B, *shape) arrays for fixed fields, `Ragged` for variable
@@ -860,10 +866,7 @@ class FastloadDataset:
                 raise
         wanted = self._fields if fields is None else [self.schema[name] for name in fields]
         if self._spliced is None and not self._all_shards_at_hand():  # shards still to open or arriving
-            read = self.direct_read(indices) if fields is None else None
-            if read is not None:
-                return read
-            read = self._gather_by_shard(indices, wanted)
+            read = self._read_cold(indices, wanted)
             return read if len(read) == 1 or not self._mixed else {f.name: read[f.name] for f in wanted}
         resident, spliced = self._resident_columns(), self._spliced_columns()
         ragged = self._ragged or {}

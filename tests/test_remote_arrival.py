@@ -750,10 +750,10 @@ def test_a_cold_epoch_leaves_the_blocks_it_read_verified_for_the_spliced_columns
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_cold_loader_reads_batches_over_open_shards_without_the_general_path(fixed_only, tmp_path, monkeypatch,
                                                                                  workers, transform):
-    """In a cold epoch, a batch over open shards and verified blocks comes from the dataset's `direct_read`:
-    `get_batch` (and the run context around it) is called only for the other batches, and every batch is
-    exact. With a `transform`, every batch goes through `get_batch` inside its run context, which the
-    transform sees."""
+    """In a cold epoch without a `transform`, batches come from the dataset's `direct_read` (those over open
+    shards and verified blocks in one call per field), not through `get_batch` and the run context around
+    it, and every batch is exact. With a `transform`, every batch goes through `get_batch` inside its run
+    context, which the transform sees."""
     from fastload.run import current_batch
 
     root, local = fixed_only
@@ -770,8 +770,16 @@ def test_a_cold_loader_reads_batches_over_open_shards_without_the_general_path(f
         srv.pause(HELD)  # blocks past HELD come by the readers' GETs: batches after them are over verified blocks
         ds = _open(f"{srv.url}/ds", str(tmp_path / "c"))
         general: list[int] = []
-        get_batch = ds.get_batch
+        direct_reads: list[bool] = []  # whether each `direct_read` gave the batch
+        get_batch, direct_read = ds.get_batch, ds.direct_read
         monkeypatch.setattr(ds, "get_batch", lambda idx, **kw: general.append(1) or get_batch(idx, **kw))
+
+        def counted_read(idx):
+            read = direct_read(idx)
+            direct_reads.append(read is not None)
+            return read
+
+        monkeypatch.setattr(ds, "direct_read", counted_read)
         loader = Loader(ds, batch_size=50, num_workers=workers, worker_type="thread", shuffle=True, seed=1,
                         transform=seen if transform else None)
         results.clear()
@@ -783,10 +791,11 @@ def test_a_cold_loader_reads_batches_over_open_shards_without_the_general_path(f
         assert sorted(order) == list(range(N))
         if transform:
             assert len(contexts) == batches and all(contexts)  # every batch in its run context
-            assert len(general) >= batches
+            assert len(general) >= batches and not direct_reads
         else:
-            direct = results.count(-1) // 2  # x and label: one call each for a batch read directly
-            assert direct > 0 and len(general) + direct >= batches and len(general) < batches, (general, results)
+            one_call = results.count(-1) // 2  # x and label: one call each for a batch over verified blocks
+            assert one_call > 0, results
+            assert sum(direct_reads) + len(general) >= batches and len(general) < batches, (general, direct_reads)
         srv.release()
         loader.close()
         ds.close()

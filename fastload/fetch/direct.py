@@ -3,8 +3,8 @@
 A dataset whose fields are all fixed-size and each one `take` over all its shards (a local
 `FastloadDataset`) implements it; the `Fetcher` then reads a batch as those takes wrapped by
 `torch.from_numpy`, and an epoch's small reads at once (`fastload.fetch.plan`). While it has no takes
-(a remote dataset's cold epoch), `direct_read` may still give a batch's columns without the general
-path (no run context, no collate: nothing of the user's runs for such a batch). A wrapper that
+(a remote dataset's cold epoch), `direct_read` may still give a batch's columns read by the dataset's
+own code alone (no run context, no collate: nothing of the user's runs for such a batch). A wrapper that
 changes what `get_batch` returns (`fastload.vision.IndexedDataset` adds a column) must not pass
 these methods through: the takes would no longer be its batch.
 """
@@ -42,5 +42,5 @@ class DirectReader(Protocol):
         """Per field `(name, data, rows)`: the small reads of `direct_takes()` for all of `indices`."""
 
     def direct_read(self, indices: Any) -> dict[str, np.ndarray] | None:
-        """The batch's columns when they can be read now without the general path (while `direct_takes()`
-        is None), else None having read nothing."""
+        """The batch's columns, read by the dataset's own code alone (while `direct_takes()` is None), or
+        None having read nothing (the fetch stage's general path reads the batch then)."""

@@ -83,10 +83,8 @@ class Fetcher:
         self._takes: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] | None = None
         self._takes_alone: list[tuple[str, Callable[[np.ndarray], torch.Tensor]]] | None = None  # make tensors
         self._takes_checked = False
-        # the dataset's `direct_read` while `_takes` is None (mode and transform allowing), and whether
-        # the columns it gives are each a bare `torch.from_numpy` (None: not seen yet)
+        # the dataset's `direct_read` while `_takes` is None (mode and transform allowing)
         self._direct_read: Callable[[Any], dict[str, np.ndarray] | None] | None = None
-        self._read_zero_copy: bool | None = None
         # the next epoch's plan, prepared on the order's background thread: one store, one read
         self._prepared: _Prepared | None = None
         self.run: RunContext | None = None  # the Loader's run (`bind_run`)
@@ -195,11 +193,12 @@ class Fetcher:
             takes = self._takes_alone if alone else self._takes
             if takes is None:
                 read = self._direct_read
-                if read is not None:  # a cold epoch's batch over open shards: no general path, no collate
+                if read is not None:  # a cold epoch's batch, read by the dataset alone: no run context, no collate
                     t0 = time.perf_counter()
                     cols = read(indices)
                     if cols is not None:
-                        return self._direct_tensors(cols), {"read": time.perf_counter() - t0}
+                        batch = columns_to_torch(cols, scalar_fields=self.scalar_fields)
+                        return batch, {"read": time.perf_counter() - t0}
                 return self._fetch(indices)
             t0 = time.perf_counter()
             if planned is not None and planned.plan.source is self._takes:  # read through these mappings
@@ -278,15 +277,6 @@ class Fetcher:
                 ]
         self._takes, self._takes_alone, self._takes_checked = takes, alone, True
         return takes
-
-    def _direct_tensors(self, cols: dict[str, np.ndarray]) -> dict[str, Any]:
-        """The batch of `direct_read`'s columns: each a bare `torch.from_numpy` when the first batch's
-        columns all were (`zero_copy_column`), else what `columns_to_torch` makes of them."""
-        if self._read_zero_copy is None:
-            self._read_zero_copy = all(zero_copy_column(name, col, self.scalar_fields) for name, col in cols.items())
-        if self._read_zero_copy:
-            return {name: torch.from_numpy(col) for name, col in cols.items()}
-        return columns_to_torch(cols, scalar_fields=self.scalar_fields)
 
     def _annotate(self, exc: BaseException, indices: Any) -> None:
         """Add a note with the failing sample index, found without reading anything again (see `_locate`)."""
