@@ -631,10 +631,14 @@ typedef struct {
  * in errors): its length, or -1 with an exception set. */
 static Py_ssize_t shard_buffers_open(shard_buffers *b, PyObject *obj, Py_ssize_t expected, const char *what,
                                      int flags) {
-    char message[80];
-    snprintf(message, sizeof message, "%s must be a sequence", what);
     b->flags = flags;
-    b->seq = PySequence_Fast(obj, message);
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        b->seq = PySequence_Fast(obj, ""); /* the list or tuple itself: no message needed (nor formatted per call) */
+    } else {
+        char message[80];
+        snprintf(message, sizeof message, "%s must be a sequence", what);
+        b->seq = PySequence_Fast(obj, message);
+    }
     if (b->seq == NULL) return -1;
     const Py_ssize_t ns = PySequence_Fast_GET_SIZE(b->seq);
     if (expected >= 0 && ns != expected) {

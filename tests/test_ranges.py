@@ -318,6 +318,12 @@ def test_take_sharded_copies_each_index_from_its_shard_or_says_which_it_cannot(s
         _ranges.take_sharded(sources, starts[:-1], indices, row_bytes, dst)
     with pytest.raises(ValueError, match="differ in length"):
         _ranges.take_sharded(sources, starts, indices, row_bytes, dst, [None] * (len(sizes) + 1), offsets, shift)
+    with pytest.raises(TypeError, match="ready must be a sequence"):
+        _ranges.take_sharded(sources, starts, indices, row_bytes, dst, 5, offsets, shift)
+    as_list, as_tuple = dst.copy(), dst.copy()  # a tuple of sources is read as the list is
+    assert (_ranges.take_sharded(sources, starts, indices, row_bytes, as_list)
+            == _ranges.take_sharded(tuple(sources), starts, indices, row_bytes, as_tuple))
+    assert np.array_equal(as_list, as_tuple)
     if len(sizes) > 1 and starts[1] > 0:
         with pytest.raises(ValueError, match="decrease"):
             _ranges.take_sharded(sources, starts[::-1].copy(), indices, row_bytes, dst)

@@ -95,14 +95,15 @@ class HttpReceiver:
                 t = time.perf_counter()
                 if fd is None:
                     n = self._fill(resp, view, what)
-                elif buffered:  # the first piece: bytes read with the headers first
-                    n = self._fill_direct(resp, fd, view[: min(chunk, (expected or 0) - got)], what, buffered)
-                    buffered = max(0, buffered - n)
                 else:
-                    try:
-                        n = _c_recv_into(fd, view[: min(chunk, (expected or 0) - got)], timeout)
-                    except BaseException as exc:
-                        raise _standard(exc, what, self) from exc
+                    piece = view[: min(chunk, (expected or 0) - got)]
+                    n = self._take_buffered(resp, piece, what, buffered) if buffered else 0  # the first piece only
+                    buffered -= n
+                    if n < len(piece):
+                        try:
+                            n += _c_recv_into(fd, piece[n:], timeout)
+                        except BaseException as exc:
+                            raise _standard(exc, what, self) from exc
                 recv += time.perf_counter() - t
                 got += n
                 if n == 0:
@@ -239,7 +240,7 @@ class HttpReceiver:
     @staticmethod
     def _direct_fd(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
                    expected: int | None) -> int | None:
-        """The socket to receive the body from in C (`_fill_direct`): a plain TCP connection kept open
+        """The socket to receive the body from in C (`body`): a plain TCP connection kept open
         after the response, whose body has the length `expected` (not chunked); else None (`_fill`)."""
         sock = conn.sock
         if (_c_recv_into is None or expected is None or resp.chunked or resp.will_close or sock is None
@@ -257,18 +258,15 @@ class HttpReceiver:
         except BaseException as exc:
             raise _standard(exc, what, self) from exc
 
-    def _fill_direct(self, resp: http.client.HTTPResponse, fd: int, view: memoryview, what: str, buffered: int) -> int:
-        """`_fill` for a body received from socket `fd` in C: fills `view` (at most what the body still
-        owes), the first `buffered` bytes from `http.client`'s buffer (they came with the headers)."""
-        n = 0
+    def _take_buffered(self, resp: http.client.HTTPResponse, view: memoryview, what: str, buffered: int) -> int:
+        """Bytes of the body that `http.client` holds in its buffer (`buffered` of them: they came with the
+        headers) into the start of `view`, without reading the socket: how many."""
+        if not len(view):
+            return 0
         try:
-            if buffered and len(view):
-                n = resp.readinto(view[: min(buffered, len(view))])  # from the buffer only: no read of the socket
-            if n < len(view):
-                n += _c_recv_into(fd, view[n:], self.read_timeout)
+            return resp.readinto(view[: min(buffered, len(view))])
         except BaseException as exc:
             raise _standard(exc, what, self) from exc
-        return n
 
     def _fill(self, resp: http.client.HTTPResponse, view: memoryview, what: str) -> int:
         """Read into `view` until it is full or the body ended: bytes read."""
