@@ -1,8 +1,10 @@
 """`index.json`: the dataset manifest, parsed as untrusted input.
 
-It names the schema, every shard (relative path, sample count, byte size, xxh3), and the
+It names the schema, every shard (relative path, sample count, byte size, xxh3), the
 `meta.bin` sidecar holding per-sample lengths of variable fields and image sizes, so that
-length bucketing and crop planning need no data reads. The manifest checksums itself.
+length bucketing and crop planning need no data reads, and (version 2) the `blocks.bin` sidecar
+holding every shard's block checksum table, so that a remote reader verifies a shard as it
+arrives without a GET of its table. The manifest checksums itself.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .blocks import table_span
 from .errors import ChecksumError, FormatError
 from .layout import BLOCK_LOG2, FORMAT_VERSION, READ_VERSIONS, min_sample_bytes
 from .schema import Schema
 from .shard import ShardInfo
 
 __all__ = [
+    "BLOCKS_NAME",
     "FORMAT_NAME",
     "MANIFEST_NAME",
     "MAX_FILE_BYTES",
@@ -34,6 +38,7 @@ __all__ = [
 
 MANIFEST_NAME = "index.json"
 META_NAME = "meta.bin"
+BLOCKS_NAME = "blocks.bin"
 FORMAT_NAME = "fastload-dataset"
 MAX_FILE_BYTES = 2**63 - 1  # the largest file size (off_t) a POSIX file system can hold
 _META_DTYPES = {"<i8", "<u4"}
@@ -86,6 +91,20 @@ class Manifest:
     version: int = FORMAT_VERSION
     dataset_id: int = 0  # version 2: also in every shard header
     block_log2: int = BLOCK_LOG2  # version 2: checksum block size, log2
+    blocks_file: str = ""  # version 2: every shard's block checksum table, in shard order ("": none)
+
+    def table_offsets(self) -> np.ndarray:
+        """Where each shard's block checksum table starts in `blocks_file`, and (last) its size: int64[n + 1]
+        (version 2; a table is 8 bytes a block, its length follows from the shard's `bytes`)."""
+        sizes = []
+        for k, s in enumerate(self.shards):
+            span = table_span(s.bytes, self.block_log2)
+            if span is None:
+                raise FormatError(f"shard #{k} ({s.file}): {s.bytes} bytes cannot hold a block checksum table")
+            sizes.append(8 * span[1])
+        out = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=out[1:])
+        return out
 
     @property
     def num_samples(self) -> int:
@@ -99,6 +118,8 @@ class Manifest:
             for entry, s in zip(shards, self.shards):
                 entry["blocks_xxh3"] = s.blocks_xxh3
             extra = {"dataset_id": f"{self.dataset_id:016x}", "block_log2": self.block_log2}
+            if self.blocks_file:
+                extra["blocks"] = {"file": self.blocks_file, "bytes": int(self.table_offsets()[-1])}
         return {
             "format": FORMAT_NAME,
             "version": self.version,
@@ -166,6 +187,8 @@ class Manifest:
                     raise FormatError(f"{where} dataset_id: expected 16 hex digits, got {dataset_id!r}")
                 manifest.dataset_id = int(dataset_id, 16)
                 manifest.block_log2 = _size(body["block_log2"], f"{where} block_log2", 12, 30)
+                if "blocks" in body:
+                    manifest.blocks_file = _blocks_file(body["blocks"], manifest, where)
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, FormatError):
                 raise
@@ -190,6 +213,22 @@ class Manifest:
         for c in self.meta_columns:
             out[c.name] = buf[c.offset : c.offset + c.nbytes].view(c.dtype).reshape(c.shape)
         return out
+
+
+def _blocks_file(entry: Any, manifest: Manifest, where: str) -> str:
+    """The `blocks` entry's file, once its `bytes` equal the size of every shard's table together."""
+    if not isinstance(entry, dict):
+        raise FormatError(f"{where} blocks: expected {{\"file\", \"bytes\"}}, got {entry!r:.80}")
+    name = check_relative_path(entry.get("file"), f"{where} blocks")
+    _check_shard_sizes(manifest, where)
+    try:
+        expected = int(manifest.table_offsets()[-1])
+    except FormatError as exc:
+        raise FormatError(f"{where} blocks: {exc}") from exc
+    got = _size(entry.get("bytes"), f"{where} blocks bytes")
+    if got != expected:
+        raise FormatError(f"{where} blocks: {name} has {got} bytes, the shards' checksum tables take {expected}")
+    return name
 
 
 def _size(v: Any, where: str, low: int = 0, high: int = MAX_FILE_BYTES) -> int:

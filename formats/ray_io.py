@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra ins
     ) from exc
 
 from .errors import FormatError
-from .manifest import MANIFEST_NAME, META_NAME, Manifest
+from .manifest import BLOCKS_NAME, MANIFEST_NAME, META_NAME, Manifest
 from .ray_plan import PathSource, Plan, RefSource, block_rows, plan_shards
 from .schema import Schema
 from .shard import ShardIdentity, ShardInfo, ShardReader, write_shard
@@ -56,6 +56,7 @@ from .writer import (
     pack_meta,
     shard_meta,
     shard_name,
+    shard_table,
 )
 
 __all__ = ["FastloadDatasink", "FastloadDatasource", "RayWriteResult", "convert_ray", "write_ray"]
@@ -161,6 +162,7 @@ class _ShardDone:
     k: int
     info: ShardInfo
     meta: dict[str, np.ndarray]
+    table: bytes  # its block checksum table (`shard_table`), for blocks.bin
     node: str
     kept: bool  # a finished shard of an interrupted run, checked and kept
 
@@ -213,7 +215,7 @@ class FastloadDatasink(Datasink):
         if self.resume:
             kept = self._kept(name, stop - start, identity)
             if kept is not None:
-                return _ShardDone(k, kept[0], kept[1], node, True)
+                return _ShardDone(k, *kept, node, True)
         if self.source.skipping:
             bad = self.bad[np.searchsorted(self.bad, lo) : np.searchsorted(self.bad, hi)]
             block = self.source.block_of(np.setdiff1d(np.arange(lo, hi), bad), first_index=start)
@@ -225,26 +227,29 @@ class FastloadDatasink(Datasink):
         if not self.output.remote:
             final = self.output.path(name)
             info = write_shard(final + part, [block], self.schema, name=name, identity=identity)
-            meta = self._meta(final + part, info, identity)
+            meta, table = self._sidecars(final + part, info, identity)
             os.replace(final + part, final)
-            return _ShardDone(k, info, meta, node, False)
+            return _ShardDone(k, info, meta, table, node, False)
         with tempfile.TemporaryDirectory(prefix="fastload-ray-") as tmp:
             local = os.path.join(tmp, "shard.fls")
             info = write_shard(local, [block], self.schema, name=name, identity=identity)
-            meta = self._meta(local, info, identity)
+            meta, table = self._sidecars(local, info, identity)
             self.output.fs().put_file(local, self.output.path(name))  # one PUT: the object appears whole
-        return _ShardDone(k, info, meta, node, False)
+        return _ShardDone(k, info, meta, table, node, False)
 
-    def _meta(self, path: str, info: ShardInfo, identity: ShardIdentity) -> dict[str, np.ndarray]:
+    def _sidecars(
+        self, path: str, info: ShardInfo, identity: ShardIdentity
+    ) -> tuple[dict[str, np.ndarray], bytes]:
+        """The shard's parts of meta.bin and blocks.bin (copies: the reader's views end with it)."""
         reader = ShardReader(path, self.schema, num_samples=info.num_samples, nbytes=info.bytes, identity=identity)
         try:
-            return {key: np.array(v) for key, v in shard_meta(reader, self.schema).items()}
+            return {key: np.array(v) for key, v in shard_meta(reader, self.schema).items()}, shard_table(reader)
         finally:
             reader.close()
 
     def _kept(
         self, name: str, n: int, identity: ShardIdentity
-    ) -> tuple[ShardInfo, dict[str, np.ndarray]] | None:
+    ) -> tuple[ShardInfo, dict[str, np.ndarray], bytes] | None:
         """A finished shard of the interrupted run: kept when it is `identity` with `n` samples and
         every block checks out (`writer.kept_shard`, as the local converter's resume)."""
         if not self.output.exists(name):
@@ -257,11 +262,11 @@ class FastloadDatasink(Datasink):
             info = kept_shard(path, self.schema, name=name, identity=identity)
             if info is None or info.num_samples != n:
                 return None
-            return info, self._meta(path, info, identity)
+            return (info, *self._sidecars(path, info, identity))
 
     def on_write_complete(self, write_result: Any) -> None:
         """On the driver, after every task: check one shard per plan entry, then write the skip
-        report, `meta.bin` and the manifest (last: only now does the directory open as a dataset)."""
+        report, `meta.bin`, `blocks.bin` and the manifest (last: only now does the directory open as a dataset)."""
         done = sorted((d for ret in write_result.write_returns for d in ret), key=lambda d: d.k)
         if [d.k for d in done] != list(range(len(self.counts))):
             ks = [d.k for d in done]
@@ -280,6 +285,7 @@ class FastloadDatasink(Datasink):
         else:
             self.output.remove(SKIP_REPORT_NAME)
         self.output.put_bytes(META_NAME, meta)
+        self.output.put_bytes(BLOCKS_NAME, b"".join(d.table for d in done))
         self.output.finish()
         manifest = Manifest(
             schema=self.schema,
@@ -289,6 +295,7 @@ class FastloadDatasink(Datasink):
             meta_columns=columns,
             attrs=dict(self.attrs),
             dataset_id=self.dataset_id,
+            blocks_file=BLOCKS_NAME,
         )
         self.output.put_bytes(MANIFEST_NAME, manifest.dumps())
         self.output.remove(PROGRESS_NAME)

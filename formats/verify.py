@@ -31,11 +31,29 @@ def shard_file_problem(storage: LocalStorage, k: int, info: ShardInfo) -> str | 
     return None
 
 
+def _blocks_file(storage: LocalStorage, manifest: Manifest, problems: list[str]) -> tuple[bytes, list[int]] | None:
+    """blocks.bin's bytes and where each shard's table starts in it (the last: its size); None (and a
+    problem noted when the manifest names it but it cannot be read at that size) otherwise."""
+    if not manifest.blocks_file:
+        return None
+    offsets = [int(v) for v in manifest.table_offsets()]
+    try:
+        data = storage.read_small(manifest.blocks_file)
+    except FormatError as exc:
+        problems.append(str(exc))
+        return None
+    if len(data) != offsets[-1]:
+        problems.append(f"{storage.path(manifest.blocks_file)}: {len(data)} bytes, the manifest says {offsets[-1]}")
+        return None
+    return data, offsets
+
+
 def verify_dataset(root: str | os.PathLike[str], *, decode: bool = False) -> list[str]:
     """Return one message per problem found (empty when the dataset is intact).
 
     Checks the manifest, meta.bin, and per shard: its size and whole-file xxh3, its structure and
-    identity against the manifest (as a reader opens it), and every block checksum (version 2).
+    identity against the manifest (as a reader opens it), every block checksum, and that blocks.bin
+    holds its block checksum table (version 2).
     `decode=True` also decodes every image fully (`decode_images`).
     """
     storage = LocalStorage(root)
@@ -53,6 +71,7 @@ def verify_dataset(root: str | os.PathLike[str], *, decode: bool = False) -> lis
             f"{storage.root}: format version 1 has no block checksums (reads are verified only whole-shard); "
             f"upgrade with `fastload convert --upgrade {storage.root} NEW_DIR`"
         )
+    tables = _blocks_file(storage, ds.manifest, problems)
     for k, info in enumerate(ds.manifest.shards):
         try:
             problem = shard_file_problem(storage, k, info)
@@ -62,7 +81,15 @@ def verify_dataset(root: str | os.PathLike[str], *, decode: bool = False) -> lis
             name = f"{path} (shard {k})"
             if file_xxh3(path) != info.xxh3:
                 raise FormatError(f"{name}: checksum mismatch (corrupted shard)")
-            ds.shard(k).verify_all_blocks()
+            reader = ds.shard(k)
+            reader.verify_all_blocks()
+            if tables is not None and reader.table is not None:
+                at, end = tables[1][k], tables[1][k + 1]
+                if tables[0][at:end] != reader.table.tobytes():
+                    raise FormatError(
+                        f"{storage.path(ds.manifest.blocks_file)}: bytes [{at}, {end}) are not the block checksum "
+                        f"table of {name} (stale or corrupted; rewrite the dataset)"
+                    )
         except FormatError as exc:
             problems.append(str(exc))
     if decode and not problems:

@@ -29,7 +29,7 @@ import xxhash
 from .columns import Block, encode_samples, sample_label
 from .errors import FormatError, SchemaError
 from .layout import shard_name
-from .manifest import MANIFEST_NAME, META_NAME, Manifest, MetaColumn
+from .manifest import BLOCKS_NAME, MANIFEST_NAME, META_NAME, Manifest, MetaColumn
 from .resume import (
     COMMAND_KEY,
     PROGRESS_NAME,
@@ -58,6 +58,7 @@ __all__ = [
     "pack_meta",
     "shard_meta",
     "shard_name",
+    "shard_table",
     "source_describer",
     "write",
 ]
@@ -259,14 +260,26 @@ def pack_meta(schema: Schema, parts: list[dict[str, np.ndarray]]) -> tuple[bytes
     return b"".join(chunks), columns
 
 
-def _meta_from_shards(out_dir: str, schema: Schema, shards: list[ShardInfo]) -> tuple[bytes, list[MetaColumn]]:
-    """Per-sample lengths and image sizes for meta.bin, read back from the shards' offset tables."""
-    parts = []
+def shard_table(reader: ShardReader) -> bytes:
+    """One shard's part of blocks.bin: its block checksum table as the shard holds it (b"" for version 1)."""
+    return b"" if reader.table is None else reader.table.tobytes()
+
+
+def _sidecars_from_shards(
+    out_dir: str, schema: Schema, shards: list[ShardInfo]
+) -> tuple[bytes, list[MetaColumn], bytes]:
+    """meta.bin (per-sample lengths and image sizes, from the shards' offset tables) and its column
+    table, and blocks.bin (the shards' block checksum tables), read back from the written shards."""
+    parts, tables = [], []
     for info in shards:
         reader = ShardReader(os.path.join(out_dir, info.file), schema, num_samples=info.num_samples, nbytes=info.bytes)
-        parts.append(shard_meta(reader, schema))
-        reader.close()
-    return pack_meta(schema, parts)
+        try:
+            parts.append(shard_meta(reader, schema))
+            tables.append(shard_table(reader))
+        finally:
+            reader.close()
+    meta, columns = pack_meta(schema, parts)
+    return meta, columns, b"".join(tables)
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -434,9 +447,11 @@ def _write_shards(plan: _Plan, out_dir: str, kept: list[ShardInfo], workers: int
 
 
 def _finish(out_dir: str, plan: _Plan, infos: list[ShardInfo]) -> Manifest:
-    """Write meta.bin, then the manifest (last: only now does `out_dir` open), then drop the progress file."""
-    meta, columns = _meta_from_shards(out_dir, plan.schema, infos)
+    """Write meta.bin and blocks.bin, then the manifest (last: only now does `out_dir` open), then drop
+    the progress file."""
+    meta, columns, tables = _sidecars_from_shards(out_dir, plan.schema, infos)
     _write_atomic(os.path.join(out_dir, META_NAME), meta)
+    _write_atomic(os.path.join(out_dir, BLOCKS_NAME), tables)
     manifest = Manifest(
         schema=plan.schema,
         shards=infos,
@@ -445,6 +460,7 @@ def _finish(out_dir: str, plan: _Plan, infos: list[ShardInfo]) -> Manifest:
         meta_columns=columns,
         attrs=plan.attrs,
         dataset_id=plan.dataset_id,
+        blocks_file=BLOCKS_NAME,
     )
     fsync_path(os.path.join(out_dir, "shards"))
     _write_atomic(os.path.join(out_dir, MANIFEST_NAME), manifest.dumps())

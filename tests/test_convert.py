@@ -226,6 +226,7 @@ def test_kill_and_resume_gives_identical_output(tmp_path):
             FastloadDataset(out)
         subprocess.run([sys.executable, str(script), str(out), "--resume"], check=True, timeout=120)
         assert verify_dataset(out) == []
-        for name in ["index.json", "meta.bin", *(f"shards/{f}" for f in os.listdir(tmp_path / "ref" / "shards"))]:
+        for name in ["index.json", "meta.bin", "blocks.bin",
+                     *(f"shards/{f}" for f in os.listdir(tmp_path / "ref" / "shards"))]:
             assert (out / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
         assert sorted(os.listdir(out / "shards")) == sorted(os.listdir(tmp_path / "ref" / "shards"))

@@ -159,7 +159,7 @@ def test_output_is_deterministic_and_independent_of_workers(tmp_path):
     _fixed_dataset(tmp_path / "b", workers=3)
     files = sorted(os.listdir(tmp_path / "a" / "shards"))
     assert files == sorted(os.listdir(tmp_path / "b" / "shards"))
-    for name in [*(f"shards/{f}" for f in files), "index.json", "meta.bin"]:
+    for name in [*(f"shards/{f}" for f in files), "index.json", "meta.bin", "blocks.bin"]:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
@@ -375,6 +375,67 @@ def test_manifest_sample_count_mismatch(small_ds):
     _rewrite_manifest(small_ds.parent / "fixed", body)
     with pytest.raises(FormatError, match="shard-00000.fls.*samples in shard header, manifest says"):
         _read_all(small_ds.parent / "fixed")
+
+
+def test_blocks_bin_holds_every_shards_block_table_in_shard_order(small_ds):
+    """blocks.bin is the shards' checksum tables, back to back: each slice (where the manifest's table
+    sizes put it) is byte for byte the table at the end of its shard, and hashes to `blocks_xxh3`."""
+    body = _manifest(small_ds)
+    data = (small_ds / "blocks.bin").read_bytes()
+    assert body["blocks"] == {"file": "blocks.bin", "bytes": len(data)}
+    ds = FastloadDataset(small_ds)
+    offsets = ds.manifest.table_offsets()
+    assert len(body["shards"]) >= 2 and offsets[-1] == len(data)
+    for k, shard in enumerate(body["shards"]):
+        table = data[offsets[k] : offsets[k + 1]]
+        assert table == ds.shard(k).table.tobytes()
+        assert xxhash.xxh3_64_hexdigest(table) == shard["blocks_xxh3"]
+        assert table == (small_ds / shard["file"]).read_bytes()[-len(table) :]
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"file": "blocks.bin", "bytes": 8}, "blocks: blocks.bin has 8 bytes, the shards' checksum tables take"),
+    ({"file": "../blocks.bin", "bytes": 0}, "leaves the dataset root"),
+    ({"file": "blocks.bin"}, "blocks bytes: expected an integer"),
+    ("blocks.bin", "blocks: expected"),
+])
+def test_a_bad_blocks_entry_is_a_format_error(small_ds, entry, message):
+    body = _manifest(small_ds)
+    body["blocks"] = entry
+    _rewrite_manifest(small_ds, body)
+    with pytest.raises(FormatError, match=message):
+        FastloadDataset(small_ds)
+
+
+def test_a_dataset_without_blocks_bin_reads_and_verifies(small_ds):
+    """Datasets written before blocks.bin existed have no `blocks` entry: they read and verify as before."""
+    want = _read_all(small_ds)
+    body = _manifest(small_ds)
+    del body["blocks"]
+    _rewrite_manifest(small_ds, body)
+    (small_ds / "blocks.bin").unlink()
+    got = _read_all(small_ds)
+    assert all(np.array_equal(np.asarray(got[k]), np.asarray(want[k])) for k in ("x", "label"))
+    assert verify_dataset(small_ds) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+def test_verify_names_a_blocks_bin_that_does_not_hold_the_tables(small_ds, damage):
+    path = small_ds / "blocks.bin"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-3] ^= 0x10
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[:-8]))
+    else:
+        path.unlink()
+    problems = verify_dataset(small_ds)
+    assert len(problems) == 1 and "blocks.bin" in problems[0], problems
+    expected = {"flip": r"bytes \[\d+, \d+\) are not the block checksum table of .*shard-\d+\.fls",
+                "truncate": "bytes, the manifest says", "missing": "missing"}[damage]
+    assert re.search(expected, problems[0]), problems[0]
+    _read_all(small_ds)  # a local reader reads each table in its shard
 
 
 def test_garbage_manifest(small_ds):
@@ -658,6 +719,12 @@ def test_large_in_range_shard_size_is_checked_against_the_file_before_any_memory
 
     body = _manifest(small_ds)
     body["shards"][1]["bytes"] = 2**62  # a legal file size: the ledger must not be sized from it
+    _rewrite_manifest(small_ds, body)
+    # the manifest's blocks.bin no longer holds the tables of shards of those sizes: it does not open
+    with pytest.raises(FormatError, match=r"index.json blocks: blocks.bin has \d+ bytes, the shards' checksum tables "
+                                          rf"take {8 * -(-2**62 // (2**16 + 8)) + 8 * (len(body['shards']) - 1)}"):
+        open_dataset(small_ds)
+    del body["blocks"]  # as a dataset written before blocks.bin: the shard's size is checked against its file
     _rewrite_manifest(small_ds, body)
     ds = open_dataset(small_ds)
     with pytest.raises(FormatError, match=rf"shard-00001\.fls \(shard 1\): file is \d+ bytes, manifest says {2**62}"):

@@ -65,10 +65,10 @@ def _local(src, out, shard_size, kind=None):
 
 
 def _same_files(a, b, *extra):
-    """The shards, meta.bin, index.json and `extra` files of two datasets are byte-identical."""
+    """The shards, meta.bin, blocks.bin, index.json and `extra` files of two datasets are byte-identical."""
     names = sorted(os.listdir(os.path.join(a, "shards")))
     assert names == sorted(os.listdir(os.path.join(b, "shards")))
-    for name in ["index.json", "meta.bin", *extra] + [f"shards/{n}" for n in names]:
+    for name in ["index.json", "meta.bin", "blocks.bin", *extra] + [f"shards/{n}" for n in names]:
         with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
             assert fa.read() == fb.read(), name
     return len(names)

@@ -122,7 +122,7 @@ def test_two_raylets_write_shards_byte_identical_to_local(tmp_path, monkeypatch,
     assert "written by tasks on 2 nodes," in out.out, out.out
     names = sorted(os.listdir(tmp_path / "local" / "shards"))
     assert len(names) >= 4 and names == sorted(os.listdir(tmp_path / "ray" / "shards"))
-    for name in ["index.json", "meta.bin"] + [f"shards/{n}" for n in names]:
+    for name in ["index.json", "meta.bin", "blocks.bin"] + [f"shards/{n}" for n in names]:
         assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "ray" / name).read_bytes(), name
     assert verify_dataset(tmp_path / "ray") == []
 

@@ -40,10 +40,35 @@ def _sample(i: int) -> dict:
     return {"x": np.full(8000, i % 251, np.uint8), "b": bytes([i % 256]) * (i % 97), "label": i}
 
 
+def _variant(src: str, dst: str, *, blocks: str) -> None:
+    """A copy of the dataset at `src` whose `blocks.bin` has a byte of shard 1's table flipped
+    ("corrupt"), is missing ("missing"), or is not named by the manifest ("none": as datasets written
+    before it existed; the manifest re-signed)."""
+    import json
+    import pathlib
+
+    shutil.copytree(src, dst)
+    manifest, tables = pathlib.Path(dst, "index.json"), pathlib.Path(dst, "blocks.bin")
+    body = json.loads(manifest.read_bytes())
+    if blocks == "corrupt":
+        data = bytearray(tables.read_bytes())
+        data[8 * -(-body["shards"][0]["bytes"] // ((1 << body["block_log2"]) + 8)) + 3] ^= 0x40  # in shard 1's
+        tables.write_bytes(bytes(data))
+    elif blocks == "missing":
+        tables.unlink()
+    elif blocks == "none":
+        del body["blocks"], body["checksum"]
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        body["checksum"] = xxhash.xxh3_64_hexdigest(canonical)
+        manifest.write_text(json.dumps(body))
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("arrival") / "root"
     write((_sample(i) for i in range(N)), str(root / "ds"), shard_size=2_000_000, progress=False)
+    for kind in ("corrupt", "missing", "none"):
+        _variant(str(root / "ds"), str(root / f"ds-blocks-{kind}"), blocks=kind)
     return str(root), FastloadDataset(str(root / "ds"))
 
 
@@ -316,16 +341,57 @@ def test_an_epochs_first_batch_asks_for_every_shards_blocks_before_waiting_for_a
     ds.storage.close()
 
 
+@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+def test_an_arriving_shards_block_table_comes_from_blocks_bin(dataset, server, tmp_path, transport):
+    """The download of a shard installs its block table from the dataset's `blocks.bin` (one GET for
+    every shard's): no GET of any shard's own table, each shard's first GET starts at its header. Through
+    fsspec, which may take a whole object for a range, the first shard's table is fetched from the shard
+    (a range seen to come back as asked), the others' (opened after it) from blocks.bin."""
+    _, local = dataset
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0)
+    _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
+    ends = {f"ds/{s.file}": s.bytes for s in local.manifest.shards}
+    tables = [p for p, _, b in server.gets if p in ends and b == ends[p]]
+    assert len(tables) == (0 if transport == "obstore" else 1)
+    assert [p for p, _, _ in server.gets].count("ds/blocks.bin") == 1
+    for p in ends:  # the first GET of each shard's body brings its header
+        assert [a for q, a, b in server.gets if q == p and b != ends[p]][:1] == [0]
+    stats = ds.storage.stats()
+    assert stats["remote_table_pages"] == 1 and stats["remote_tables_rejected"] == 0
+    ds.close()
+    ds.storage.close()
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "missing"])
+def test_a_shard_whose_table_in_blocks_bin_cannot_be_had_fetches_its_own(dataset, server, tmp_path, kind):
+    """A table in `blocks.bin` that does not match the manifest's `blocks_xxh3` is not used: that shard's
+    own table is fetched and its bytes come exact; without `blocks.bin` every shard's is."""
+    _, local = dataset
+    ds = _open(f"{server.url}/ds-blocks-{kind}", str(tmp_path / "c"), transport="obstore")
+    _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
+    ends = {f"ds-blocks-{kind}/{s.file}": s.bytes for s in local.manifest.shards}
+    tables = sorted(p for p, _, b in server.gets if p in ends and b == ends[p])
+    stats = ds.storage.stats()
+    if kind == "corrupt":
+        assert tables == [f"ds-blocks-{kind}/{local.manifest.shards[1].file}"]
+        assert stats["remote_tables_rejected"] == 1
+    else:
+        assert tables == sorted(ends)
+    ds.close()
+    ds.storage.close()
+
+
 def test_an_arriving_shards_header_comes_with_its_block_table(dataset, server, tmp_path):
-    """Through obstore the GET of a shard's block table and the GET of its first block (the header,
-    which a reader reads first) run at once, in one call: no GET after them brings block 0 again."""
+    """Without `blocks.bin`, through obstore the GET of a shard's block table and the GET of its first
+    block (the header, which a reader reads first) run at once, in one call: no GET after them brings
+    block 0 again."""
     _, local = dataset
     server.pause(HELD)
-    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport="obstore", prefetch_depth=0)
+    ds = _open(f"{server.url}/ds-blocks-none", str(tmp_path / "c"), transport="obstore", prefetch_depth=0)
     info, block = local.manifest.shards[0], 1 << local.manifest.block_log2
     reader = ds.shard(0)
     assert reader.arriving
-    gets = [(a, b) for p, a, b in server.gets if p == f"ds/{info.file}"]
+    gets = [(a, b) for p, a, b in server.gets if p == f"ds-blocks-none/{info.file}"]
     table = next(g for g in gets if g[1] == info.bytes)
     assert set(gets[:2]) == {table, (0, block)}
     assert [g for g in gets if g[0] == 0] == [(0, block)]  # the download's own GETs start after block 0

@@ -36,6 +36,7 @@ from fastload.formats.errors import ChecksumError, FormatError
 from fastload.formats.forksafe import reset_in_child
 from fastload.formats.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from fastload.formats.units import format_size
+from fastload.remote.block_tables import BlockTables
 from fastload.remote.cache.files import file_xxh3
 from fastload.remote.cache.shard_cache import Arrival, BlockSpec, CacheBudgetError, Download, ShardCache
 from fastload.remote.first_batch import FirstBatchHold
@@ -147,8 +148,9 @@ class RemoteStorage:
     against the manifest before its first use in each process).
 
     `arriving_min_bytes` (default `ARRIVING_MIN_BYTES`, 8 MiB; None: never): shards of a version-2
-    dataset from this size on are read while they arrive (`acquire_arriving`): the download fetches
-    the shard's block checksum table first and publishes each block once it matched, a reader waits
+    dataset from this size on are read while they arrive (`acquire_arriving`): the download installs
+    the shard's block checksum table first (from the dataset's `blocks.bin`, else a GET of the shard's
+    own) and publishes each block once it matched, a reader waits
     only for the blocks it reads, and blocks a reader waits for ahead of the download come in ranged
     GETs of their own (`WANT_GAP_BLOCKS`, `WANT_RUN_BLOCKS`, `SIDE_GETS`). See docs/remote.md.
     """
@@ -200,6 +202,10 @@ class RemoteStorage:
             if manifest.version >= 2 and s.blocks_xxh3 and table_span(s.bytes, manifest.block_log2) is not None
         }
         self._num_shards = len(manifest.shards)
+        # `blocks.bin`: every shard's block table, so that a download needs no GET of its shard's own
+        self._blocks_file = manifest.blocks_file if manifest.version >= 2 else ""
+        self._table_offsets = manifest.table_offsets() if self._blocks_file else None
+        self._shard_index = {s.file: k for k, s in enumerate(manifest.shards)}
         self._shard_bytes = self.cache.footprint(self._biggest)  # what one shard takes from the budget
         self._auto = max_open_shards is None
         self._open = self._check_budget(max_open_shards)
@@ -314,6 +320,9 @@ class RemoteStorage:
             "_num_shards",
             "arriving_min_bytes",
             "_blocks",
+            "_blocks_file",
+            "_table_offsets",
+            "_shard_index",
         )
         return {k: self.__dict__[k] for k in keep}
 
@@ -339,6 +348,10 @@ class RemoteStorage:
         self._manifest_cache: dict[str, tuple[int, str]] | None = None
         self._stream_ok = True
         self._ranges_ok = True
+        # a ranged GET came back as just its range: obstore refuses any other answer (a store ignoring
+        # `Range` fails there), fsspec may hand over a whole object as the range when they coincide
+        self._ranges_seen = self._via_obstore()
+        self._tables: BlockTables | None = None
         self._claimed = False
         self._trims: list[Callable[[], Callable[[], None] | None]] = []  # this process's readers (`attach`)
         self.cache.on_wait = weakref.WeakMethod(self._trim_all)  # another reader waits for room: shrink
@@ -699,14 +712,49 @@ class RemoteStorage:
             return loops.run(lambda fs, path: fs._cat_file(path, start=start, end=end), rpath)
         return self.fs.cat_file(rpath, start=start, end=end)
 
-    def _table_into(self, rpath: str, sink: Download) -> bool:
-        """Fetch the shard's block checksum table (its last bytes) into `sink` before its body, so that
-        its blocks are verified and published as they arrive, and blocks a reader waits for can be
-        fetched out of order (`_want`). True when that one GET brought the whole object (a store that
-        ignores `Range`: ranged GETs are off from then on, and nothing is published before the end)."""
+    def _known_table(self, name: str) -> bytes | None:
+        """Shard `name`'s block table from the dataset's `blocks.bin` (unchecked: `Download.put_table`
+        checks it), once ranged GETs are known to come back as asked; None when there is none to be had."""
+        if self._table_offsets is None or not (self._ranges_ok and self._ranges_seen):
+            return None
+        with self._receive_lock:
+            if self._tables is None:
+                rpath = self.remote_path(self._blocks_file)
+                self._tables = BlockTables(self._table_offsets, partial(self._blocks_page, rpath))
+            tables = self._tables
+        return tables.table(self._shard_index[name])
+
+    def _blocks_page(self, rpath: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of `blocks.bin` (`BlockTables`' fetch), retried as any GET."""
+        stats = self.cache.transfer
+        stats.add_many(requests=1, table_pages=1)
+        t0 = time.perf_counter()
+        data = retry_call(lambda: self._get_range(rpath, start, end), url=f"{self.url}/{self._blocks_file}",
+                          policy=self.retry)
+        stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
+        return data
+
+    def _table_into(self, name: str, rpath: str, sink: Download) -> bool:
+        """Install the shard's block checksum table in `sink` before its body, so that its blocks are
+        verified and published as they arrive, and blocks a reader waits for can be fetched out of order
+        (`_want`): from `blocks.bin` (`_known_table`), else (or when that one does not match the
+        manifest) in a GET of the shard's last bytes, with its first block beside it. True when that
+        GET brought the whole object (a store that ignores `Range`: ranged GETs are off from then on,
+        and nothing is published before the end)."""
         start, end = sink.table_range()
         arrival = sink.arrival
         assert arrival is not None
+        known = self._known_table(name)
+        if known is not None:
+            try:
+                sink.put_table(known)
+            except ChecksumError as exc:
+                log.warning("%s/%s: %s; the shard's own table is fetched", self.url, self._blocks_file, exc)
+                self.cache.transfer.add("tables_rejected", 1)
+                assert self._tables is not None
+                self._tables.forget(self._shard_index[name])
+            else:
+                return False
         head = min(1 << arrival.spec.shift, start)  # block 0: the shard's header, the first thing a reader reads
         stats = self.cache.transfer
         if self._via_obstore() and self._ranges_ok and head:
@@ -721,6 +769,7 @@ class RemoteStorage:
             data, first = memoryview(self._get_range(rpath, start, end)), None
             stats.add_many(request_s=time.perf_counter() - t0, bytes=len(data))
         if len(data) == end - start:
+            self._ranges_seen = True
             sink.put_table(data)
             if first is not None and len(first) == head:
                 for claim, _, _ in arrival.claim_wanted(np.zeros(1, dtype=np.int64)):
@@ -728,8 +777,6 @@ class RemoteStorage:
                         sink.write_claimed(claim, 0, first)
                     finally:
                         sink.release(claim)
-            arrival.set_want(partial(self._want, rpath, sink), gap=WANT_GAP_BLOCKS, run=WANT_RUN_BLOCKS,
-                             follow=self._hold.release)  # a first batch waiting for the downloads holds none back
             return False
         self._ranges_ok = False  # the store ignores ranges: whole-object GETs, whole shards from now on
         sink.skip_table()
@@ -776,11 +823,19 @@ class RemoteStorage:
         lock = threading.Lock()
         failed = threading.Event()
         patience = sum(self._timeouts)
+        # readers' own GETs (`_want`) start once the first GET here holds the shard's first blocks: a
+        # reader waiting for the header (block 0) then has it come with that GET, not in one of its own
+        wants = [partial(self._want, rpath, sink)] if arrival.on_want is None else []
 
         def lane() -> None:
             cursor = 0
             while not failed.is_set():
                 got = arrival.claim_next(cursor, part)
+                if wants:
+                    with lock:
+                        want = wants.pop() if wants else None
+                    if want is not None:  # a first batch waiting for the downloads holds none back
+                        arrival.set_want(want, gap=WANT_GAP_BLOCKS, run=WANT_RUN_BLOCKS, follow=self._hold.release)
                 if got is None:
                     with lock:
                         others = [c for c in arrival.outstanding() if c not in mine]
@@ -883,7 +938,7 @@ class RemoteStorage:
             attempts[0] += 1
             sink.reset()
             with self.cache.transfer.get(sink.size):
-                if sink.wants_table and self._table_into(rpath, sink):
+                if sink.wants_table and self._table_into(name, rpath, sink):
                     pass  # the store ignored the range: that GET brought the whole object
                 elif sink.by_block:
                     self._blocks_into(rpath, sink)

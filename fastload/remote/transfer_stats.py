@@ -25,7 +25,9 @@ bytes received), `fetched` / `fetched_bytes` (downloads verified and committed),
 reader of an arriving shard waited for, ahead of the download's order, and their bytes, which are
 not in `bytes`: the download receives those blocks again), `side_rejected` (such GETs whose bytes
 failed their block checksum: the blocks are left to the download, which fetches them again),
-`connections` (HTTP connections the receiver opened: one per GET in flight at once when they are
+`table_pages` (GETs of pages of the dataset's `blocks.bin`, which hold shards' block checksum tables),
+`tables_rejected` (tables from `blocks.bin` that did not match the manifest: those shards' own tables
+were fetched instead), `connections` (HTTP connections the receiver opened: one per GET in flight at once when they are
 reused, more when a server closes them).
 """
 
@@ -40,7 +42,8 @@ __all__ = ["TransferStats"]
 
 _TIMES = ("request_s", "receive_s", "write_s", "verify_s", "fsync_s", "commit_s", "wait_s", "state_s")
 _COUNTS = ("requests", "ranged_parts", "bytes", "fetched", "fetched_bytes", "demand_fetches", "prefetched", "retries",
-           "waits", "side_gets", "side_bytes", "side_rejected", "connections", "state_updates")
+           "waits", "side_gets", "side_bytes", "side_rejected", "table_pages",
+           "tables_rejected", "connections", "state_updates")
 
 
 class TransferStats:
