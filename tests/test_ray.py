@@ -268,7 +268,7 @@ def test_s3_output_and_read_back(ray_session, sources, tmp_path, moto, s3_bucket
     _local(sources["small"], tmp_path / "local", "8KiB")
     result = write_ray(PathSource(sources["small"], None), url, shard_size="8KiB", storage_options=opts)
     client = moto.client()
-    for name in ["index.json", "meta.bin"] + [s.file for s in result.manifest.shards]:
+    for name in ["index.json", "meta.bin", "blocks.bin"] + [s.file for s in result.manifest.shards]:
         body = client.get_object(Bucket=s3_bucket, Key=f"data/ds/{name}")["Body"].read()
         assert body == (tmp_path / "local" / name).read_bytes(), name
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="data/ds/")["Contents"]}
