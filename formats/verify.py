@@ -31,7 +31,7 @@ def shard_file_problem(storage: LocalStorage, k: int, info: ShardInfo) -> str | 
     return None
 
 
-def _blocks_file(storage: LocalStorage, manifest: Manifest, problems: list[str]) -> tuple[bytes, list[int]] | None:
+def _read_blocks_file(storage: LocalStorage, manifest: Manifest, problems: list[str]) -> tuple[bytes, list[int]] | None:
     """blocks.bin's bytes and where each shard's table starts in it (the last: its size); None (and a
     problem noted when the manifest names it but it cannot be read at that size) otherwise."""
     if not manifest.blocks_file:
@@ -71,7 +71,7 @@ def verify_dataset(root: str | os.PathLike[str], *, decode: bool = False) -> lis
             f"{storage.root}: format version 1 has no block checksums (reads are verified only whole-shard); "
             f"upgrade with `fastload convert --upgrade {storage.root} NEW_DIR`"
         )
-    tables = _blocks_file(storage, ds.manifest, problems)
+    tables = _read_blocks_file(storage, ds.manifest, problems)
     for k, info in enumerate(ds.manifest.shards):
         try:
             problem = shard_file_problem(storage, k, info)
@@ -88,7 +88,8 @@ def verify_dataset(root: str | os.PathLike[str], *, decode: bool = False) -> lis
                 if tables[0][at:end] != reader.table.tobytes():
                     raise FormatError(
                         f"{storage.path(ds.manifest.blocks_file)}: bytes [{at}, {end}) are not the block checksum "
-                        f"table of {name} (stale or corrupted; rewrite the dataset)"
+                        f"table of {name} (stale or corrupted: remote readers fetch the shard's own table instead; "
+                        f"`fastload convert --upgrade {storage.root} NEW_DIR` writes a copy with the right one)"
                     )
         except FormatError as exc:
             problems.append(str(exc))
