@@ -187,8 +187,6 @@ class Manifest:
                     raise FormatError(f"{where} dataset_id: expected 16 hex digits, got {dataset_id!r}")
                 manifest.dataset_id = int(dataset_id, 16)
                 manifest.block_log2 = _size(body["block_log2"], f"{where} block_log2", 12, 30)
-                if "blocks" in body:
-                    manifest.blocks_file = _blocks_file(body["blocks"], manifest, where)
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, FormatError):
                 raise
@@ -197,6 +195,8 @@ class Manifest:
         if manifest.num_samples != total:
             raise FormatError(f"{where}: num_samples {total} != sum over shards {manifest.num_samples}")
         _check_shard_sizes(manifest, where)
+        if version >= 2 and "blocks" in body:  # after the shards' sizes are known to add up to a file size
+            manifest.blocks_file = _blocks_file(body["blocks"], manifest, where)
         for c in columns:
             if c.offset + c.nbytes > manifest.meta_bytes:
                 raise FormatError(f"{where}: meta column {c.name!r} lies outside {manifest.meta_file}")
@@ -216,11 +216,11 @@ class Manifest:
 
 
 def _blocks_file(entry: Any, manifest: Manifest, where: str) -> str:
-    """The `blocks` entry's file, once its `bytes` equal the size of every shard's table together."""
+    """The `blocks` entry's file, once its `bytes` equal the size of every shard's table together (the
+    shards' sizes checked first: their tables' sizes then add up within an int64)."""
     if not isinstance(entry, dict):
         raise FormatError(f"{where} blocks: expected {{\"file\", \"bytes\"}}, got {entry!r:.80}")
     name = check_relative_path(entry.get("file"), f"{where} blocks")
-    _check_shard_sizes(manifest, where)
     try:
         expected = int(manifest.table_offsets()[-1])
     except FormatError as exc:

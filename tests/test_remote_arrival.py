@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from fastload import Loader
 from fastload.formats import FastloadDataset, write
+from fastload.formats.blocks import table_span
 from fastload.formats.errors import ChecksumError
 from fastload.remote import first_batch
 from fastload.remote.cache.arrival import STALLED_S, STEAL_AHEAD, Arrival, BlockSpec
@@ -52,7 +53,7 @@ def _variant(src: str, dst: str, *, blocks: str) -> None:
     body = json.loads(manifest.read_bytes())
     if blocks == "corrupt":
         data = bytearray(tables.read_bytes())
-        data[8 * -(-body["shards"][0]["bytes"] // ((1 << body["block_log2"]) + 8)) + 3] ^= 0x40  # in shard 1's
+        data[8 * table_span(body["shards"][0]["bytes"], body["block_log2"])[1] + 3] ^= 0x40  # in shard 1's
         tables.write_bytes(bytes(data))
     elif blocks == "missing":
         tables.unlink()
