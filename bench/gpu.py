@@ -20,6 +20,7 @@ Without CUDA a row reports "not run: no CUDA device"; with no --row, the CPU ref
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -298,11 +299,6 @@ class Row:
         return asdict(self)
 
 
-def _median_rate(fn: Callable[[], float], rounds: int) -> float:
-    """Median of `rounds` calls of `fn` (each returns a rate)."""
-    return float(np.median([fn() for _ in range(rounds)]))
-
-
 def row_parity(quick: bool) -> Row:
     """Every kernel against its torch reference on random inputs."""
     failures = parity()
@@ -349,9 +345,16 @@ def row_h2d(quick: bool) -> Row:
     pinned = batches[0]["image"].pin_memory()
     copy_gbs = nbytes / _gpu_time(lambda: pinned.to(device, non_blocking=True), iters=10) / 1e9
     ring_rate(), torch_rate()  # warm-up: ring slots and torch's pinned cache allocated
-    rounds = 3 if quick else 5
-    ring_gbs = _median_rate(ring_rate, rounds) / 1e9
-    torch_gbs = _median_rate(torch_rate, rounds) / 1e9
+    rounds = 5 if quick else 15
+    # the two paths alternate (ABBA) round by round: the host's memory bandwidth drifts between
+    # seconds, and a block of one path's rounds after the other's would measure the drift
+    ring_rounds, torch_rounds = [], []
+    for k in range(rounds):
+        pair = (ring_rate, torch_rate) if k % 2 == 0 else (torch_rate, ring_rate)
+        for fn in pair:
+            (ring_rounds if fn is ring_rate else torch_rounds).append(fn() / 1e9)
+    ring_gbs, torch_gbs = float(np.median(ring_rounds)), float(np.median(torch_rounds))
+    paired = [a / b for a, b in zip(ring_rounds, torch_rounds)]
     # each half of either path alone, host time per batch: where a gap between the two paths comes from
     try:
         parts_line = "per batch alone (ms, synchronized): " + ", ".join(
@@ -365,7 +368,10 @@ def row_h2d(quick: bool) -> Row:
         loop_line = f"per batch inside each loop: FAILED: {type(exc).__name__}: {exc}".splitlines()[0][:300]
     return Row("h2d", value=ring_gbs, unit="GB/s", baseline="tensor.pin_memory().to('cuda', non_blocking=True)",
                baseline_value=torch_gbs, ratio=ring_gbs / torch_gbs, goal=">= 0.9x", met=ring_gbs / torch_gbs >= 0.9,
-               details=[f"{nbytes / 2**20:.0f} MiB batches from pageable memory, median of {rounds} rounds",
+               details=[f"{nbytes / 2**20:.0f} MiB batches from pageable memory, median of {rounds} rounds, the "
+                        f"two paths alternating; ring {min(ring_rounds):.1f}-{max(ring_rounds):.1f} GB/s, torch "
+                        f"{min(torch_rounds):.1f}-{max(torch_rounds):.1f} GB/s; round by round ring / torch "
+                        f"{min(paired):.2f}-{max(paired):.2f} (median {np.median(paired):.2f})",
                         f"copy ceiling (already pinned, one tensor): {copy_gbs:.1f} GB/s",
                         f"ring: {ring.allocations} pinned buffers allocated, {ring.retired} retired",
                         parts_line,
@@ -464,12 +470,17 @@ def _matmul_step(target_s: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return step
 
 
-def _stalled_run(loader: Any, step: Callable[[torch.Tensor], torch.Tensor], *, steps: int, warmup: int,
-                 compute_s: float) -> dict[str, Any]:
-    """Steps fed by `loader`; data stall = wall time beyond `steps` x the compute-only step, over wall time.
-    Also each step's wait in `next()` (median, max, steps that waited over 1 ms) and, for a fastload
+def _stalled_run(loader: Any, step: Callable[[torch.Tensor], torch.Tensor], *, steps: int,
+                 warmup: int) -> dict[str, Any]:
+    """Steps fed by `loader` (any iterable of batches with "record" and "label"). Data stall = the
+    share of the wall time the GPU spent idle: wall time minus the GPU time of every step's kernels
+    (CUDA events on the step's stream around each step), over wall time. Measured on the device
+    itself, it does not move with the GPU's clock, which drops as the card heats over a run. Also
+    each step's wait in `next()` (median, max, steps that waited over 1 ms) and, for a fastload
     Loader, its per-stage seconds per step over the measured steps."""
     device = torch.device("cuda", torch.cuda.current_device())
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
     it = iter(loader)
     waits: list[float] = []
     t_start = 0.0
@@ -486,23 +497,30 @@ def _stalled_run(loader: Any, step: Callable[[torch.Tensor], torch.Tensor], *, s
             it = iter(loader)
             batch = next(it)
         waits.append(time.perf_counter() - t0)
-        step(batch["record"].to(device, non_blocking=True)).item()  # .item(): a step's usual sync
+        m = k - warmup
+        if m >= 0:
+            starts[m].record()
+        out = step(batch["record"].to(device, non_blocking=True))
+        if m >= 0:
+            ends[m].record()
+        out.item()  # a step's usual sync
     wall = time.perf_counter() - t_start
-    out: dict[str, Any] = {
-        "stall": max(0.0, wall - steps * compute_s) / wall, "host_wait": sum(waits) / wall,
+    busy = sum(a.elapsed_time(b) for a, b in zip(starts, ends)) / 1e3
+    result: dict[str, Any] = {
+        "stall": max(0.0, wall - busy) / wall, "host_wait": sum(waits) / wall, "gpu_step_ms": 1e3 * busy / steps,
         "samples_per_s": steps * int(batch["label"].shape[0]) / wall, "step_ms": 1e3 * wall / steps,
         "wait_ms": (1e3 * float(np.median(waits)), 1e3 * max(waits), sum(w > 1e-3 for w in waits)),
     }
     if hasattr(loader, "stats"):
         st = loader.stats()
         keys = ("read_s", "pin_s", "ring_wait_s", "h2d_s", "wait_s")
-        out["stages_ms"] = {k.removesuffix("_s"): 1e3 * st[k] / steps for k in keys if k in st}
-    return out
+        result["stages_ms"] = {k.removesuffix("_s"): 1e3 * st[k] / steps for k in keys if k in st}
+    return result
 
 
 def _overlap_line(name: str, r: dict[str, Any]) -> str:
     median, most, count = r["wait_ms"]
-    line = (f"{name}: step {r['step_ms']:.1f} ms, stall {100 * r['stall']:.2f}%, "
+    line = (f"{name}: step {r['step_ms']:.1f} ms (GPU {r['gpu_step_ms']:.1f} ms), stall {100 * r['stall']:.2f}%, "
             f"host wait {100 * r['host_wait']:.2f}% (median {median:.2f} ms, max {most:.1f} ms, "
             f"{count} steps over 1 ms), {r['samples_per_s']:,.0f} samples/s")
     if "stages_ms" in r:
@@ -521,12 +539,10 @@ def row_overlap(quick: bool) -> Row:
         n = write_dataset(tmp, size=(192 if quick else 1024) << 20, shape=(3, 224, 224))
         ds = open_dataset(tmp)
         x = torch.randint(0, 256, (batch_size, 3, 224, 224), dtype=torch.uint8, device="cuda")
-        step(x).item()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            step(x).item()
-        compute_s = (time.perf_counter() - t0) / 5
+        resident = {"record": x, "label": torch.zeros(batch_size, dtype=torch.int64)}
+        # the same steps on a batch already on the GPU: the GPU's idle share without any loader (the
+        # host's launches and each step's sync), the floor of every row's stall
+        compute = _stalled_run(itertools.repeat(resident), step, steps=steps, warmup=warmup)
         common: dict[str, Any] = {"batch_size": batch_size, "shuffle": True, "num_workers": workers,
                                   "persistent_workers": True, "drop_last": True}
         variants = [("fastload Loader(device='cuda')", lambda: Loader(ds, device="cuda", **common)),
@@ -540,7 +556,7 @@ def row_overlap(quick: bool) -> Row:
             try:
                 loader = make()
                 try:
-                    results[name] = _stalled_run(loader, step, steps=steps, warmup=warmup, compute_s=compute_s)
+                    results[name] = _stalled_run(loader, step, steps=steps, warmup=warmup)
                 finally:
                     if hasattr(loader, "close"):
                         loader.close()
@@ -556,7 +572,10 @@ def row_overlap(quick: bool) -> Row:
                ratio=ours["samples_per_s"] / theirs["samples_per_s"], goal="stall < 1% of step time",
                met=ours["stall"] < 0.01,
                details=[f"{n} samples uint8 3x224x224, batch {batch_size} ({mb:.0f} MB), {workers} workers, "
-                        f"{steps} steps after {warmup}; compute-only step {1e3 * compute_s:.1f} ms (bf16 matmuls)",
+                        f"{steps} steps after {warmup}; stall = the GPU's idle share of the wall time (CUDA "
+                        f"events around each step)",
+                        f"compute only (the batch already on the GPU): step {compute['step_ms']:.1f} ms (GPU "
+                        f"{compute['gpu_step_ms']:.1f} ms of bf16 matmuls), idle {100 * compute['stall']:.2f}%",
                         *(_overlap_line(name, r) for name, r in results.items()), *failed])
 
 

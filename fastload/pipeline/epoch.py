@@ -179,10 +179,12 @@ class EpochIterator:
             put(j, indices, rec.plan)
             inflight.append((j, len(indices) if batched else 1, rec.position))
 
-    def _next_cpu(self) -> tuple[Any, int, dict[str, Any], list[Any]] | None:
+    def _next_cpu(self, *, refill: bool = True) -> tuple[Any, int, dict[str, Any], list[Any]] | None:
+        """The next CPU batch, packed. `refill=False`: fetches are dispatched only when none is in
+        flight (the caller refills once its own work is done)."""
         inflight, source = self._inflight, self._source
         assert source is not None
-        if len(inflight) < self._depth:
+        if len(inflight) < self._depth and (refill or not inflight):
             self._dispatch()
         if inflight:
             j, n, pos = inflight.popleft()
@@ -199,7 +201,7 @@ class EpochIterator:
             return None
         self._stats.add_many(timings)
         batch, tokens = self._pin.pack(batch, token, source)
-        if len(inflight) < self._depth:
+        if refill and len(inflight) < self._depth:
             self._dispatch()  # keep workers busy while the consumer works
         return batch, n, pos, tokens
 
@@ -232,11 +234,14 @@ class EpochIterator:
         return batch, n, pos
 
     def _next_device(self) -> tuple[Any, int, dict[str, Any]]:
-        """A batch on the device, `prefetch` copies in flight on the side stream."""
+        """A batch on the device, `prefetch` copies in flight on the side stream.
+
+        The workers are handed new fetches last: a worker woken earlier would take the GIL each
+        time a copy's issue releases it, and the GPU idles until this call returns."""
         self._pin.release_stale()
         device = self._device
         while not device.full:
-            item = self._next_cpu()
+            item = self._next_cpu(refill=False)
             if item is None:
                 break
             device.push(*item)
@@ -244,6 +249,8 @@ class EpochIterator:
             raise StopIteration
         out, n, pos, tokens = device.pop()
         self._pin.hold(tokens)
+        if len(self._inflight) < self._depth:
+            self._dispatch()
         return out, n, pos
 
     # ---- shutdown
