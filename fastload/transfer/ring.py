@@ -140,10 +140,13 @@ class BufferRing:
             raise
 
     def _take_free(self) -> Slot | object | None:
-        """Under the lock: a free slot whose fence has completed, else `_NEW` while a buffer may
-        still be allocated, else the oldest free slot (its fence to be waited for), else None."""
+        """Under the lock: the most recently released free slot whose fence has completed (its
+        memory is the likeliest to be in the CPU's caches still: a batch packed alone reuses one
+        buffer, not each in turn), else `_NEW` while a buffer may still be allocated, else the
+        oldest free slot (its fence to be waited for), else None."""
         free = self._free
-        for i, slot in enumerate(free):
+        for i in range(len(free) - 1, -1, -1):
+            slot = free[i]
             if slot.fence is None or fence_done(slot.fence):
                 del free[i]
                 slot.fence = None
