@@ -345,9 +345,10 @@ def test_an_epochs_first_batch_asks_for_every_shards_blocks_before_waiting_for_a
 @pytest.mark.parametrize("transport", ["obstore", "fsspec"])
 def test_an_arriving_shards_block_table_comes_from_blocks_bin(dataset, server, tmp_path, transport):
     """The download of a shard installs its block table from the dataset's `blocks.bin` (one GET for
-    every shard's): no GET of any shard's own table, each shard's first GET starts at its header. Through
-    fsspec, which may take a whole object for a range, the first shard's table is fetched from the shard
-    (a range seen to come back as asked), the others' (opened after it) from blocks.bin."""
+    every shard's): no GET of any shard's own table; each shard's header (block 0) comes in one GET,
+    the download's first or a reader's own. Through fsspec, which may take a whole object for a range,
+    the first shard's table is fetched from the shard (a range seen to come back as asked), the others'
+    (opened after it) from blocks.bin."""
     _, local = dataset
     ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport=transport, prefetch_depth=0)
     _same(ds.get_batch(np.arange(N)), local.get_batch(np.arange(N)))
@@ -355,10 +356,41 @@ def test_an_arriving_shards_block_table_comes_from_blocks_bin(dataset, server, t
     tables = [p for p, _, b in server.gets if p in ends and b == ends[p]]
     assert len(tables) == (0 if transport == "obstore" else 1)
     assert [p for p, _, _ in server.gets].count("ds/blocks.bin") == 1
-    for p in ends:  # the first GET of each shard's body brings its header
-        assert [a for q, a, b in server.gets if q == p and b != ends[p]][:1] == [0]
+    for p in ends:
+        assert len([a for q, a, b in server.gets if q == p and a == 0 and b != ends[p]]) == 1
     stats = ds.storage.stats()
     assert stats["remote_table_pages"] == 1 and stats["remote_tables_rejected"] == 0
+    ds.close()
+    ds.storage.close()
+
+
+def test_a_header_a_reader_waits_for_comes_in_a_get_of_its_own(dataset, server, tmp_path, monkeypatch):
+    """A reader that waits for a shard's header (block 0) before the shard's download starts its GETs
+    (an epoch's first shard) gets that block in a GET of its own, one block long; the download's first
+    GET starts right after it, and no byte of the body is fetched twice."""
+    _, local = dataset
+    known = RemoteStorage._known_table
+    waiting = threading.Event()
+    wait = Arrival.wait
+
+    def waited(self, ids, *, ahead=True):
+        waiting.set()
+        return wait(self, ids, ahead=ahead)
+
+    def late(self, name):  # the download installs its table only once the reader waits for the header
+        waiting.wait(10)
+        return known(self, name)
+
+    monkeypatch.setattr(Arrival, "wait", waited)
+    monkeypatch.setattr(RemoteStorage, "_known_table", late)
+    ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport="obstore", prefetch_depth=0)
+    info, block = local.manifest.shards[0], 1 << local.manifest.block_log2
+    rows = np.arange(info.num_samples)
+    _same(ds.get_batch(rows), local.get_batch(rows))
+    body = sorted((a, b) for p, a, b in server.gets if p == f"ds/{info.file}")
+    assert body[:2] == [(0, block), (block, body[1][1])]
+    assert all(b <= c for (_, b), (c, _) in zip(body, body[1:]))  # no range overlaps the next: bytes once
+    assert body[-1][1] == table_span(info.bytes, local.manifest.block_log2)[0]
     ds.close()
     ds.storage.close()
 

@@ -823,19 +823,20 @@ class RemoteStorage:
         lock = threading.Lock()
         failed = threading.Event()
         patience = sum(self._timeouts)
-        # readers' own GETs (`_want`) start once the first GET here holds the shard's first blocks: a
-        # reader waiting for the header (block 0) then has it come with that GET, not in one of its own
+        # readers' own GETs (`_want`) start before the first GET here claims its blocks: a reader
+        # already waiting for the header (block 0, at an epoch's start) gets that block in a GET of its
+        # own, one round trip, rather than with this GET's first piece, and this GET starts after it
         wants = [partial(self._want, rpath, sink)] if arrival.on_want is None else []
 
         def lane() -> None:
             cursor = 0
             while not failed.is_set():
-                got = arrival.claim_next(cursor, part)
                 if wants:
                     with lock:
                         want = wants.pop() if wants else None
                     if want is not None:  # a first batch waiting for the downloads holds none back
                         arrival.set_want(want, gap=WANT_GAP_BLOCKS, run=WANT_RUN_BLOCKS, follow=self._hold.release)
+                got = arrival.claim_next(cursor, part)
                 if got is None:
                     with lock:
                         others = [c for c in arrival.outstanding() if c not in mine]
