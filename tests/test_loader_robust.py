@@ -241,6 +241,41 @@ def test_device_cpu_stage_is_a_noop():
     assert all(torch.equal(a, b) and b.device.type == "cpu" for a, b in zip(ref, out))
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "pin_memory": True},
+    {"num_workers": 2, "worker_type": "process"}, {"num_workers": 0, "device": "cpu", "prefetch": 2},
+    {"num_workers": 2, "device": "cpu", "prefetch": 2}, {"num_workers": 2, "device": "cpu", "worker_type": "process"},
+], ids=["inline", "threads", "threads-pinned", "processes", "device", "device-threads", "device-processes"])
+def test_every_batch_before_a_sampler_error_arrives(kwargs):
+    """The workers are handed their next fetches after the batch to return was taken (with a device
+    stage, after its copies are issued); a batch sampler that fails there costs no batch: every batch
+    it yielded arrives, in order, and its error is raised once, by a later `next()`."""
+
+    class Failing:
+        def __iter__(self):
+            for k in range(6):
+                yield list(range(8 * k, 8 * k + 8))
+            raise RuntimeError("sampler broke")
+
+        def __len__(self):
+            return 10
+
+    ds = ColDS()
+    loader = Loader(ds, batch_sampler=Failing(), **kwargs)
+    it, got, errors = iter(loader), [], []
+    while True:
+        try:
+            got.append(next(it)["x"])
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        except StopIteration:
+            break
+    assert errors == ["sampler broke"]
+    assert len(got) == 6
+    for k, x in enumerate(got):
+        assert torch.equal(x, torch.from_numpy(ds.x[8 * k : 8 * k + 8]))
+
+
 def test_stats_report_stages_throughput_and_stall():
     class Collate:
         def __call__(self, batch):

@@ -83,6 +83,7 @@ class EpochIterator:
         self._j = 0
         self._closed = False
         self._order_done = False
+        self._deferred: Exception | None = None  # a refill's error, raised by the next `_next_cpu`
         self.position = position  # where the consumer is: the position of the last batch it received
         # batches still to deliver (None: unknown, the order's end decides); at 0 the epoch is complete
         self._left = expected
@@ -182,6 +183,9 @@ class EpochIterator:
     def _next_cpu(self, *, refill: bool = True) -> tuple[Any, int, dict[str, Any], list[Any]] | None:
         """The next CPU batch, packed. `refill=False`: fetches are dispatched only when none is in
         flight (the caller refills once its own work is done)."""
+        if self._deferred is not None:
+            exc, self._deferred = self._deferred, None
+            raise exc
         inflight, source = self._inflight, self._source
         assert source is not None
         if len(inflight) < self._depth and (refill or not inflight):
@@ -201,9 +205,18 @@ class EpochIterator:
             return None
         self._stats.add_many(timings)
         batch, tokens = self._pin.pack(batch, token, source)
-        if refill and len(inflight) < self._depth:
-            self._dispatch()  # keep workers busy while the consumer works
+        if refill:
+            self._refill()  # keep workers busy while the consumer works
         return batch, n, pos, tokens
+
+    def _refill(self) -> None:
+        """Hand the workers fetches up to the depth once this call's batch is taken. An error in doing
+        so (the sampler's) is raised by the next `_next_cpu` call instead, so that batch is delivered."""
+        if len(self._inflight) < self._depth:
+            try:
+                self._dispatch()
+            except Exception as exc:  # noqa: BLE001 - raised by the next call, after this batch
+                self._deferred = exc
 
     def _next_inline(self) -> tuple[Any, int, dict[str, Any]]:
         """`num_workers=0` without a ring or a device: fetch straight from the order."""
@@ -249,8 +262,7 @@ class EpochIterator:
             raise StopIteration
         out, n, pos, tokens = device.pop()
         self._pin.hold(tokens)
-        if len(self._inflight) < self._depth:
-            self._dispatch()
+        self._refill()
         return out, n, pos
 
     # ---- shutdown
