@@ -126,6 +126,10 @@ def test_bench_remote_cli_reports_every_row(served, tmp_path, capsys):
         row: [user[f"{row} cold"][0] - user[f"{row} warm"][0]] for row in ("w0 shuffled", "w0 sequential")
     }
     assert "\nfetch cost, user CPU s/GB of the cold epoch minus the warm one" in text and "w0 shuffled=" in text
+    base = float(np.median(user["raw"]))  # the goal's baseline, the plain raw pipeline, is named in the line
+    if base > 0:
+        cost = res["fetch_cost_s_per_GB"]["w0 shuffled"][0]
+        assert f"w0 shuffled={cost:.3f}" in text and f"({cost / base:.1f}x raw" in text
     cold = res["stages"]["w0 shuffled cold"][0]
     assert cold["receive_s"] > 0 and cold["write_s"] > 0 and cold["gets_in_flight_mean"] >= 1
 

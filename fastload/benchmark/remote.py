@@ -347,17 +347,18 @@ def format_remote(res: dict[str, Any]) -> str:
     if res.get("user_cpu_s_per_GB"):
         lines.append("of which user-mode: " + " ".join(
             f"{k}={_med(v):.2f}" for k, v in res["user_cpu_s_per_GB"].items()))
-    # the baseline: the raw pipeline on the Loader's receiver when it ran, else on obstore, else the plain one
+    # against every raw row that ran: the plain pipeline first (the goal's baseline), then the same
+    # pipeline on the Loader's receiver and on obstore
     users = res.get("user_cpu_s_per_GB", {})
-    base_row = next(k for k in ("raw http", "raw obstore", "raw") if users.get(k) or k == "raw")
-    raw_user = users.get(base_row)
-    if res.get("fetch_cost_s_per_GB") and raw_user:
-        base = _med(raw_user)
-        lines.append("fetch cost, user CPU s/GB of the cold epoch minus the warm one, median [min-max] (x the "
-                     f"{base_row!r} row's median user CPU, {base:.3f} s/GB, counted in a few timer ticks per round: "
-                     "`python -m bench.remote_cpu` samples it): " + "; ".join(
-                         f"{k}={_span(v, 1, 3)}" + (f" ({_med(v) / base:.1f}x)" if base > 0 else "")
-                         for k, v in res["fetch_cost_s_per_GB"].items()))
+    bases = [(k, _med(users[k])) for k in ("raw", "raw http", "raw obstore") if users.get(k)]
+    bases = [(k, b) for k, b in bases if b > 0]
+    if res.get("fetch_cost_s_per_GB") and bases:
+        costs = [f"{k}={_span(v, 1, 3)} (" + ", ".join(f"{_med(v) / b:.1f}x {n}" for n, b in bases) + ")"
+                 for k, v in res["fetch_cost_s_per_GB"].items()]
+        lines.append("fetch cost, user CPU s/GB of the cold epoch minus the warm one, median [min-max] (x each "
+                     "raw row's median user CPU: " + ", ".join(f"{k} {b:.3f} s/GB" for k, b in bases)
+                     + "; counted in a few timer ticks per round: `python -m bench.remote_cpu` samples it): "
+                     + "; ".join(costs))
     lines.append(f"{'medians [min-max] over rounds':40s} {'MB/s':>15s} {'user s/GB':>17s} {'CPU s/GB':>17s} "
                  f"{'first batch s':>17s}")
     for k, v in rows.items():
