@@ -371,17 +371,17 @@ def test_a_header_a_reader_waits_for_comes_in_a_get_of_its_own(dataset, server, 
     _, local = dataset
     known = RemoteStorage._known_table
     waiting = threading.Event()
-    wait = Arrival.wait
+    ask = Arrival._ask
 
-    def waited(self, ids, *, ahead=True):
+    def asked(self, ids, *, ahead=True):  # a wait's first step: the blocks are asked for
+        ask(self, ids, ahead=ahead)
         waiting.set()
-        return wait(self, ids, ahead=ahead)
 
-    def late(self, name):  # the download installs its table only once the reader waits for the header
+    def late(self, name):  # the download installs its table only once the reader asked for the header
         waiting.wait(10)
         return known(self, name)
 
-    monkeypatch.setattr(Arrival, "wait", waited)
+    monkeypatch.setattr(Arrival, "_ask", asked)
     monkeypatch.setattr(RemoteStorage, "_known_table", late)
     ds = _open(f"{server.url}/ds", str(tmp_path / "c"), transport="obstore", prefetch_depth=0)
     info, block = local.manifest.shards[0], 1 << local.manifest.block_log2
