@@ -249,8 +249,9 @@ class EpochIterator:
     def _next_device(self) -> tuple[Any, int, dict[str, Any]]:
         """A batch on the device, `prefetch` copies in flight on the side stream.
 
-        The workers are handed new fetches last: a worker woken earlier would take the GIL each
-        time a copy's issue releases it, and the GPU idles until this call returns."""
+        The workers are handed new fetches last: a worker woken earlier can take the GIL whenever a
+        copy's issue releases it, while the GPU idles until this call returns (bench/RESULTS.md ## GPU,
+        `overlap`)."""
         self._pin.release_stale()
         device = self._device
         while not device.full:

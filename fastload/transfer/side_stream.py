@@ -12,6 +12,7 @@ For `device='cpu'` both calls return the batch unchanged (no copy, no stream).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -90,10 +91,8 @@ class DeviceStage:
         leaves, spec = flatten(batch)
         if not self.cuda:
             return unflatten(spec, [t.to(self.device) for t in leaves]), None
-        if torch.cuda.current_device() != self.device.index:
-            with torch.cuda.device(self.device):
-                out, event = self._copy(leaves)
-        else:
+        same = torch.cuda.current_device() == self.device.index
+        with contextlib.nullcontext() if same else torch.cuda.device(self.device):
             out, event = self._copy(leaves)
         return unflatten(spec, out), event
 
